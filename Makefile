@@ -1,0 +1,36 @@
+# splitlab: `make demo` runs a short real training run, `make test` runs the test suite.
+# Both set up .venv first (idempotent): the CPU build of torch, the package with its test extras,
+# and, as root on Debian, the Fashion-MNIST package when it is missing.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+FASHION_MNIST := /usr/share/datasets/fashion-mnist
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+	@if [ ! -d $(FASHION_MNIST) ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing dataset-fashion-mnist"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; \
+	fi
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/splitlab run algorithm=sfl_v2 dataset=fashion_mnist model=cnn cut=1 clients=10 \
+		partition=dirichlet:0.5 rounds=5 train_subset=6000 seed=0 out=runs/demo overwrite=true
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python benchmarks/overhead.py
+	$(BIN)/python benchmarks/memory.py
+
+clean:
+	rm -rf $(VENV) runs

@@ -1,0 +1,5 @@
+import sys
+
+from splitlab.cli import main
+
+sys.exit(main())

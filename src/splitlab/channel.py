@@ -1,0 +1,71 @@
+"""The only way roles exchange tensors, and the ledger that counts every byte that crosses.
+
+A message is a kind (what it is) plus a payload (a tensor, or a state dict of tensors). Bytes are
+numel x element size of every tensor in the payload, so the figures follow from tensor shapes
+alone. What the receiver gets is detached: crossing a boundary cuts the autograd graph, exactly
+as a network would. Today delivery is in-process; a networked channel keeps the same `send`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
+
+import torch
+
+#: kind -> direction. "up" is client -> server, "down" is server -> client.
+KINDS: dict[str, str] = {
+    "smashed": "up",             # activations at the cut
+    "labels": "up",              # the labels that go with them
+    "cut_grad": "down",          # gradient of the loss at the cut
+    "client_model_down": "down",  # (part of the) model a client trains, from the sync server
+    "client_model_up": "up",      # ... and back for averaging
+    "client_model_relay": "peer",  # vanilla SL: client model handed to the next client
+    "server_model": "server",     # server-side copies moving between server roles
+    "aux_model_down": "down",     # auxiliary heads / models (CSE-FSL, FSL-SAGE, SplitGP)
+    "aux_model_up": "up",
+}
+
+Payload = TypeVar("Payload", torch.Tensor, Mapping[str, torch.Tensor])
+
+GIB = 2 ** 30
+
+
+def payload_bytes(payload: torch.Tensor | Mapping[str, torch.Tensor]) -> int:
+    tensors = payload.values() if isinstance(payload, Mapping) else [payload]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class Ledger:
+    """Cumulative bytes by message kind."""
+
+    def __init__(self) -> None:
+        self.bytes_by_kind: dict[str, int] = {}
+
+    def add(self, kind: str, nbytes: int) -> None:
+        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + nbytes
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_kind.values())
+
+    def state_dict(self) -> dict[str, int]:
+        return dict(self.bytes_by_kind)
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.bytes_by_kind = dict(state)
+
+
+class Channel:
+    """Delivers payloads between roles and records their size in a ledger."""
+
+    def __init__(self, ledger: Ledger | None = None) -> None:
+        self.ledger = ledger or Ledger()
+
+    def send(self, kind: str, payload: Payload) -> Payload:
+        if kind not in KINDS:
+            raise ValueError(f"unknown message kind {kind!r}; known: {', '.join(KINDS)}")
+        self.ledger.add(kind, payload_bytes(payload))
+        if isinstance(payload, Mapping):
+            return {name: t.detach() for name, t in payload.items()}
+        return payload.detach()

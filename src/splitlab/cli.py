@@ -1,0 +1,140 @@
+"""`splitlab run | sweep | report | datasets | models`.
+
+A user mistake prints one line, `error: ...`, and exits with code 2; anything else is a bug and
+keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from rich.console import Console
+from rich.table import Table
+
+from splitlab.errors import UserError
+
+console = Console()
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from splitlab.config import load_config_file, parse_overrides
+    from splitlab.engine import run
+
+    raw = load_config_file(args.config) if args.config else {}
+    raw.update(parse_overrides(args.overrides))
+    summary = run(raw, progress=not args.no_progress)
+    _print_summary(summary, raw)
+    return 0
+
+
+def _print_summary(summary: dict, raw: dict) -> None:
+    table = Table(title=f"{summary['algorithm']} on {summary['dataset']} ({summary['model']}, cut {summary['cut']})",
+                  show_header=False)
+    table.add_row("rounds", f"{summary['rounds_completed']} (stopped by {summary['stopped_by']})")
+    table.add_row("final accuracy", f"{100 * summary['final_accuracy']:.2f}%")
+    table.add_row("best accuracy", f"{100 * summary['best_accuracy']:.2f}% (round {summary['best_round']})")
+    table.add_row("final macro-F1 / MCC", f"{summary['final_f1']:.4f} / {summary['final_mcc']:.4f}")
+    table.add_row("communication", f"{summary['total_gib']:.4f} GiB")
+    for kind, nbytes in sorted(summary["comm_bytes_by_kind"].items()):
+        table.add_row(f"  {kind}", f"{nbytes / 2 ** 30:.4f} GiB")
+    table.add_row("training time", f"{summary['wall_seconds']:.1f} s")
+    console.print(table)
+
+
+def _cmd_datasets(args: argparse.Namespace) -> int:
+    from splitlab.data import dataset_availability
+
+    table = Table("dataset", "available", "where")
+    for row in dataset_availability():
+        table.add_row(row["name"], "yes" if row["available"] else "no", row["where"])
+    console.print(table)
+    return 0
+
+
+def _cmd_models(args: argparse.Namespace) -> int:
+    from splitlab.models import MODELS, build_model
+
+    table = Table("model", "valid cuts", "parameters (28x28x1 input, 10 classes)")
+    for name in sorted(MODELS):
+        model = build_model(name, (1, 28, 28), 10)
+        table.add_row(name, ", ".join(map(str, model.valid_cuts)), f"{sum(p.numel() for p in model.parameters()):,}")
+    console.print(table)
+    return 0
+
+
+def _cmd_algorithms(args: argparse.Namespace) -> int:
+    from splitlab.algorithms import algorithms
+
+    table = Table("algorithm", "own keys (defaults)", "description")
+    for name, cls in sorted(algorithms().items()):
+        own = ", ".join(f"{k}={f.default}" for k, f in cls.Params.model_fields.items())
+        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+        table.add_row(name, own or "-", doc)
+    console.print(table)
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from splitlab.experiments.sweep import run_sweep
+
+    sweep_dir = run_sweep(args.file, out=args.out, jobs=args.jobs, progress=not args.no_progress)
+    console.print(f"sweep finished: {sweep_dir}  (next: splitlab report {sweep_dir})")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from splitlab.experiments.report import write_report
+
+    console.print(f"report written: {write_report(args.dir, target_accuracy=args.target)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitlab", description="Split learning and split federated learning.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    run = commands.add_parser("run", help="train one configuration",
+                              description="Train one configuration given as KEY=VALUE settings "
+                                          "(and/or a YAML file of them); see docs/cli.md for the keys.")
+    run.add_argument("--config", help="YAML file of KEY: VALUE settings; KEY=VALUE arguments override it")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    run.set_defaults(handler=_cmd_run)
+
+    commands.add_parser("datasets", help="list datasets and whether their files are here").set_defaults(
+        handler=_cmd_datasets)
+    commands.add_parser("models", help="list models and their valid cut layers").set_defaults(handler=_cmd_models)
+    commands.add_parser("algorithms", help="list algorithms and their own keys").set_defaults(
+        handler=_cmd_algorithms)
+
+    sweep = commands.add_parser("sweep", help="run a grid of configurations from a sweep file")
+    sweep.add_argument("file")
+    sweep.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
+    sweep.add_argument("--out", help="sweep directory (default runs/<file stem>)")
+    sweep.add_argument("--no-progress", action="store_true")
+    sweep.set_defaults(handler=_cmd_sweep)
+
+    report = commands.add_parser("report", help="tables and plots from a sweep directory")
+    report.add_argument("dir")
+    report.add_argument("--target", type=float, help="target accuracy (fraction) for GiB/rounds-to-target")
+    report.set_defaults(handler=_cmd_report)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    try:
+        return handler(args)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; continue with resume=true", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

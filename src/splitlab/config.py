@@ -1,0 +1,142 @@
+"""Run configuration: one flat set of KEY=VALUE settings, validated before anything runs.
+
+Keys common to every run live in `RunConfig`; each algorithm declares its own hyperparameters as
+a `Params` model next to its code, so a key is valid exactly when the chosen algorithm uses it.
+Every problem becomes a one-line `UserError` naming the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from splitlab.errors import UserError
+
+
+class RunConfig(BaseModel):
+    """Settings shared by all algorithms."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    algorithm: str = "sfl_v2"
+    dataset: str = "fashion_mnist"
+    data_dir: str | None = Field(None, description="directory with the dataset's files, if not the default")
+    model: str = "cnn"
+    cut: int = Field(1, description="cut layer, in the model's numbering (see `splitlab models`)")
+    clients: int | Literal["all"] = Field(10, description="number of clients K; 'all' = one per natural user")
+    participation: float = Field(1.0, gt=0, le=1, description="fraction C of clients sampled per round")
+    rounds: int = Field(10, ge=1)
+    local_epochs: int = Field(1, ge=1)
+    batch_size: int = Field(64, ge=1)
+    optimizer: Literal["sgd", "adam"] = "adam"
+    lr: float = Field(1e-3, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
+    weight_decay: float = Field(0.0, ge=0)
+    partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
+    seed: int = 0
+    device: Literal["cpu", "cuda", "auto"] = "auto"
+    eval_every: int = Field(1, ge=1, description="evaluate every N rounds (and after the last)")
+    train_subset: int | None = Field(None, ge=1, description="use only N training samples (seeded choice)")
+    test_subset: int | None = Field(None, ge=1, description="evaluate on only N test samples (seeded choice)")
+    comm_budget_gib: float | None = Field(None, gt=0, description="stop once this much has been communicated")
+    out: str | None = Field(None, description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>")
+    resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
+    overwrite: bool = Field(False, description="replace a finished or partial run in `out`")
+
+    @field_validator("partition")
+    @classmethod
+    def _check_partition(cls, value: str) -> str:
+        from splitlab.data import parse_partition_scheme
+
+        parse_partition_scheme(value)
+        return value
+
+
+class NoParams(BaseModel):
+    """For algorithms without hyperparameters of their own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+#: Keys that say how to run, not what to compute: they may differ between a run and its resume.
+RUN_CONTROL_KEYS = ("resume", "overwrite", "device", "out")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    run: RunConfig
+    params: BaseModel
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.run.model_dump(), **self.params.model_dump()}
+
+    @property
+    def out_dir(self) -> Path:
+        r = self.run
+        return Path(r.out or f"runs/{r.algorithm}_{r.dataset}_{r.model}_cut{r.cut}_seed{r.seed}")
+
+
+def _one_line(err: ValidationError) -> str:
+    first = err.errors()[0]
+    key = ".".join(str(part) for part in first["loc"]) or "config"
+    message = first["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, "):]
+    return f"invalid value {first.get('input')!r} for {key}: {message}"
+
+
+def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
+    """Validate a flat dict of settings against RunConfig and the algorithm's Params."""
+    from splitlab.algorithms import get_algorithm
+
+    algorithm = get_algorithm(raw.get("algorithm", RunConfig.model_fields["algorithm"].default))
+    common = set(RunConfig.model_fields)
+    own = set(algorithm.Params.model_fields)
+    for key in raw:
+        if key not in common and key not in own:
+            allowed = ", ".join(sorted(common | own))
+            raise UserError(f"unknown key {key!r} for algorithm {algorithm.name!r}; allowed: {allowed}")
+    try:
+        run = RunConfig(**{k: v for k, v in raw.items() if k in common})
+        params = algorithm.Params(**{k: v for k, v in raw.items() if k in own})
+    except ValidationError as err:
+        raise UserError(_one_line(err)) from None
+    except UserError:
+        raise
+    return ResolvedConfig(run, params)
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """KEY=VALUE strings -> dict, values read as YAML scalars (numbers, booleans, null, strings)."""
+    parsed: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            parsed[key.strip()] = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            parsed[key.strip()] = value
+    return parsed
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"config file {str(path)!r} does not exist")
+    try:
+        content = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"config file {str(path)!r} is not valid YAML{where}") from None
+    if content is None:
+        return {}
+    if not isinstance(content, dict):
+        raise UserError(f"config file {str(path)!r} must hold a mapping of KEY: VALUE, not {type(content).__name__}")
+    return content

@@ -1,0 +1,349 @@
+"""Datasets as in-memory tensors, a name -> loader registry, and offline file loaders.
+
+Nothing here downloads: the machines are offline, so every loader reads a standard on-disk
+format and, when the files are missing, raises a one-line `UserError` saying where it looked
+and how to get them.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import pickle
+import zlib
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+from splitlab.errors import UserError
+
+#: Where the Debian package `dataset-fashion-mnist` puts its files.
+FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
+#: Environment variable naming a data root (`$SPLITLAB_DATA/fashion_mnist`, `.../cifar-10-batches-py`).
+DATA_ENV = "SPLITLAB_DATA"
+
+_FASHION_FILES = (
+    "train-images-idx3-ubyte.gz",
+    "train-labels-idx1-ubyte.gz",
+    "t10k-images-idx3-ubyte.gz",
+    "t10k-labels-idx1-ubyte.gz",
+)
+_FASHION_MEAN, _FASHION_STD = 0.2860, 0.3530
+_CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
+
+
+@dataclass(frozen=True, eq=False)
+class Dataset:
+    """A whole dataset in memory. `eq=False`: comparing tensors field by field is meaningless."""
+
+    name: str
+    train_x: torch.Tensor  # float32 (N, C, H, W) normalized per channel; (N, D) for tabular
+    train_y: torch.Tensor  # int64 (N,)
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+    num_classes: int
+    input_shape: tuple[int, ...]  # shape of one sample, e.g. (1, 28, 28)
+    train_groups: list[np.ndarray] | None = None  # natural per-user partition (LEAF datasets)
+
+    def __post_init__(self) -> None:
+        """Catch a malformed dataset where it is built rather than deep inside training."""
+        for split, x, y in (("train", self.train_x, self.train_y), ("test", self.test_x, self.test_y)):
+            if len(x) != len(y) or tuple(x.shape[1:]) != self.input_shape or y.dtype != torch.int64:
+                raise ValueError(
+                    f"dataset {self.name!r} {split} split is malformed: x {tuple(x.shape)}, "
+                    f"y {tuple(y.shape)} {y.dtype}, input_shape {self.input_shape}"
+                )
+
+
+# ---------------------------------------------------------------------------------------------
+# File search
+
+
+def _roots(data_dir: Path | None) -> list[Path]:
+    """The user's data roots: `data_dir` if given (it alone is searched), else `$SPLITLAB_DATA`."""
+    if data_dir is not None:
+        return [data_dir]
+    env = os.environ.get(DATA_ENV)
+    return [Path(env).expanduser()] if env else []
+
+
+def _existing(folder: Path, name: str) -> Path | None:
+    """`folder/name`, or the same file un-gzipped, whichever exists."""
+    for candidate in (folder / name, folder / name.removesuffix(".gz")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _looked_in(candidates: list[Path]) -> str:
+    if candidates:
+        return ", ".join(str(c) for c in candidates)
+    return f"nowhere (no data_dir given and ${DATA_ENV} unset)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Fashion-MNIST (gzipped IDX)
+
+
+def read_idx(path: Path, ndim: int) -> np.ndarray:
+    """Read a uint8 IDX file (gzipped if it ends in .gz) with `ndim` dimensions.
+
+    The magic number is 0x000008NN (0x08 = unsigned byte, NN = number of dimensions), followed
+    by NN big-endian uint32 sizes and the row-major data.
+    """
+    try:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    except (OSError, EOFError, zlib.error) as e:
+        raise UserError(f"cannot read IDX file {path}: {e}") from None
+    header = 4 + 4 * ndim
+    magic = int.from_bytes(raw[:4], "big") if len(raw) >= 4 else None
+    if magic != 0x800 + ndim:
+        got = "none (file too short)" if magic is None else f"0x{magic:08x}"
+        raise UserError(
+            f"{path} is not a uint8 IDX file with {ndim} dimension(s): magic number {got}, "
+            f"expected 0x{0x800 + ndim:08x}"
+        )
+    if len(raw) < header:
+        raise UserError(f"IDX file {path} is truncated inside its header")
+    dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", ndim, offset=4))
+    if len(raw) - header != int(np.prod(dims)):
+        raise UserError(
+            f"IDX file {path} has {len(raw) - header} data bytes but its header says {dims} "
+            f"= {int(np.prod(dims))} (truncated or corrupt)"
+        )
+    return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
+
+
+def _find_fashion_mnist(data_dir: Path | None) -> Path:
+    """First folder holding all four files: data_dir (or its fashion_mnist/ subfolder), else
+    $SPLITLAB_DATA/fashion_mnist, else the Debian package's folder."""
+    candidates = [c for r in _roots(data_dir) for c in (r, r / "fashion_mnist", r / "fashion-mnist")]
+    if data_dir is None:
+        candidates.append(FASHION_MNIST_SYSTEM_DIR)
+    for folder in candidates:
+        if all(_existing(folder, f) for f in _FASHION_FILES):
+            return folder
+    raise UserError(
+        f"fashion_mnist files not found; looked in {_looked_in(candidates)}; get them with "
+        f"'apt-get install dataset-fashion-mnist' or pass data_dir=DIR holding "
+        f"{', '.join(_FASHION_FILES)} (gzipped or not)"
+    )
+
+
+@lru_cache(maxsize=None)
+def _read_fashion_mnist(folder: Path) -> tuple[torch.Tensor, ...]:
+    """Parse once per folder, so loads with different seeds share the same tensors."""
+    out = []
+    for images_name, labels_name in (_FASHION_FILES[:2], _FASHION_FILES[2:]):
+        images_path, labels_path = _existing(folder, images_name), _existing(folder, labels_name)
+        images, labels = read_idx(images_path, 3), read_idx(labels_path, 1)
+        if len(images) != len(labels):
+            raise UserError(f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} labels")
+        if labels.max(initial=0) > 9:
+            raise UserError(f"{labels_path} has label {labels.max()}; fashion_mnist labels are 0..9")
+        x = torch.from_numpy(images.astype(np.float32)).unsqueeze(1)
+        x.div_(255.0).sub_(_FASHION_MEAN).div_(_FASHION_STD)
+        out += [x, torch.from_numpy(labels.astype(np.int64))]
+    return tuple(out)
+
+
+def _load_fashion_mnist(data_dir: Path | None, seed: int) -> Dataset:
+    train_x, train_y, test_x, test_y = _read_fashion_mnist(_find_fashion_mnist(data_dir))
+    return Dataset("fashion_mnist", train_x, train_y, test_x, test_y, 10, tuple(train_x.shape[1:]))
+
+
+# ---------------------------------------------------------------------------------------------
+# CIFAR-10 / CIFAR-100 (python version: pickled dicts)
+
+
+@dataclass(frozen=True)
+class _CifarFormat:
+    folder: str
+    train_files: tuple[str, ...]
+    test_file: str
+    label_key: bytes
+    num_classes: int
+    title: str
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+_CIFAR = {
+    "cifar10": _CifarFormat(
+        "cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), "test_batch",
+        b"labels", 10, "CIFAR-10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616),
+    ),
+    "cifar100": _CifarFormat(
+        "cifar-100-python", ("train",), "test",
+        b"fine_labels", 100, "CIFAR-100", (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762),
+    ),
+}
+
+
+def _find_cifar(name: str, data_dir: Path | None) -> Path:
+    """data_dir may be the unpacked folder itself or its parent."""
+    fmt = _CIFAR[name]
+    files = (*fmt.train_files, fmt.test_file)
+    candidates = [c for r in _roots(data_dir) for c in (r, r / fmt.folder)]
+    missing = {}
+    for folder in candidates:
+        missing[folder] = [f for f in files if not (folder / f).is_file()]
+        if not missing[folder]:
+            return folder
+    how = (
+        f"download the {fmt.title} python version from {_CIFAR_URL}, unpack it into DIR "
+        f"and pass data_dir=DIR"
+    )
+    if not candidates:
+        raise UserError(f"{name} files not found; looked {_looked_in(candidates)}; {how}")
+    closest = min(candidates, key=lambda c: len(missing[c]))
+    raise UserError(
+        f"{name} file {closest / missing[closest][0]} is missing; looked in {_looked_in(candidates)}; {how}"
+    )
+
+
+def _read_cifar_batch(path: Path, fmt: _CifarFormat) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        with path.open("rb") as f:
+            batch = pickle.load(f, encoding="bytes")
+        data = np.asarray(batch[b"data"], dtype=np.uint8)
+        labels = np.asarray(batch[fmt.label_key], dtype=np.int64)
+    except Exception as e:  # a corrupt pickle can raise almost anything
+        raise UserError(f"cannot read {fmt.title} batch {path}: {type(e).__name__}: {e}") from None
+    if data.ndim != 2 or data.shape[1] != 3072 or labels.shape != (len(data),):
+        raise UserError(
+            f"{fmt.title} batch {path} has data {data.shape} and labels {labels.shape}; "
+            f"expected (N, 3072) and (N,)"
+        )
+    if len(labels) and (labels.min() < 0 or labels.max() >= fmt.num_classes):
+        raise UserError(f"{path} has a label outside 0..{fmt.num_classes - 1}")
+    return data, labels
+
+
+@lru_cache(maxsize=None)
+def _read_cifar(name: str, folder: Path) -> tuple[torch.Tensor, ...]:
+    """Parse once per folder; rows are 1024 R, 1024 G, 1024 B bytes, each row-major 32x32."""
+    fmt = _CIFAR[name]
+    mean = torch.tensor(fmt.mean).view(1, 3, 1, 1)
+    std = torch.tensor(fmt.std).view(1, 3, 1, 1)
+    out = []
+    for files in (fmt.train_files, (fmt.test_file,)):
+        batches = [_read_cifar_batch(folder / f, fmt) for f in files]
+        data = np.concatenate([b[0] for b in batches]).reshape(-1, 3, 32, 32)
+        x = torch.from_numpy(data).float().div_(255.0).sub_(mean).div_(std)
+        out += [x, torch.from_numpy(np.concatenate([b[1] for b in batches]))]
+    return tuple(out)
+
+
+def _cifar_loader(name: str) -> Callable[[Path | None, int], Dataset]:
+    def load(data_dir: Path | None, seed: int) -> Dataset:
+        train_x, train_y, test_x, test_y = _read_cifar(name, _find_cifar(name, data_dir))
+        return Dataset(name, train_x, train_y, test_x, test_y, _CIFAR[name].num_classes, (3, 32, 32))
+
+    return load
+
+
+# ---------------------------------------------------------------------------------------------
+# Built-in datasets
+
+
+def _load_digits(data_dir: Path | None, seed: int) -> Dataset:
+    """scikit-learn's 8x8 digits, seeded stratified 80/20 split, normalized by train statistics."""
+    bunch = load_digits()
+    x = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
+    y = bunch.target.astype(np.int64)
+    tr_x, te_x, tr_y, te_y = train_test_split(x, y, test_size=0.2, stratify=y, random_state=seed)
+    mean, std = tr_x.mean(), tr_x.std()
+    return Dataset(
+        "digits",
+        torch.from_numpy((tr_x - mean) / std), torch.from_numpy(tr_y),
+        torch.from_numpy((te_x - mean) / std), torch.from_numpy(te_y),
+        10, (1, 8, 8),
+    )
+
+
+def _load_synthetic(data_dir: Path | None, seed: int) -> Dataset:
+    """10 Gaussian classes in 8x8 "images" (for unit tests): each class has its own random mean
+    image plus noise, pixels roughly zero-mean unit-variance; a linear model gets ~99% test."""
+    rng = np.random.default_rng(seed)
+    means = rng.normal(0.0, 0.6, size=(10, 1, 8, 8))
+
+    def draw(per_class: int) -> tuple[torch.Tensor, torch.Tensor]:
+        y = rng.permutation(np.repeat(np.arange(10), per_class))
+        x = means[y] + rng.normal(0.0, 0.8, size=(len(y), 1, 8, 8))
+        return torch.from_numpy(x.astype(np.float32)), torch.from_numpy(y.astype(np.int64))
+
+    (train_x, train_y), (test_x, test_y) = draw(120), draw(30)
+    return Dataset("synthetic", train_x, train_y, test_x, test_y, 10, (1, 8, 8))
+
+
+# ---------------------------------------------------------------------------------------------
+# Registry
+
+#: name -> loader(data_dir, seed). Adding a dataset is one entry here.
+DATASETS: dict[str, Callable[[Path | None, int], Dataset]] = {
+    "cifar10": _cifar_loader("cifar10"),
+    "cifar100": _cifar_loader("cifar100"),
+    "digits": _load_digits,
+    "fashion_mnist": _load_fashion_mnist,
+    "synthetic": _load_synthetic,
+}
+
+#: Optional: name -> locator(data_dir) returning where the data is (UserError if it is not
+#: there), so `dataset_availability` need not load big datasets. Without one, it tries a load.
+LOCATORS: dict[str, Callable[[Path | None], str]] = {
+    "cifar10": lambda d: str(_find_cifar("cifar10", d)),
+    "cifar100": lambda d: str(_find_cifar("cifar100", d)),
+    "digits": lambda d: "bundled with scikit-learn",
+    "fashion_mnist": lambda d: str(_find_fashion_mnist(d)),
+    "synthetic": lambda d: "generated from the seed",
+}
+
+
+def dataset_names() -> list[str]:
+    """Registered dataset names, sorted."""
+    return sorted(DATASETS)
+
+
+def _resolve(data_dir: str | os.PathLike | None) -> Path | None:
+    return None if data_dir is None else Path(data_dir).expanduser().resolve()
+
+
+def _check_name(name: str) -> None:
+    if name not in DATASETS:
+        raise UserError(f"unknown dataset {name!r}; available: {', '.join(dataset_names())}")
+
+
+def load_dataset(name: str, data_dir: str | os.PathLike | None = None, seed: int = 0) -> Dataset:
+    """Load a registered dataset; repeated calls with the same arguments return the cached one."""
+    _check_name(name)
+    return _load_cached(name, _resolve(data_dir), seed, os.environ.get(DATA_ENV))
+
+
+@lru_cache(maxsize=None)
+def _load_cached(name: str, data_dir: Path | None, seed: int, env_root: str | None) -> Dataset:
+    """`env_root` is only part of the key: a changed $SPLITLAB_DATA must not hit a stale entry."""
+    return DATASETS[name](data_dir, seed)
+
+
+def dataset_availability(data_dir: str | os.PathLike | None = None) -> list[dict]:
+    """One `{"name", "available", "where"}` per dataset: where it was found, or how to get it."""
+    root = _resolve(data_dir)
+    rows = []
+    for name in dataset_names():
+        try:
+            if name in LOCATORS:
+                where = LOCATORS[name](root)
+            else:
+                load_dataset(name, root)
+                where = "loads without extra files"
+            rows.append({"name": name, "available": True, "where": where})
+        except UserError as e:
+            rows.append({"name": name, "available": False, "where": str(e)})
+    return rows

@@ -1,0 +1,9 @@
+"""The one exception type that means "the user asked for something invalid".
+
+The CLI turns it into a one-line message and exit code 2; everything else is a bug and keeps
+its traceback.
+"""
+
+
+class UserError(Exception):
+    """A bad value from the user: the message names the value and what is allowed."""

@@ -1,0 +1,54 @@
+"""Atomic file writes: a crash leaves the old file or the new one, never half of either."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import yaml
+from safetensors.torch import save_file
+
+
+def _atomic(path: Path, write: Callable[[str], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text(path: Path, text: str) -> None:
+    _atomic(path, lambda tmp: Path(tmp).write_text(text))
+
+
+def write_json(path: Path, obj: Any) -> None:
+    write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
+
+
+def write_yaml(path: Path, obj: Any) -> None:
+    write_text(path, yaml.safe_dump(obj, sort_keys=False))
+
+
+def save_torch(path: Path, obj: Any) -> None:
+    _atomic(path, lambda tmp: torch.save(obj, tmp))
+
+
+def save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    cpu = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
+    _atomic(path, lambda tmp: save_file(cpu, tmp))
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

@@ -1,0 +1,28 @@
+"""Model zoo and splitting. `build_model` is the one entry point; add a model with one MODELS entry."""
+
+from __future__ import annotations
+
+import torch
+
+from splitlab.errors import UserError
+from splitlab.models.staged import StagedModel, output_shape, split
+from splitlab.models.zoo import MODELS
+
+
+def model_names() -> list[str]:
+    return sorted(MODELS)
+
+
+def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed: int = 0) -> StagedModel:
+    """A freshly initialised model; the init depends only on `seed`, not on global RNG state."""
+    if name not in MODELS:
+        raise UserError(f"unknown model {name!r}; available: {', '.join(model_names())}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            return MODELS[name](tuple(input_shape), num_classes)
+        except RuntimeError as err:  # e.g. an image CNN asked to take sequences, or too small inputs
+            raise UserError(f"model {name!r} does not fit inputs of shape {tuple(input_shape)}: {err}") from None
+
+
+__all__ = ["MODELS", "StagedModel", "build_model", "model_names", "output_shape", "split"]

@@ -1,0 +1,54 @@
+"""Models as ordered lists of named stages, so that any cut is a valid split.
+
+A cut is an index into the stage list: the client runs the stages before it, the server the rest.
+Both parts share the unsplit model's module objects and therefore its state-dict names, which is
+what lets an algorithm hand back one global model under the unsplit names.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from splitlab.errors import UserError
+
+
+class StagedModel(nn.Sequential):
+    """An `nn.Sequential` of named stages plus the paper's cut numbering.
+
+    `cut_stages[c]` is how many stages the client holds at user-facing cut `c`. Most models use
+    "cut c = after stage c"; ResNets use the papers' "cut i = after residual stage i", which puts
+    the stem on the client as well.
+    """
+
+    def __init__(self, stages: OrderedDict[str, nn.Module], cut_stages: dict[int, int] | None = None):
+        super().__init__(stages)
+        self.cut_stages = cut_stages or {c: c for c in range(1, len(stages))}
+
+    @property
+    def valid_cuts(self) -> list[int]:
+        return sorted(self.cut_stages)
+
+    def client_stage_count(self, cut: int) -> int:
+        if cut not in self.cut_stages:
+            raise UserError(f"cut {cut} is out of range for this model; valid cuts: {self.valid_cuts}")
+        return self.cut_stages[cut]
+
+
+def split(model: StagedModel, cut: int) -> tuple[nn.Sequential, nn.Sequential]:
+    """Split at `cut` into (client part, server part) that share the model's modules and names."""
+    k = model.client_stage_count(cut)
+    stages = list(model.named_children())
+    return nn.Sequential(OrderedDict(stages[:k])), nn.Sequential(OrderedDict(stages[k:]))
+
+
+def output_shape(module: nn.Module, input_shape: tuple[int, ...], dtype=torch.float32) -> tuple[int, ...]:
+    """Shape of one sample's output, found by a dry run; used to size layers after a cut."""
+    with torch.no_grad():
+        was_training = module.training
+        module.eval()
+        out = module(torch.zeros((2, *input_shape), dtype=dtype))
+        module.train(was_training)
+    return tuple(out.shape[1:])
