@@ -196,13 +196,14 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
             started = time.perf_counter()
             algorithm.train_round(rnd, clients)
             train_loss = algorithm.pop_train_loss()
+            compute_seconds = algorithm.pop_compute_seconds()
             state["wall_seconds"] += time.perf_counter() - started
             state["round"] = rnd + 1
             over_budget = cfg.comm_budget_gib is not None and ledger.total_bytes >= cfg.comm_budget_gib * GIB
             if over_budget:
                 state["stopped_by"] = "comm_budget"
             if state["round"] % cfg.eval_every == 0 or state["round"] == cfg.rounds or over_budget:
-                state["metrics"].append(_metrics_row(experiment, state, train_loss))
+                state["metrics"].append(_metrics_row(experiment, state, train_loss, compute_seconds))
                 write_jsonl(out / "metrics.jsonl", state["metrics"])
             save_torch(checkpoint_path, {**state, "algorithm": algorithm.state_dict(),
                                          "ledger": ledger.state_dict()})
@@ -215,7 +216,8 @@ def _last_accuracy(rows: list[dict]) -> str:
     return f"{100 * rows[-1]['test_accuracy']:.2f}%" if rows else "-"
 
 
-def _metrics_row(experiment: Experiment, state: dict, train_loss: float | None) -> dict[str, Any]:
+def _metrics_row(experiment: Experiment, state: dict, train_loss: float | None,
+                 compute_seconds: dict[str, float]) -> dict[str, Any]:
     ledger = experiment.algorithm.channel.ledger
     test = evaluate(experiment)
     return {
@@ -229,6 +231,7 @@ def _metrics_row(experiment: Experiment, state: dict, train_loss: float | None) 
         "comm_gib": ledger.total_bytes / GIB,
         "comm_bytes_by_kind": ledger.state_dict(),
         "wall_seconds": state["wall_seconds"],
+        "round_compute_seconds": compute_seconds,
     }
 
 

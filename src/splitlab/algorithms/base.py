@@ -6,7 +6,10 @@ An algorithm file subclasses `Algorithm`, builds its models in `__init__`, and s
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import time
+from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar
@@ -87,6 +90,7 @@ class Algorithm:
         self.params = ctx.params
         self._loss_sum = torch.zeros((), device=ctx.device)
         self._loss_count = 0
+        self._seconds: dict[str, float] = defaultdict(float)
 
     # --- what a subclass provides ---------------------------------------------------------
     def train_round(self, rnd: int, clients: list[Client]) -> None:
@@ -111,25 +115,29 @@ class Algorithm:
 
     def local_step(self, part: Part, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One ordinary SGD/Adam step of a whole model on a batch (FedAvg, centralized)."""
-        loss = self.loss(part.model(x), y)
-        part.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        part.optimizer.step()
+        with self.timed("client"):
+            loss = self.loss(part.model(x), y)
+            part.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            part.optimizer.step()
         return self.track(loss)
 
     def split_step(self, client: Part, server: Part, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One split-learning step: smashed data up, server step, cut-layer gradient down, client step."""
-        smashed = client.model(x)
+        with self.timed("client"):
+            smashed = client.model(x)
         received = self.channel.send("smashed", smashed).requires_grad_()
         labels = self.channel.send("labels", y)
-        loss = self.loss(server.model(received), labels)
-        server.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        server.optimizer.step()
+        with self.timed("server"):
+            loss = self.loss(server.model(received), labels)
+            server.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            server.optimizer.step()
         cut_grad = self.channel.send("cut_grad", received.grad)
-        client.optimizer.zero_grad(set_to_none=True)
-        smashed.backward(cut_grad)
-        client.optimizer.step()
+        with self.timed("client"):
+            client.optimizer.zero_grad(set_to_none=True)
+            smashed.backward(cut_grad)
+            client.optimizer.step()
         return self.track(loss)
 
     def download(self, kind: str, source: nn.Module, target: nn.Module) -> None:
@@ -143,6 +151,24 @@ class Algorithm:
     def working_copy(module: nn.Module) -> nn.Module:
         """A second module of the same shape, loaded from the global one before each use."""
         return copy.deepcopy(module)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the block to `phase` ("client", "server", "alignment", ...).
+
+        On a GPU the time is that of launching the work, not of finishing it, unless the block
+        ends with a synchronising call; the figures are meant for CPU runs and for proportions.
+        """
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._seconds[phase] += time.perf_counter() - started
+
+    def pop_compute_seconds(self) -> dict[str, float]:
+        """Seconds per phase since the last call (read once per round)."""
+        seconds, self._seconds = dict(self._seconds), defaultdict(float)
+        return seconds
 
     def track(self, loss: torch.Tensor) -> torch.Tensor:
         self._loss_sum += loss.detach()
