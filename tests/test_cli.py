@@ -1,0 +1,98 @@
+"""The command line end to end: a real run, and every kind of bad input -> one line, exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from splitlab.cli import main
+
+QUICK_ARGS = ["dataset=synthetic", "model=mlp", "clients=3", "rounds=1", "train_subset=200", "device=cpu"]
+
+
+def run_cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main(list(args))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_module_entry_point_runs_and_prints_a_summary(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "splitlab", "run", *QUICK_ARGS, f"out={tmp_path}"],
+                            capture_output=True, text=True, check=True)
+    assert "final accuracy" in result.stdout and "communication" in result.stdout
+    assert json.loads((tmp_path / "summary.json").read_text())["rounds_completed"] == 1
+
+
+def test_yaml_config_with_overrides(tmp_path, capsys):
+    config = tmp_path / "c.yaml"
+    config.write_text("algorithm: fedavg\ndataset: synthetic\nmodel: mlp\nclients: 2\nrounds: 5\n"
+                      "train_subset: 200\ndevice: cpu\n")
+    code, _, _ = run_cli(capsys, "run", "--no-progress", "--config", str(config), "rounds=2", f"out={tmp_path / 'r'}")
+    assert code == 0
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert (summary["algorithm"], summary["rounds_completed"]) == ("fedavg", 2)
+
+
+BAD_INPUT = [
+    (["algorithm=sfl_v3"], "unknown algorithm 'sfl_v3'; available: "),
+    (["dataset=mnistt"], "unknown dataset 'mnistt'; available: "),
+    (["model=resnet7"], "unknown model 'resnet7'; available: "),
+    (["cut=3"], "cut 3 is out of range for this model; valid cuts: [1, 2]"),
+    (["partition=dirichlet:0"], "dirichlet:0"),
+    (["partition=dirichlet:-1"], "dirichlet:-1"),
+    (["partition=zipf"], "zipf"),
+    (["clients=500"], "500"),
+    (["dataset=cifar10", "data_dir=/nonexistent/cifar"], "/nonexistent/cifar"),
+    (["lr=-1"], "invalid value -1 for lr"),
+    (["optimizer=rmsprop"], "invalid value 'rmsprop' for optimizer"),
+    (["rounds=0"], "invalid value 0 for rounds"),
+    (["participation=1.5"], "invalid value 1.5 for participation"),
+    (["colour=blue"], "unknown key 'colour' for algorithm 'sfl_v2'; allowed: "),
+    (["server_schedule=sequential", "algorithm=fedavg"], "unknown key 'server_schedule' for algorithm 'fedavg'"),
+    (["train_subset=99999"], "train_subset=99999 is more than the 1200 samples"),
+    (["device=cuda"], "device 'cuda'"),
+    (["lr"], "expected KEY=VALUE, got 'lr'"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT, ids=[" ".join(a) for a, _ in BAD_INPUT])
+def test_bad_input_is_one_line_and_exit_code_2_and_writes_nothing(tmp_path, capsys, args, message):
+    out = tmp_path / "run"
+    base = [a for a in QUICK_ARGS if a.split("=")[0] not in {x.split("=")[0] for x in args}]
+    if "device=cuda" in args:
+        pytest.importorskip("torch").cuda.is_available() and pytest.skip("a GPU is present")
+    code, stdout, stderr = run_cli(capsys, "run", "--no-progress", *base, *args, f"out={out}")
+    assert code == 2
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1, stderr
+    assert message in stderr
+    assert "Traceback" not in stderr + stdout
+    assert not out.exists()
+
+
+def test_malformed_yaml_and_missing_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("algorithm: [sfl_v2\n")
+    code, _, stderr = run_cli(capsys, "run", "--config", str(bad))
+    assert code == 2 and "is not valid YAML at line" in stderr and stderr.count("\n") == 1
+    code, _, stderr = run_cli(capsys, "run", "--config", str(tmp_path / "none.yaml"))
+    assert code == 2 and "does not exist" in stderr
+
+
+def test_existing_run_is_not_overwritten_silently(tmp_path, capsys):
+    assert run_cli(capsys, "run", "--no-progress", *QUICK_ARGS, f"out={tmp_path}")[0] == 0
+    code, _, stderr = run_cli(capsys, "run", "--no-progress", *QUICK_ARGS, f"out={tmp_path}")
+    assert code == 2 and "already holds a run" in stderr
+
+
+def test_missing_fashion_mnist_says_how_to_get_it(tmp_path, capsys, monkeypatch):
+    code, _, stderr = run_cli(capsys, "run", "dataset=fashion_mnist", f"data_dir={tmp_path}", f"out={tmp_path / 'r'}")
+    assert code == 2 and "apt-get install dataset-fashion-mnist" in stderr
+
+
+def test_listing_commands(capsys):
+    for command, expected in [("datasets", "fashion_mnist"), ("models", "resnet18"), ("algorithms", "sfl_v1")]:
+        code, stdout, _ = run_cli(capsys, command)
+        assert code == 0 and expected in stdout

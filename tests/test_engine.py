@@ -1,0 +1,143 @@
+"""The round loop: files, determinism, kill-and-resume, the communication budget."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import global_weights, quick, train
+from splitlab.algorithms.sfl_v2 import SFLV2
+from splitlab.engine import run
+from splitlab.errors import UserError
+from splitlab.io import read_jsonl
+
+TIMING_KEYS = {"wall_seconds", "round_compute_seconds"}
+
+
+def without_timing(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+def test_run_writes_every_file_with_the_promised_fields(tmp_path):
+    summary = run(quick(algorithm="sfl_v2", rounds=3, eval_every=2, out=str(tmp_path)), progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.yaml", "metrics.jsonl", "partition.json", "summary.json", "weights.safetensors"]
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [row["round"] for row in rows] == [2, 3]  # every 2 rounds, and after the last
+    for key in ("test_accuracy", "test_loss", "test_f1", "test_mcc", "comm_bytes", "comm_bytes_by_kind",
+                "wall_seconds", "train_loss", "round_compute_seconds"):
+        assert key in rows[-1]
+    assert rows[-1]["comm_bytes"] == sum(rows[-1]["comm_bytes_by_kind"].values())
+    assert set(rows[-1]["round_compute_seconds"]) == {"client", "server"}
+    assert json.loads((tmp_path / "summary.json").read_text()) == summary
+    assert summary["final_accuracy"] == rows[-1]["test_accuracy"] > 0.5
+    partition = json.loads((tmp_path / "partition.json").read_text())
+    assert sum(partition["sizes"]) == 300
+
+
+def test_weights_file_is_the_global_model_under_unsplit_names(tmp_path):
+    run(quick(algorithm="sfl_v1", cut=2, out=str(tmp_path)), progress=False)
+    saved = load_file(tmp_path / "weights.safetensors")
+    expected = global_weights(train(2, **quick(algorithm="sfl_v1", cut=2)))
+    assert saved.keys() == expected.keys() == {"fc1.1.weight", "fc1.1.bias", "fc2.0.weight", "fc2.0.bias",
+                                               "out.weight", "out.bias"}
+    for name in saved:
+        assert torch.equal(saved[name], expected[name])
+
+
+def test_same_seed_same_metrics_other_seed_other_metrics(tmp_path):
+    rows = []
+    for name, seed in [("a", 0), ("b", 0), ("c", 1)]:
+        run(quick(algorithm="sfl_v2", seed=seed, out=str(tmp_path / name)), progress=False)
+        rows.append(without_timing(read_jsonl(tmp_path / name / "metrics.jsonl")))
+    assert rows[0] == rows[1]
+    assert rows[0] != rows[2]
+
+
+def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    config = quick(algorithm="sfl_v2", rounds=4, optimizer="adam", partition="dirichlet:0.5")
+    run({**config, "out": str(tmp_path / "whole")}, progress=False)
+
+    original = SFLV2.train_round
+
+    def crash_in_round_2(self, rnd, clients):
+        if rnd == 2:
+            raise KeyboardInterrupt
+        return original(self, rnd, clients)
+
+    monkeypatch.setattr(SFLV2, "train_round", crash_in_round_2)
+    with pytest.raises(KeyboardInterrupt):
+        run({**config, "out": str(tmp_path / "cut")}, progress=False)
+    assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["round"] == 2
+    monkeypatch.setattr(SFLV2, "train_round", original)
+
+    with pytest.raises(UserError, match="already holds a run; use resume=true"):
+        run({**config, "out": str(tmp_path / "cut")}, progress=False)
+    run({**config, "out": str(tmp_path / "cut"), "resume": True}, progress=False)
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    assert without_timing(read_jsonl(a / "metrics.jsonl")) == without_timing(read_jsonl(b / "metrics.jsonl"))
+    wa, wb = load_file(a / "weights.safetensors"), load_file(b / "weights.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not (b / "checkpoint.pt").exists()
+
+
+def test_sigkilled_cli_run_resumes_to_the_uninterrupted_result(tmp_path):
+    args = ["algorithm=sfl_v1", "dataset=digits", "model=mlp", "clients=4", "rounds=30", "device=cpu",
+            "train_subset=400", "partition=dirichlet:1"]
+    cli = [sys.executable, "-m", "splitlab", "run", "--no-progress"]
+    subprocess.run(cli + args + [f"out={tmp_path / 'whole'}"], check=True, capture_output=True)
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(cli + args + [f"out={killed}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (killed / "checkpoint.pt").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (killed / "summary.json").exists(), "the run finished before it could be killed"
+    subprocess.run(cli + args + [f"out={killed}", "resume=true"], check=True, capture_output=True)
+    assert_same_run(tmp_path / "whole", killed)
+
+
+def test_resume_refuses_a_changed_config(tmp_path):
+    config = quick(algorithm="sfl_v2", rounds=1, out=str(tmp_path))
+    run(config, progress=False)
+    with pytest.raises(UserError, match="cannot resume .*lr=0.5 differs from the stored 0.001"):
+        run({**config, "lr": 0.5, "resume": True}, progress=False)
+
+
+def test_finished_run_resumed_returns_its_summary_without_training(tmp_path, monkeypatch):
+    config = quick(algorithm="sfl_v2", rounds=1, out=str(tmp_path))
+    summary = run(config, progress=False)
+    monkeypatch.setattr(SFLV2, "train_round", lambda *a: pytest.fail("trained again"))
+    assert run({**config, "resume": True}, progress=False) == summary
+
+
+def test_overwrite_replaces_a_run(tmp_path):
+    config = quick(algorithm="sfl_v2", rounds=1, out=str(tmp_path))
+    first = run(config, progress=False)
+    second = run({**config, "overwrite": True, "rounds": 2}, progress=False)
+    assert first["rounds_completed"] == 1 and second["rounds_completed"] == 2
+
+
+def test_comm_budget_stops_the_run_once_spent(tmp_path):
+    # One sfl_v2 round here moves 794,400 bytes (see test_comm.py): a budget of 1.5 rounds stops after 2.
+    budget_gib = 1.5 * 794_400 / 2 ** 30
+    summary = run(quick(algorithm="sfl_v2", rounds=10, eval_every=5, comm_budget_gib=budget_gib,
+                        out=str(tmp_path)), progress=False)
+    assert summary["stopped_by"] == "comm_budget"
+    assert summary["rounds_completed"] == 2
+    assert summary["total_bytes"] == 2 * 794_400
+    assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["round"] == 2  # evaluated where it stopped

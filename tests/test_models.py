@@ -1,0 +1,58 @@
+"""Every model splits at every valid cut into parts that compose to the unsplit model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from splitlab.errors import UserError
+from splitlab.models import build_model, model_names, split
+
+SHAPES = {"mlp": (1, 8, 8), "cnn": (1, 28, 28), "splitgp_cnn": (1, 28, 28), "vgg11": (3, 32, 32),
+          "resnet18": (3, 32, 32), "resnet50": (3, 32, 32)}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_split_parts_compose_to_the_full_model(name):
+    model = build_model(name, SHAPES[name], 10, seed=1).eval()
+    x = torch.randn(3, *SHAPES[name])
+    with torch.no_grad():
+        expected = model(x)
+        assert expected.shape == (3, 10)
+        for cut in model.valid_cuts:
+            client, server = split(model, cut)
+            torch.testing.assert_close(server(client(x)), expected, rtol=0, atol=0)
+            names = set(client.state_dict()) | set(server.state_dict())
+            assert names == set(model.state_dict()), "split parts keep the unsplit names"
+            assert not set(client.state_dict()) & set(server.state_dict())
+
+
+def test_same_seed_same_weights_and_different_seed_different_weights():
+    a, b, c = (build_model("cnn", (1, 28, 28), 10, seed=s) for s in (0, 0, 1))
+    assert all(torch.equal(a.state_dict()[k], b.state_dict()[k]) for k in a.state_dict())
+    assert not torch.equal(a.state_dict()["conv1.0.weight"], c.state_dict()["conv1.0.weight"])
+
+
+def test_resnet_cuts_follow_the_papers_numbering():
+    model = build_model("resnet18", (3, 32, 32), 10)
+    assert model.valid_cuts == [1, 2, 3, 4]
+    for cut in model.valid_cuts:
+        client, _ = split(model, cut)
+        assert list(dict(client.named_children())) == ["stem"] + [f"layer{i}" for i in range(1, cut + 1)]
+
+
+def test_splitgp_cnn_matches_the_papers_parameter_counts():
+    client, server = split(build_model("splitgp_cnn", (1, 28, 28), 10), 4)
+    assert sum(p.numel() for p in client.parameters()) == 387_840
+    assert sum(p.numel() for p in server.parameters()) == 3_480_330
+
+
+@pytest.mark.parametrize("cut", [0, 3, -1])
+def test_cut_outside_the_range_is_a_user_error(cut):
+    with pytest.raises(UserError, match=rf"cut {cut} is out of range .*valid cuts: \[1, 2\]"):
+        split(build_model("mlp", (1, 8, 8), 10), cut)
+
+
+def test_unknown_model_lists_the_available_ones():
+    with pytest.raises(UserError, match="unknown model 'nope'; available: " + ", ".join(model_names())):
+        build_model("nope", (1, 8, 8), 10)
