@@ -1,4 +1,4 @@
-"""`splitlab run | sweep | report | datasets | models`.
+"""`splitlab run | sweep | report | evaluate | latency | datasets | models`.
 
 A user mistake prints one line, `error: ...`, and exits with code 2; anything else is a bug and
 keeps its traceback.
@@ -58,8 +58,11 @@ def _cmd_models(args: argparse.Namespace) -> int:
 
     table = Table("model", "valid cuts", "parameters (28x28x1 input, 10 classes)")
     for name in sorted(MODELS):
-        model = build_model(name, (1, 28, 28), 10)
-        table.add_row(name, ", ".join(map(str, model.valid_cuts)), f"{sum(p.numel() for p in model.parameters()):,}")
+        try:
+            model, note = build_model(name, (1, 28, 28), 10), ""
+        except UserError:  # lstm takes token sequences: shown for LEAF Shakespeare's shape
+            model, note = build_model(name, (80,), 80), " (80 tokens in, 80 classes)"
+        table.add_row(name, ", ".join(map(str, model.valid_cuts)), f"{sum(p.numel() for p in model.parameters()):,}{note}")
     console.print(table)
     return 0
 
@@ -77,9 +80,13 @@ def _cmd_algorithms(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    from splitlab.experiments.sweep import run_sweep
+    from splitlab.experiments.sweep import SweepFailed, run_sweep
 
-    sweep_dir = run_sweep(args.file, out=args.out, jobs=args.jobs, progress=not args.no_progress)
+    try:
+        sweep_dir = run_sweep(args.file, out=args.out, jobs=args.jobs, progress=not args.no_progress)
+    except SweepFailed as failed:
+        print(f"error: {failed}", file=sys.stderr)
+        return 1
     console.print(f"sweep finished: {sweep_dir}  (next: splitlab report {sweep_dir})")
     return 0
 
@@ -88,6 +95,52 @@ def _cmd_report(args: argparse.Namespace) -> int:
     from splitlab.experiments.report import write_report
 
     console.print(f"report written: {write_report(args.dir, target_accuracy=args.target)}")
+    return 0
+
+
+def _cmd_evaluate(args: argparse.Namespace) -> int:
+    from splitlab.config import parse_overrides
+    from splitlab.splitgp.evaluation import evaluate_run
+
+    result = evaluate_run(args.dir, parse_overrides(args.overrides))
+    table = Table("method", *(f"rho={r:g}" for r in result["rho"]),
+                  title=f"mean per-client accuracy ({result['algorithm']}; written to evaluation.json)")
+    for name, row in result["rows"].items():
+        table.add_row(name, *(f"{100 * a:.2f}%" for a in row["accuracy"]))
+    if "splitgp" in result["rows"]:
+        gated = result["rows"]["splitgp"]
+        table.add_row("  E_th", *(f"{t:g}" for t in gated["entropy_threshold"]))
+        table.add_row("  decided at client", *(f"{100 * f:.1f}%" for f in gated["client_fraction"]))
+        table.add_row("  bytes sent", *(f"{b:,}" for b in gated["bytes_sent"]))
+    console.print(table)
+    return 0
+
+
+def _cmd_latency(args: argparse.Namespace) -> int:
+    from splitlab.config import parse_overrides
+    from splitlab.splitgp import parse_settings
+    from splitlab.splitgp.latency import LatencySettings, report
+
+    settings = parse_settings(LatencySettings, parse_overrides(args.overrides))
+    result = report(settings)
+    sizes = result["sizes"]
+    table = Table("scheme", "storage", "client computation", "communication", "latency",
+                  title=f"{settings.model} cut {settings.cut}: |phi|={sizes['phi']:,} |theta|={sizes['theta']:,} "
+                        f"|h|={sizes['head']:,} q={sizes['q']:,} q_c={sizes['q_c']:,}")
+    for scheme, row in result["table_one"].items():
+        table.add_row(scheme, *(f"{row[k]:,.6g}" for k in ("storage", "computation", "communication", "latency")))
+    console.print(table)
+    console.print(f"SplitGP faster than the full model at the client (Prop. 2) iff P_C <= "
+                  f"{result['client_power_threshold']:,.6g} (P_C = {settings.client_power:g})")
+    console.print(f"SplitGP faster than the full model at the server (Prop. 3) iff R <= "
+                  f"{result['rate_threshold']:,.6g} (R = {settings.rate:g})")
+    cuts = Table("cut", "|phi|", "|theta|", "|h|", "q_c", "SplitGP latency / sample",
+                 *(("max |phi| (Prop. 1)", "feasible") if settings.latency_budget is not None else ()))
+    for row in result["cuts"]:
+        extra = (f"{row['max_phi']:,.0f}", "yes" if row["feasible"] else "no") if "max_phi" in row else ()
+        cuts.add_row(str(row["cut"]), f"{row['phi']:,}", f"{row['theta']:,}", f"{row['head']:,}",
+                     f"{row['q_c']:,}", f"{row['latency_per_sample']:,.6g}", *extra)
+    console.print(cuts)
     return 0
 
 
@@ -120,6 +173,19 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("dir")
     report.add_argument("--target", type=float, help="target accuracy (fraction) for GiB/rounds-to-target")
     report.set_defaults(handler=_cmd_report)
+
+    evaluate = commands.add_parser("evaluate", help="SplitGP's per-client view of a finished run (rho, E_th)",
+                                   description="Keys: rho=0,0.2,... entropy_threshold=auto|<E_th> "
+                                               "validation_size=200 finetune_rounds=1 device=cpu; see docs/splitgp.md.")
+    evaluate.add_argument("dir")
+    evaluate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    evaluate.set_defaults(handler=_cmd_evaluate)
+
+    latency = commands.add_parser("latency", help="SplitGP's inference-time model (Table I, Props. 1-3)",
+                                  description="Keys: model cut client_power server_power rate beta samples "
+                                              "latency_budget phi_min input classes; see docs/splitgp.md.")
+    latency.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    latency.set_defaults(handler=_cmd_latency)
     return parser
 
 
@@ -132,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("interrupted; continue with resume=true", file=sys.stderr)
+        again = "run the same sweep command again" if args.command == "sweep" else "add resume=true"
+        print(f"interrupted; to continue, {again}", file=sys.stderr)
         return 130
 
 

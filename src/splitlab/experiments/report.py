@@ -40,8 +40,8 @@ METRIC_COLUMNS = (
     "final_f1", "final_mcc", "total_bytes", "total_gib", "wall_seconds", "stopped_by",
     "target_accuracy", "rounds_to_target", "gib_to_target",
 )
-#: keys that never distinguish experiments
-_NOT_EXPERIMENT = ("seed", "out")
+#: keys that never distinguish experiments: the seed, and how a run was run (config.RUN_CONTROL_KEYS)
+_NOT_EXPERIMENT = ("seed", "out", "resume", "overwrite", "device")
 #: keys that become table columns (the papers put datasets / partitions side by side)
 _COLUMN_KEYS = ("dataset", "model", "partition")
 _PREFERRED_ORDER = ("algorithm", "cut", "dataset", "model", "partition", "clients")
@@ -211,7 +211,7 @@ def _hashable(value: Any) -> Any:
 
 
 def _experiment_key(config: dict) -> str:
-    """Runs with the same key differ only in seed (and output directory)."""
+    """Runs with the same key differ only in seed (and output directory, device, resume flags)."""
     return json.dumps({k: v for k, v in config.items() if k not in _NOT_EXPERIMENT},
                       sort_keys=True, default=str)
 
@@ -246,7 +246,7 @@ class _Analysis:
     # ---- target accuracy
     def _target(self, explicit: float | None) -> tuple[float | None, str]:
         if explicit is not None:
-            return check_target(explicit, "--target"), "given on the command line"
+            return check_target(explicit, "target accuracy (--target)"), "given with --target"
         from_file = (self.snapshot.get("report") or {}).get("target_accuracy")
         if from_file is not None:
             return check_target(from_file, "report.target_accuracy"), "from the sweep file"
@@ -599,19 +599,31 @@ def _line_label(an: _Analysis, key: tuple, cut_i: int) -> str:
 def _partitions(an: _Analysis) -> list[tuple[str, RunData]]:
     """One run per distinct (dataset, partition, clients), preferring the smallest seed."""
     chosen: dict[tuple, RunData] = {}
-    for run in sorted((r for r in an.runs if r.partition), key=lambda r: (str(r.config.get("seed")), r.name)):
+    def seed_order(run: RunData) -> tuple:
+        seed = run.config.get("seed")
+        return (0, seed, run.name) if isinstance(seed, int) else (1, 0, run.name)
+
+    for run in sorted((r for r in an.runs if r.partition), key=seed_order):
         cfg = run.config
         key = (_hashable(cfg.get("dataset")), _hashable(cfg.get("partition")), _hashable(cfg.get("clients")),
                _hashable(cfg.get("train_subset")))
         chosen.setdefault(key, run)
+    def panel_order(run: RunData) -> tuple:
+        return tuple(_position(an, k, run.config.get(k)) for k in ("dataset", "partition", "clients"))
+
     out = []
-    for run in chosen.values():
+    for run in sorted(chosen.values(), key=panel_order):
         cfg = run.config
         bits = [str(cfg[k]) for k in ("dataset", "partition") if cfg.get(k) is not None]
         if cfg.get("seed") is not None:
             bits.append(f"seed {cfg['seed']}")
         out.append((", ".join(bits) or run.name, run))
     return out
+
+
+def _position(an: _Analysis, key: str, value: Any) -> int:
+    values = [_hashable(v) for v in an.values_in_order(key, [r.config.get(key) for r in an.runs])]
+    return values.index(_hashable(value)) if _hashable(value) in values else len(values)
 
 
 def _plot_partitions(an: _Analysis, path: Path) -> Path | None:
@@ -745,7 +757,8 @@ def _markdown(an: _Analysis, path: Path, plots: list[tuple[str, Path]]) -> str:
         return "\n".join(out) + "\n"
 
     seeds = Counter(len(idx) for idx in an.groups.values())
-    n_text = (f"n = {seeds.most_common(1)[0][0]} seeds per cell" +
+    common_n = seeds.most_common(1)[0][0]
+    n_text = (f"n = {common_n} seed{'s' if common_n != 1 else ''} per cell" +
               (" unless marked (n=...)" if len(seeds) > 1 else ""))
     fixed = []
     common_cfg = an.finished[0].config

@@ -236,7 +236,7 @@ def _format_value(value: Any) -> str:
 
 
 def _safe(text: str) -> str:
-    return _UNSAFE.sub("-", text).strip("-").lstrip(".") or "x"
+    return _UNSAFE.sub("-", text) or "empty"
 
 
 def run_name(axis_values: Mapping[str, Any]) -> str:
@@ -244,6 +244,7 @@ def run_name(axis_values: Mapping[str, Any]) -> str:
     safe as a directory name on Linux, macOS and Windows (`dirichlet:0.1` -> `dirichlet-0.1`).
     Names longer than 200 characters are shortened with a hash of the full name."""
     name = "__".join(f"{_safe(str(k))}={_safe(_format_value(v))}" for k, v in axis_values.items())
+    name = name.lstrip(".-") or "run"  # keys are identifiers in practice; never a hidden name
     if len(name) > _MAX_NAME:
         digest = hashlib.sha1(name.encode()).hexdigest()[:12]
         name = f"{name[:_MAX_NAME - 14]}__{digest}"
@@ -366,13 +367,22 @@ def _write_snapshot(sweep_dir: Path, spec: dict, source: str, runs: list[_Point]
         "report": spec.get("report") or {},
         "runs": {p.name: p.axis_values for p in runs},
     }
-    _write_atomic(sweep_dir / SNAPSHOT, yaml.safe_dump(snapshot, sort_keys=False))
+    snapshot = json.loads(json.dumps(snapshot, default=str))  # plain types only (Path -> str)
+    _write_atomic(sweep_dir / SNAPSHOT, yaml.safe_dump(snapshot, sort_keys=False, allow_unicode=True))
 
 
 def _call_engine(config: dict, progress: bool) -> dict:
     from splitlab import engine  # looked up at call time so tests can monkeypatch engine.run
 
     return engine.run(config, resume=True, progress=progress)
+
+
+def available_cpus() -> int:
+    """CPUs this process may run on (respects taskset / cgroup affinity, unlike os.cpu_count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # macOS, Windows
+        return max(1, os.cpu_count() or 1)
 
 
 def _init_worker(threads: int) -> None:
@@ -415,7 +425,8 @@ def run_sweep(path: str | os.PathLike | Mapping, out: str | os.PathLike | None =
 
     Finished runs (with `summary.json`) are skipped; the others are started, or resumed from
     their checkpoint, with `engine.run(config, resume=True)`. With `jobs > 1` runs go to
-    `jobs` spawned processes, each limited to `cpu_count // jobs` torch threads. A run that
+    `jobs` spawned processes, each limited to `available_cpus() // jobs` torch threads (fewer
+    workers if fewer runs are left; then each gets more threads). A run that
     raises is recorded (`<run dir>/error.txt`, `<sweep dir>/failures.json`) and the others go
     on; at the end `SweepFailed` is raised if any failed.
     """
@@ -455,6 +466,7 @@ def run_sweep(path: str | os.PathLike | Mapping, out: str | os.PathLike | None =
         if error is not None:
             failures[name] = error
             try:
+                (sweep_dir / name).mkdir(parents=True, exist_ok=True)
                 _write_atomic(sweep_dir / name / ERROR_FILE, error)
             except OSError:
                 pass
@@ -465,8 +477,7 @@ def run_sweep(path: str | os.PathLike | Mapping, out: str | os.PathLike | None =
         elif console:
             console.print(f"[{done}/{len(pending)}] {name}: {_describe(summary)} ({seconds:.1f} s)")
 
-    for name, _ in pending:
-        (sweep_dir / name).mkdir(parents=True, exist_ok=True)
+    for name, _ in pending:  # a retried run is no longer failed
         (sweep_dir / name / ERROR_FILE).unlink(missing_ok=True)
 
     workers = min(jobs, len(pending))
@@ -479,7 +490,7 @@ def run_sweep(path: str | os.PathLike | Mapping, out: str | os.PathLike | None =
             except Exception:
                 finished(name, None, traceback.format_exc(), time.perf_counter() - start)
     elif pending:
-        threads = max(1, (os.cpu_count() or 1) // jobs)
+        threads = max(1, available_cpus() // workers)
         ctx = multiprocessing.get_context("spawn")
         pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
                                       initializer=_init_worker, initargs=(threads,))
@@ -504,6 +515,5 @@ def run_sweep(path: str | os.PathLike | Mapping, out: str | os.PathLike | None =
         raise SweepFailed(sweep_dir, failures, total)
     failures_path.unlink(missing_ok=True)
     if console:
-        console.print(f"sweep {where}: all {total} runs finished; `splitlab report {sweep_dir}` "
-                      f"writes the tables and plots")
+        console.print(f"sweep {where}: all {total} runs finished in {sweep_dir}")
     return sweep_dir
