@@ -25,6 +25,10 @@ def _atomic(path: Path, write: Callable[[str], None]) -> None:
         raise
 
 
+def write_bytes(path: Path, data: bytes) -> None:
+    _atomic(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
 def write_text(path: Path, text: str) -> None:
     _atomic(path, lambda tmp: Path(tmp).write_text(text))
 

@@ -21,6 +21,7 @@ import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
+from splitlab.data.download import FASHION_MNIST_FILES, cache_dir
 from splitlab.errors import UserError
 
 #: Where the Debian package `dataset-fashion-mnist` puts its files.
@@ -28,12 +29,7 @@ FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
 #: Environment variable naming a data root (`$SPLITLAB_DATA/fashion_mnist`, `.../cifar-10-batches-py`).
 DATA_ENV = "SPLITLAB_DATA"
 
-_FASHION_FILES = (
-    "train-images-idx3-ubyte.gz",
-    "train-labels-idx1-ubyte.gz",
-    "t10k-images-idx3-ubyte.gz",
-    "t10k-labels-idx1-ubyte.gz",
-)
+_FASHION_FILES = FASHION_MNIST_FILES
 _FASHION_MEAN, _FASHION_STD = 0.2860, 0.3530
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 
@@ -92,15 +88,20 @@ def _looked_in(candidates: list[Path]) -> str:
 
 
 def read_idx(path: Path, ndim: int) -> np.ndarray:
-    """Read a uint8 IDX file (gzipped if it ends in .gz) with `ndim` dimensions.
-
-    The magic number is 0x000008NN (0x08 = unsigned byte, NN = number of dimensions), followed
-    by NN big-endian uint32 sizes and the row-major data.
-    """
+    """Read a uint8 IDX file (gzipped if it ends in .gz) with `ndim` dimensions."""
     try:
         raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
     except (OSError, EOFError, zlib.error) as e:
         raise UserError(f"cannot read IDX file {path}: {e}") from None
+    return parse_idx(raw, ndim, path)
+
+
+def parse_idx(raw: bytes, ndim: int, path: Path | str) -> np.ndarray:
+    """Parse uncompressed IDX bytes (`path` names the source in errors).
+
+    The magic number is 0x000008NN (0x08 = unsigned byte, NN = number of dimensions), followed
+    by NN big-endian uint32 sizes and the row-major data.
+    """
     header = 4 + 4 * ndim
     magic = int.from_bytes(raw[:4], "big") if len(raw) >= 4 else None
     if magic != 0x800 + ndim:
@@ -125,13 +126,13 @@ def _find_fashion_mnist(data_dir: Path | None) -> Path:
     $SPLITLAB_DATA/fashion_mnist, else the Debian package's folder."""
     candidates = [c for r in _roots(data_dir) for c in (r, r / "fashion_mnist", r / "fashion-mnist")]
     if data_dir is None:
-        candidates.append(FASHION_MNIST_SYSTEM_DIR)
+        candidates += [FASHION_MNIST_SYSTEM_DIR, cache_dir() / "fashion_mnist"]
     for folder in candidates:
         if all(_existing(folder, f) for f in _FASHION_FILES):
             return folder
     raise UserError(
         f"fashion_mnist files not found; looked in {_looked_in(candidates)}; get them with "
-        f"'apt-get install dataset-fashion-mnist' or pass data_dir=DIR holding "
+        f"'apt-get install dataset-fashion-mnist', 'splitlab download fashion_mnist' (online), or pass data_dir=DIR holding "
         f"{', '.join(_FASHION_FILES)} (gzipped or not)"
     )
 
@@ -304,6 +305,13 @@ LOCATORS: dict[str, Callable[[Path | None], str]] = {
     "fashion_mnist": lambda d: str(_find_fashion_mnist(d)),
     "synthetic": lambda d: "generated from the seed",
 }
+
+# The LEAF datasets (femnist, celeba, shakespeare) live in their own modules, which build on the
+# definitions above; hence the import down here.
+from splitlab.data import leaf  # noqa: E402
+
+DATASETS.update(leaf.LOADERS)
+LOCATORS.update(leaf.LOCATORS)
 
 
 def dataset_names() -> list[str]:
