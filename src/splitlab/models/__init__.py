@@ -6,7 +6,10 @@ import torch
 
 from splitlab.errors import UserError
 from splitlab.models.staged import StagedModel, output_shape, split
+from splitlab.models.leaf import LEAF_MODELS
 from splitlab.models.zoo import MODELS
+
+MODELS.update(LEAF_MODELS)  # lstm, celeba_cnn, resnet9 (models/leaf.py builds on the zoo's blocks)
 
 
 def model_names() -> list[str]:
