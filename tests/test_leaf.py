@@ -26,12 +26,12 @@ def _no_data_env(monkeypatch):
 
 def write_leaf(root: Path, splits: dict[str, list[dict[str, dict]]]) -> Path:
     """root/{train,test}/*.json, one file per dict of user -> {"x", "y"} (LEAF's layout)."""
-    for split, files in splits.items():
-        (root / split).mkdir(parents=True)
+    for part, files in splits.items():
+        (root / part).mkdir(parents=True)
         for i, users in enumerate(files):
             content = {"users": list(users), "num_samples": [len(d["y"]) for d in users.values()],
                        "user_data": users}
-            (root / split / f"all_data_{i}_niid_0_keep_0_{split}_9.json").write_text(json.dumps(content))
+            (root / part / f"all_data_{i}_niid_0_keep_0_{part}_9.json").write_text(json.dumps(content))
     return root
 
 

@@ -5,6 +5,7 @@ Roles never hand each other tensors directly; that goes through `splitlab.channe
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -40,6 +41,23 @@ class Part:
 
     model: nn.Module
     optimizer: torch.optim.Optimizer
+
+
+class CopyPool:
+    """Scratch modules shaped like `source`, reused across rounds; grows to the most asked for.
+
+    Algorithms that keep several client copies alive within a round take them from here
+    instead of deep-copying every round; the caller loads weights into them before use.
+    """
+
+    def __init__(self, source: nn.Module) -> None:
+        self.source = source
+        self.copies: list[nn.Module] = []
+
+    def take(self, count: int) -> list[nn.Module]:
+        while len(self.copies) < count:
+            self.copies.append(copy.deepcopy(self.source))
+        return self.copies[:count]
 
 
 class ModelAverage:

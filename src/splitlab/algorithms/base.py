@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ from splitlab.roles import Client, ModelAverage, Part
 
 # Purposes of the per-round random streams, so that no two uses share one.
 STREAM_SAMPLING, STREAM_BATCHES, STREAM_ORDER = 0, 1, 2
+STREAM_SUBSET, STREAM_SERVER_BATCHES = 3, 4  # SGLR's averaged clients; CycleSL's resampled batches
+STREAM_ALIGNMENT = 5  # FSL-SAGE's alignment mini-batches
 
 
 @dataclass
@@ -72,6 +75,16 @@ class Context:
                   for epoch in range(self.config.local_epochs)]
         return client.batches(self.data.train_x, self.data.train_y, self.config.batch_size, orders)
 
+    def interleaved(self, rnd: int, clients: list[Client]) -> Iterator[tuple[int, int, tuple]]:
+        """(k, step, batch) in SplitFed-v2's interleaved order (cut-layer paper, Algorithm 2):
+        at every local step, the clients with batches left go in a fresh random order."""
+        batches = [self.batches(client, rnd) for client in clients]
+        steps = [math.ceil(c.num_samples / self.config.batch_size) * self.config.local_epochs for c in clients]
+        for step in range(max(steps, default=0)):
+            active = [k for k, n in enumerate(steps) if n > step]
+            for k in self.rng(rnd, STREAM_ORDER, step).permutation(active):
+                yield int(k), step, next(batches[k])
+
     def weights(self, clients: list[Client]) -> list[float]:
         """FedAvg weights alpha_k = |D_k| / sum of |D_i| over the round's clients."""
         total = sum(c.num_samples for c in clients)
@@ -83,6 +96,9 @@ class Algorithm:
 
     name: ClassVar[str]
     Params: ClassVar[type[BaseModel]] = NoParams
+    #: True when every client keeps its own client part (PSL, SGLR): there is no one global model,
+    #: so evaluation averages over clients, each through `predict_for_client`.
+    personal_models: ClassVar[bool] = False
 
     def __init__(self, ctx: Context) -> None:
         self.ctx = ctx
@@ -100,6 +116,10 @@ class Algorithm:
         """The parts that make the one global model, client side first; None if there is none."""
         return None
 
+    def client_weights(self) -> dict[str, torch.Tensor] | None:
+        """Per-client (personalized) weights a finished run keeps, as `clients.safetensors`; None if none."""
+        return None
+
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Logits of the model that is evaluated on the global test set."""
         parts = self.global_parts()
@@ -108,6 +128,10 @@ class Algorithm:
         for part in parts:
             x = part(x)
         return x
+
+    def predict_for_client(self, client_id: int, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the model client `client_id` would use; by default the one global model."""
+        return self.predict(x)
 
     # --- shared steps ------------------------------------------------------------------------
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -16,16 +16,14 @@ server does reaches a client within a round, so the order only matters to the se
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from splitlab.algorithms.base import STREAM_ORDER, Algorithm, Context
+from splitlab.algorithms.base import Algorithm, Context
 from splitlab.models.aux import AuxKind, build_aux
-from splitlab.roles import Client, ModelAverage, Part
+from splitlab.roles import Client, CopyPool, ModelAverage, Part
 
 
 class CSEFSLParams(BaseModel):
@@ -33,17 +31,6 @@ class CSEFSLParams(BaseModel):
     server_update_interval: int = Field(
         5, ge=1, description="q: a client sends smashed data + labels at every q-th local step (authors: 5)")
     aux: AuxKind = Field("stage", description="auxiliary model: linear | half | stage | full (FSL-SAGE App. D.4)")
-
-
-def interleaved(ctx: Context, rnd: int, clients: list[Client]) -> Iterator[tuple[int, int, tuple]]:
-    """(k, step, batch) in SplitFed-v2's interleaved order: per local step, the clients with
-    batches left in a fresh random order (stream STREAM_ORDER, as sfl_v2 draws it)."""
-    batches = [ctx.batches(client, rnd) for client in clients]
-    steps = [math.ceil(c.num_samples / ctx.config.batch_size) * ctx.config.local_epochs for c in clients]
-    for step in range(max(steps, default=0)):
-        active = [k for k, n in enumerate(steps) if n > step]
-        for k in ctx.rng(rnd, STREAM_ORDER, step).permutation(active):
-            yield int(k), step, next(batches[k])
 
 
 class AuxiliaryFSL(Algorithm):
@@ -54,7 +41,7 @@ class AuxiliaryFSL(Algorithm):
         super().__init__(ctx)
         self.client_model, server_model = ctx.new_split()
         self.server = ctx.part(server_model)
-        self._client_copies: list[nn.Module] = []
+        self._client_copies = CopyPool(self.client_model)
 
     def new_aux(self) -> nn.Module:
         """The initial auxiliary model for this run's model, cut and seed."""
@@ -64,7 +51,7 @@ class AuxiliaryFSL(Algorithm):
 
     def train_round(self, rnd: int, clients: list[Client]) -> None:
         locals_ = [self.start_client(slot, client) for slot, client in enumerate(clients)]
-        for k, step, (x, y) in interleaved(self.ctx, rnd, clients):
+        for k, step, (x, y) in self.ctx.interleaved(rnd, clients):
             smashed = self.client_step(*locals_[k], x, y)
             if step % self.params.server_update_interval == 0:
                 self.server_step(clients[k], smashed, y)
@@ -83,10 +70,9 @@ class AuxiliaryFSL(Algorithm):
 
     def client_copy(self, slot: int) -> Part:
         """The slot-th client's working copy of the global client part, downloaded, with a fresh optimizer."""
-        while len(self._client_copies) <= slot:
-            self._client_copies.append(self.working_copy(self.client_model))
-        self.download("client_model_down", self.client_model, self._client_copies[slot])
-        return self.ctx.part(self._client_copies[slot])
+        copy = self._client_copies.take(slot + 1)[slot]
+        self.download("client_model_down", self.client_model, copy)
+        return self.ctx.part(copy)
 
     def average_client_parts(self, clients: list[Client], parts: list[Part]) -> None:
         average = ModelAverage()
@@ -114,13 +100,12 @@ class CSEFSL(AuxiliaryFSL):
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
         self.aux_model = self.new_aux()
-        self._aux_copies: list[nn.Module] = []
+        self._aux_copies = CopyPool(self.aux_model)
 
     def start_client(self, slot: int, client: Client) -> tuple[Part, Part]:
-        while len(self._aux_copies) <= slot:
-            self._aux_copies.append(self.working_copy(self.aux_model))
-        self.download("aux_model_down", self.aux_model, self._aux_copies[slot])
-        return self.client_copy(slot), self.ctx.part(self._aux_copies[slot])
+        aux = self._aux_copies.take(slot + 1)[slot]
+        self.download("aux_model_down", self.aux_model, aux)
+        return self.client_copy(slot), self.ctx.part(aux)
 
     def client_step(self, client: Part, aux: Part, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """One step of client part and auxiliary head on the local loss; returns the smashed data."""

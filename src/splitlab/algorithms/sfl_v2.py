@@ -14,13 +14,12 @@ With one client both are centralized training at any cut (tested).
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
 from splitlab.algorithms.base import STREAM_ORDER, Algorithm, Context
-from splitlab.roles import Client, ModelAverage
+from splitlab.roles import Client, CopyPool, ModelAverage
 
 
 class SFLV2Params(BaseModel):
@@ -36,7 +35,7 @@ class SFLV2(Algorithm):
         super().__init__(ctx)
         self.client_model, server_model = ctx.new_split()
         self.server = ctx.part(server_model)
-        self._client_copies = []
+        self._client_copies = CopyPool(self.client_model)
 
     def train_round(self, rnd: int, clients: list[Client]) -> None:
         if self.params.server_schedule == "interleaved":
@@ -45,25 +44,20 @@ class SFLV2(Algorithm):
             self._sequential_round(rnd, clients)
 
     def _interleaved_round(self, rnd: int, clients: list[Client]) -> None:
-        copies = self._copies(len(clients))
+        copies = self._client_copies.take(len(clients))
         parts = []
         for copy in copies:
             self.download("client_model_down", self.client_model, copy)
             parts.append(self.ctx.part(copy))
-        batches = [self.ctx.batches(client, rnd) for client in clients]
-        per_epoch = [math.ceil(c.num_samples / self.ctx.config.batch_size) for c in clients]
-        steps = [n * self.ctx.config.local_epochs for n in per_epoch]
-        for step in range(max(steps)):
-            active = [k for k, n in enumerate(steps) if n > step]
-            for k in self.ctx.rng(rnd, STREAM_ORDER, step).permutation(active):
-                self.split_step(parts[k], self.server, *next(batches[k]))
+        for k, _, (x, y) in self.ctx.interleaved(rnd, clients):
+            self.split_step(parts[k], self.server, x, y)
         average = ModelAverage()
         for copy, alpha in zip(copies, self.ctx.weights(clients)):
             average.add(self.channel.send("client_model_up", copy.state_dict()), alpha)
         self.average_into(self.client_model, average)
 
     def _sequential_round(self, rnd: int, clients: list[Client]) -> None:
-        (copy,) = self._copies(1)
+        (copy,) = self._client_copies.take(1)
         average = ModelAverage()
         alphas = self.ctx.weights(clients)
         for k in self.ctx.rng(rnd, STREAM_ORDER).permutation(len(clients)):
@@ -73,12 +67,6 @@ class SFLV2(Algorithm):
                 self.split_step(part, self.server, x, y)
             average.add(self.channel.send("client_model_up", copy.state_dict()), alphas[k])
         self.average_into(self.client_model, average)
-
-    def _copies(self, count: int) -> list:
-        """Reusable client-part modules; the pool grows to the largest round seen."""
-        while len(self._client_copies) < count:
-            self._client_copies.append(self.working_copy(self.client_model))
-        return self._client_copies[:count]
 
     def global_parts(self):
         return [self.client_model, self.server.model]
