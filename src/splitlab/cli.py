@@ -53,6 +53,13 @@ def _cmd_datasets(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_download(args: argparse.Namespace) -> int:
+    from splitlab.data.download import download_fashion_mnist
+
+    console.print(f"fashion_mnist files are in {download_fashion_mnist(args.dir)}")
+    return 0
+
+
 def _cmd_models(args: argparse.Namespace) -> int:
     from splitlab.models import MODELS, build_model
 
@@ -128,7 +135,8 @@ def _cmd_latency(args: argparse.Namespace) -> int:
                   title=f"{settings.model} cut {settings.cut}: |phi|={sizes['phi']:,} |theta|={sizes['theta']:,} "
                         f"|h|={sizes['head']:,} q={sizes['q']:,} q_c={sizes['q_c']:,}")
     for scheme, row in result["table_one"].items():
-        table.add_row(scheme, *(f"{row[k]:,.6g}" for k in ("storage", "computation", "communication", "latency")))
+        table.add_row(scheme, *(f"{row[k]:,.1f}".removesuffix(".0")
+                                for k in ("storage", "computation", "communication", "latency")))
     console.print(table)
     console.print(f"SplitGP faster than the full model at the client (Prop. 2) iff P_C <= "
                   f"{result['client_power_threshold']:,.6g} (P_C = {settings.client_power:g})")
@@ -158,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("datasets", help="list datasets and whether their files are here").set_defaults(
         handler=_cmd_datasets)
+    download = commands.add_parser("download", help="fetch Fashion-MNIST from its official mirror (needs a network)")
+    download.add_argument("dataset", choices=["fashion_mnist"])
+    download.add_argument("--dir", help="target folder (default: ~/.cache/splitlab/fashion_mnist, searched by runs)")
+    download.set_defaults(handler=_cmd_download)
     commands.add_parser("models", help="list models and their valid cut layers").set_defaults(handler=_cmd_models)
     commands.add_parser("algorithms", help="list algorithms and their own keys").set_defaults(
         handler=_cmd_algorithms)

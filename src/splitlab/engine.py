@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import time
 from collections.abc import Iterator, Mapping
@@ -25,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import STREAM_SAMPLING, Algorithm, Context
 from splitlab.channel import GIB, Channel
-from splitlab.config import RUN_CONTROL_KEYS, ResolvedConfig, resolve_config
+from splitlab.config import RUN_CONTROL_KEYS, ResolvedConfig, parse_test_split, resolve_config
 from splitlab.data import Dataset, load_dataset, partition, partition_report
 from splitlab.errors import UserError
 from splitlab.io import save_safetensors, save_torch, write_json, write_jsonl, write_yaml
@@ -33,7 +34,7 @@ from splitlab.metrics import classification_metrics, logits_in_batches
 from splitlab.roles import Client
 
 RUN_FILES = ("config.yaml", "partition.json", "metrics.jsonl", "summary.json", "checkpoint.pt",
-             "weights.safetensors")
+             "weights.safetensors", "clients.safetensors")
 
 
 @dataclasses.dataclass
@@ -45,6 +46,7 @@ class Experiment:
     clients: list[Client]
     algorithm: Algorithm
     partition_report: dict
+    client_test: list[torch.Tensor] | None = None  # test_split=client: each client's held-out indices
 
     @property
     def out(self) -> Path:
@@ -74,9 +76,25 @@ def _client_indices(config: ResolvedConfig, data: Dataset) -> list[np.ndarray]:
         if data.train_groups is None:
             raise UserError(f"clients=all needs a dataset with natural users; {run.dataset!r} has none")
         return [np.sort(group) for group in data.train_groups]
-    pool = _seeded_subset(len(data.train_y), run.train_subset, run.seed, "train_subset")
+    # With natural users, only their samples are drawn (Shakespeare's windows straddling two roles
+    # belong to nobody); otherwise all of them.
+    users = np.arange(len(data.train_y)) if data.train_groups is None else np.sort(np.concatenate(data.train_groups))
+    pool = users[_seeded_subset(len(users), run.train_subset, run.seed, "train_subset")]
     parts = partition(data.train_y.numpy()[pool], run.clients, run.partition, run.seed)
     return [pool[part] for part in parts]
+
+
+def _hold_out(indices: list[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Sample-wise train/test split of every client (as LEAF's `split_data.py --by_sample`): a seeded
+    choice of n - max(1, int((1 - fraction) * n)) of its samples is held out, at least one kept."""
+    train, test = [], []
+    for k, idx in enumerate(indices):
+        n_test = len(idx) - max(1, int((1 - fraction) * len(idx)))
+        held = np.zeros(len(idx), dtype=bool)
+        held[np.random.default_rng([seed, k, len(idx)]).choice(len(idx), n_test, replace=False)] = True
+        train.append(idx[~held])
+        test.append(idx[held])
+    return train, test
 
 
 def build(raw: Mapping[str, Any]) -> Experiment:
@@ -86,16 +104,22 @@ def build(raw: Mapping[str, Any]) -> Experiment:
     device = resolve_device(run.device)
     data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
     indices = _client_indices(config, data)
+    held_out = parse_test_split(run.test_split)
+    client_test = None
+    if held_out is not None:
+        indices, client_test = _hold_out(indices, held_out, run.seed)
     report = partition_report(data.train_y.numpy(), indices, data.num_classes)
     test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
     data = dataclasses.replace(
         data, train_x=data.train_x.to(device), train_y=data.train_y.to(device),
         test_x=data.test_x[test].to(device), test_y=data.test_y[test].to(device))
     clients = [Client(k, torch.as_tensor(idx, device=device)) for k, idx in enumerate(indices)]
-    context = Context(run, config.params, data, clients, Channel(), device)
+    context = Context(run, config.params, data, clients, Channel(convention=run.ledger), device)
     context.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
     algorithm = get_algorithm(run.algorithm)(context)
-    return Experiment(config, data, clients, algorithm, report)
+    if client_test is not None:
+        client_test = [torch.as_tensor(idx, device=device) for idx in client_test]
+    return Experiment(config, data, clients, algorithm, report, client_test)
 
 
 def sample_clients(clients: list[Client], participation: float, rng: np.random.Generator) -> list[Client]:
@@ -119,9 +143,23 @@ def eval_mode(algorithm: Algorithm) -> Iterator[None]:
 
 
 def evaluate(experiment: Experiment) -> dict[str, float]:
-    data = experiment.data
-    with eval_mode(experiment.algorithm):
-        logits = logits_in_batches(experiment.algorithm.predict, data.test_x)
+    """Test metrics. With test_split=client, every client's model is run on its own held-out
+    samples and the metrics are computed on all of them pooled (accuracy and loss are then the
+    test-size-weighted means of the per-client values). On the global test set, algorithms with
+    personal client models get the unweighted mean over clients of each client's model's metrics."""
+    data, algorithm = experiment.data, experiment.algorithm
+    with eval_mode(algorithm):
+        if experiment.client_test is not None:
+            held = [(c.id, idx) for c, idx in zip(experiment.clients, experiment.client_test) if len(idx)]
+            logits = torch.cat([logits_in_batches(functools.partial(algorithm.predict_for_client, k),
+                                                  data.train_x[idx]) for k, idx in held])
+            return classification_metrics(logits, torch.cat([data.train_y[idx] for _, idx in held]))
+        if algorithm.personal_models:
+            per_client = [classification_metrics(logits_in_batches(
+                functools.partial(algorithm.predict_for_client, c.id), data.test_x), data.test_y)
+                for c in experiment.clients]
+            return {key: float(np.mean([m[key] for m in per_client])) for key in per_client[0]}
+        logits = logits_in_batches(algorithm.predict, data.test_x)
     return classification_metrics(logits, data.test_y)
 
 
@@ -235,6 +273,14 @@ def _metrics_row(experiment: Experiment, state: dict, train_loss: float | None,
     }
 
 
+def _to_target(rows: list[dict], target: float | None) -> dict[str, Any]:
+    """First evaluated round whose test accuracy reaches `target`, and the GiB sent by then
+    (both None if it never did, or no target was set). Only evaluated rounds count (eval_every)."""
+    hit = next((row for row in rows if target is not None and row["test_accuracy"] >= target), None)
+    return {"target_accuracy": target, "rounds_to_target": hit and hit["round"],
+            "gib_to_target": hit and hit["comm_gib"]}
+
+
 def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
     cfg, out = experiment.config.run, experiment.out
     rows = state["metrics"]
@@ -250,11 +296,15 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         "total_bytes": ledger.total_bytes, "total_gib": ledger.total_bytes / GIB,
         "comm_bytes_by_kind": ledger.state_dict(),
         "wall_seconds": state["wall_seconds"], "stopped_by": state["stopped_by"],
+        **_to_target(rows, cfg.target_accuracy),
     }
     parts = experiment.algorithm.global_parts()
     if parts is not None:
         weights = {name: t for part in parts for name, t in part.state_dict().items()}
         save_safetensors(out / "weights.safetensors", weights)
+    client_weights = experiment.algorithm.client_weights()
+    if client_weights is not None:
+        save_safetensors(out / "clients.safetensors", client_weights)
     write_json(out / "summary.json", summary)
     (out / "checkpoint.pt").unlink(missing_ok=True)
     return summary
