@@ -80,7 +80,8 @@ def _cmd_algorithms(args: argparse.Namespace) -> int:
     table = Table("algorithm", "own keys (defaults)", "description")
     for name, cls in sorted(algorithms().items()):
         own = ", ".join(f"{k}={f.default}" for k, f in cls.Params.model_fields.items())
-        doc = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+        paragraph = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
+        doc = " ".join(paragraph.split()).split(". ")[0]
         table.add_row(name, own or "-", doc)
     console.print(table)
     return 0
