@@ -44,6 +44,13 @@ class RunConfig(BaseModel):
     train_subset: int | None = Field(None, ge=1, description="use only N training samples (seeded choice)")
     test_subset: int | None = Field(None, ge=1, description="evaluate on only N test samples (seeded choice)")
     comm_budget_gib: float | None = Field(None, gt=0, description="stop once this much has been communicated")
+    test_split: str = Field("global", description="global (the dataset's test set) | client:<fraction> (each "
+                                                  "client holds out that fraction of its own samples)")
+    target_accuracy: float | None = Field(None, gt=0, le=1, description="summary reports the first evaluated "
+                                                                        "round (and GiB) reaching this accuracy")
+    ledger: Literal["splitlab", "fsl_sage"] = Field(
+        "splitlab", description="byte-counting convention: splitlab counts everything; fsl_sage leaves labels "
+                                "out, as the FSL-SAGE authors' code does")
     out: str | None = Field(None, description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>")
     resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
     overwrite: bool = Field(False, description="replace a finished or partial run in `out`")
@@ -55,6 +62,26 @@ class RunConfig(BaseModel):
 
         parse_partition_scheme(value)
         return value
+
+    @field_validator("test_split")
+    @classmethod
+    def _check_test_split(cls, value: str) -> str:
+        parse_test_split(value)
+        return value
+
+
+def parse_test_split(value: str) -> float | None:
+    """`global` -> None; `client:<fraction>` -> the fraction each client holds out (0 < f < 1)."""
+    kind, _, fraction = value.partition(":")
+    if kind == "global" and not fraction:
+        return None
+    try:
+        held_out = float(fraction) if kind == "client" else None
+    except ValueError:
+        held_out = None
+    if held_out is None or not 0 < held_out < 1:
+        raise ValueError("expected global or client:<fraction> with 0 < fraction < 1, e.g. client:0.1")
+    return held_out
 
 
 class NoParams(BaseModel):

@@ -1,0 +1,99 @@
+"""Evaluation: the per-client (sample-wise) test split, evaluation of personal client models,
+and rounds/GiB to a target accuracy."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import quick, train
+from splitlab.engine import _hold_out, _to_target, build, evaluate, run
+from splitlab.errors import UserError
+from splitlab.metrics import classification_metrics
+
+
+def test_hold_out_is_sample_wise_seeded_and_keeps_a_training_sample():
+    indices = [np.arange(0, 10), np.arange(10, 15), np.arange(15, 16), np.arange(16, 116)]
+    train_idx, test_idx = _hold_out(indices, 0.1, seed=0)
+    assert [len(t) for t in test_idx] == [1, 1, 0, 10]   # n - max(1, int(0.9 n)), as LEAF
+    for original, tr, te in zip(indices, train_idx, test_idx):
+        assert sorted(np.concatenate([tr, te]).tolist()) == original.tolist()
+        assert not set(tr) & set(te)
+    again = _hold_out(indices, 0.1, seed=0)[1]
+    assert all(np.array_equal(a, b) for a, b in zip(test_idx, again))
+    other = _hold_out(indices, 0.1, seed=1)[1]
+    assert any(not np.array_equal(a, b) for a, b in zip(test_idx, other))
+
+
+def test_client_split_builds_clients_from_the_training_part():
+    experiment = build(quick(test_split="client:0.2", clients=4))
+    whole = build(quick(clients=4))
+    for client, held, full in zip(experiment.clients, experiment.client_test, whole.clients):
+        assert client.num_samples + len(held) == full.num_samples
+        assert len(held) == full.num_samples - max(1, int(0.8 * full.num_samples))
+        assert not set(client.indices.tolist()) & set(held.tolist())
+
+
+@pytest.mark.parametrize("bad", ["client", "client:0", "client:1", "clients:0.1", "local"])
+def test_bad_test_split_is_one_line_user_error(bad):
+    with pytest.raises(UserError, match="test_split") as err:
+        build(quick(test_split=bad))
+    assert "\n" not in str(err.value)
+
+
+def test_client_split_pools_every_clients_own_predictions():
+    """A personal-model algorithm: each client's own part on its own held-out samples."""
+    experiment = train(2, algorithm="psl", **quick(test_split="client:0.2", participation=1.0))
+    algorithm, data = experiment.algorithm, experiment.data
+    per_client = []
+    for client, held in zip(experiment.clients, experiment.client_test):
+        with torch.no_grad():
+            logits = algorithm.server_model(algorithm.client_model(client.id)(data.train_x[held]))
+        per_client.append((logits, data.train_y[held]))
+    pooled = classification_metrics(torch.cat([l for l, _ in per_client]), torch.cat([y for _, y in per_client]))
+    assert evaluate(experiment) == pytest.approx(pooled)
+    sizes = [len(y) for _, y in per_client]
+    accuracy = sum(float((l.argmax(1) == y).float().mean()) * n for (l, y), n in zip(per_client, sizes)) / sum(sizes)
+    assert evaluate(experiment)["accuracy"] == pytest.approx(accuracy)  # = test-size-weighted mean
+
+
+def test_global_test_set_averages_each_clients_own_model():
+    experiment = train(1, algorithm="sglr", **quick(clients=3))
+    algorithm, data = experiment.algorithm, experiment.data
+    per_client = []
+    for client in experiment.clients:
+        with torch.no_grad():
+            logits = algorithm.server_model(algorithm.client_model(client.id)(data.test_x))
+        per_client.append(classification_metrics(logits, data.test_y))
+    assert len({m["accuracy"] for m in per_client} | {m["loss"] for m in per_client}) > 2  # models differ
+    expected = {key: float(np.mean([m[key] for m in per_client])) for key in per_client[0]}
+    assert evaluate(experiment) == pytest.approx(expected)
+
+
+def test_one_global_model_under_client_split_is_that_model_on_the_pooled_held_out_samples():
+    experiment = train(1, algorithm="sfl_v2", **quick(test_split="client:0.2"))
+    held = torch.cat(experiment.client_test)
+    with torch.no_grad():
+        logits = experiment.algorithm.predict(experiment.data.train_x[held])
+    assert evaluate(experiment) == pytest.approx(classification_metrics(logits, experiment.data.train_y[held]))
+
+
+def test_rounds_and_gib_to_target():
+    rows = [{"round": r, "test_accuracy": a, "comm_gib": 0.5 * r} for r, a in [(2, 0.3), (4, 0.5), (6, 0.45), (8, 0.7)]]
+    assert _to_target(rows, 0.5) == {"target_accuracy": 0.5, "rounds_to_target": 4, "gib_to_target": 2.0}
+    assert _to_target(rows, 0.69) == {"target_accuracy": 0.69, "rounds_to_target": 8, "gib_to_target": 4.0}
+    assert _to_target(rows, 0.9)["rounds_to_target"] is None and _to_target(rows, 0.9)["gib_to_target"] is None
+    assert _to_target(rows, None)["rounds_to_target"] is None
+
+
+def test_summary_reports_rounds_to_target(tmp_path):
+    summary = run(quick(algorithm="cycle_sfl", rounds=3, target_accuracy=0.01, test_split="client:0.1",
+                        out=str(tmp_path)), progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert summary["rounds_to_target"] == 1 and summary["gib_to_target"] == rows[0]["comm_gib"]
+    assert json.loads((tmp_path / "summary.json").read_text())["rounds_to_target"] == 1
+    with pytest.raises(UserError, match="target_accuracy"):
+        build(quick(target_accuracy=45))
