@@ -71,3 +71,11 @@ def test_cnn_cut_bytes_follow_the_activation_shape():
     assert experiment.algorithm.channel.ledger.state_dict() == {
         "smashed": SAMPLES * 256 * 4, "labels": SAMPLES * LABEL, "cut_grad": SAMPLES * 256 * 4,
         "client_model_down": CLIENTS * client_params * 4, "client_model_up": CLIENTS * client_params * 4}
+
+
+@pytest.mark.parametrize("algorithm,extra", [("sfl_v1", {}), ("sfl_v2", {}),
+                                             ("cse_fsl", {"server_update_interval": 1})])
+def test_local_steps_caps_the_batches_a_client_sends(algorithm, extra):
+    # 100 samples per client in batches of 32 would be 4 batches (32+32+32+4); the cap keeps 2.
+    ledger = bytes_of_round(algorithm, local_steps=2, **extra)
+    assert ledger["smashed"] == CLIENTS * 2 * 32 * SMASHED

@@ -32,6 +32,8 @@ class RunConfig(BaseModel):
     participation: float = Field(1.0, gt=0, le=1, description="fraction C of clients sampled per round")
     rounds: int = Field(10, ge=1)
     local_epochs: int = Field(1, ge=1)
+    local_steps: int | None = Field(None, ge=1, description="cap on a client's mini-batches per round (after "
+                                                            "local_epochs); none = all of them")
     batch_size: int = Field(64, ge=1)
     optimizer: Literal["sgd", "adam"] = "adam"
     lr: float = Field(1e-3, gt=0)

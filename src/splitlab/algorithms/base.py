@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import itertools
 import math
 import time
 from collections import defaultdict
@@ -73,13 +74,19 @@ class Context:
         """The client's mini-batches for this round: `local_epochs` seeded passes over its data."""
         orders = [self.rng(rnd, STREAM_BATCHES, client.id, epoch).permutation(client.num_samples)
                   for epoch in range(self.config.local_epochs)]
-        return client.batches(self.data.train_x, self.data.train_y, self.config.batch_size, orders)
+        batches = client.batches(self.data.train_x, self.data.train_y, self.config.batch_size, orders)
+        return itertools.islice(batches, self.local_steps(client))
+
+    def local_steps(self, client: Client) -> int:
+        """How many mini-batches the client takes this round: its epochs, capped by `local_steps`."""
+        steps = math.ceil(client.num_samples / self.config.batch_size) * self.config.local_epochs
+        return min(steps, self.config.local_steps or steps)
 
     def interleaved(self, rnd: int, clients: list[Client]) -> Iterator[tuple[int, int, tuple]]:
         """(k, step, batch) in SplitFed-v2's interleaved order (cut-layer paper, Algorithm 2):
         at every local step, the clients with batches left go in a fresh random order."""
         batches = [self.batches(client, rnd) for client in clients]
-        steps = [math.ceil(c.num_samples / self.config.batch_size) * self.config.local_epochs for c in clients]
+        steps = [self.local_steps(c) for c in clients]
         for step in range(max(steps, default=0)):
             active = [k for k, n in enumerate(steps) if n > step]
             for k in self.rng(rnd, STREAM_ORDER, step).permutation(active):

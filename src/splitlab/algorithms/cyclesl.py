@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
-from torch import nn
 
 from splitlab.algorithms.base import STREAM_SERVER_BATCHES, Algorithm, Context
 from splitlab.algorithms.psl import PersonalClients
 from splitlab.algorithms.sglr import SGLRParams, averaged_clients, client_step, send_cut_grads
-from splitlab.roles import Client, ModelAverage, Part
+from splitlab.algorithms.sl import Relay
+from splitlab.roles import Client, CopyPool, ModelAverage, Part
 
 
 class CycleParams(BaseModel):
@@ -120,12 +120,10 @@ class CycleSFL(CycleSL):
         super().__init__(ctx)
         self.client_model, self.server_model = ctx.new_split()
         self.init_server()
-        self._copies: list[nn.Module] = []
+        self._copies = CopyPool(self.client_model)
 
     def train_round(self, rnd: int, clients: list[Client]) -> None:
-        while len(self._copies) < len(clients):  # one live copy per sampled client (graphs kept)
-            self._copies.append(self.working_copy(self.client_model))
-        copies = self._copies[:len(clients)]
+        copies = self._copies.take(len(clients))  # one live copy per sampled client (graphs kept)
         for copy in copies:
             self.download("client_model_down", self.client_model, copy)
         self.cycle(rnd, clients, [self.ctx.part(copy) for copy in copies])
@@ -138,7 +136,7 @@ class CycleSFL(CycleSL):
         return [self.client_model, self.server_model]
 
 
-class CycleSSL(CycleSL):
+class CycleSSL(CycleSL, Relay):
     """Sequential SL with the cycle update: clients in id order, each one cycle on its own batch."""
 
     name = "cycle_ssl"
@@ -148,23 +146,11 @@ class CycleSSL(CycleSL):
         super().__init__(ctx)
         self.client_model, self.server_model = ctx.new_split()
         self.init_server()
-        self.holder = -1  # id of the client holding the client part; -1 before anyone has it
 
     def train_round(self, rnd: int, clients: list[Client]) -> None:
         for client in clients:
-            if self.holder not in (-1, client.id):
-                self.client_model.load_state_dict(
-                    self.channel.send("client_model_relay", self.client_model.state_dict()))
-            self.holder = client.id
+            self.hand_to(client)
             self.cycle(rnd, [client], [self.ctx.part(self.client_model)])
 
     def global_parts(self):
         return [self.client_model, self.server_model]
-
-    def state_dict(self) -> dict[str, object]:
-        return {**super().state_dict(), "holder": self.holder}
-
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        state = dict(state)
-        self.holder = int(state.pop("holder"))
-        super().load_state_dict(state)

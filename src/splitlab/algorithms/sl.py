@@ -13,27 +13,17 @@ from splitlab.algorithms.base import Algorithm, Context
 from splitlab.roles import Client
 
 
-class SplitLearning(Algorithm):
-    name = "sl"
+class Relay(Algorithm):
+    """One client part (`self.client_model`) handed from client to client; shared with CycleSSL."""
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.client_model, server_model = ctx.new_split()
-        self.server = ctx.part(server_model)
-        self.holder = -1  # id of the client holding the client part; -1 before anyone has it
+    holder = -1  # id of the client holding the client part; -1 before anyone has it
 
-    def train_round(self, rnd: int, clients: list[Client]) -> None:
-        for client in clients:
-            if self.holder not in (-1, client.id):
-                self.client_model.load_state_dict(
-                    self.channel.send("client_model_relay", self.client_model.state_dict()))
-            self.holder = client.id
-            client_part = self.ctx.part(self.client_model)
-            for x, y in self.ctx.batches(client, rnd):
-                self.split_step(client_part, self.server, x, y)
-
-    def global_parts(self):
-        return [self.client_model, self.server.model]
+    def hand_to(self, client: Client) -> None:
+        """Give the client part to `client`, counted unless it already holds it."""
+        if self.holder not in (-1, client.id):
+            self.client_model.load_state_dict(
+                self.channel.send("client_model_relay", self.client_model.state_dict()))
+        self.holder = client.id
 
     def state_dict(self) -> dict[str, object]:
         return {**super().state_dict(), "holder": self.holder}
@@ -42,3 +32,22 @@ class SplitLearning(Algorithm):
         state = dict(state)
         self.holder = int(state.pop("holder"))
         super().load_state_dict(state)
+
+
+class SplitLearning(Relay):
+    name = "sl"
+
+    def __init__(self, ctx: Context) -> None:
+        super().__init__(ctx)
+        self.client_model, server_model = ctx.new_split()
+        self.server = ctx.part(server_model)
+
+    def train_round(self, rnd: int, clients: list[Client]) -> None:
+        for client in clients:
+            self.hand_to(client)
+            client_part = self.ctx.part(self.client_model)
+            for x, y in self.ctx.batches(client, rnd):
+                self.split_step(client_part, self.server, x, y)
+
+    def global_parts(self):
+        return [self.client_model, self.server.model]
