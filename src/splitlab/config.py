@@ -53,6 +53,8 @@ class RunConfig(BaseModel):
     ledger: Literal["splitlab", "fsl_sage"] = Field(
         "splitlab", description="byte-counting convention: splitlab counts everything; fsl_sage leaves labels "
                                 "out, as the FSL-SAGE authors' code does")
+    logger: Literal["none", "tensorboard"] = Field(
+        "none", description="also log metrics to TensorBoard (OUT/tensorboard; needs the tensorboard package)")
     out: str | None = Field(None, description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>")
     resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
     overwrite: bool = Field(False, description="replace a finished or partial run in `out`")
@@ -93,7 +95,7 @@ class NoParams(BaseModel):
 
 
 #: Keys that say how to run, not what to compute: they may differ between a run and its resume.
-RUN_CONTROL_KEYS = ("resume", "overwrite", "device", "out")
+RUN_CONTROL_KEYS = ("resume", "overwrite", "device", "out", "logger")
 
 
 @dataclass(frozen=True)

@@ -21,15 +21,33 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import STREAM_SAMPLING, Algorithm, Context
 from splitlab.channel import GIB, Channel
-from splitlab.config import RUN_CONTROL_KEYS, ResolvedConfig, parse_test_split, resolve_config
+from splitlab.config import (
+    RUN_CONTROL_KEYS,
+    ResolvedConfig,
+    parse_test_split,
+    resolve_config,
+)
 from splitlab.data import Dataset, load_dataset, partition, partition_report
 from splitlab.errors import UserError
-from splitlab.io import save_safetensors, save_torch, write_json, write_jsonl, write_yaml
+from splitlab.io import (
+    save_safetensors,
+    save_torch,
+    write_json,
+    write_jsonl,
+    write_yaml,
+)
+from splitlab.loggers import check_logger, make_logger
 from splitlab.metrics import classification_metrics, logits_in_batches
 from splitlab.roles import Client
 
@@ -102,6 +120,7 @@ def build(raw: Mapping[str, Any]) -> Experiment:
     config = resolve_config(raw)
     run = config.run
     device = resolve_device(run.device)
+    check_logger(run.logger)
     data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
     indices = _client_indices(config, data)
     held_out = parse_test_split(run.test_split)
@@ -223,6 +242,7 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
 
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("acc {task.fields[acc]}  {task.fields[gib]} GiB"), TimeElapsedColumn()]
+    logger = make_logger(cfg.logger, out)
     with Progress(*columns, disable=not show_progress, transient=False) as bar:
         task = bar.add_task(f"{cfg.algorithm} rounds", total=cfg.rounds, completed=state["round"],
                             acc=_last_accuracy(state["metrics"]), gib=f"{ledger.total_bytes / GIB:.3f}")
@@ -243,10 +263,12 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
             if state["round"] % cfg.eval_every == 0 or state["round"] == cfg.rounds or over_budget:
                 state["metrics"].append(_metrics_row(experiment, state, train_loss, compute_seconds))
                 write_jsonl(out / "metrics.jsonl", state["metrics"])
+                logger.log(state["metrics"][-1])
             save_torch(checkpoint_path, {**state, "algorithm": algorithm.state_dict(),
                                          "ledger": ledger.state_dict()})
             bar.update(task, completed=state["round"], acc=_last_accuracy(state["metrics"]),
                        gib=f"{ledger.total_bytes / GIB:.3f}")
+    logger.close()
     return _finish(experiment, state)
 
 
