@@ -3,17 +3,14 @@ server, the |D_k|-weighted pooled server task, byte counts from tensor shapes, c
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import global_weights, max_abs_difference, quick, train
-from splitlab.algorithms.base import STREAM_SAMPLING
+from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
 from splitlab.algorithms.sglr import averaged_clients
-from splitlab.engine import sample_clients
 
 CYCLES = ["cycle_psl", "cycle_sglr", "cycle_sfl", "cycle_ssl"]
 WIDTH = 200 * 4  # bytes per sample of the MLP's cut-1 activations (200 float32)
@@ -104,23 +101,7 @@ def test_bytes_per_round(algorithm):
 @pytest.mark.parametrize("algorithm", CYCLES)
 def test_checkpoint_resumes_bit_for_bit(algorithm):
     config = quick(participation=0.67, optimizer="adam", server_epochs=2, server_batch_size=16)
-
-    def step(experiment, rnd):
-        torch.manual_seed(rnd)
-        rng = experiment.algorithm.ctx.rng(rnd, STREAM_SAMPLING)
-        experiment.algorithm.train_round(rnd, sample_clients(experiment.clients, 0.67, rng))
-
-    straight, first = train(0, algorithm=algorithm, **config), train(0, algorithm=algorithm, **config)
-    for rnd in range(3):
-        step(straight, rnd)
-    for rnd in range(2):
-        step(first, rnd)
-    buffer = io.BytesIO()
-    torch.save(first.algorithm.state_dict(), buffer)
-    buffer.seek(0)
-    resumed = train(0, algorithm=algorithm, **config)
-    resumed.algorithm.load_state_dict(torch.load(buffer, weights_only=True))
-    step(resumed, 2)
+    straight, resumed = straight_and_resumed(3, algorithm=algorithm, **config)
     if algorithm in ("cycle_sfl", "cycle_ssl"):
         assert max_abs_difference(global_weights(resumed), global_weights(straight)) == 0.0
     else:

@@ -3,17 +3,14 @@ rates, byte counts from tensor shapes, and checkpoints of the personal client pa
 
 from __future__ import annotations
 
-import io
 import math
 
 import pytest
 import torch
 
-from helpers import global_weights, max_abs_difference, quick, train
+from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
 from splitlab.channel import Channel
-from splitlab.algorithms.base import STREAM_SAMPLING
 from splitlab.algorithms.sglr import averaged_clients, send_cut_grads
-from splitlab.engine import sample_clients
 
 SGD = dict(optimizer="sgd", lr=0.05)
 
@@ -114,22 +111,7 @@ def test_psl_bytes_per_round():
 @pytest.mark.parametrize("algorithm", ["psl", "sglr"])
 def test_checkpoint_holds_the_personal_parts(algorithm):
     config = quick(participation=0.67, optimizer="adam")
-
-    def step(experiment, rnd):
-        clients = sample_clients(experiment.clients, 0.67, experiment.algorithm.ctx.rng(rnd, STREAM_SAMPLING))
-        experiment.algorithm.train_round(rnd, clients)
-
-    straight, first = train(0, algorithm=algorithm, **config), train(0, algorithm=algorithm, **config)
-    for rnd in range(3):
-        step(straight, rnd)
-    for rnd in range(2):
-        step(first, rnd)
-    buffer = io.BytesIO()
-    torch.save(first.algorithm.state_dict(), buffer)
-    buffer.seek(0)
-    resumed = train(0, algorithm=algorithm, **config)
-    resumed.algorithm.load_state_dict(torch.load(buffer, weights_only=True))
-    step(resumed, 2)
+    straight, resumed = straight_and_resumed(3, algorithm=algorithm, **config)
     assert set(resumed.algorithm.client_parts) == set(straight.algorithm.client_parts)
     for k in straight.algorithm.client_parts:
         assert max_abs_difference(personal_weights(resumed, k), personal_weights(straight, k)) == 0.0
