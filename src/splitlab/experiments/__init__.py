@@ -10,7 +10,13 @@ The sweep file format and the report's contents are documented in `docs/experime
 """
 
 from splitlab.experiments.report import collect_results, write_report
-from splitlab.experiments.sweep import SweepFailed, expand_sweep, load_sweep, run_name, run_sweep
+from splitlab.experiments.sweep import (
+    SweepFailed,
+    expand_sweep,
+    load_sweep,
+    run_name,
+    run_sweep,
+)
 
 __all__ = [
     "SweepFailed",

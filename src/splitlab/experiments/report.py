@@ -27,6 +27,7 @@ import yaml
 
 from splitlab.errors import UserError
 from splitlab.experiments.sweep import ERROR_FILE, SNAPSHOT, check_target
+from splitlab.io import write_text
 
 REPORT = "report.md"
 RESULTS = "results.csv"
@@ -663,12 +664,6 @@ def _plot_partitions(an: _Analysis, path: Path) -> Path | None:
 # --------------------------------------------------------------------------- writing
 
 
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _csv_value(value: Any) -> Any:
     if value is None:
         return ""
@@ -685,7 +680,7 @@ def _write_csv(an: _Analysis, path: Path) -> None:
     writer.writeheader()
     for row in an.rows:
         writer.writerow({k: _csv_value(row.get(k)) for k in an.columns})
-    _write_text(path, buf.getvalue())
+    write_text(path, buf.getvalue())
 
 
 def collect_results(sweep_dir: str | os.PathLike, target_accuracy: float | None = None) -> list[dict]:
@@ -731,7 +726,7 @@ def write_report(sweep_dir: str | os.PathLike, target_accuracy: float | None = N
         if part is not None:
             plots.append(("Label distribution per client", part))
 
-    _write_text(path / REPORT, _markdown(an, path, plots))
+    write_text(path / REPORT, _markdown(an, path, plots))
     return path / REPORT
 
 

@@ -38,14 +38,15 @@ import re
 import time
 import traceback
 from collections.abc import Mapping
-from dataclasses import dataclass
 from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from splitlab.errors import UserError
+from splitlab.io import write_text
 
 log = logging.getLogger(__name__)
 
@@ -350,12 +351,6 @@ def _check_existing(runs: list[_Point], sweep_dir: Path) -> None:
                 )
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
-
-
 def _write_snapshot(sweep_dir: Path, spec: dict, source: str, runs: list[_Point]) -> None:
     snapshot = {
         "source": source,
@@ -368,11 +363,13 @@ def _write_snapshot(sweep_dir: Path, spec: dict, source: str, runs: list[_Point]
         "runs": {p.name: p.axis_values for p in runs},
     }
     snapshot = json.loads(json.dumps(snapshot, default=str))  # plain types only (Path -> str)
-    _write_atomic(sweep_dir / SNAPSHOT, yaml.safe_dump(snapshot, sort_keys=False, allow_unicode=True))
+    write_text(sweep_dir / SNAPSHOT, yaml.safe_dump(snapshot, sort_keys=False, allow_unicode=True))
 
 
 def _call_engine(config: dict, progress: bool) -> dict:
-    from splitlab import engine  # looked up at call time so tests can monkeypatch engine.run
+    from splitlab import (
+        engine,  # looked up at call time so tests can monkeypatch engine.run
+    )
 
     return engine.run(config, resume=True, progress=progress)
 
@@ -467,7 +464,7 @@ def run_sweep(path: str | os.PathLike | Mapping, out: str | os.PathLike | None =
             failures[name] = error
             try:
                 (sweep_dir / name).mkdir(parents=True, exist_ok=True)
-                _write_atomic(sweep_dir / name / ERROR_FILE, error)
+                write_text(sweep_dir / name / ERROR_FILE, error)
             except OSError:
                 pass
             last = error.strip().splitlines()[-1] if error.strip() else "error"
@@ -511,7 +508,7 @@ def run_sweep(path: str | os.PathLike | Mapping, out: str | os.PathLike | None =
 
     failures_path = sweep_dir / FAILURES
     if failures:
-        _write_atomic(failures_path, json.dumps(failures, indent=2))
+        write_text(failures_path, json.dumps(failures, indent=2))
         raise SweepFailed(sweep_dir, failures, total)
     failures_path.unlink(missing_ok=True)
     if console:
