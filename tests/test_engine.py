@@ -67,23 +67,28 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypat
     config = quick(algorithm="sfl_v2", rounds=4, optimizer="adam", partition="dirichlet:0.5")
     run({**config, "out": str(tmp_path / "whole")}, progress=False)
 
-    original = SFLV2.train_round
-
-    def crash_in_round_2(self, rnd, clients):
-        if rnd == 2:
-            raise KeyboardInterrupt
-        return original(self, rnd, clients)
-
-    monkeypatch.setattr(SFLV2, "train_round", crash_in_round_2)
-    with pytest.raises(KeyboardInterrupt):
-        run({**config, "out": str(tmp_path / "cut")}, progress=False)
+    crash_before_round(2, {**config, "out": str(tmp_path / "cut")}, monkeypatch)
     assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["round"] == 2
-    monkeypatch.setattr(SFLV2, "train_round", original)
 
     with pytest.raises(UserError, match="already holds a run; use resume=true"):
         run({**config, "out": str(tmp_path / "cut")}, progress=False)
     run({**config, "out": str(tmp_path / "cut"), "resume": True}, progress=False)
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
+
+
+def crash_before_round(crash_round: int, config: dict, monkeypatch) -> None:
+    """Run `config` until it is interrupted at the start of round `crash_round`."""
+    original = SFLV2.train_round
+
+    def crash(self, rnd, clients):
+        if rnd == crash_round:
+            raise KeyboardInterrupt
+        return original(self, rnd, clients)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(SFLV2, "train_round", crash)
+        with pytest.raises(KeyboardInterrupt):
+            run(config, progress=False)
 
 
 def assert_same_run(a: Path, b: Path) -> None:
@@ -141,3 +146,12 @@ def test_comm_budget_stops_the_run_once_spent(tmp_path):
     assert summary["rounds_completed"] == 2
     assert summary["total_bytes"] == 2 * 794_400
     assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["round"] == 2  # evaluated where it stopped
+
+
+def test_a_run_from_before_a_new_key_existed_still_resumes(tmp_path, monkeypatch):
+    config = quick(algorithm="sfl_v2", rounds=2, out=str(tmp_path))
+    crash_before_round(1, config, monkeypatch)
+    stored = (tmp_path / "config.yaml").read_text()
+    (tmp_path / "config.yaml").write_text("".join(line + "\n" for line in stored.splitlines()
+                                                  if not line.startswith("local_steps:")))
+    assert run({**config, "resume": True}, progress=False)["rounds_completed"] == 2

@@ -106,6 +106,10 @@ class ResolvedConfig:
     def as_dict(self) -> dict[str, Any]:
         return {**self.run.model_dump(), **self.params.model_dump()}
 
+    def defaults(self) -> dict[str, Any]:
+        """Every key at its default value, for this algorithm."""
+        return {**RunConfig(algorithm=self.run.algorithm).model_dump(), **type(self.params)().model_dump()}
+
     @property
     def out_dir(self) -> Path:
         r = self.run

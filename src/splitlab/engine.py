@@ -193,7 +193,8 @@ class _RunDirectory:
         return [name for name in RUN_FILES if (self.path / name).exists()]
 
     def check_resumable(self) -> None:
-        stored = yaml.safe_load((self.path / "config.yaml").read_text()) or {}
+        # A key the stored config lacks (added to splitlab after the run began) counts as its default.
+        stored = {**self.config.defaults(), **(yaml.safe_load((self.path / "config.yaml").read_text()) or {})}
         current = self.config.as_dict()
         differing = sorted(k for k in current if k not in RUN_CONTROL_KEYS and stored.get(k) != current[k])
         if differing:
