@@ -1,13 +1,12 @@
-"""Small shared test helpers: quick configs and weight comparisons."""
+"""Small shared test helpers: quick configs, training without files, weight comparisons."""
 
 from __future__ import annotations
 
-import io
-
 import torch
 
-from splitlab.algorithms.base import STREAM_SAMPLING
-from splitlab.engine import Experiment, build, sample_clients
+from splitlab import codec
+from splitlab.engine import STREAM_SAMPLING, Experiment, build, restore, role_states, sample_clients
+from splitlab.roles import ClientNode, random_stream
 
 QUICK = dict(dataset="synthetic", model="mlp", clients=3, rounds=2, batch_size=32, device="cpu",
              train_subset=300, seed=0)
@@ -21,12 +20,29 @@ def train(num_rounds: int, **config) -> Experiment:
     """Build an experiment and train it for `num_rounds` rounds on all clients (no files written)."""
     experiment = build(config)
     for rnd in range(num_rounds):
-        experiment.algorithm.train_round(rnd, experiment.clients)
+        experiment.algorithm.run_round(rnd, experiment.clients)
     return experiment
 
 
 def global_weights(experiment: Experiment) -> dict[str, torch.Tensor]:
-    return {name: t for part in experiment.algorithm.global_parts() for name, t in part.state_dict().items()}
+    return {name: t for state in experiment.algorithm.global_model() for name, t in state.items()}
+
+
+def node(experiment: Experiment, client_id: int) -> ClientNode:
+    return experiment.roles.clients[client_id]
+
+
+def client_model(experiment: Experiment, client_id: int, slot: str = "client_model") -> torch.nn.Module:
+    """Client `client_id`'s model in `slot`, as the client node holds it (initial if it never trained)."""
+    return node(experiment, client_id).model(slot)
+
+
+def server_model(experiment: Experiment, slot: str = "server_model") -> torch.nn.Module:
+    return experiment.roles.server.model(slot)
+
+
+def sync_model(experiment: Experiment, slot: str = "client_model") -> torch.nn.Module:
+    return experiment.roles.sync.model(slot)
 
 
 def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -35,22 +51,25 @@ def max_abs_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 
 def straight_and_resumed(num_rounds: int, **config) -> tuple[Experiment, Experiment]:
-    """Train `num_rounds` rounds straight through, and again with the algorithm's state saved and
-    loaded into a fresh experiment before the last round (as the engine's checkpoint does)."""
+    """Train `num_rounds` rounds straight through, and again with every role's state encoded and
+    restored into a fresh experiment before the last round (as the engine's checkpoint does)."""
 
     def step(experiment: Experiment, rnd: int) -> None:
         torch.manual_seed(rnd)
-        rng = experiment.algorithm.ctx.rng(rnd, STREAM_SAMPLING)
-        experiment.algorithm.train_round(rnd, sample_clients(experiment.clients, config.get("participation", 1.0), rng))
+        rng = random_stream(config.get("seed", 0), rnd, STREAM_SAMPLING)
+        experiment.algorithm.run_round(rnd, sample_clients(experiment.clients, config.get("participation", 1.0), rng))
 
     straight, first, resumed = build(config), build(config), build(config)
     for rnd in range(num_rounds):
         step(straight, rnd)
     for rnd in range(num_rounds - 1):
         step(first, rnd)
-    buffer = io.BytesIO()
-    torch.save(first.algorithm.state_dict(), buffer)
-    buffer.seek(0)
-    resumed.algorithm.load_state_dict(torch.load(buffer, weights_only=True))
+    restore(resumed, codec.decode(codec.encode(role_states(first))))
     step(resumed, num_rounds - 1)
     return straight, resumed
+
+
+def personal_weights(experiment: Experiment) -> dict[int, dict[str, torch.Tensor]]:
+    """Every client's own client part, for the clients that hold one."""
+    return {node.id: node.models["client_model"].state_dict() for node in experiment.roles.clients
+            if "client_model" in node.models}

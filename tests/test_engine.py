@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from helpers import global_weights, quick, train
 from splitlab.algorithms.sfl_v2 import SFLV2
-from splitlab.engine import run
+from splitlab import codec
+from splitlab.engine import CHECKPOINT, run
 from splitlab.errors import UserError
 from splitlab.io import read_jsonl
 
@@ -64,11 +65,11 @@ def test_same_seed_same_metrics_other_seed_other_metrics(tmp_path):
 
 
 def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
-    config = quick(algorithm="sfl_v2", rounds=4, optimizer="adam", partition="dirichlet:0.5")
+    config = quick(algorithm="sfl_v2", rounds=4, optimizer="adam", partition="dirichlet:0.5", checkpoint_every=0)
     run({**config, "out": str(tmp_path / "whole")}, progress=False)
 
     crash_before_round(2, {**config, "out": str(tmp_path / "cut")}, monkeypatch)
-    assert torch.load(tmp_path / "cut" / "checkpoint.pt", weights_only=True)["round"] == 2
+    assert codec.decode((tmp_path / "cut" / CHECKPOINT).read_bytes())["loop"]["round"] == 2
 
     with pytest.raises(UserError, match="already holds a run; use resume=true"):
         run({**config, "out": str(tmp_path / "cut")}, progress=False)
@@ -95,19 +96,19 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert without_timing(read_jsonl(a / "metrics.jsonl")) == without_timing(read_jsonl(b / "metrics.jsonl"))
     wa, wb = load_file(a / "weights.safetensors"), load_file(b / "weights.safetensors")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert not (b / "checkpoint.pt").exists()
+    assert not (b / CHECKPOINT).exists()
 
 
 def test_sigkilled_cli_run_resumes_to_the_uninterrupted_result(tmp_path):
     args = ["algorithm=sfl_v1", "dataset=digits", "model=mlp", "clients=4", "rounds=30", "device=cpu",
-            "train_subset=400", "partition=dirichlet:1"]
+            "train_subset=400", "partition=dirichlet:1", "checkpoint_every=0"]
     cli = [sys.executable, "-m", "splitlab", "run", "--no-progress"]
     subprocess.run(cli + args + [f"out={tmp_path / 'whole'}"], check=True, capture_output=True)
 
     killed = tmp_path / "killed"
     process = subprocess.Popen(cli + args + [f"out={killed}"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not (killed / "checkpoint.pt").exists() and time.monotonic() < deadline:
+    while not (killed / CHECKPOINT).exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()

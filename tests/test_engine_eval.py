@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import quick, train
+from helpers import client_model, quick, server_model, sync_model, train
 from splitlab.engine import _hold_out, _to_target, build, evaluate, run
 from splitlab.errors import UserError
 from splitlab.metrics import classification_metrics
@@ -31,10 +31,10 @@ def test_hold_out_is_sample_wise_seeded_and_keeps_a_training_sample():
 def test_client_split_builds_clients_from_the_training_part():
     experiment = build(quick(test_split="client:0.2", clients=4))
     whole = build(quick(clients=4))
-    for client, held, full in zip(experiment.clients, experiment.client_test, whole.clients):
-        assert client.num_samples + len(held) == full.num_samples
+    for node, (held, _), full in zip(experiment.roles.clients, experiment.client_test, whole.clients):
+        assert node.num_samples + len(held) == full.num_samples
         assert len(held) == full.num_samples - max(1, int(0.8 * full.num_samples))
-        assert not set(client.indices.tolist()) & set(held.tolist())
+        assert not {tuple(row) for row in node.x.flatten(1).tolist()} & {tuple(row) for row in held.flatten(1).tolist()}
 
 
 @pytest.mark.parametrize("bad", ["client", "client:0", "client:1", "clients:0.1", "local"])
@@ -47,12 +47,11 @@ def test_bad_test_split_is_one_line_user_error(bad):
 def test_client_split_pools_every_clients_own_predictions():
     """A personal-model algorithm: each client's own part on its own held-out samples."""
     experiment = train(2, algorithm="psl", **quick(test_split="client:0.2", participation=1.0))
-    algorithm, data = experiment.algorithm, experiment.data
     per_client = []
-    for client, held in zip(experiment.clients, experiment.client_test):
+    for client, (x, y) in zip(experiment.clients, experiment.client_test):
         with torch.no_grad():
-            logits = algorithm.server_model(algorithm.client_model(client.id)(data.train_x[held]))
-        per_client.append((logits, data.train_y[held]))
+            logits = server_model(experiment)(client_model(experiment, client.id)(x))
+        per_client.append((logits, y))
     pooled = classification_metrics(torch.cat([l for l, _ in per_client]), torch.cat([y for _, y in per_client]))
     assert evaluate(experiment) == pytest.approx(pooled)
     sizes = [len(y) for _, y in per_client]
@@ -62,11 +61,11 @@ def test_client_split_pools_every_clients_own_predictions():
 
 def test_global_test_set_averages_each_clients_own_model():
     experiment = train(1, algorithm="sglr", **quick(clients=3))
-    algorithm, data = experiment.algorithm, experiment.data
+    data = experiment.data
     per_client = []
     for client in experiment.clients:
         with torch.no_grad():
-            logits = algorithm.server_model(algorithm.client_model(client.id)(data.test_x))
+            logits = server_model(experiment)(client_model(experiment, client.id)(data.test_x))
         per_client.append(classification_metrics(logits, data.test_y))
     assert len({m["accuracy"] for m in per_client} | {m["loss"] for m in per_client}) > 2  # models differ
     expected = {key: float(np.mean([m[key] for m in per_client])) for key in per_client[0]}
@@ -75,10 +74,10 @@ def test_global_test_set_averages_each_clients_own_model():
 
 def test_one_global_model_under_client_split_is_that_model_on_the_pooled_held_out_samples():
     experiment = train(1, algorithm="sfl_v2", **quick(test_split="client:0.2"))
-    held = torch.cat(experiment.client_test)
+    x, y = (torch.cat(held) for held in zip(*experiment.client_test))
     with torch.no_grad():
-        logits = experiment.algorithm.predict(experiment.data.train_x[held])
-    assert evaluate(experiment) == pytest.approx(classification_metrics(logits, experiment.data.train_y[held]))
+        logits = server_model(experiment)(sync_model(experiment)(x))
+    assert evaluate(experiment) == pytest.approx(classification_metrics(logits, y))
 
 
 def test_rounds_and_gib_to_target():

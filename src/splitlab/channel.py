@@ -24,6 +24,11 @@ KINDS: dict[str, str] = {
     "server_model": "server",     # server-side copies moving between server roles
     "aux_model_down": "down",     # auxiliary heads / models (CSE-FSL, FSL-SAGE, SplitGP)
     "aux_model_up": "up",
+    # Telemetry: what the simulation reads from roles and a deployment would not send, or not
+    # as training traffic. Never counted.
+    "loss": "telemetry",          # a training loss, for the round's mean train loss
+    "evaluation": "telemetry",    # a model fetched by the engine to evaluate it
+    "checkpoint": "telemetry",    # a role's state, saved or restored by the engine
 }
 
 Payload = TypeVar("Payload", torch.Tensor, Mapping[str, torch.Tensor])
@@ -41,19 +46,33 @@ LEDGER_CONVENTIONS: dict[str, frozenset[str]] = {
 }
 
 
-def payload_bytes(payload: torch.Tensor | Mapping[str, torch.Tensor]) -> int:
-    tensors = payload.values() if isinstance(payload, Mapping) else [payload]
-    return sum(t.numel() * t.element_size() for t in tensors)
+def payload_bytes(payload: object) -> int:
+    """numel x element size of every tensor in a nest of tensors, dicts, lists and tuples."""
+    if isinstance(payload, torch.Tensor):
+        return payload.numel() * payload.element_size()
+    if isinstance(payload, Mapping):
+        return sum(payload_bytes(v) for v in payload.values())
+    if isinstance(payload, (list, tuple)):
+        return sum(payload_bytes(v) for v in payload)
+    return 0
 
 
 class Ledger:
-    """Cumulative bytes by message kind."""
+    """Cumulative bytes by message kind, and (serialized transport) the encoded messages' bytes.
 
-    def __init__(self) -> None:
+    `uncounted` holds the kinds a ledger convention leaves out; telemetry is never counted."""
+
+    def __init__(self, convention: str = "splitlab") -> None:
         self.bytes_by_kind: dict[str, int] = {}
+        self.envelope_bytes = 0
+        self.uncounted = LEDGER_CONVENTIONS[convention]
 
     def add(self, kind: str, nbytes: int) -> None:
-        self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + nbytes
+        direction = KINDS.get(kind)
+        if direction is None:
+            raise ValueError(f"unknown message kind {kind!r}; known: {', '.join(KINDS)}")
+        if direction != "telemetry" and kind not in self.uncounted:
+            self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + nbytes
 
     @property
     def total_bytes(self) -> int:
@@ -70,14 +89,10 @@ class Channel:
     """Delivers payloads between roles and records their size in a ledger."""
 
     def __init__(self, ledger: Ledger | None = None, convention: str = "splitlab") -> None:
-        self.ledger = ledger or Ledger()
-        self.uncounted = LEDGER_CONVENTIONS[convention]
+        self.ledger = ledger or Ledger(convention)
 
     def send(self, kind: str, payload: Payload) -> Payload:
-        if kind not in KINDS:
-            raise ValueError(f"unknown message kind {kind!r}; known: {', '.join(KINDS)}")
-        if kind not in self.uncounted:
-            self.ledger.add(kind, payload_bytes(payload))
+        self.ledger.add(kind, payload_bytes(payload))
         if isinstance(payload, Mapping):
             return {name: t.detach() for name, t in payload.items()}
         return payload.detach()

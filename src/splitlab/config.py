@@ -56,6 +56,11 @@ class RunConfig(BaseModel):
     logger: Literal["none", "tensorboard"] = Field(
         "none", description="also log metrics to TensorBoard (OUT/tensorboard; needs the tensorboard package)")
     out: str | None = Field(None, description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>")
+    transport: Literal["direct", "serialized"] = Field(
+        "direct", description="how roles exchange messages: direct (in-process, zero-copy) | serialized "
+                              "(every message encoded to bytes and back, as over a network; same results)")
+    checkpoint_every: float = Field(60.0, ge=0, description="seconds between checkpoints (0: after every "
+                                                            "round); a resumed run replays from the last one")
     resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
     overwrite: bool = Field(False, description="replace a finished or partial run in `out`")
 
@@ -95,7 +100,7 @@ class NoParams(BaseModel):
 
 
 #: Keys that say how to run, not what to compute: they may differ between a run and its resume.
-RUN_CONTROL_KEYS = ("resume", "overwrite", "device", "out", "logger")
+RUN_CONTROL_KEYS = ("resume", "overwrite", "device", "out", "logger", "transport", "checkpoint_every")
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,21 @@
 """The round loop every algorithm shares: sampling, evaluation, logging, checkpoints and resume.
 
-`run(config)` validates everything and builds the whole experiment before it writes a byte, so a
-bad setting never leaves a half-made run directory. Every random choice is drawn from a stream
-keyed by (seed, round, purpose), and the checkpoint written after every round holds all state
-that outlives a round, so a killed run resumed from its checkpoint ends bit for bit where an
-uninterrupted one would.
+`run(config)` validates everything and builds the whole experiment (roles, transport, algorithm)
+before it writes a byte, so a bad setting never leaves a half-made run directory. Every random
+choice is drawn from a stream keyed by (seed, round, purpose), and a checkpoint holds every
+role's state that outlives a round, so a killed run resumed from its last checkpoint replays the
+rounds since and ends bit for bit where an uninterrupted one would. Checkpoints are encoded in the
+loop (a snapshot) and written to disk in the background, every `checkpoint_every` seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import json
+import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +29,12 @@ from rich.progress import (
     TextColumn,
     TimeElapsedColumn,
 )
+from torch import nn
 
+from splitlab import codec
 from splitlab.algorithms import get_algorithm
-from splitlab.algorithms.base import STREAM_SAMPLING, Algorithm, Context
-from splitlab.channel import GIB, Channel
+from splitlab.algorithms.base import Algorithm, ClientInfo, Context
+from splitlab.channel import GIB, Ledger
 from splitlab.config import (
     RUN_CONTROL_KEYS,
     ResolvedConfig,
@@ -42,17 +45,31 @@ from splitlab.data import Dataset, load_dataset, partition, partition_report
 from splitlab.errors import UserError
 from splitlab.io import (
     save_safetensors,
-    save_torch,
+    write_bytes,
     write_json,
     write_jsonl,
     write_yaml,
 )
 from splitlab.loggers import check_logger, make_logger
 from splitlab.metrics import classification_metrics, logits_in_batches
-from splitlab.roles import Client
+from splitlab.models import split
+from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
+from splitlab.streams import register_stream
+from splitlab.transport import TRANSPORTS, Transport
 
-RUN_FILES = ("config.yaml", "partition.json", "metrics.jsonl", "summary.json", "checkpoint.pt",
+STREAM_SAMPLING = register_stream("sampling", 0)
+CHECKPOINT = "checkpoint.safetensors"
+RUN_FILES = ("config.yaml", "partition.json", "metrics.jsonl", "summary.json", CHECKPOINT, "checkpoint.pt",
              "weights.safetensors", "clients.safetensors")
+
+
+@dataclasses.dataclass
+class Roles:
+    """The role objects themselves: the engine's (deployment's) to build and hold, never an algorithm's."""
+
+    clients: list[ClientNode]
+    server: TrainingServer
+    sync: SyncServer
 
 
 @dataclasses.dataclass
@@ -60,15 +77,35 @@ class Experiment:
     """A fully built run, nothing written yet."""
 
     config: ResolvedConfig
-    data: Dataset
-    clients: list[Client]
+    data: Dataset  # the test split (the training samples live in the client nodes)
+    clients: list[ClientInfo]
     algorithm: Algorithm
     partition_report: dict
-    client_test: list[torch.Tensor] | None = None  # test_split=client: each client's held-out indices
+    roles: Roles
+    blueprint: Blueprint
+    transport: Transport
+    #: test_split=client: each client's held-out (x, y)
+    client_test: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    _evaluated: list[nn.Module] | None = None
 
     @property
     def out(self) -> Path:
         return self.config.out_dir
+
+    @property
+    def ledger(self) -> Ledger:
+        return self.transport.ledger
+
+    def assemble(self, states: list[State]) -> nn.Module:
+        """The evaluated model from role states: the whole model, or client part then server part."""
+        if self._evaluated is None or len(self._evaluated) != len(states):
+            model = self.blueprint.new_model()
+            self._evaluated = [model] if len(states) == 1 else list(split(model, self.config.run.cut))
+            for part in self._evaluated:
+                part.eval()
+        for part, state in zip(self._evaluated, states):
+            part.load_state_dict(state)
+        return nn.Sequential(*self._evaluated)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -116,7 +153,7 @@ def _hold_out(indices: list[np.ndarray], fraction: float, seed: int) -> tuple[li
 
 
 def build(raw: Mapping[str, Any]) -> Experiment:
-    """Validate the config and build data, clients and algorithm; raises UserError on bad input."""
+    """Validate the config and build data, roles, transport and algorithm; UserError on bad input."""
     config = resolve_config(raw)
     run = config.run
     device = resolve_device(run.device)
@@ -126,60 +163,55 @@ def build(raw: Mapping[str, Any]) -> Experiment:
     held_out = parse_test_split(run.test_split)
     client_test = None
     if held_out is not None:
-        indices, client_test = _hold_out(indices, held_out, run.seed)
+        indices, held = _hold_out(indices, held_out, run.seed)
+        client_test = [(data.train_x[idx].to(device), data.train_y[idx].to(device)) for idx in held]
     report = partition_report(data.train_y.numpy(), indices, data.num_classes)
+    algorithm_class = get_algorithm(run.algorithm)
+    blueprint = Blueprint(run, config.params, device, data.input_shape, data.num_classes, data.train_x.dtype,
+                          builders=algorithm_class.models)
+    blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
+    nodes = [algorithm_class.Client(blueprint, k, data.train_x[idx].to(device), data.train_y[idx].to(device))
+             for k, idx in enumerate(algorithm_class.data_owners(indices))]
+    roles = Roles(nodes, algorithm_class.Server(blueprint), algorithm_class.Sync(blueprint))
+    transport = TRANSPORTS[run.transport](Ledger(run.ledger), device)
+    clients = [ClientInfo(node.id, node.num_samples) for node in nodes]
+    context = Context(run, config.params, clients, {node.id: transport.connect(node, counted=True) for node in nodes},
+                      transport.connect(roles.server, counted=False), transport.connect(roles.sync, counted=False))
+    algorithm = algorithm_class(context)
     test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
-    data = dataclasses.replace(
-        data, train_x=data.train_x.to(device), train_y=data.train_y.to(device),
-        test_x=data.test_x[test].to(device), test_y=data.test_y[test].to(device))
-    clients = [Client(k, torch.as_tensor(idx, device=device)) for k, idx in enumerate(indices)]
-    context = Context(run, config.params, data, clients, Channel(convention=run.ledger), device)
-    context.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
-    algorithm = get_algorithm(run.algorithm)(context)
-    if client_test is not None:
-        client_test = [torch.as_tensor(idx, device=device) for idx in client_test]
-    return Experiment(config, data, clients, algorithm, report, client_test)
+    data = dataclasses.replace(data, train_x=data.train_x[:0], train_y=data.train_y[:0],
+                               test_x=data.test_x[test].to(device), test_y=data.test_y[test].to(device))
+    return Experiment(config, data, clients, algorithm, report, roles, blueprint, transport, client_test)
 
 
-def sample_clients(clients: list[Client], participation: float, rng: np.random.Generator) -> list[Client]:
+def sample_clients(clients: list[ClientInfo], participation: float, rng: np.random.Generator) -> list[ClientInfo]:
     """round(C*K) clients (at least one), in id order."""
     count = max(1, round(participation * len(clients)))
     chosen = np.sort(rng.choice(len(clients), count, replace=False))
     return [clients[k] for k in chosen]
 
 
-@contextlib.contextmanager
-def eval_mode(algorithm: Algorithm) -> Iterator[None]:
-    modules = algorithm.modules()
-    modes = [m.training for m in modules]
-    for m in modules:
-        m.eval()
-    try:
-        yield
-    finally:
-        for m, mode in zip(modules, modes):
-            m.train(mode)
-
-
 def evaluate(experiment: Experiment) -> dict[str, float]:
-    """Test metrics. With test_split=client, every client's model is run on its own held-out
+    """Test metrics of the model assembled from the roles' states (fetched through the transport,
+    as telemetry). With test_split=client, every client's model is run on its own held-out
     samples and the metrics are computed on all of them pooled (accuracy and loss are then the
     test-size-weighted means of the per-client values). On the global test set, algorithms with
     personal client models get the unweighted mean over clients of each client's model's metrics."""
     data, algorithm = experiment.data, experiment.algorithm
-    with eval_mode(algorithm):
-        if experiment.client_test is not None:
-            held = [(c.id, idx) for c, idx in zip(experiment.clients, experiment.client_test) if len(idx)]
-            logits = torch.cat([logits_in_batches(functools.partial(algorithm.predict_for_client, k),
-                                                  data.train_x[idx]) for k, idx in held])
-            return classification_metrics(logits, torch.cat([data.train_y[idx] for _, idx in held]))
-        if algorithm.personal_models:
-            per_client = [classification_metrics(logits_in_batches(
-                functools.partial(algorithm.predict_for_client, c.id), data.test_x), data.test_y)
-                for c in experiment.clients]
-            return {key: float(np.mean([m[key] for m in per_client])) for key in per_client[0]}
-        logits = logits_in_batches(algorithm.predict, data.test_x)
-    return classification_metrics(logits, data.test_y)
+    if experiment.client_test is not None:
+        held = [(k, x, y) for k, (x, y) in enumerate(experiment.client_test) if len(y)]
+        logits = torch.cat([logits_in_batches(experiment.assemble(algorithm.personal_model(k)), x)
+                            for k, x, _ in held])
+        return classification_metrics(logits, torch.cat([y for _, _, y in held]))
+    if algorithm.personal_models:
+        per_client = [classification_metrics(logits_in_batches(
+            experiment.assemble(algorithm.personal_model(c.id)), data.test_x), data.test_y)
+            for c in experiment.clients]
+        return {key: float(np.mean([m[key] for m in per_client])) for key in per_client[0]}
+    model = algorithm.global_model()
+    if model is None:
+        raise NotImplementedError(f"{algorithm.name} has no global model and no personal models")
+    return classification_metrics(logits_in_batches(experiment.assemble(model), data.test_x), data.test_y)
 
 
 class _RunDirectory:
@@ -226,36 +258,119 @@ def run(config: Mapping[str, Any], *, resume: bool | None = None, progress: bool
     return _loop(experiment, progress)
 
 
+def role_states(experiment: Experiment) -> dict[str, Any]:
+    """Every role's state that outlives a round (fetched through the transport), and the ledger's."""
+    algorithm, ledger = experiment.algorithm, experiment.ledger
+    clients = {c.id: algorithm.client(c.id).state_dict() for c in experiment.clients}
+    return {"algorithm": algorithm.state_dict(), "server": algorithm.server.state_dict(),
+            "sync": algorithm.sync.state_dict(),
+            "clients": {k: state for k, state in clients.items() if state["models"]},
+            "ledger": {"bytes_by_kind": ledger.state_dict(), "envelope_bytes": ledger.envelope_bytes}}
+
+
+def restore(experiment: Experiment, state: dict[str, Any]) -> None:
+    """Load `role_states` into a freshly built experiment."""
+    algorithm, ledger = experiment.algorithm, experiment.ledger
+    algorithm.load_state_dict(state["algorithm"])
+    algorithm.server.load_state_dict(state["server"])
+    algorithm.sync.load_state_dict(state["sync"])
+    for client_id, client_state in state["clients"].items():
+        algorithm.client(client_id).load_state_dict(client_state)
+    ledger.bytes_by_kind = dict(state["ledger"]["bytes_by_kind"])
+    ledger.envelope_bytes = int(state["ledger"]["envelope_bytes"])
+
+
+class _Checkpointer:
+    """Snapshots of every role's state, encoded in the loop and written to disk in the background.
+
+    Encoding copies the tensors, so training goes on while the bytes are written; one write at a
+    time, and a snapshot waits for the previous write. A snapshot is taken when `every` seconds
+    have passed since the last one (0: after every round)."""
+
+    def __init__(self, experiment: Experiment) -> None:
+        self.experiment = experiment
+        self.path = experiment.out / CHECKPOINT
+        self.every = experiment.config.run.checkpoint_every
+        self._last = time.monotonic()
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def load(self) -> dict[str, Any] | None:
+        """The loop state of the last checkpoint, with every role restored; None if there is none."""
+        if not self.path.exists():
+            if (self.path.parent / "checkpoint.pt").exists():
+                raise UserError(f"{str(self.path.parent)!r} holds a checkpoint.pt of an older splitlab, which "
+                                f"cannot be resumed; use overwrite=true to start over")
+            return None
+        try:
+            state = codec.decode(self.path.read_bytes(), self.experiment.blueprint.device)
+            restore(self.experiment, state)
+        except (codec.MessageError, KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise UserError(f"cannot resume from {str(self.path)!r}: the checkpoint is unreadable "
+                            f"({str(error).splitlines()[0][:120]}); use overwrite=true to start over") from None
+        return state["loop"]
+
+    def maybe_save(self, loop: dict[str, Any], force: bool = False) -> None:
+        if not force and time.monotonic() - self._last < self.every:
+            return
+        data = codec.encode({"loop": loop, **role_states(self.experiment)})
+        self.wait()
+        self._writer = threading.Thread(target=self._write, args=(data,), daemon=True)
+        self._writer.start()
+        self._last = time.monotonic()
+
+    def _write(self, data: bytes) -> None:
+        try:
+            write_bytes(self.path, data)
+        except BaseException as error:  # surfaced by wait(), in the loop's thread
+            self._error = error
+
+    def wait(self) -> None:
+        """Wait for the write in progress; raise its error, if it failed."""
+        self.join()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def join(self) -> None:
+        """Wait for the write in progress (also when the loop stops on an error: a started
+        checkpoint is finished, never left half-written or lost)."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+
+    def remove(self) -> None:
+        self.wait()
+        self.path.unlink(missing_ok=True)
+
+
 def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
     cfg = experiment.config.run
-    algorithm, out = experiment.algorithm, experiment.out
-    ledger = algorithm.channel.ledger
-    checkpoint_path = out / "checkpoint.pt"
-    state: dict[str, Any] = {"round": 0, "metrics": [], "wall_seconds": 0.0, "stopped_by": "rounds"}
-    if checkpoint_path.exists():
-        checkpoint = torch.load(checkpoint_path, map_location=experiment.data.train_x.device, weights_only=True)
-        algorithm.load_state_dict(checkpoint.pop("algorithm"))
-        ledger.load_state_dict(checkpoint.pop("ledger"))
-        state = checkpoint
-    else:
+    algorithm, out, ledger = experiment.algorithm, experiment.out, experiment.ledger
+    checkpoints = _Checkpointer(experiment)
+    state: dict[str, Any] = checkpoints.load() or {"round": 0, "metrics": [], "wall_seconds": 0.0,
+                                                   "stopped_by": "rounds"}
+    if state["round"] == 0:
         write_yaml(out / "config.yaml", experiment.config.as_dict())
         write_json(out / "partition.json", experiment.partition_report)
 
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("acc {task.fields[acc]}  {task.fields[gib]} GiB"), TimeElapsedColumn()]
     logger = make_logger(cfg.logger, out)
-    with Progress(*columns, disable=not show_progress, transient=False) as bar:
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(checkpoints.join)
+        bar = cleanup.enter_context(Progress(*columns, disable=not show_progress, transient=False))
         task = bar.add_task(f"{cfg.algorithm} rounds", total=cfg.rounds, completed=state["round"],
                             acc=_last_accuracy(state["metrics"]), gib=f"{ledger.total_bytes / GIB:.3f}")
         while state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
             rnd = state["round"]
             torch.manual_seed(cfg.seed * 1_000_003 + rnd)  # dropout etc. depend on (seed, round) only
             clients = sample_clients(experiment.clients, cfg.participation,
-                                     algorithm.ctx.rng(rnd, STREAM_SAMPLING))
+                                     random_stream(cfg.seed, rnd, STREAM_SAMPLING))
             started = time.perf_counter()
-            algorithm.train_round(rnd, clients)
+            algorithm.run_round(rnd, clients)
             train_loss = algorithm.pop_train_loss()
-            compute_seconds = algorithm.pop_compute_seconds()
+            compute_seconds = experiment.blueprint.pop_seconds()
             state["wall_seconds"] += time.perf_counter() - started
             state["round"] = rnd + 1
             over_budget = cfg.comm_budget_gib is not None and ledger.total_bytes >= cfg.comm_budget_gib * GIB
@@ -265,12 +380,15 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
                 state["metrics"].append(_metrics_row(experiment, state, train_loss, compute_seconds))
                 write_jsonl(out / "metrics.jsonl", state["metrics"])
                 logger.log(state["metrics"][-1])
-            save_torch(checkpoint_path, {**state, "algorithm": algorithm.state_dict(),
-                                         "ledger": ledger.state_dict()})
+            if state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
+                checkpoints.maybe_save(state)
             bar.update(task, completed=state["round"], acc=_last_accuracy(state["metrics"]),
                        gib=f"{ledger.total_bytes / GIB:.3f}")
     logger.close()
-    return _finish(experiment, state)
+    checkpoints.wait()
+    summary = _finish(experiment, state)
+    checkpoints.remove()
+    return summary
 
 
 def _last_accuracy(rows: list[dict]) -> str:
@@ -279,7 +397,7 @@ def _last_accuracy(rows: list[dict]) -> str:
 
 def _metrics_row(experiment: Experiment, state: dict, train_loss: float | None,
                  compute_seconds: dict[str, float]) -> dict[str, Any]:
-    ledger = experiment.algorithm.channel.ledger
+    ledger = experiment.ledger
     test = evaluate(experiment)
     return {
         "round": state["round"],
@@ -291,9 +409,15 @@ def _metrics_row(experiment: Experiment, state: dict, train_loss: float | None,
         "comm_bytes": ledger.total_bytes,
         "comm_gib": ledger.total_bytes / GIB,
         "comm_bytes_by_kind": ledger.state_dict(),
+        **_envelope(experiment),
         "wall_seconds": state["wall_seconds"],
         "round_compute_seconds": compute_seconds,
     }
+
+
+def _envelope(experiment: Experiment) -> dict[str, int]:
+    """The serialized transport's encoded bytes (every message, server-side ones included)."""
+    return {"envelope_bytes": experiment.ledger.envelope_bytes} if experiment.transport.name != "direct" else {}
 
 
 def _to_target(rows: list[dict], target: float | None) -> dict[str, Any]:
@@ -308,7 +432,7 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
     cfg, out = experiment.config.run, experiment.out
     rows = state["metrics"]
     best = max(rows, key=lambda row: row["test_accuracy"])
-    ledger = experiment.algorithm.channel.ledger
+    ledger = experiment.ledger
     summary = {
         "algorithm": cfg.algorithm, "dataset": cfg.dataset, "model": cfg.model, "cut": cfg.cut,
         "seed": cfg.seed, "partition": cfg.partition, "clients": len(experiment.clients),
@@ -317,17 +441,16 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         "best_round": best["round"], "final_loss": rows[-1]["test_loss"],
         "final_f1": rows[-1]["test_f1"], "final_mcc": rows[-1]["test_mcc"],
         "total_bytes": ledger.total_bytes, "total_gib": ledger.total_bytes / GIB,
-        "comm_bytes_by_kind": ledger.state_dict(),
+        "comm_bytes_by_kind": ledger.state_dict(), **_envelope(experiment),
         "wall_seconds": state["wall_seconds"], "stopped_by": state["stopped_by"],
         **_to_target(rows, cfg.target_accuracy),
     }
-    parts = experiment.algorithm.global_parts()
-    if parts is not None:
-        weights = {name: t for part in parts for name, t in part.state_dict().items()}
+    model = experiment.algorithm.global_model()
+    if model is not None:
+        weights = {name: t for state in model for name, t in state.items()}
         save_safetensors(out / "weights.safetensors", weights)
     client_weights = experiment.algorithm.client_weights()
     if client_weights is not None:
         save_safetensors(out / "clients.safetensors", client_weights)
     write_json(out / "summary.json", summary)
-    (out / "checkpoint.pt").unlink(missing_ok=True)
     return summary

@@ -1,67 +1,151 @@
-"""Who holds what: clients own data, parts pair a model with its optimizer, the sync server averages.
+"""The three roles of split federated learning, each the only owner of its state.
 
-Roles never hand each other tensors directly; that goes through `splitlab.channel.Channel`.
+- `ClientNode`: one client's private samples, its model slots (client part, auxiliary model,
+  exit head) with their optimizers, and the activations waiting for their cut gradient.
+- `TrainingServer`: the server part(s), their optimizers, and whatever the algorithm keeps there.
+- `SyncServer`: the global models the clients start from, and their federated averages.
+
+A slot is a named model ("client_model", "aux_model", "server_model", ...) with its optimizer;
+a slot named like a ledger kind's model ("client_model" -> client_model_down/_up) travels under
+that kind. Algorithms reach roles only through `splitlab.transport` proxies, which expose the
+methods marked `@verb`. Everything a role builds from the configuration alone (initial weights,
+optimizers, random streams) comes from its `Blueprint`, which every process can make for itself.
+An algorithm with role-side behaviour of its own subclasses a role in the algorithm's file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+import itertools
+import math
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+import torch.nn.functional as F
+from pydantic import BaseModel
 from torch import nn
 
+from splitlab.config import RunConfig
+from splitlab.models import StagedModel, build_model, split
+from splitlab.streams import register_stream
+from splitlab.transport import KEYED, verb
 
-@dataclass
-class Client:
-    """A client: an id and the indices of its private training samples (sorted, on the device)."""
+STREAM_BATCHES = register_stream("batches", 1)
 
-    id: int
-    indices: torch.Tensor
+State = dict[str, Any]
 
-    @property
-    def num_samples(self) -> int:
-        return int(self.indices.numel())
 
-    def batches(self, x: torch.Tensor, y: torch.Tensor, batch_size: int,
-                orders: list[np.ndarray]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Mini-batches over the local data, one pass per given permutation (one per epoch)."""
-        for order in orders:
-            shuffled = self.indices[torch.as_tensor(order, device=self.indices.device)]
-            for start in range(0, len(shuffled), batch_size):
-                idx = shuffled[start:start + batch_size]
-                yield x[idx], y[idx]
+def random_stream(seed: int, rnd: int, stream: int, *keys: int) -> np.random.Generator:
+    """A random stream that depends only on (seed, round, purpose, keys): resumable by design."""
+    return np.random.default_rng([seed, rnd, stream, *keys])
 
 
 @dataclass
-class Part:
-    """A model (or part of one) with the optimizer that updates it; they live and die together."""
+class Blueprint:
+    """What any role can build from the run's configuration alone, identically in every process."""
 
-    model: nn.Module
-    optimizer: torch.optim.Optimizer
+    config: RunConfig
+    params: BaseModel
+    device: torch.device
+    input_shape: tuple[int, ...]
+    num_classes: int
+    input_dtype: torch.dtype
+    #: slot -> how its initial model is built (the algorithm's `models` table)
+    builders: Mapping[str, Callable[[Blueprint], nn.Module]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    _initial: dict[str, nn.Module] = field(default_factory=dict)
+    _pools: dict[str, list[nn.Module]] = field(default_factory=dict)
+
+    def new_model(self) -> StagedModel:
+        """The initial global model: every call returns the same weights (seeded by `seed`)."""
+        return build_model(self.config.model, self.input_shape, self.num_classes,
+                           seed=self.config.seed).to(self.device)
+
+    def new_split(self) -> tuple[nn.Sequential, nn.Sequential]:
+        return split(self.new_model(), self.config.cut)
+
+    def initial(self, slot: str) -> nn.Module:
+        """A new module for `slot` with its initial weights (built once, then copied)."""
+        if slot not in self._initial:
+            if slot not in self.builders:
+                raise KeyError(f"no model is defined for slot {slot!r}; defined: {', '.join(self.builders)}")
+            self._initial[slot] = self.builders[slot](self)
+        return copy.deepcopy(self._initial[slot])
+
+    def rng(self, rnd: int, stream: int, *keys: int) -> np.random.Generator:
+        return random_stream(self.config.seed, rnd, stream, *keys)
+
+    def optimizer(self, module: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
+        """The configured optimizer over `module`, with multi-tensor kernels (never one per batch)."""
+        cfg = self.config
+        lr = cfg.lr if lr is None else lr
+        params = [p for p in module.parameters() if p.requires_grad]
+        if cfg.optimizer == "adam":
+            return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay, foreach=True)
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                               foreach=True)
+
+    @staticmethod
+    def steps_per_round(cfg: RunConfig, num_samples: int) -> int:
+        """How many mini-batches a client takes in a round: its epochs, capped by `local_steps`."""
+        steps = math.ceil(num_samples / cfg.batch_size) * cfg.local_epochs
+        return min(steps, cfg.local_steps or steps)
+
+    def borrow(self, slot: str, make: Callable[[], nn.Module]) -> nn.Module:
+        """A scratch module for `slot` from this process's pool (made if the pool is empty): working
+        copies are reused across rounds and clients, so memory follows the copies alive at once."""
+        pool = self._pools.setdefault(slot, [])
+        return pool.pop() if pool else make()
+
+    def give_back(self, slot: str, module: nn.Module) -> None:
+        self._pools.setdefault(slot, []).append(module)
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the block's wall time to `phase` ("client", "server", "alignment", ...). On a GPU that
+        is the time to launch the work; the figures are meant for CPU runs and proportions."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] += time.perf_counter() - started
+
+    def pop_seconds(self) -> dict[str, float]:
+        seconds, self.seconds = dict(self.seconds), defaultdict(float)
+        return seconds
 
 
-class CopyPool:
-    """Scratch modules shaped like `source`, reused across rounds; grows to the most asked for.
 
-    Algorithms that keep several client copies alive within a round take them from here
-    instead of deep-copying every round; the caller loads weights into them before use.
-    """
+def client_part(blueprint: Blueprint) -> nn.Module:
+    return blueprint.new_split()[0]
 
-    def __init__(self, source: nn.Module) -> None:
-        self.source = source
-        self.copies: list[nn.Module] = []
 
-    def take(self, count: int) -> list[nn.Module]:
-        while len(self.copies) < count:
-            self.copies.append(copy.deepcopy(self.source))
-        return self.copies[:count]
+def server_part(blueprint: Blueprint) -> nn.Module:
+    return blueprint.new_split()[1]
+
+
+def whole_model(blueprint: Blueprint) -> nn.Module:
+    return blueprint.new_model()
+
+
+#: The slots of split learning: the client part clients train and the sync server averages, the
+#: server part, and the training server's per-client working copies of it.
+SPLIT_MODELS: dict[str, Callable[[Blueprint], nn.Module]] = {
+    "client_model": client_part, "server_model": server_part, "server_copy": server_part}
+
+
+def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, labels)
 
 
 class ModelAverage:
-    """The sync server's FedAvg: sum_k alpha_k * w_k accumulated one model at a time.
+    """FedAvg: sum_k alpha_k * w_k accumulated one model at a time.
 
     Keeping a running sum instead of K state dicts is what keeps memory flat in K. The caller
     passes normalised weights alpha_k (summing to 1), so one client with alpha = 1 is returned
@@ -88,3 +172,226 @@ class ModelAverage:
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.is_floating_point() else t.detach().double()
+
+
+class Role:
+    """Model slots with their optimizers, owned by one role.
+
+    A slot filled by `load_copy` is a working copy (scratch): it comes from the blueprint's pool,
+    gets a fresh optimizer, goes back at `end_round` and is not part of the role's state. Any
+    other slot is the role's own for the whole run and starts from the initial weights.
+    """
+
+    #: slots that are the role's own for the whole run: a model received into one replaces its weights
+    keeps: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, blueprint: Blueprint) -> None:
+        self.blueprint = blueprint
+        self.models: dict[str, nn.Module] = {}
+        self.optimizers: dict[str, torch.optim.Optimizer] = {}
+        self.scratch: set[str] = set()
+
+    def lr(self, slot: str) -> float | None:
+        """The learning rate of `slot`'s optimizer (None: the configured `lr`)."""
+        return None
+
+    def model(self, slot: str) -> nn.Module:
+        if slot not in self.models:
+            self.models[slot] = self.blueprint.initial(slot)
+        return self.models[slot]
+
+    def optimizer(self, slot: str) -> torch.optim.Optimizer:
+        if slot not in self.optimizers:
+            self.optimizers[slot] = self.blueprint.optimizer(self.model(slot), self.lr(slot))
+        return self.optimizers[slot]
+
+    def load_copy(self, slot: str, state: Mapping[str, torch.Tensor]) -> None:
+        """Make `slot` a working copy of `state` (or, a kept slot, hold `state`), with a fresh optimizer."""
+        if slot not in self.models and slot not in self.keeps:
+            self.models[slot] = self.blueprint.borrow(slot, lambda: self.blueprint.initial(slot))
+            self.scratch.add(slot)
+        self.model(slot).load_state_dict(state)
+        self.optimizers.pop(slot, None)
+
+    def step(self, slot: str, backward: Callable[[], None]) -> None:
+        """One optimizer step of `slot` on the gradients `backward` computes."""
+        optimizer = self.optimizer(slot)
+        optimizer.zero_grad(set_to_none=True)
+        backward()
+        optimizer.step()
+
+    @verb()
+    def end_round(self) -> None:
+        """Give the working copies back to the pool."""
+        for slot in self.scratch:
+            self.blueprint.give_back(slot, self.models.pop(slot))
+            self.optimizers.pop(slot, None)
+        self.scratch.clear()
+
+    @verb(up="evaluation")
+    def snapshot(self, slot: str) -> State:
+        """`slot`'s weights, for the engine to evaluate (the initial ones if never filled)."""
+        module = self.models.get(slot)
+        return (module if module is not None else self.blueprint.initial(slot)).state_dict()
+
+    @verb(up="checkpoint")
+    def state_dict(self) -> State:
+        own = [slot for slot in self.models if slot not in self.scratch]
+        return {"models": {slot: self.models[slot].state_dict() for slot in own},
+                "optimizers": {slot: self.optimizers[slot].state_dict() for slot in own if slot in self.optimizers}}
+
+    @verb(down="checkpoint")
+    def load_state_dict(self, state: State) -> None:
+        for slot, weights in state["models"].items():
+            self.model(slot).load_state_dict(weights)
+        for slot, optimizer_state in state["optimizers"].items():
+            self.optimizers.pop(slot, None)
+            self.optimizer(slot).load_state_dict(optimizer_state)
+
+
+class ClientNode(Role):
+    """A client: its own samples and model slots, and the activations awaiting their cut gradient."""
+
+    def __init__(self, blueprint: Blueprint, client_id: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        super().__init__(blueprint)
+        self.id, self.x, self.y = client_id, x, y
+        self.stash: dict[int, Any] = {}
+        self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.y)
+
+    def batches(self, rnd: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This round's mini-batches: `local_epochs` seeded passes over the local data, capped by
+        `local_steps`."""
+        cfg = self.blueprint.config
+
+        def passes() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+            for epoch in range(cfg.local_epochs):
+                order = self.blueprint.rng(rnd, STREAM_BATCHES, self.id, epoch).permutation(self.num_samples)
+                for idx in torch.as_tensor(order, device=self.y.device).split(cfg.batch_size):
+                    yield self.x[idx], self.y[idx]
+
+        return itertools.islice(passes(), self.blueprint.steps_per_round(cfg, self.num_samples))
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return next(self._batches)
+
+    @verb()
+    def begin_round(self, rnd: int) -> None:
+        self._batches = self.batches(rnd)
+
+    @verb(down="{0}_down")
+    def load(self, slot: str, state: State) -> None:
+        """Receive a model into `slot` (a working copy with a fresh optimizer)."""
+        self.load_copy(slot, state)
+
+    @verb(up="{0}_up")
+    def upload(self, slot: str) -> State:
+        return self.model(slot).state_dict()
+
+    @verb(up=KEYED)
+    def forward(self, step: int) -> State:
+        """Client part on the next batch; the activations wait (by step) for their gradient."""
+        x, y = self.next_batch()
+        with self.blueprint.timed("client"):
+            smashed = self.model("client_model")(x)
+        self.stash[step] = smashed
+        return {"smashed": smashed.detach(), "labels": y}
+
+    @verb(down="cut_grad")
+    def backward(self, step: int, cut_grad: torch.Tensor) -> None:
+        """Back-propagate the cut gradient of `step` (one vector is broadcast over the batch) and step."""
+        smashed = self.stash.pop(step)
+        with self.blueprint.timed("client"):
+            self.step("client_model", lambda: smashed.backward(cut_grad.expand_as(smashed)))
+
+    @verb(up=KEYED)
+    def local_step(self) -> State:
+        """One ordinary step of the whole model in `client_model` on the next batch (FedAvg)."""
+        x, y = self.next_batch()
+        with self.blueprint.timed("client"):
+            value = loss(self.model("client_model")(x), y)
+            self.step("client_model", value.backward)
+        return {"loss": value.detach()}
+
+    @verb()
+    def end_round(self) -> None:
+        if self.stash:
+            raise RuntimeError(f"client {self.id} ends the round with steps {sorted(self.stash)} awaiting gradients")
+        super().end_round()
+
+
+class TrainingServer(Role):
+    """The server part (slot `server_model`), trained on the smashed data clients send."""
+
+    def __init__(self, blueprint: Blueprint) -> None:
+        super().__init__(blueprint)
+        self._average: ModelAverage | None = None
+
+    def objective(self, value: torch.Tensor) -> torch.Tensor:
+        """What the server minimises given the batch loss (SplitGP scales it)."""
+        return value
+
+    @verb()
+    def train_step(self, smashed: torch.Tensor, labels: torch.Tensor, slot: str = "server_model") -> State:
+        """One server step on received smashed data; returns the cut gradient and the loss."""
+        smashed.requires_grad_()
+        reply = self.learn(smashed, labels, slot)
+        return {"cut_grad": smashed.grad, **reply}
+
+    @verb()
+    def learn(self, smashed: torch.Tensor, labels: torch.Tensor, slot: str = "server_model") -> State:
+        """One server step on received smashed data; nothing goes back but the loss."""
+        with self.blueprint.timed("server"):
+            value = loss(self.model(slot)(smashed), labels)
+            self.step(slot, self.objective(value).backward)
+        return {"loss": value.detach()}
+
+    @verb()
+    def learn_from(self, client_id: int, smashed: torch.Tensor, labels: torch.Tensor) -> State:
+        """A server step on what a client sent unasked (federated split learning with aux models)."""
+        return self.learn(smashed, labels)
+
+    # --- per-client copies of the server part (SplitFed v1, PSL, SplitGP) ----------------
+    @verb()
+    def copy_server(self) -> None:
+        """Start a client's working copy `server_copy` of the server part, with a fresh optimizer."""
+        self.load_copy("server_copy", self.model("server_model").state_dict())
+
+    @verb()
+    def fold_copy(self, alpha: float) -> None:
+        """Add the working copy, weighted alpha, to the average of this round's copies."""
+        self._average = self._average or ModelAverage()
+        self._average.add(self.models["server_copy"].state_dict(), alpha)
+
+    @verb()
+    def average_copies(self) -> None:
+        """The server part becomes the average of the round's copies (no traffic: one server)."""
+        if self._average is not None:
+            server = self.model("server_model")
+            server.load_state_dict(self._average.result(server.state_dict()))
+        self._average = None
+
+
+class SyncServer(Role):
+    """The global models clients start from (slot names as the clients'), and their averages."""
+
+    def __init__(self, blueprint: Blueprint) -> None:
+        super().__init__(blueprint)
+        self._averages: dict[str, ModelAverage] = {}
+
+    @verb()
+    def model_state(self, slot: str) -> State:
+        return self.model(slot).state_dict()
+
+    @verb()
+    def add(self, slot: str, state: State, alpha: float) -> None:
+        self._averages.setdefault(slot, ModelAverage()).add(state, alpha)
+
+    @verb()
+    def average(self, slot: str) -> None:
+        """`slot` becomes the average of what was added since the last call."""
+        model = self.model(slot)
+        model.load_state_dict(self._averages.pop(slot).result(model.state_dict()))

@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
-from splitlab.algorithms.base import Algorithm, Context
-from splitlab.roles import Client
+from splitlab.algorithms.base import Algorithm, ClientInfo
+from splitlab.config import NoParams
+from splitlab.roles import State, whole_model
 
 
-class Centralized(Algorithm):
-    """One model, one optimizer, all training samples as a single data owner (id 0). No channel."""
+class Centralized(Algorithm[NoParams]):
+    """One model and one optimizer, kept by a single data owner (node 0) that holds every sample:
+    nothing is sent."""
 
     name = "centralized"
+    models = {"client_model": whole_model}
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.model = ctx.part(ctx.new_model())
-        self._everyone = Client(0, torch.cat([c.indices for c in ctx.clients]).sort().values)
+    @staticmethod
+    def data_owners(indices: list[np.ndarray]) -> list[np.ndarray]:
+        return [np.sort(np.concatenate(indices))]
 
-    def train_round(self, rnd: int, clients: list[Client]) -> None:
-        for x, y in self.ctx.batches(self._everyone, rnd):
-            self.local_step(self.model, x, y)
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
+        (owner,) = clients
+        for _ in range(self.ctx.local_steps(owner)):
+            self.track(self.client(owner.id).local_step()["loss"])
 
-    def global_parts(self):
-        return [self.model.model]
+    def global_model(self) -> list[State]:
+        return [self.client(0).snapshot("client_model")]

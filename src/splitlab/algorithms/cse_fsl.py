@@ -7,7 +7,8 @@ batch's smashed data and labels; the single server part takes one step on them. 
 the sync server averages the client parts and the auxiliary heads (weights |D_k|); both travel
 down and up every round.
 
-`AuxiliaryFSL` is what CSE-FSL and FSL-SAGE share. Clients take their local steps interleaved
+`AuxiliaryFSL` is what CSE-FSL and FSL-SAGE share (the server's `learn_from` is a plain server step
+here; FSL-SAGE's server also keeps what it received). Clients take their local steps interleaved
 as in SplitFed-v2's default schedule: at each local step the clients with batches left go in a
 fresh random order, which is the server's first-come-first-served order of the FSL-SAGE paper's
 Algorithm 3 (with q = 1 the server sees exactly SFL-V2's sequence of batches). Nothing the
@@ -16,14 +17,13 @@ server does reaches a client within a round, so the order only matters to the se
 
 from __future__ import annotations
 
-
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from splitlab.algorithms.base import Algorithm, Context
+from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.models.aux import AuxKind, build_aux
-from splitlab.roles import Client, CopyPool, ModelAverage, Part
+from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, loss
+from splitlab.transport import KEYED, verb
 
 
 class CSEFSLParams(BaseModel):
@@ -33,95 +33,64 @@ class CSEFSLParams(BaseModel):
     aux: AuxKind = Field("stage", description="auxiliary model: linear | half | stage | full (FSL-SAGE App. D.4)")
 
 
+def initial_aux(blueprint: Blueprint) -> nn.Module:
+    """The initial auxiliary model for this run's model, cut and seed."""
+    cfg = blueprint.config
+    return build_aux(blueprint.params.aux, blueprint.new_model().cpu(), cfg.cut, blueprint.input_shape,
+                     seed=cfg.seed, dtype=blueprint.input_dtype).to(blueprint.device)
+
+
 class AuxiliaryFSL(Algorithm):
     """Federated split learning with auxiliary models: client parts averaged every round, one
-    server part fed every q-th step. Subclasses say how a client steps and what ends a round."""
+    server part fed every q-th step. Subclasses say how a round starts and ends; their clients
+    say, in `local_aux_step`, how a client steps without the server."""
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.client_model, server_model = ctx.new_split()
-        self.server = ctx.part(server_model)
-        self._client_copies = CopyPool(self.client_model)
+    models = {**SPLIT_MODELS, "aux_model": initial_aux}
 
-    def new_aux(self) -> nn.Module:
-        """The initial auxiliary model for this run's model, cut and seed."""
-        cfg, data = self.ctx.config, self.ctx.data
-        return build_aux(self.params.aux, self.ctx.new_model().cpu(), cfg.cut, data.input_shape,
-                         seed=cfg.seed, dtype=data.train_x.dtype).to(self.ctx.device)
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
+        self.start_round(clients)
+        for k, step in self.ctx.interleaved(rnd, clients):
+            client_id = clients[k].id
+            sent = self.client(client_id).local_aux_step(step % self.params.server_update_interval == 0)
+            if sent:  # smashed data and labels up, one server step; nothing goes back
+                self.track(self.server.learn_from(client_id, sent["smashed"], sent["labels"])["loss"])
+        self.finish_round(rnd, clients)
 
-    def train_round(self, rnd: int, clients: list[Client]) -> None:
-        locals_ = [self.start_client(slot, client) for slot, client in enumerate(clients)]
-        for k, step, (x, y) in self.ctx.interleaved(rnd, clients):
-            smashed = self.client_step(*locals_[k], x, y)
-            if step % self.params.server_update_interval == 0:
-                self.server_step(clients[k], smashed, y)
-        self.finish_round(rnd, clients, locals_)
-
-    def server_step(self, client: Client, smashed: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Smashed data and labels up, one server step; nothing goes back. Returns what arrived."""
-        received, labels = self.channel.send("smashed", smashed), self.channel.send("labels", y)
-        with self.timed("server"):
-            loss = self.loss(self.server.model(received), labels)
-            self.server.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.server.optimizer.step()
-        self.track(loss)
-        return received, labels
-
-    def client_copy(self, slot: int) -> Part:
-        """The slot-th client's working copy of the global client part, downloaded, with a fresh optimizer."""
-        copy = self._client_copies.take(slot + 1)[slot]
-        self.download("client_model_down", self.client_model, copy)
-        return self.ctx.part(copy)
-
-    def average_client_parts(self, clients: list[Client], parts: list[Part]) -> None:
-        average = ModelAverage()
-        for part, alpha in zip(parts, self.ctx.weights(clients)):
-            average.add(self.channel.send("client_model_up", part.model.state_dict()), alpha)
-        self.average_into(self.client_model, average)
-
-    def start_client(self, slot: int, client: Client) -> tuple:
+    def start_round(self, clients: list[ClientInfo]) -> None:
         raise NotImplementedError
 
-    def client_step(self, client: Part, aux, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def finish_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         raise NotImplementedError
 
-    def finish_round(self, rnd: int, clients: list[Client], locals_: list[tuple]) -> None:
-        raise NotImplementedError
 
-    def global_parts(self):
-        return [self.client_model, self.server.model]
+class CSEFSLClient(ClientNode):
+    @verb(up=KEYED)
+    def local_aux_step(self, send: bool) -> State:
+        """One step of client part and auxiliary head on the local loss; the smashed data if `send`."""
+        x, y = self.next_batch()
+        with self.blueprint.timed("client"):
+            smashed = self.model("client_model")(x)
+            value = loss(self.model("aux_model")(smashed), y)
+            client, aux = self.optimizer("client_model"), self.optimizer("aux_model")
+            client.zero_grad(set_to_none=True)
+            aux.zero_grad(set_to_none=True)
+            value.backward()
+            client.step()
+            aux.step()
+        return {"smashed": smashed.detach(), "labels": y} if send else {}
 
 
-class CSEFSL(AuxiliaryFSL):
+class CSEFSL(AuxiliaryFSL, Algorithm[CSEFSLParams]):
     name = "cse_fsl"
-    Params = CSEFSLParams
+    Client = CSEFSLClient
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.aux_model = self.new_aux()
-        self._aux_copies = CopyPool(self.aux_model)
+    def start_round(self, clients: list[ClientInfo]) -> None:
+        for client in clients:
+            self.download(client.id, "aux_model")
+            self.download(client.id, "client_model")
 
-    def start_client(self, slot: int, client: Client) -> tuple[Part, Part]:
-        aux = self._aux_copies.take(slot + 1)[slot]
-        self.download("aux_model_down", self.aux_model, aux)
-        return self.client_copy(slot), self.ctx.part(aux)
-
-    def client_step(self, client: Part, aux: Part, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One step of client part and auxiliary head on the local loss; returns the smashed data."""
-        with self.timed("client"):
-            smashed = client.model(x)
-            loss = self.loss(aux.model(smashed), y)
-            client.optimizer.zero_grad(set_to_none=True)
-            aux.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            client.optimizer.step()
-            aux.optimizer.step()
-        return smashed.detach()
-
-    def finish_round(self, rnd: int, clients: list[Client], locals_: list[tuple[Part, Part]]) -> None:
-        self.average_client_parts(clients, [client for client, _ in locals_])
-        average = ModelAverage()
-        for (_, aux), alpha in zip(locals_, self.ctx.weights(clients)):
-            average.add(self.channel.send("aux_model_up", aux.model.state_dict()), alpha)
-        self.average_into(self.aux_model, average)
+    def finish_round(self, rnd: int, clients: list[ClientInfo]) -> None:
+        for client, alpha in zip(clients, self.ctx.weights(clients)):
+            self.contribute(client.id, alpha, ("client_model", "aux_model"))
+        self.sync.average("client_model")
+        self.sync.average("aux_model")

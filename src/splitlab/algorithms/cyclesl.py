@@ -14,7 +14,8 @@ One round of Algorithm 1 for the sampled clients S_t:
 how they are aggregated: cycle_psl (personal parts), cycle_sglr (personal parts, cut gradients
 averaged over a subset as in SGLR), cycle_sfl (FedAvg of per-round copies, as SFL) and cycle_ssl
 (one part relayed from client to client, each client a cycle of its own, as the authors' CycleSSL).
-The server part is one model with one optimizer for the whole run.
+The server part is one model with one optimizer for the whole run; the server task and ServerGrad
+run in the training server (`CycleServer.cycle`), the rest is the orchestration below.
 """
 
 from __future__ import annotations
@@ -23,11 +24,15 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
-from splitlab.algorithms.base import STREAM_SERVER_BATCHES, Algorithm, Context
+from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.algorithms.psl import PersonalClients
-from splitlab.algorithms.sglr import SGLRParams, averaged_clients, client_step, send_cut_grads
+from splitlab.algorithms.sglr import SGLRParams, ServerWithOwnLR, average_cut_grads, averaged_clients
 from splitlab.algorithms.sl import Relay
-from splitlab.roles import Client, CopyPool, ModelAverage, Part
+from splitlab.roles import State, loss
+from splitlab.streams import register_stream
+from splitlab.transport import verb
+
+STREAM_SERVER_BATCHES = register_stream("cyclesl.server_batches", 4)
 
 
 class CycleParams(BaseModel):
@@ -41,116 +46,87 @@ class CycleSGLRParams(CycleParams, SGLRParams):
     pass
 
 
-class CycleSL(Algorithm):
-    """Algorithm 1. Subclasses set `server_model`, call `init_server` and implement `train_round`."""
+class CycleServer(ServerWithOwnLR):
+    @verb()
+    def cycle(self, rnd: int, features: list[torch.Tensor], labels: list[torch.Tensor], sizes: list[int],
+              first_client: int, averaged: list[int]) -> State:
+        """The server task on the pooled features, then each client's cut gradient from the frozen,
+        updated server (averaged over the clients in `averaged`, as SGLR)."""
+        losses = self.train_pooled(rnd, features, labels, sizes, first_client)
+        with self.blueprint.timed("server"):
+            grads = [self.frozen_cut_grad(z, y) for z, y in zip(features, labels)]
+        return {"cut_grads": average_cut_grads(grads, sizes, set(averaged)), "losses": losses}
 
-    def init_server(self) -> None:
-        self.server_optimizer = self.ctx.optimizer(self.server_model, lr=self.params.server_lr)
-
-    def cycle(self, rnd: int, clients: list[Client], parts: list[Part]) -> None:
-        smashed, features, labels = [], [], []
-        for client, part in zip(clients, parts):                              # ClientFP
-            x, y = next(iter(self.ctx.batches(client, rnd)))
-            with self.timed("client"):
-                smashed.append(part.model(x))
-            features.append(self.channel.send("smashed", smashed[-1]))
-            labels.append(self.channel.send("labels", y))
-        self.train_server(rnd, clients, features, labels)                     # ServerGrad(pool, false)
-        with self.timed("server"):
-            grads = [self.frozen_cut_grad(z, y) for z, y in zip(features, labels)]  # ServerGrad(B_i, true)
-        for part, z, grad in zip(parts, smashed, self.send_cut_grads(rnd, clients, grads)):  # ClientBP
-            with self.timed("client"):
-                client_step(part, z, grad)
-
-    def train_server(self, rnd: int, clients: list[Client], features: list[torch.Tensor],
-                     labels: list[torch.Tensor]) -> None:
+    def train_pooled(self, rnd: int, features: list[torch.Tensor], labels: list[torch.Tensor],
+                     sizes: list[int], first_client: int) -> list[torch.Tensor]:
         """The higher-level task: resampled mini-batches of the pooled features, loss weighted by |D_k|."""
         x, y = torch.cat(features), torch.cat(labels)
-        weight = torch.cat([torch.full((len(f),), float(c.num_samples), device=x.device)
-                            for f, c in zip(features, clients)])
-        batch_size = self.params.server_batch_size or self.ctx.config.batch_size
-        with self.timed("server"):
-            for epoch in range(self.params.server_epochs):
-                order = self.ctx.rng(rnd, STREAM_SERVER_BATCHES, clients[0].id, epoch).permutation(len(y))
-                order = torch.as_tensor(order, device=x.device)
-                for start in range(0, len(y), batch_size):
-                    idx = order[start:start + batch_size]
-                    per_sample = F.cross_entropy(self.server_model(x[idx]), y[idx], reduction="none")
-                    loss = (per_sample * weight[idx]).sum() / weight[idx].sum()
-                    self.server_optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    self.server_optimizer.step()
-                    self.track(loss)
+        weight = torch.cat([torch.full((len(f),), float(n), device=x.device) for f, n in zip(features, sizes)])
+        params = self.blueprint.params
+        batch_size = params.server_batch_size or self.blueprint.config.batch_size
+        model, losses = self.model("server_model"), []
+        with self.blueprint.timed("server"):
+            for epoch in range(params.server_epochs):
+                order = self.blueprint.rng(rnd, STREAM_SERVER_BATCHES, first_client, epoch).permutation(len(y))
+                for idx in torch.as_tensor(order, device=x.device).split(batch_size):
+                    per_sample = F.cross_entropy(model(x[idx]), y[idx], reduction="none")
+                    value = (per_sample * weight[idx]).sum() / weight[idx].sum()
+                    self.step("server_model", value.backward)
+                    losses.append(value.detach())
+        return losses
 
     def frozen_cut_grad(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """d loss / d features through the server, computing no gradient for its weights."""
         features = features.detach().requires_grad_()
-        return torch.autograd.grad(self.loss(self.server_model(features), labels), features)[0]
-
-    def send_cut_grads(self, rnd: int, clients: list[Client], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [self.channel.send("cut_grad", grad) for grad in grads]
+        return torch.autograd.grad(loss(self.model("server_model")(features), labels), features)[0]
 
 
-class CyclePSL(CycleSL, PersonalClients):
+class CycleSL(Algorithm):
+    """Algorithm 1, for whatever holds the round's client parts."""
+
+    Server = CycleServer
+
+    def cycle(self, rnd: int, clients: list[ClientInfo], averaged: set[int] = frozenset()) -> None:
+        sent = [self.client(c.id).forward(0) for c in clients]                          # ClientFP
+        reply = self.server.cycle(rnd, [s["smashed"] for s in sent], [s["labels"] for s in sent],
+                                  [c.num_samples for c in clients], clients[0].id,   # server task,
+                                  sorted(averaged))                                   # ServerGrad
+        for value in reply["losses"]:
+            self.track(value)
+        for client, grad in zip(clients, reply["cut_grads"]):                         # ClientBP
+            self.client(client.id).backward(0, grad)
+
+
+class CyclePSL(CycleSL, PersonalClients, Algorithm[CycleParams]):
     name = "cycle_psl"
-    Params = CycleParams
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.init_server()
-
-    def train_round(self, rnd: int, clients: list[Client]) -> None:
-        self.cycle(rnd, clients, [self.client_part(client.id) for client in clients])
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
+        self.cycle(rnd, clients)
 
 
-class CycleSGLR(CyclePSL):
+class CycleSGLR(CycleSL, PersonalClients, Algorithm[CycleSGLRParams]):
     name = "cycle_sglr"
-    Params = CycleSGLRParams
 
-    def send_cut_grads(self, rnd: int, clients: list[Client], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        averaged = averaged_clients(self.ctx, rnd, len(clients), self.params.average_fraction)
-        return send_cut_grads(self.channel, grads, [c.num_samples for c in clients], averaged)
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
+        self.cycle(rnd, clients, averaged_clients(self.ctx, rnd, len(clients), self.params.average_fraction))
 
 
-class CycleSFL(CycleSL):
+class CycleSFL(CycleSL, Algorithm[CycleParams]):
     name = "cycle_sfl"
-    Params = CycleParams
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.client_model, self.server_model = ctx.new_split()
-        self.init_server()
-        self._copies = CopyPool(self.client_model)
-
-    def train_round(self, rnd: int, clients: list[Client]) -> None:
-        copies = self._copies.take(len(clients))  # one live copy per sampled client (graphs kept)
-        for copy in copies:
-            self.download("client_model_down", self.client_model, copy)
-        self.cycle(rnd, clients, [self.ctx.part(copy) for copy in copies])
-        average = ModelAverage()
-        for copy, alpha in zip(copies, self.ctx.weights(clients)):
-            average.add(self.channel.send("client_model_up", copy.state_dict()), alpha)
-        self.average_into(self.client_model, average)
-
-    def global_parts(self):
-        return [self.client_model, self.server_model]
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
+        for client in clients:  # one live copy per sampled client (graphs kept)
+            self.download(client.id)
+        self.cycle(rnd, clients)
+        self.federated_average(clients)
 
 
-class CycleSSL(CycleSL, Relay):
+class CycleSSL(CycleSL, Relay, Algorithm[CycleParams]):
     """Sequential SL with the cycle update: clients in id order, each one cycle on its own batch."""
 
     name = "cycle_ssl"
-    Params = CycleParams
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.client_model, self.server_model = ctx.new_split()
-        self.init_server()
-
-    def train_round(self, rnd: int, clients: list[Client]) -> None:
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         for client in clients:
-            self.hand_to(client)
-            self.cycle(rnd, [client], [self.ctx.part(self.client_model)])
-
-    def global_parts(self):
-        return [self.client_model, self.server_model]
+            self.hand_to(client.id)
+            self.cycle(rnd, [client])

@@ -2,29 +2,24 @@
 
 from __future__ import annotations
 
-from splitlab.algorithms.base import Algorithm, Context
-from splitlab.roles import Client, ModelAverage
+from splitlab.algorithms.base import Algorithm, ClientInfo
+from splitlab.config import NoParams
+from splitlab.roles import State, whole_model
 
 
-class FedAvg(Algorithm):
+class FedAvg(Algorithm[NoParams]):
     """Clients are processed one after another into a running average, so memory is flat in K."""
 
     name = "fedavg"
+    models = {"client_model": whole_model}
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.global_model = ctx.new_model()
-        self._local = self.working_copy(self.global_model)
-
-    def train_round(self, rnd: int, clients: list[Client]) -> None:
-        average = ModelAverage()
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         for client, alpha in zip(clients, self.ctx.weights(clients)):
-            self.download("client_model_down", self.global_model, self._local)
-            local = self.ctx.part(self._local)
-            for x, y in self.ctx.batches(client, rnd):
-                self.local_step(local, x, y)
-            average.add(self.channel.send("client_model_up", self._local.state_dict()), alpha)
-        self.average_into(self.global_model, average)
+            self.download(client.id)
+            for _ in range(self.ctx.local_steps(client)):
+                self.track(self.client(client.id).local_step()["loss"])
+            self.contribute(client.id, alpha)
+        self.sync.average("client_model")
 
-    def global_parts(self):
-        return [self.global_model]
+    def global_model(self) -> list[State]:
+        return [self.sync.model_state("client_model")]

@@ -19,20 +19,27 @@ and derived from the seed, so it costs no traffic ("Require: x_a^0" in Algorithm
 A client steps on the gradient of the batch-mean loss, as a SplitFed server would send it back;
 the alignment works with per-sample gradients (that times the batch size), so that targets and
 the alignment loss do not depend on how samples are batched. Gradients are computed on copies of
-BatchNorm running statistics, so estimating never changes a model.
+BatchNorm running statistics, so estimating never changes a model. The S-server keeps its copy
+of each client's aux model (the one it last sent) and the buffers, both made the first time a
+client sends something; a buffer grows with what it holds, up to its capacity.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from pydantic import Field
 from torch import nn
 
-from splitlab.algorithms.base import STREAM_ALIGNMENT, Context
+from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.algorithms.cse_fsl import AuxiliaryFSL, CSEFSLParams
-from splitlab.models.aux import smashed_shape
-from splitlab.roles import Client, Part
+from splitlab.roles import ClientNode, State, TrainingServer, loss
+from splitlab.streams import register_stream
+from splitlab.transport import KEYED, verb
+
+STREAM_ALIGNMENT = register_stream("fsl_sage.alignment", 5)
 
 
 class FSLSAGEParams(CSEFSLParams):
@@ -46,107 +53,151 @@ class FSLSAGEParams(CSEFSLParams):
     align_lr: float = Field(1e-3, gt=0, description="Adam learning rate of the alignment, without weight decay")
 
 
-class AlignmentBuffer(nn.Module):
-    """The latest `capacity` (smashed, label) pairs one client sent: a ring, the oldest overwritten
-    first. A module of fixed-size buffers, so that checkpoints hold it like a model."""
+def cut_gradient(model: nn.Module, smashed: torch.Tensor, labels: torch.Tensor,
+                 create_graph: bool = False) -> torch.Tensor:
+    """d loss(model(z), y) / dz of the batch-mean loss, as a SplitFed server sends it back,
+    leaving the model's buffers (BatchNorm statistics) as they are."""
+    smashed = smashed.detach().requires_grad_()
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    logits = torch.func.functional_call(model, buffers, (smashed,))
+    (grad,) = torch.autograd.grad(loss(logits, labels), smashed, create_graph=create_graph)
+    return grad
 
-    def __init__(self, capacity: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
-        super().__init__()
-        self.register_buffer("smashed", torch.zeros((capacity, *shape), dtype=dtype, device=device))
-        self.register_buffer("labels", torch.zeros(capacity, dtype=torch.long, device=device))
-        self.register_buffer("received", torch.zeros((), dtype=torch.long, device=device))
+
+class AlignmentBuffer:
+    """The latest `capacity` (smashed, label) pairs one client sent: grows to `capacity`, then a
+    ring, the oldest overwritten first."""
+
+    def __init__(self, capacity: int, smashed: torch.Tensor, labels: torch.Tensor, received: int = 0) -> None:
+        self.capacity, self.smashed, self.labels, self.received = capacity, smashed, labels, received
 
     def add(self, smashed: torch.Tensor, labels: torch.Tensor) -> None:
-        capacity = len(self.labels)
-        smashed, labels = smashed[-capacity:], labels[-capacity:]
-        slots = (int(self.received) + torch.arange(len(labels), device=labels.device)) % capacity
-        self.smashed[slots] = smashed
-        self.labels[slots] = labels
-        self.received += len(labels)
+        smashed, labels = smashed[-self.capacity:], labels[-self.capacity:]
+        grow = min(self.capacity - len(self.labels), len(labels))
+        if grow:
+            self.smashed = torch.cat([self.smashed, smashed[:grow]])
+            self.labels = torch.cat([self.labels, labels[:grow]])
+            self.received += grow
+            smashed, labels = smashed[grow:], labels[grow:]
+        if len(labels):
+            slots = (self.received + torch.arange(len(labels), device=labels.device)) % self.capacity
+            self.smashed[slots] = smashed
+            self.labels[slots] = labels
+            self.received += len(labels)
 
-    def contents(self) -> tuple[torch.Tensor, torch.Tensor]:
-        stored = min(int(self.received), len(self.labels))
-        return self.smashed[:stored], self.labels[:stored]
+    def state_dict(self) -> State:
+        return {"smashed": self.smashed, "labels": self.labels, "received": self.received}
 
 
-class FSLSAGE(AuxiliaryFSL):
-    name = "fsl_sage"
-    Params = FSLSAGEParams
+class SageClient(ClientNode):
+    """Keeps its aux model, which only the S-server's alignment changes."""
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        initial = self.new_aux()
-        self.aux_models = [self.working_copy(initial) for _ in ctx.clients]
-        shape = smashed_shape(ctx.new_model().cpu(), ctx.config.cut, ctx.data.input_shape, ctx.data.train_x.dtype)
-        self.buffers = [AlignmentBuffer(self.params.align_buffer_size, shape, torch.float32, ctx.device)
-                        for _ in ctx.clients]
-        self._aligning = initial  # the S-server's working copy of the aux model being aligned
+    keeps = frozenset({"aux_model"})
 
-    def start_client(self, slot: int, client: Client) -> tuple[Part, nn.Module]:
-        return self.client_copy(slot), self.aux_models[client.id]
+    @verb(up=KEYED)
+    def local_aux_step(self, send: bool) -> State:
+        """A step on the aux model's estimate of the cut gradient; the smashed data if `send`."""
+        x, y = self.next_batch()
+        with self.blueprint.timed("client"):
+            smashed = self.model("client_model")(x)
+            estimate = cut_gradient(self.model("aux_model"), smashed, y)
+            self.step("client_model", lambda: smashed.backward(estimate))
+        return {"smashed": smashed.detach(), "labels": y} if send else {}
 
-    def client_step(self, client: Part, aux: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        with self.timed("client"):
-            smashed = client.model(x)
-            estimate = self.cut_gradient(aux, smashed, y)
-            client.optimizer.zero_grad(set_to_none=True)
-            smashed.backward(estimate)
-            client.optimizer.step()
-        return smashed.detach()
 
-    def server_step(self, client: Client, smashed: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        received, labels = super().server_step(client, smashed, y)
-        self.buffers[client.id].add(received, labels)
-        return received, labels
+class SageServer(TrainingServer):
+    """The S-server: server part, and per client an alignment buffer and the aux model it last sent."""
 
-    def finish_round(self, rnd: int, clients: list[Client], locals_: list[tuple[Part, nn.Module]]) -> None:
-        self.average_client_parts(clients, [client for client, _ in locals_])
-        lazy_until = self.params.lazy_until
-        if rnd % self.params.align_interval == 0 and (lazy_until is None or rnd < lazy_until):
-            for client in clients:
-                self.align(rnd, client)
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.buffers: dict[int, AlignmentBuffer] = {}
+        self.aux_models: dict[int, nn.Module] = {}
+        self._aligning: nn.Module | None = None  # working copy of the aux model being aligned
 
-    def align(self, rnd: int, client: Client) -> None:
-        """Fit the client's aux model to the server's true cut gradients on its buffer; send it down."""
-        smashed, labels = self.buffers[client.id].contents()
-        if len(labels) == 0:
-            return
-        size = self.params.align_batch_size
-        with self.timed("alignment"):
-            target = self.buffer_gradients(self.server.model, smashed, labels)
+    @verb()
+    def learn_from(self, client_id: int, smashed: torch.Tensor, labels: torch.Tensor) -> State:
+        reply = self.learn(smashed, labels)
+        if client_id not in self.buffers:
+            self.buffers[client_id] = AlignmentBuffer(self.blueprint.params.align_buffer_size,
+                                                      smashed[:0].detach(), labels[:0])
+        self.buffers[client_id].add(smashed.detach(), labels)
+        return reply
+
+    def aux_model(self, client_id: int) -> nn.Module:
+        if client_id not in self.aux_models:
+            self.aux_models[client_id] = self.blueprint.initial("aux_model")
+        return self.aux_models[client_id]
+
+    @verb()
+    def align(self, rnd: int, client_id: int) -> State | None:
+        """Fit the client's aux model to the server's true cut gradients on its buffer; the result
+        goes down to the client (None when the buffer is empty: nothing to fit, nothing sent)."""
+        if client_id not in self.buffers:
+            return None
+        params, buffer = self.blueprint.params, self.buffers[client_id]
+        smashed, labels = buffer.smashed, buffer.labels
+        with self.blueprint.timed("alignment"):
+            target = self.buffer_gradients(self.model("server_model"), smashed, labels)
+            if self._aligning is None:
+                self._aligning = self.blueprint.initial("aux_model")
             aux = self._aligning
-            aux.load_state_dict(self.aux_models[client.id].state_dict())
-            optimizer = torch.optim.Adam(aux.parameters(), lr=self.params.align_lr, foreach=True)
-            for epoch in range(self.params.align_epochs):
-                order = self.ctx.rng(rnd, STREAM_ALIGNMENT, client.id, epoch).permutation(len(labels))
-                for idx in torch.as_tensor(order, device=labels.device).split(size):
-                    estimate = self.cut_gradient(aux, smashed[idx], labels[idx], create_graph=True) * len(idx)
-                    loss = F.mse_loss(estimate, target[idx], reduction="sum") / len(idx)
+            aux.load_state_dict(self.aux_model(client_id).state_dict())
+            optimizer = torch.optim.Adam(aux.parameters(), lr=params.align_lr, foreach=True)
+            for epoch in range(params.align_epochs):
+                order = self.blueprint.rng(rnd, STREAM_ALIGNMENT, client_id, epoch).permutation(len(labels))
+                for idx in torch.as_tensor(order, device=labels.device).split(params.align_batch_size):
+                    estimate = cut_gradient(aux, smashed[idx], labels[idx], create_graph=True) * len(idx)
+                    value = F.mse_loss(estimate, target[idx], reduction="sum") / len(idx)
                     optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
+                    value.backward()
                     optimizer.step()
-        self.download("aux_model_down", aux, self.aux_models[client.id])
+        self.aux_model(client_id).load_state_dict(aux.state_dict())
+        return aux.state_dict()
 
     def buffer_gradients(self, model: nn.Module, smashed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """`model`'s per-sample cut gradients of a buffer, in mini-batches of `align_batch_size`
         (with the server part: the true z_b of the paper)."""
-        size = self.params.align_batch_size
-        return torch.cat([self.cut_gradient(model, z, y) * len(y) for z, y in zip(smashed.split(size), labels.split(size))])
+        size = self.blueprint.params.align_batch_size
+        return torch.cat([cut_gradient(model, z, y) * len(y) for z, y in zip(smashed.split(size), labels.split(size))])
 
-    def cut_gradient(self, model: nn.Module, smashed: torch.Tensor, labels: torch.Tensor,
-                     create_graph: bool = False) -> torch.Tensor:
-        """d loss(model(z), y) / dz of the batch-mean loss, as a SplitFed server sends it back,
-        leaving the model's buffers (BatchNorm statistics) as they are."""
-        smashed = smashed.detach().requires_grad_()
-        buffers = {name: b.clone() for name, b in model.named_buffers()}
-        logits = torch.func.functional_call(model, buffers, (smashed,))
-        (grad,) = torch.autograd.grad(self.loss(logits, labels), smashed, create_graph=create_graph)
-        return grad
-
+    @verb()
     def estimation_error(self, client_id: int) -> float:
         """sum ||z_b_hat - z_b||^2 / sum ||z_b||^2 of the client's aux model on its buffer, with the
         current server part: the epsilon^t of the paper's Theorem 4.3, relative."""
-        smashed, labels = self.buffers[client_id].contents()
-        target = self.buffer_gradients(self.server.model, smashed, labels)
-        estimate = self.buffer_gradients(self.aux_models[client_id], smashed, labels)
+        buffer = self.buffers[client_id]
+        target = self.buffer_gradients(self.model("server_model"), buffer.smashed, buffer.labels)
+        estimate = self.buffer_gradients(self.aux_model(client_id), buffer.smashed, buffer.labels)
         return float(((estimate - target) ** 2).sum() / (target ** 2).sum())
+
+    @verb(up="checkpoint")
+    def state_dict(self) -> State:
+        return {**super().state_dict(), "buffers": {k: b.state_dict() for k, b in self.buffers.items()},
+                "aux_models": {k: m.state_dict() for k, m in self.aux_models.items()}}
+
+    @verb(down="checkpoint")
+    def load_state_dict(self, state: State) -> None:
+        super().load_state_dict(state)
+        capacity = self.blueprint.params.align_buffer_size
+        self.buffers = {int(k): AlignmentBuffer(capacity, b["smashed"], b["labels"], int(b["received"]))
+                        for k, b in state["buffers"].items()}
+        for k, weights in state["aux_models"].items():
+            self.aux_model(int(k)).load_state_dict(weights)
+
+
+class FSLSAGE(AuxiliaryFSL, Algorithm[FSLSAGEParams]):
+    name = "fsl_sage"
+    Client = SageClient
+    Server = SageServer
+
+    def start_round(self, clients: list[ClientInfo]) -> None:
+        for client in clients:
+            self.download(client.id)
+
+    def finish_round(self, rnd: int, clients: list[ClientInfo]) -> None:
+        self.federated_average(clients)
+        lazy_until = self.params.lazy_until
+        if rnd % self.params.align_interval == 0 and (lazy_until is None or rnd < lazy_until):
+            for client in clients:
+                aligned = self.server.align(rnd, client.id)
+                if aligned is not None:
+                    self.client(client.id).load("aux_model", aligned)

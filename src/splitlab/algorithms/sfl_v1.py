@@ -10,31 +10,20 @@ Averaging the server copies happens inside the training server, so it costs no c
 
 from __future__ import annotations
 
-from splitlab.algorithms.base import Algorithm, Context
-from splitlab.roles import Client, ModelAverage
+from splitlab.algorithms.base import Algorithm, ClientInfo
+from splitlab.config import NoParams
 
 
-class SFLV1(Algorithm):
+class SFLV1(Algorithm[NoParams]):
     name = "sfl_v1"
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.client_model, self.server_model = ctx.new_split()
-        self._client_copy = self.working_copy(self.client_model)
-        self._server_copy = self.working_copy(self.server_model)
-
-    def train_round(self, rnd: int, clients: list[Client]) -> None:
-        client_average, server_average = ModelAverage(), ModelAverage()
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         for client, alpha in zip(clients, self.ctx.weights(clients)):
-            self.download("client_model_down", self.client_model, self._client_copy)
-            self._server_copy.load_state_dict(self.server_model.state_dict())
-            client_part, server_part = self.ctx.part(self._client_copy), self.ctx.part(self._server_copy)
-            for x, y in self.ctx.batches(client, rnd):
-                self.split_step(client_part, server_part, x, y)
-            client_average.add(self.channel.send("client_model_up", self._client_copy.state_dict()), alpha)
-            server_average.add(self._server_copy.state_dict(), alpha)
-        self.average_into(self.client_model, client_average)
-        self.average_into(self.server_model, server_average)
-
-    def global_parts(self):
-        return [self.client_model, self.server_model]
+            self.download(client.id)
+            self.server.copy_server()
+            for step in range(self.ctx.local_steps(client)):
+                self.split_step(client.id, step, server_slot="server_copy")
+            self.server.fold_copy(alpha)
+            self.contribute(client.id, alpha)
+        self.sync.average("client_model")
+        self.server.average_copies()

@@ -18,8 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from splitlab.algorithms.base import STREAM_ORDER, Algorithm, Context
-from splitlab.roles import Client, CopyPool, ModelAverage
+from splitlab.algorithms.base import STREAM_ORDER, Algorithm, ClientInfo
 
 
 class SFLV2Params(BaseModel):
@@ -27,46 +26,21 @@ class SFLV2Params(BaseModel):
     server_schedule: Literal["interleaved", "sequential"] = "interleaved"
 
 
-class SFLV2(Algorithm):
+class SFLV2(Algorithm[SFLV2Params]):
     name = "sfl_v2"
-    Params = SFLV2Params
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.client_model, server_model = ctx.new_split()
-        self.server = ctx.part(server_model)
-        self._client_copies = CopyPool(self.client_model)
-
-    def train_round(self, rnd: int, clients: list[Client]) -> None:
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         if self.params.server_schedule == "interleaved":
-            self._interleaved_round(rnd, clients)
+            for client in clients:
+                self.download(client.id)
+            for k, step in self.ctx.interleaved(rnd, clients):
+                self.split_step(clients[k].id, step)
+            self.federated_average(clients)
         else:
-            self._sequential_round(rnd, clients)
-
-    def _interleaved_round(self, rnd: int, clients: list[Client]) -> None:
-        copies = self._client_copies.take(len(clients))
-        parts = []
-        for copy in copies:
-            self.download("client_model_down", self.client_model, copy)
-            parts.append(self.ctx.part(copy))
-        for k, _, (x, y) in self.ctx.interleaved(rnd, clients):
-            self.split_step(parts[k], self.server, x, y)
-        average = ModelAverage()
-        for copy, alpha in zip(copies, self.ctx.weights(clients)):
-            average.add(self.channel.send("client_model_up", copy.state_dict()), alpha)
-        self.average_into(self.client_model, average)
-
-    def _sequential_round(self, rnd: int, clients: list[Client]) -> None:
-        (copy,) = self._client_copies.take(1)
-        average = ModelAverage()
-        alphas = self.ctx.weights(clients)
-        for k in self.ctx.rng(rnd, STREAM_ORDER).permutation(len(clients)):
-            self.download("client_model_down", self.client_model, copy)
-            part = self.ctx.part(copy)
-            for x, y in self.ctx.batches(clients[k], rnd):
-                self.split_step(part, self.server, x, y)
-            average.add(self.channel.send("client_model_up", copy.state_dict()), alphas[k])
-        self.average_into(self.client_model, average)
-
-    def global_parts(self):
-        return [self.client_model, self.server.model]
+            alphas = self.ctx.weights(clients)
+            for k in self.ctx.rng(rnd, STREAM_ORDER).permutation(len(clients)):
+                self.download(clients[k].id)
+                for step in range(self.ctx.local_steps(clients[k])):
+                    self.split_step(clients[k].id, step)
+                self.contribute(clients[k].id, alphas[k])
+            self.sync.average("client_model")

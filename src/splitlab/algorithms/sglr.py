@@ -14,15 +14,16 @@ CycleSL authors' SGLR code, is in docs/cyclesl.md.
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from splitlab.algorithms.base import STREAM_SUBSET, Context
+from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.algorithms.psl import PersonalClients
-from splitlab.channel import Channel
-from splitlab.roles import Client, Part
+from splitlab.roles import State, TrainingServer, loss
+from splitlab.streams import register_stream
+from splitlab.transport import verb
+
+STREAM_SUBSET = register_stream("sglr.averaged_clients", 3)
 
 
 class SGLRParams(BaseModel):
@@ -40,55 +41,52 @@ def averaged_clients(ctx: Context, rnd: int, count: int, fraction: float) -> set
     return {int(k) for k in chosen}
 
 
-def send_cut_grads(channel: Channel, grads: list[torch.Tensor], sizes: list[int],
-                   averaged: set[int]) -> list[torch.Tensor]:
+def average_cut_grads(grads: list[torch.Tensor], sizes: list[int], averaged: set[int]) -> list[torch.Tensor]:
     """The cut gradients as the clients receive them: clients in `averaged` get one vector (shape
     (1, ...)), the mean over all samples of those clients with sample weights |D_k|."""
     if averaged:
         total = sum(sizes[k] * grads[k].sum(0, keepdim=True) for k in averaged)
         mean = total / sum(sizes[k] * len(grads[k]) for k in averaged)
-    return [channel.send("cut_grad", mean if k in averaged else g) for k, g in enumerate(grads)]
+    return [mean if k in averaged else g for k, g in enumerate(grads)]
 
 
-def client_step(part: Part, smashed: torch.Tensor, grad: torch.Tensor) -> None:
-    """Back-propagate a received cut gradient (broadcast over the batch if it is one vector)."""
-    part.optimizer.zero_grad(set_to_none=True)
-    smashed.backward(grad.expand_as(smashed))
-    part.optimizer.step()
+class ServerWithOwnLR(TrainingServer):
+    """A training server whose optimizer uses `server_lr` (default: lr)."""
+
+    def lr(self, slot: str) -> float | None:
+        return getattr(self.blueprint.params, "server_lr", None)
 
 
-class SGLR(PersonalClients):
+class SGLRServer(ServerWithOwnLR):
+    @verb()
+    def lockstep(self, smashed: list[torch.Tensor], labels: list[torch.Tensor], alphas: list[float],
+                 sizes: list[int], averaged: list[int]) -> State:
+        """One server step on sum_k alpha_k loss_k; each client's cut gradient (averaged over a subset)."""
+        for z in smashed:
+            z.requires_grad_()
+        model = self.model("server_model")
+        with self.blueprint.timed("server"):
+            total = sum(alpha * loss(model(z), y) for alpha, z, y in zip(alphas, smashed, labels))
+            self.step("server_model", total.backward)
+            grads = [z.grad / alpha for z, alpha in zip(smashed, alphas)]  # d(own loss)/d(smashed)
+        return {"cut_grads": average_cut_grads(grads, sizes, set(averaged)), "loss": total.detach()}
+
+
+class SGLR(PersonalClients, Algorithm[SGLRParams]):
     name = "sglr"
-    Params = SGLRParams
+    Server = SGLRServer
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.server_optimizer = ctx.optimizer(self.server_model, lr=self.params.server_lr)
-
-    def train_round(self, rnd: int, clients: list[Client]) -> None:
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         averaged = averaged_clients(self.ctx, rnd, len(clients), self.params.average_fraction)
-        steps = itertools.zip_longest(*[self.ctx.batches(client, rnd) for client in clients])
-        for batches in steps:
-            active = [k for k, batch in enumerate(batches) if batch is not None]
-            self._parallel_step([clients[k] for k in active], [batches[k] for k in active],
-                                {i for i, k in enumerate(active) if k in averaged})
+        steps = [self.ctx.local_steps(c) for c in clients]
+        for step in range(max(steps)):
+            active = [k for k, n in enumerate(steps) if n > step]
+            self.lockstep(step, [clients[k] for k in active], {i for i, k in enumerate(active) if k in averaged})
 
-    def _parallel_step(self, clients: list[Client], batches: list, averaged: set[int]) -> None:
-        parts = [self.client_part(client.id) for client in clients]
-        with self.timed("client"):
-            smashed = [part.model(x) for part, (x, _) in zip(parts, batches)]
-        received = [self.channel.send("smashed", z).requires_grad_() for z in smashed]
-        labels = [self.channel.send("labels", y) for _, y in batches]
-        alphas = self.ctx.weights(clients)
-        with self.timed("server"):
-            losses = [self.loss(self.server_model(z), y) for z, y in zip(received, labels)]
-            loss = sum(alpha * l for alpha, l in zip(alphas, losses))
-            self.server_optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.server_optimizer.step()
-            grads = [z.grad / alpha for z, alpha in zip(received, alphas)]  # d(own loss)/d(smashed)
-        sizes = [client.num_samples for client in clients]
-        for part, z, grad in zip(parts, smashed, send_cut_grads(self.channel, grads, sizes, averaged)):
-            with self.timed("client"):
-                client_step(part, z, grad)
-        self.track(loss)
+    def lockstep(self, step: int, clients: list[ClientInfo], averaged: set[int]) -> None:
+        sent = [self.client(c.id).forward(step) for c in clients]
+        reply = self.server.lockstep([s["smashed"] for s in sent], [s["labels"] for s in sent],
+                                     self.ctx.weights(clients), [c.num_samples for c in clients], sorted(averaged))
+        for client, grad in zip(clients, reply["cut_grads"]):
+            self.client(client.id).backward(step, grad)
+        self.track(reply["loss"])

@@ -1,53 +1,67 @@
 """Vanilla split learning (Gupta & Raskar 2018): one client part relayed from client to client.
 
 The round's clients take turns in id order; each receives the client part from whoever held it
-last (counted as `client_model_relay`), runs its local epochs with the single server part, and
-keeps the model until the next client asks. The client optimizer starts fresh with every holder
-(optimizer state does not travel); the server's lives for the whole run. With one client this is
-centralized training at any cut (tested).
+last (counted once, as `client_model_relay`), runs its local epochs with the single server part,
+and keeps the model until the next client asks. The client optimizer starts fresh with every
+round (optimizer state does not travel); the server's lives for the whole run. With one client
+this is centralized training at any cut (tested).
 """
 
 from __future__ import annotations
 
-from splitlab.algorithms.base import Algorithm, Context
-from splitlab.roles import Client
+from splitlab.algorithms.base import Algorithm, ClientInfo
+from splitlab.config import NoParams
+from splitlab.roles import ClientNode, State
+from splitlab.transport import COUNTED_BY_SENDER, verb
+
+
+class RelayClient(ClientNode):
+    """A client that may hold the one client part between its turns."""
+
+    @verb()
+    def begin_round(self, rnd: int) -> None:
+        super().begin_round(rnd)
+        self.optimizers.pop("client_model", None)
+
+    @verb(up="client_model_relay")
+    def hand_over(self) -> State:
+        """Give the client part away (it leaves this client)."""
+        self.optimizers.pop("client_model", None)
+        return self.models.pop("client_model").state_dict()
+
+    @verb(down=COUNTED_BY_SENDER)
+    def take_over(self, state: State) -> None:
+        self.model("client_model").load_state_dict(state)
 
 
 class Relay(Algorithm):
-    """One client part (`self.client_model`) handed from client to client; shared with CycleSSL."""
+    """One client part handed from client to client; shared with CycleSSL."""
 
+    Client = RelayClient
     holder = -1  # id of the client holding the client part; -1 before anyone has it
 
-    def hand_to(self, client: Client) -> None:
-        """Give the client part to `client`, counted unless it already holds it."""
-        if self.holder not in (-1, client.id):
-            self.client_model.load_state_dict(
-                self.channel.send("client_model_relay", self.client_model.state_dict()))
-        self.holder = client.id
+    def hand_to(self, client_id: int) -> None:
+        """Give the client part to `client_id`; the first holder starts from the initial weights."""
+        if self.holder not in (-1, client_id):
+            self.client(client_id).take_over(self.client(self.holder).hand_over())
+        self.holder = client_id
 
-    def state_dict(self) -> dict[str, object]:
-        return {**super().state_dict(), "holder": self.holder}
+    def global_model(self) -> list[State]:
+        holder = self.client(max(self.holder, self.ctx.clients[0].id))
+        return [holder.snapshot("client_model"), self.server.snapshot("server_model")]
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        state = dict(state)
-        self.holder = int(state.pop("holder"))
-        super().load_state_dict(state)
+    def state_dict(self) -> State:
+        return {"holder": self.holder}
+
+    def load_state_dict(self, state: State) -> None:
+        self.holder = int(state["holder"])
 
 
-class SplitLearning(Relay):
+class SplitLearning(Relay, Algorithm[NoParams]):
     name = "sl"
 
-    def __init__(self, ctx: Context) -> None:
-        super().__init__(ctx)
-        self.client_model, server_model = ctx.new_split()
-        self.server = ctx.part(server_model)
-
-    def train_round(self, rnd: int, clients: list[Client]) -> None:
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         for client in clients:
-            self.hand_to(client)
-            client_part = self.ctx.part(self.client_model)
-            for x, y in self.ctx.batches(client, rnd):
-                self.split_step(client_part, self.server, x, y)
-
-    def global_parts(self):
-        return [self.client_model, self.server.model]
+            self.hand_to(client.id)
+            for step in range(self.ctx.local_steps(client)):
+                self.split_step(client.id, step)

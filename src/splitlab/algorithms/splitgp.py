@@ -15,6 +15,8 @@ Only the round's clients are mixed: one that sits a round out keeps its personal
 `predict` (the engine's per-round test accuracy) uses the averaged client part with theta, the
 model a newly arriving client would get; the paper's per-client, entropy-gated view is
 `splitlab evaluate` (splitlab.splitgp.evaluation), which reads `clients.safetensors`.
+phi_k and h_k are the client's own (slots `client_model` and `aux_model`); the averages are the
+sync server's, under the same slot names.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from splitlab.algorithms.base import Algorithm, Context
+from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.models import output_shape
-from splitlab.roles import Client, ModelAverage, Part
+from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, ModelAverage, State, TrainingServer, loss
+from splitlab.transport import KEYED, verb
 
 
 class SplitGPParams(BaseModel):
@@ -49,6 +52,11 @@ def exit_head(client_part: nn.Module, input_shape: tuple[int, ...], num_classes:
         return nn.Sequential(nn.Flatten(), nn.Linear(features, num_classes))
 
 
+def initial_exit(blueprint: Blueprint) -> nn.Module:
+    return exit_head(blueprint.initial("client_model"), blueprint.input_shape, blueprint.num_classes,
+                     blueprint.config.seed).to(blueprint.device)
+
+
 def mix(own: nn.Module, average: dict[str, torch.Tensor], keep: float) -> None:
     """own <- keep * own + (1 - keep) * average; keep = 1 and keep = 0 are exact."""
     mixture = ModelAverage()
@@ -57,78 +65,83 @@ def mix(own: nn.Module, average: dict[str, torch.Tensor], keep: float) -> None:
     own.load_state_dict(mixture.result(own.state_dict()))
 
 
-class SplitGP(Algorithm):
+class SplitGPClient(ClientNode):
+    """Client k: phi_k and h_k, its own for the whole run, trained on F_k (eqs. 5-8)."""
+
+    keeps = frozenset({"client_model", "aux_model"})
+
+    @verb()
+    def begin_round(self, rnd: int) -> None:
+        super().begin_round(rnd)
+        self.optimizers.clear()  # a fresh optimizer every round
+
+    @verb(up=KEYED)
+    def forward(self, step: int) -> State:
+        """phi_k on the next batch, and the client-exit loss l_C of h_k (kept for `backward`)."""
+        x, y = self.next_batch()
+        with self.blueprint.timed("client"):
+            smashed = self.model("client_model")(x)
+            client_loss = loss(self.model("aux_model")(smashed), y)
+        self.stash[step] = smashed, client_loss
+        return {"smashed": smashed.detach(), "labels": y, "loss": client_loss.detach()}
+
+    @verb(down="cut_grad")
+    def backward(self, step: int, cut_grad: torch.Tensor) -> None:
+        """A step on gamma * l_C plus the server's (already (1 - gamma)-scaled) cut gradient."""
+        smashed, client_loss = self.stash.pop(step)
+        gamma = self.blueprint.params.gamma
+        optimizers = self.optimizer("client_model"), self.optimizer("aux_model")
+        with self.blueprint.timed("client"):
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            torch.autograd.backward([gamma * client_loss, smashed], [None, cut_grad])
+            for optimizer in optimizers:
+                optimizer.step()
+
+    @verb(down="{0}_down")
+    def mix(self, slot: str, average: State) -> None:
+        """eqs. (9)-(10): keep lambda of the own model, take 1 - lambda of the average."""
+        mix(self.model(slot), average, self.blueprint.params.personalization)
+
+
+class SplitGPServer(TrainingServer):
+    def objective(self, value: torch.Tensor) -> torch.Tensor:
+        return (1 - self.blueprint.params.gamma) * value
+
+
+class SplitGP(Algorithm[SplitGPParams]):
     name = "splitgp"
-    Params = SplitGPParams
+    Client = SplitGPClient
+    Server = SplitGPServer
+    models = {**SPLIT_MODELS, "aux_model": initial_exit}
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)
-        self.client_average, self.server_model = ctx.new_split()
-        head = exit_head(self.client_average, ctx.data.input_shape, ctx.data.num_classes, ctx.config.seed)
-        self.exit_average = head.to(ctx.device)
-        # phi_0 and h_0 go to every client once, before the first round.
-        self.client_models = [self.working_copy(self.client_average) for _ in ctx.clients]
-        self.exits = [self.working_copy(self.exit_average) for _ in ctx.clients]
-        for phi, h in zip(self.client_models, self.exits):
-            self.download("client_model_down", self.client_average, phi)
-            self.download("aux_model_down", self.exit_average, h)
-        self._server_copy = self.working_copy(self.server_model)
+        for client in ctx.clients:  # phi_0 and h_0 go to every client once, before the first round
+            self.download(client.id, "client_model")
+            self.download(client.id, "aux_model")
 
-    def train_round(self, rnd: int, clients: list[Client]) -> None:
-        client_avg, exit_avg, server_avg = ModelAverage(), ModelAverage(), ModelAverage()
-        for client, alpha in zip(clients, self.ctx.weights(clients)):
-            phi, h = self.client_models[client.id], self.exits[client.id]
-            self._server_copy.load_state_dict(self.server_model.state_dict())
-            client_part = self.ctx.part(nn.ModuleList([phi, h]))
-            server_part = self.ctx.part(self._server_copy)
-            for x, y in self.ctx.batches(client, rnd):
-                self.multi_exit_step(client_part, server_part, x, y)
-            client_avg.add(self.channel.send("client_model_up", phi.state_dict()), alpha)
-            exit_avg.add(self.channel.send("aux_model_up", h.state_dict()), alpha)
-            server_avg.add(self._server_copy.state_dict(), alpha)
-        self.average_into(self.server_model, server_avg)
-        self.average_into(self.client_average, client_avg)
-        self.average_into(self.exit_average, exit_avg)
-        keep = self.params.personalization
-        for client in clients:
-            average_phi = self.channel.send("client_model_down", self.client_average.state_dict())
-            average_h = self.channel.send("aux_model_down", self.exit_average.state_dict())
-            mix(self.client_models[client.id], average_phi, keep)
-            mix(self.exits[client.id], average_h, keep)
-
-    def multi_exit_step(self, client: Part, server: Part, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One step on F_k = gamma * l_C + (1 - gamma) * l_S (eqs. 6-8)."""
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         gamma = self.params.gamma
-        phi, h = client.model
-        with self.timed("client"):
-            smashed = phi(x)
-            client_loss = self.loss(h(smashed), y)
-        received = self.channel.send("smashed", smashed).requires_grad_()
-        labels = self.channel.send("labels", y)
-        with self.timed("server"):
-            server_loss = self.loss(server.model(received), labels)
-            server.optimizer.zero_grad(set_to_none=True)
-            ((1 - gamma) * server_loss).backward()
-            server.optimizer.step()
-        cut_grad = self.channel.send("cut_grad", received.grad)
-        with self.timed("client"):
-            client.optimizer.zero_grad(set_to_none=True)
-            torch.autograd.backward([gamma * client_loss, smashed], [None, cut_grad])
-            client.optimizer.step()
-        return self.track(gamma * client_loss.detach() + (1 - gamma) * server_loss.detach())
-
-    def global_parts(self):
-        return [self.client_average, self.server_model]
+        for client, alpha in zip(clients, self.ctx.weights(clients)):
+            self.server.copy_server()
+            node = self.client(client.id)
+            for step in range(self.ctx.local_steps(client)):  # one step on F_k (eqs. 6-8)
+                sent = node.forward(step)
+                reply = self.server.train_step(sent["smashed"], sent["labels"], "server_copy")
+                node.backward(step, reply["cut_grad"])
+                self.track(gamma * sent["loss"] + (1 - gamma) * reply["loss"])
+            self.server.fold_copy(alpha)
+            self.contribute(client.id, alpha, ("client_model", "aux_model"))
+        self.server.average_copies()
+        self.sync.average("client_model")
+        self.sync.average("aux_model")
+        for client in clients:
+            for slot in ("client_model", "aux_model"):
+                self.client(client.id).mix(slot, self.sync.model_state(slot))
 
     def client_weights(self) -> dict[str, torch.Tensor]:
         """phi_k and h_k of every client, as `client.<k>.<name>` and `exit.<k>.<name>`."""
-        return {f"{role}.{k}.{name}": t
-                for role, modules in (("client", self.client_models), ("exit", self.exits))
-                for k, module in enumerate(modules) for name, t in module.state_dict().items()}
-
-    def load_client_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        for role, modules in (("client", self.client_models), ("exit", self.exits)):
-            for k, module in enumerate(modules):
-                prefix = f"{role}.{k}."
-                module.load_state_dict({name[len(prefix):]: t for name, t in tensors.items()
-                                        if name.startswith(prefix)})
+        return {f"{name}.{c.id}.{key}": t
+                for name, slot in (("client", "client_model"), ("exit", "aux_model")) for c in self.ctx.clients
+                for key, t in self.client(c.id).snapshot(slot).items()}

@@ -1,0 +1,110 @@
+"""Messages and checkpoints as bytes, without pickle: tensors in safetensors, the rest as JSON.
+
+A message is a nest of dicts (str or int keys), lists, tuples, tensors, ints, floats, bools,
+strings and None: what role verbs exchange and what role states are made of (optimizer states
+included). `encode` stores every tensor under a running number in one safetensors buffer and the
+nest around them, with tensors replaced by their number, as strict JSON in the buffer's metadata.
+`decode` reverses it and refuses anything else: a truncated, empty or foreign buffer is a
+`MessageError`, never an object built from attacker-chosen code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+_SKELETON = "splitlab.skeleton"
+
+
+class MessageError(ValueError):
+    """Bytes that are not a well-formed splitlab message."""
+
+
+def encode(message: Any) -> bytes:
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def skeleton(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            name = str(len(tensors))
+            tensor = value.detach().to("cpu").contiguous()
+            storage = tensor.untyped_storage().data_ptr()
+            if storage in seen or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+                tensor = tensor.clone()  # safetensors refuses views and shared storage
+            seen.add(tensor.untyped_storage().data_ptr())
+            tensors[name] = tensor
+            return {"$t": name}
+        if isinstance(value, dict):
+            if all(isinstance(k, str) and not k.startswith("$") for k in value):
+                return {k: skeleton(v) for k, v in value.items()}
+            return {"$d": [[_key(k), skeleton(v)] for k, v in value.items()]}
+        if isinstance(value, tuple):
+            return {"$tuple": [skeleton(v) for v in value]}
+        if isinstance(value, list):
+            return [skeleton(v) for v in value]
+        if isinstance(value, float) and not math.isfinite(value):
+            return {"$f": repr(value)}
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise TypeError(f"cannot encode a {type(value).__name__} in a message")
+
+    nest = json.dumps(skeleton(message), allow_nan=False, separators=(",", ":"))
+    return save_tensors(tensors, metadata={_SKELETON: nest})
+
+
+def _key(key: Any) -> Any:
+    if isinstance(key, bool) or not isinstance(key, (int, str)):
+        raise TypeError(f"cannot encode a dict key of type {type(key).__name__}")
+    return key
+
+
+def decode(data: bytes, device: torch.device | str = "cpu") -> Any:
+    """The message in `data`, its tensors on `device`; MessageError if `data` is not one."""
+    try:
+        tensors = load_tensors(data)
+        nest = json.loads(_metadata(data)[_SKELETON])
+    except (SafetensorError, ValueError, KeyError, TypeError, OverflowError) as error:
+        raise MessageError(f"not a splitlab message ({error})") from None
+    used: set[str] = set()
+
+    def build(value: Any) -> Any:
+        if isinstance(value, list):
+            return [build(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        if set(value) == {"$t"} and value["$t"] in tensors and value["$t"] not in used:
+            used.add(value["$t"])
+            return tensors[value["$t"]].to(device)
+        if set(value) == {"$d"} and isinstance(value["$d"], list):
+            return {_key(k): build(v) for k, v in value["$d"]}
+        if set(value) == {"$tuple"} and isinstance(value["$tuple"], list):
+            return tuple(build(v) for v in value["$tuple"])
+        if set(value) == {"$f"} and value["$f"] in ("inf", "-inf", "nan"):
+            return float(value["$f"])
+        if any(k.startswith("$") for k in value):
+            raise MessageError(f"not a splitlab message (unknown entry {sorted(value)})")
+        return {k: build(v) for k, v in value.items()}
+
+    try:
+        message = build(nest)
+    except (TypeError, ValueError) as error:
+        raise MessageError(f"not a splitlab message ({error})") from None
+    if used != set(tensors):
+        raise MessageError("not a splitlab message (tensors outside its structure)")
+    return message
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The safetensors header's metadata (`load_tensors` has already checked the header)."""
+    size = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + size])
+    metadata = header.get("__metadata__")
+    if not isinstance(metadata, dict):
+        raise KeyError("no metadata")
+    return metadata

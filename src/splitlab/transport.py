@@ -1,0 +1,122 @@
+"""How an algorithm reaches a role: through a proxy that only knows the role's verbs.
+
+A verb is a role method marked with `@verb`, which also says what its tensors are for the
+communication ledger: `down` names the kind of every tensor in the call's arguments (client
+bound), `up` the kind of every tensor in its result (client -> server), or `KEYED` when the
+result is a dict whose keys are the kinds. Kinds may name a positional argument, as in
+`"{0}_down"` for a verb whose first argument is the slot; what goes from client to client
+is counted once, by the sender's verb (`COUNTED_BY_SENDER` on the receiver's). Only calls to clients are counted:
+the training and sync servers sit on the same side of the network.
+
+Transports:
+
+- `direct`: the role's method is called with the very objects passed (zero-copy).
+- `serialized`: every call and every result is encoded to bytes without pickle
+  (splitlab.codec) and decoded on the other side, as a network would; the encoded sizes are the
+  ledger's `envelope_bytes`. Same results, bit for bit, which proves no algorithm shares
+  objects across the boundary.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+
+from splitlab import codec
+from splitlab.channel import Ledger, payload_bytes
+
+KEYED = "<result keys>"
+COUNTED_BY_SENDER = "<counted by the sending client's verb>"  # client to client (vanilla SL's relay)
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class VerbSpec:
+    down: str | None = None
+    up: str | None = None
+
+
+def verb(down: str | None = None, up: str | None = None) -> Callable[[F], F]:
+    """Mark a role method as callable through a transport, with the ledger kinds of its tensors."""
+
+    def mark(method: F) -> F:
+        method.__verb__ = VerbSpec(down, up)  # type: ignore[attr-defined]
+        return method
+
+    return mark
+
+
+class Proxy:
+    """A role as the algorithm sees it: its verbs, called through the transport, nothing else."""
+
+    def __init__(self, transport: Transport, role: object, counted: bool) -> None:
+        self._transport, self._role, self._counted = transport, role, counted
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        spec = getattr(getattr(type(self._role), name, None), "__verb__", None)
+        if spec is None:
+            raise AttributeError(f"{type(self._role).__name__}.{name} is not a verb; roles are reached "
+                                 f"only through their verbs")
+        call = functools.partial(self._transport.call, getattr(self._role, name), spec, self._counted)
+        setattr(self, name, call)  # looked up once per verb
+        return call
+
+
+class Transport:
+    """Delivers verb calls to roles and counts, in the ledger, the tensors that reach or leave a client."""
+
+    name = "direct"
+
+    def __init__(self, ledger: Ledger, device: torch.device) -> None:
+        self.ledger, self.device = ledger, device
+
+    def connect(self, role: object, counted: bool) -> Proxy:
+        return Proxy(self, role, counted)
+
+    def call(self, method: Callable[..., Any], spec: VerbSpec, counted: bool, *args: Any, **kwargs: Any) -> Any:
+        if counted:
+            self._count(spec.down, args, (args, kwargs))
+        result = method(*args, **kwargs)
+        if counted:
+            self._count(spec.up, args, result)
+        return result
+
+    def _count(self, kind: str | None, args: tuple, payload: Any) -> None:
+        if kind == KEYED:
+            for key, value in payload.items():
+                self.ledger.add(key, payload_bytes(value))
+        elif kind == COUNTED_BY_SENDER:
+            return
+        elif kind is not None:
+            self.ledger.add(kind.format(*args), payload_bytes(payload))
+        elif payload_bytes(payload):
+            raise TypeError("a tensor crossed to or from a client through a verb that declares no ledger kind")
+
+
+class SerializedTransport(Transport):
+    """Every call and result goes through bytes, as over a network, but in this process."""
+
+    name = "serialized"
+
+    def call(self, method: Callable[..., Any], spec: VerbSpec, counted: bool, *args: Any, **kwargs: Any) -> Any:
+        request = self._carry({"args": list(args), "kwargs": kwargs})
+        args, kwargs = tuple(request["args"]), request["kwargs"]
+        if counted:
+            self._count(spec.down, args, (args, kwargs))
+        result = self._carry(method(*args, **kwargs))
+        if counted:
+            self._count(spec.up, args, result)
+        return result
+
+    def _carry(self, message: Any) -> Any:
+        data = codec.encode(message)
+        self.ledger.envelope_bytes += len(data)
+        return codec.decode(data, self.device)
+
+
+TRANSPORTS: dict[str, type[Transport]] = {"direct": Transport, "serialized": SerializedTransport}
