@@ -21,7 +21,7 @@ def child(algorithm: str, clients: int, samples: int, model: str) -> None:
 
     experiment = build(dict(algorithm=algorithm, dataset="fashion_mnist", model=model, cut=1, clients=clients,
                             train_subset=samples, batch_size=64, optimizer="adam", device="cpu", seed=0))
-    experiment.algorithm.train_round(0, experiment.clients)
+    experiment.algorithm.run_round(0, experiment.clients)
     print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 

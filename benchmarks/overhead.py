@@ -20,9 +20,9 @@ def epoch_seconds(algorithm: str, args: argparse.Namespace, **extra) -> float:
     experiment = build(dict(algorithm=algorithm, dataset="fashion_mnist", model="cnn", cut=args.cut,
                             clients=args.clients, train_subset=args.samples, batch_size=args.batch_size,
                             optimizer="adam", device=args.device, seed=0, **extra))
-    experiment.algorithm.train_round(0, experiment.clients[:1])  # warm-up (allocator, kernels)
+    experiment.algorithm.run_round(0, experiment.clients[:1])  # warm-up (allocator, kernels)
     started = time.perf_counter()
-    experiment.algorithm.train_round(1, experiment.clients)
+    experiment.algorithm.run_round(1, experiment.clients)
     return time.perf_counter() - started
 
 

@@ -13,7 +13,7 @@ import yaml
 from safetensors.torch import save_file
 
 
-def _atomic(path: Path, write: Callable[[str], None]) -> None:
+def _atomic(path: Path, write: Callable[[str], object]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)

@@ -23,7 +23,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ from splitlab.transport import KEYED, verb
 STREAM_BATCHES = register_stream("batches", 1)
 
 State = dict[str, Any]
+ParamsT = TypeVar("ParamsT", bound=BaseModel)
 
 
 def random_stream(seed: int, rnd: int, stream: int, *keys: int) -> np.random.Generator:
@@ -174,8 +175,8 @@ def _as_float(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.is_floating_point() else t.detach().double()
 
 
-class Role:
-    """Model slots with their optimizers, owned by one role.
+class Role(Generic[ParamsT]):
+    """Model slots with their optimizers, owned by one role (`Role[MyParams]`: the algorithm's settings).
 
     A slot filled by `load_copy` is a working copy (scratch): it comes from the blueprint's pool,
     gets a fresh optimizer, goes back at `end_round` and is not part of the role's state. Any
@@ -187,6 +188,7 @@ class Role:
 
     def __init__(self, blueprint: Blueprint) -> None:
         self.blueprint = blueprint
+        self.params = cast(ParamsT, blueprint.params)
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.scratch: set[str] = set()
@@ -249,7 +251,7 @@ class Role:
             self.optimizer(slot).load_state_dict(optimizer_state)
 
 
-class ClientNode(Role):
+class ClientNode(Role[ParamsT]):
     """A client: its own samples and model slots, and the activations awaiting their cut gradient."""
 
     def __init__(self, blueprint: Blueprint, client_id: int, x: torch.Tensor, y: torch.Tensor) -> None:
@@ -323,7 +325,7 @@ class ClientNode(Role):
         super().end_round()
 
 
-class TrainingServer(Role):
+class TrainingServer(Role[ParamsT]):
     """The server part (slot `server_model`), trained on the smashed data clients send."""
 
     def __init__(self, blueprint: Blueprint) -> None:
@@ -375,7 +377,7 @@ class TrainingServer(Role):
         self._average = None
 
 
-class SyncServer(Role):
+class SyncServer(Role[ParamsT]):
     """The global models clients start from (slot names as the clients'), and their averages."""
 
     def __init__(self, blueprint: Blueprint) -> None:

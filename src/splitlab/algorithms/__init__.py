@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+from typing import TYPE_CHECKING
 
 from splitlab.errors import UserError
 
+if TYPE_CHECKING:
+    from splitlab.algorithms.base import Algorithm
 
-def _discover() -> dict[str, type]:
+
+def _discover() -> dict[str, type[Algorithm]]:
     from splitlab.algorithms.base import Algorithm
 
     for module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{module.name}")
-    found: dict[str, type] = {}
+    found: dict[str, type[Algorithm]] = {}
     pending = list(Algorithm.__subclasses__())
     while pending:
         cls = pending.pop()
@@ -26,10 +30,10 @@ def _discover() -> dict[str, type]:
     return found
 
 
-_REGISTRY: dict[str, type] | None = None
+_REGISTRY: dict[str, type[Algorithm]] | None = None
 
 
-def algorithms() -> dict[str, type]:
+def algorithms() -> dict[str, type[Algorithm]]:
     global _REGISTRY
     if _REGISTRY is None:
         _REGISTRY = _discover()
@@ -40,7 +44,7 @@ def algorithm_names() -> list[str]:
     return sorted(algorithms())
 
 
-def get_algorithm(name: object) -> type:
+def get_algorithm(name: object) -> type[Algorithm]:
     registry = algorithms()
     if name not in registry:
         raise UserError(f"unknown algorithm {name!r}; available: {', '.join(sorted(registry))}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic
 
 import numpy as np
 import torch
@@ -20,13 +20,20 @@ from pydantic import BaseModel
 from torch import nn
 
 from splitlab.config import NoParams, RunConfig
-from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
+from splitlab.roles import (
+    SPLIT_MODELS,
+    Blueprint,
+    ClientNode,
+    ParamsT,
+    State,
+    SyncServer,
+    TrainingServer,
+    random_stream,
+)
 from splitlab.streams import register_stream
 from splitlab.transport import Proxy
 
 STREAM_ORDER = register_stream("order", 2)
-
-ParamsT = TypeVar("ParamsT", bound=BaseModel)
 
 
 @dataclass(frozen=True)

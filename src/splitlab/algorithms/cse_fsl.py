@@ -17,6 +17,8 @@ server does reaches a client within a round, so the order only matters to the se
 
 from __future__ import annotations
 
+import typing
+
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
@@ -35,8 +37,8 @@ class CSEFSLParams(BaseModel):
 
 def initial_aux(blueprint: Blueprint) -> nn.Module:
     """The initial auxiliary model for this run's model, cut and seed."""
-    cfg = blueprint.config
-    return build_aux(blueprint.params.aux, blueprint.new_model().cpu(), cfg.cut, blueprint.input_shape,
+    cfg, params = blueprint.config, typing.cast(CSEFSLParams, blueprint.params)
+    return build_aux(params.aux, blueprint.new_model().cpu(), cfg.cut, blueprint.input_shape,
                      seed=cfg.seed, dtype=blueprint.input_dtype).to(blueprint.device)
 
 
@@ -63,7 +65,7 @@ class AuxiliaryFSL(Algorithm):
         raise NotImplementedError
 
 
-class CSEFSLClient(ClientNode):
+class CSEFSLClient(ClientNode[CSEFSLParams]):
     @verb(up=KEYED)
     def local_aux_step(self, send: bool) -> State:
         """One step of client part and auxiliary head on the local loss; the smashed data if `send`."""

@@ -20,6 +20,8 @@ run in the training server (`CycleServer.cycle`), the rest is the orchestration 
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,7 +48,7 @@ class CycleSGLRParams(CycleParams, SGLRParams):
     pass
 
 
-class CycleServer(ServerWithOwnLR):
+class CycleServer(ServerWithOwnLR[CycleParams]):
     @verb()
     def cycle(self, rnd: int, features: list[torch.Tensor], labels: list[torch.Tensor], sizes: list[int],
               first_client: int, averaged: list[int]) -> State:
@@ -62,7 +64,7 @@ class CycleServer(ServerWithOwnLR):
         """The higher-level task: resampled mini-batches of the pooled features, loss weighted by |D_k|."""
         x, y = torch.cat(features), torch.cat(labels)
         weight = torch.cat([torch.full((len(f),), float(n), device=x.device) for f, n in zip(features, sizes)])
-        params = self.blueprint.params
+        params = self.params
         batch_size = params.server_batch_size or self.blueprint.config.batch_size
         model, losses = self.model("server_model"), []
         with self.blueprint.timed("server"):
@@ -86,7 +88,7 @@ class CycleSL(Algorithm):
 
     Server = CycleServer
 
-    def cycle(self, rnd: int, clients: list[ClientInfo], averaged: set[int] = frozenset()) -> None:
+    def cycle(self, rnd: int, clients: list[ClientInfo], averaged: Collection[int] = ()) -> None:
         sent = [self.client(c.id).forward(0) for c in clients]                          # ClientFP
         reply = self.server.cycle(rnd, [s["smashed"] for s in sent], [s["labels"] for s in sent],
                                   [c.num_samples for c in clients], clients[0].id,   # server task,

@@ -89,7 +89,7 @@ class AlignmentBuffer:
         return {"smashed": self.smashed, "labels": self.labels, "received": self.received}
 
 
-class SageClient(ClientNode):
+class SageClient(ClientNode[FSLSAGEParams]):
     """Keeps its aux model, which only the S-server's alignment changes."""
 
     keeps = frozenset({"aux_model"})
@@ -105,7 +105,7 @@ class SageClient(ClientNode):
         return {"smashed": smashed.detach(), "labels": y} if send else {}
 
 
-class SageServer(TrainingServer):
+class SageServer(TrainingServer[FSLSAGEParams]):
     """The S-server: server part, and per client an alignment buffer and the aux model it last sent."""
 
     def __init__(self, *args: Any) -> None:
@@ -118,7 +118,7 @@ class SageServer(TrainingServer):
     def learn_from(self, client_id: int, smashed: torch.Tensor, labels: torch.Tensor) -> State:
         reply = self.learn(smashed, labels)
         if client_id not in self.buffers:
-            self.buffers[client_id] = AlignmentBuffer(self.blueprint.params.align_buffer_size,
+            self.buffers[client_id] = AlignmentBuffer(self.params.align_buffer_size,
                                                       smashed[:0].detach(), labels[:0])
         self.buffers[client_id].add(smashed.detach(), labels)
         return reply
@@ -134,7 +134,7 @@ class SageServer(TrainingServer):
         goes down to the client (None when the buffer is empty: nothing to fit, nothing sent)."""
         if client_id not in self.buffers:
             return None
-        params, buffer = self.blueprint.params, self.buffers[client_id]
+        params, buffer = self.params, self.buffers[client_id]
         smashed, labels = buffer.smashed, buffer.labels
         with self.blueprint.timed("alignment"):
             target = self.buffer_gradients(self.model("server_model"), smashed, labels)
@@ -157,7 +157,7 @@ class SageServer(TrainingServer):
     def buffer_gradients(self, model: nn.Module, smashed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """`model`'s per-sample cut gradients of a buffer, in mini-batches of `align_batch_size`
         (with the server part: the true z_b of the paper)."""
-        size = self.blueprint.params.align_batch_size
+        size = self.params.align_batch_size
         return torch.cat([cut_gradient(model, z, y) * len(y) for z, y in zip(smashed.split(size), labels.split(size))])
 
     @verb()
@@ -177,7 +177,7 @@ class SageServer(TrainingServer):
     @verb(down="checkpoint")
     def load_state_dict(self, state: State) -> None:
         super().load_state_dict(state)
-        capacity = self.blueprint.params.align_buffer_size
+        capacity = self.params.align_buffer_size
         self.buffers = {int(k): AlignmentBuffer(capacity, b["smashed"], b["labels"], int(b["received"]))
                         for k, b in state["buffers"].items()}
         for k, weights in state["aux_models"].items():

@@ -14,12 +14,14 @@ CycleSL authors' SGLR code, is in docs/cyclesl.md.
 
 from __future__ import annotations
 
+import typing
+
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.algorithms.psl import PersonalClients
-from splitlab.roles import State, TrainingServer, loss
+from splitlab.roles import ParamsT, State, TrainingServer, loss
 from splitlab.streams import register_stream
 from splitlab.transport import verb
 
@@ -44,20 +46,21 @@ def averaged_clients(ctx: Context, rnd: int, count: int, fraction: float) -> set
 def average_cut_grads(grads: list[torch.Tensor], sizes: list[int], averaged: set[int]) -> list[torch.Tensor]:
     """The cut gradients as the clients receive them: clients in `averaged` get one vector (shape
     (1, ...)), the mean over all samples of those clients with sample weights |D_k|."""
-    if averaged:
-        total = sum(sizes[k] * grads[k].sum(0, keepdim=True) for k in averaged)
-        mean = total / sum(sizes[k] * len(grads[k]) for k in averaged)
+    if not averaged:
+        return grads
+    total = torch.stack([sizes[k] * grads[k].sum(0, keepdim=True) for k in sorted(averaged)]).sum(0)
+    mean = total / sum(sizes[k] * len(grads[k]) for k in averaged)
     return [mean if k in averaged else g for k, g in enumerate(grads)]
 
 
-class ServerWithOwnLR(TrainingServer):
+class ServerWithOwnLR(TrainingServer[ParamsT]):
     """A training server whose optimizer uses `server_lr` (default: lr)."""
 
     def lr(self, slot: str) -> float | None:
-        return getattr(self.blueprint.params, "server_lr", None)
+        return getattr(self.params, "server_lr", None)
 
 
-class SGLRServer(ServerWithOwnLR):
+class SGLRServer(ServerWithOwnLR[SGLRParams]):
     @verb()
     def lockstep(self, smashed: list[torch.Tensor], labels: list[torch.Tensor], alphas: list[float],
                  sizes: list[int], averaged: list[int]) -> State:
@@ -66,9 +69,9 @@ class SGLRServer(ServerWithOwnLR):
             z.requires_grad_()
         model = self.model("server_model")
         with self.blueprint.timed("server"):
-            total = sum(alpha * loss(model(z), y) for alpha, z, y in zip(alphas, smashed, labels))
+            total = torch.stack([alpha * loss(model(z), y) for alpha, z, y in zip(alphas, smashed, labels)]).sum()
             self.step("server_model", total.backward)
-            grads = [z.grad / alpha for z, alpha in zip(smashed, alphas)]  # d(own loss)/d(smashed)
+            grads = [typing.cast(torch.Tensor, z.grad) / alpha for z, alpha in zip(smashed, alphas)]  # d(own loss)/dz
         return {"cut_grads": average_cut_grads(grads, sizes, set(averaged)), "loss": total.detach()}
 
 

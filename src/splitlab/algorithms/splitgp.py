@@ -65,7 +65,7 @@ def mix(own: nn.Module, average: dict[str, torch.Tensor], keep: float) -> None:
     own.load_state_dict(mixture.result(own.state_dict()))
 
 
-class SplitGPClient(ClientNode):
+class SplitGPClient(ClientNode[SplitGPParams]):
     """Client k: phi_k and h_k, its own for the whole run, trained on F_k (eqs. 5-8)."""
 
     keeps = frozenset({"client_model", "aux_model"})
@@ -89,7 +89,7 @@ class SplitGPClient(ClientNode):
     def backward(self, step: int, cut_grad: torch.Tensor) -> None:
         """A step on gamma * l_C plus the server's (already (1 - gamma)-scaled) cut gradient."""
         smashed, client_loss = self.stash.pop(step)
-        gamma = self.blueprint.params.gamma
+        gamma = self.params.gamma
         optimizers = self.optimizer("client_model"), self.optimizer("aux_model")
         with self.blueprint.timed("client"):
             for optimizer in optimizers:
@@ -101,12 +101,12 @@ class SplitGPClient(ClientNode):
     @verb(down="{0}_down")
     def mix(self, slot: str, average: State) -> None:
         """eqs. (9)-(10): keep lambda of the own model, take 1 - lambda of the average."""
-        mix(self.model(slot), average, self.blueprint.params.personalization)
+        mix(self.model(slot), average, self.params.personalization)
 
 
-class SplitGPServer(TrainingServer):
+class SplitGPServer(TrainingServer[SplitGPParams]):
     def objective(self, value: torch.Tensor) -> torch.Tensor:
-        return (1 - self.blueprint.params.gamma) * value
+        return (1 - self.params.gamma) * value
 
 
 class SplitGP(Algorithm[SplitGPParams]):
