@@ -1,9 +1,9 @@
-"""The only way roles exchange tensors, and the ledger that counts every byte that crosses.
+"""Message kinds, and the ledger that counts every byte that reaches or leaves a client.
 
-A message is a kind (what it is) plus a payload (a tensor, or a state dict of tensors). Bytes are
-numel x element size of every tensor in the payload, so the figures follow from tensor shapes
-alone. What the receiver gets is detached: crossing a boundary cuts the autograd graph, exactly
-as a network would. Today delivery is in-process; a networked channel keeps the same `send`.
+A message is a kind (what it is) plus a payload (tensors, possibly nested in dicts and lists).
+Bytes are numel x element size of every tensor in the payload, so the figures follow from tensor
+shapes alone. Verbs declare the kinds of their tensors and transports count them
+(splitlab.transport); `Channel` counts a payload sent outside a verb call.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ KINDS: dict[str, str] = {
     "client_model_down": "down",  # (part of the) model a client trains, from the sync server
     "client_model_up": "up",      # ... and back for averaging
     "client_model_relay": "peer",  # vanilla SL: client model handed to the next client
-    "server_model": "server",     # server-side copies moving between server roles
     "aux_model_down": "down",     # auxiliary heads / models (CSE-FSL, FSL-SAGE, SplitGP)
     "aux_model_up": "up",
     # Telemetry: what the simulation reads from roles and a deployment would not send, or not
