@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
@@ -13,15 +14,30 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
-from helpers import global_weights, max_abs_difference, quick, train
-from splitlab.channel import Channel
+from helpers import client_model, global_weights, max_abs_difference, node, quick, server_model, sync_model, train
 from splitlab.cli import main
 from splitlab.data import partition
 from splitlab.engine import run
-from splitlab.splitgp.evaluation import (ENTROPY_GRID, EvaluationSettings, _views, entropy, gated_predict,
-                                         load_run, nested_view, to_server)
-from splitlab.splitgp.latency import (SplitSizes, client_power_threshold, max_client_part, rate_threshold,
-                                      split_sizes, table_one)
+from splitlab.splitgp.evaluation import (
+    ENTROPY_GRID,
+    EvaluationSettings,
+    _views,
+    entropy,
+    gated_predict,
+    global_states,
+    load_run,
+    nested_view,
+    to_server,
+    training_set,
+)
+from splitlab.splitgp.latency import (
+    SplitSizes,
+    client_power_threshold,
+    max_client_part,
+    rate_threshold,
+    split_sizes,
+    table_one,
+)
 
 GP = dict(algorithm="splitgp", cut=1, partition="shards:2")
 
@@ -37,26 +53,28 @@ def test_gamma0_lambda0_is_splitfed_v1(opt, cut):
     reference = global_weights(sfl)
     assert max_abs_difference(reference, global_weights(train(0, algorithm="sfl_v1", **config))) > 1e-3
     assert max_abs_difference(global_weights(gp), reference) <= 1e-6
-    for phi in gp.algorithm.client_models:  # every client holds the averaged client part
-        assert max_abs_difference(phi.state_dict(), sfl.algorithm.client_model.state_dict()) <= 1e-6
+    for k in range(3):  # every client holds the averaged client part
+        assert max_abs_difference(client_model(gp, k).state_dict(), sync_model(sfl).state_dict()) <= 1e-6
 
 
 def test_lambda_mixes_each_client_with_the_average_exactly():
     """One round: training is the same for every lambda; only the final mixing (eqs. 9-10) differs."""
     config = quick(optimizer="sgd", lr=0.05, **GP)
-    own = train(1, personalization=1.0, **config).algorithm
-    half = train(1, personalization=0.5, **config).algorithm
-    shared = train(1, personalization=0.0, **config).algorithm
-    average = own.client_average.state_dict()
-    assert max_abs_difference(average, shared.client_average.state_dict()) == 0
+    own = train(1, personalization=1.0, **config)
+    half = train(1, personalization=0.5, **config)
+    shared = train(1, personalization=0.0, **config)
+    average = sync_model(own).state_dict()
+    assert max_abs_difference(average, sync_model(shared).state_dict()) == 0
     for k in range(3):
-        mine = own.client_models[k].state_dict()
+        mine = client_model(own, k).state_dict()
         assert max_abs_difference(mine, average) > 1e-3  # lambda = 1: un-averaged
         expected = {n: 0.5 * mine[n] + 0.5 * average[n] for n in mine}
-        assert max_abs_difference(half.client_models[k].state_dict(), expected) <= 1e-7
-        assert max_abs_difference(shared.client_models[k].state_dict(), average) == 0  # lambda = 0: all equal
-        assert max_abs_difference(shared.exits[k].state_dict(), shared.exit_average.state_dict()) == 0
-    assert max_abs_difference(own.exits[0].state_dict(), own.exits[1].state_dict()) > 1e-4
+        assert max_abs_difference(client_model(half, k).state_dict(), expected) <= 1e-7
+        assert max_abs_difference(client_model(shared, k).state_dict(), average) == 0  # lambda = 0: all equal
+        assert max_abs_difference(client_model(shared, k, "aux_model").state_dict(),
+                                  sync_model(shared, "aux_model").state_dict()) == 0
+    assert max_abs_difference(client_model(own, 0, "aux_model").state_dict(),
+                              client_model(own, 1, "aux_model").state_dict()) > 1e-4
 
 
 def test_one_step_follows_the_multi_exit_objective():
@@ -64,15 +82,14 @@ def test_one_step_follows_the_multi_exit_objective():
     gamma * CE(h(phi(x))) + (1 - gamma) * CE(theta(phi(x))), computed here without any split."""
     gamma, lr = 0.3, 0.1
     experiment = train(0, **quick(clients=1, batch_size=300, optimizer="sgd", lr=lr, gamma=gamma, **GP))
-    gp = experiment.algorithm
-    phi, h, theta = (copy.deepcopy(m) for m in (gp.client_models[0], gp.exits[0], gp.server_model))
-    own = experiment.clients[0].indices
-    x, y = experiment.data.train_x[own], experiment.data.train_y[own]
+    models = client_model(experiment, 0), client_model(experiment, 0, "aux_model"), server_model(experiment)
+    phi, h, theta = (copy.deepcopy(m) for m in models)
+    x, y = node(experiment, 0).x, node(experiment, 0).y
     features = phi(x)
     loss = gamma * F.cross_entropy(h(features), y) + (1 - gamma) * F.cross_entropy(theta(features), y)
     loss.backward()
-    gp.train_round(0, experiment.clients)
-    for reference, trained in ((phi, gp.client_models[0]), (h, gp.exits[0]), (theta, gp.server_model)):
+    experiment.algorithm.run_round(0, experiment.clients)
+    for reference, trained in zip((phi, h, theta), models):
         expected = {n: p.detach() - lr * p.grad for n, p in reference.named_parameters()}
         assert max_abs_difference(trained.state_dict(), expected) <= 1e-6
 
@@ -81,7 +98,7 @@ def test_bytes_of_one_round_against_shapes():
     # 3 clients x 100 samples, MLP 64-200-200-10 cut 1: phi = 13,000 params, h = 200*10+10 = 2,010.
     experiment = train(1, **quick(clients=3, **GP))
     phi, h, smashed, label = 13_000 * 4, 2_010 * 4, 200 * 4, 8
-    assert experiment.algorithm.channel.ledger.state_dict() == {
+    assert experiment.ledger.state_dict() == {
         "smashed": 300 * smashed, "labels": 300 * label, "cut_grad": 300 * smashed,
         "client_model_up": 3 * phi, "aux_model_up": 3 * h,
         "client_model_down": 2 * 3 * phi, "aux_model_down": 2 * 3 * h,  # initial copies + one mixing round
@@ -120,17 +137,25 @@ def test_gate_sends_exactly_the_samples_whose_entropy_exceeds_the_threshold():
     just_below = float(np.nextafter(np.float32(threshold), np.float32(0)))  # entropies are float32
     assert to_server(logits, just_below).tolist() == [False, True, True, True]
 
-    torch.manual_seed(0)
-    phi, head, theta = torch.nn.Linear(5, 4), torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
-    x = torch.randn(64, 5)
+
+@pytest.mark.parametrize("transport", ["direct", "serialized"])
+def test_deployed_gate_sends_the_routed_features_through_the_transport(transport):
+    experiment = train(1, **quick(transport=transport, **GP))  # MLP cut 1: 200 features at the cut
+    x = node(experiment, 0).x
     with torch.no_grad():
-        client_logits, server_logits = head(phi(x)), theta(phi(x))
+        features = client_model(experiment, 0)(x)
+        client_logits = client_model(experiment, 0, "aux_model")(features)
+        server_logits = server_model(experiment)(features)
     threshold = float(entropy(client_logits).median())
-    channel = Channel()
-    predictions, routed = gated_predict(phi, head, theta, x, threshold, channel)
-    assert routed.tolist() == (entropy(client_logits) > threshold).tolist() and 0 < routed.sum() < 64
+    before = experiment.ledger.state_dict()
+    logits = experiment.algorithm.client(0).infer(x)
+    assert torch.allclose(logits, client_logits)
+    predictions, routed = gated_predict(experiment, 0, logits, len(x), threshold)
+    assert routed.tolist() == (entropy(client_logits) > threshold).tolist() and 0 < routed.sum() < len(x)
     assert torch.equal(predictions, torch.where(routed, server_logits.argmax(1), client_logits.argmax(1)))
-    assert channel.ledger.state_dict() == {"smashed": int(routed.sum()) * 4 * 4}
+    after = experiment.ledger.state_dict()  # the routed samples' features, and nothing else, were counted
+    assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} == {
+        "smashed": int(routed.sum()) * 200 * 4}
 
 
 # --- the per-client evaluation ------------------------------------------------------------------------
@@ -168,10 +193,11 @@ def test_evaluate_splitgp_run(runs, capsys):
 
 def test_threshold_is_chosen_on_training_samples_the_client_never_saw(runs):
     experiment = load_run(runs / "gp")
-    views = _views(experiment, EvaluationSettings(validation_size=7, rho=[0.5]), test=False)
-    labels = experiment.data.train_y.numpy()
-    for client, (indices, n_main) in zip(experiment.clients, views):
-        own = client.indices.numpy()
+    train_set = training_set(experiment)
+    views = _views(experiment, train_set, EvaluationSettings(validation_size=7, rho=[0.5]), test=False)
+    labels = train_set.y.numpy()
+    for k, (own, (indices, n_main)) in enumerate(zip(train_set.owned, views)):
+        assert torch.equal(node(experiment, k).y, train_set.y[own])  # the client's samples, as trained on
         assert n_main == 7 and len(indices) == 7 + 4 and not np.isin(indices, own).any()
         assert np.isin(labels[indices[:7]], labels[own]).all()
 
@@ -182,10 +208,10 @@ def test_generalized_row_is_the_global_model_on_each_clients_main_classes(runs):
     assert set(rows) == {"generalized", "personalized"}
     experiment = load_run(runs / "fedavg")
     with torch.no_grad():
-        predicted = experiment.algorithm.predict(experiment.data.test_x).argmax(1).numpy()
-    test_y, train_y = experiment.data.test_y.numpy(), experiment.data.train_y.numpy()
-    per_client = [np.mean((predicted == test_y)[np.isin(test_y, train_y[c.indices.numpy()])])
-                  for c in experiment.clients]
+        predicted = experiment.assemble(global_states(experiment))(experiment.data.test_x).argmax(1).numpy()
+    train_set = training_set(experiment)
+    test_y, train_y = experiment.data.test_y.numpy(), train_set.y.numpy()
+    per_client = [np.mean((predicted == test_y)[np.isin(test_y, train_y[own])]) for own in train_set.owned]
     assert rows["generalized"]["accuracy"][0] == pytest.approx(np.mean(per_client), abs=1e-6)
     assert rows["personalized"]["accuracy"] != rows["generalized"]["accuracy"]
 
@@ -197,6 +223,28 @@ def test_evaluate_mistakes_exit_2(runs, tmp_path, capsys):
     assert main(["evaluate", str(runs / "gp"), "rho=9"]) == 2  # not enough other-class samples
     assert main(["latency", "beta=2"]) == 2 and main(["latency", "speed=1"]) == 2
     assert all(line.startswith("error: ") for line in capsys.readouterr().err.strip().splitlines())
+
+
+@pytest.mark.parametrize("damage", [
+    ("clients.safetensors", b"not a safetensors file"),
+    ("weights.safetensors", None),  # missing
+    ("clients.safetensors", "other"),  # another run's tensors
+    ("config.yaml", b"algorithm: [splitgp"),
+    ("config.yaml", b"- a list"),
+], ids=["garbage", "missing", "foreign", "bad yaml", "not a mapping"])
+def test_damaged_run_files_are_one_line_errors(runs, tmp_path, capsys, damage):
+    name, content = damage
+    copy_of = tmp_path / "gp"
+    shutil.copytree(runs / "gp", copy_of)
+    if content is None:
+        (copy_of / name).unlink()
+    elif content == "other":
+        (copy_of / name).write_bytes((runs / "fedavg" / "weights.safetensors").read_bytes())
+    else:
+        (copy_of / name).write_bytes(content)
+    assert main(["evaluate", str(copy_of), "rho=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1
 
 
 # --- the inference-time model ---------------------------------------------------------------------------

@@ -3,13 +3,12 @@
 A message is a kind (what it is) plus a payload (tensors, possibly nested in dicts and lists).
 Bytes are numel x element size of every tensor in the payload, so the figures follow from tensor
 shapes alone. Verbs declare the kinds of their tensors and transports count them
-(splitlab.transport); `Channel` counts a payload sent outside a verb call.
+(splitlab.transport).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TypeVar
 
 import torch
 
@@ -29,8 +28,6 @@ KINDS: dict[str, str] = {
     "evaluation": "telemetry",    # a model fetched by the engine to evaluate it
     "checkpoint": "telemetry",    # a role's state, saved or restored by the engine
 }
-
-Payload = TypeVar("Payload", torch.Tensor, Mapping[str, torch.Tensor])
 
 GIB = 2 ** 30
 
@@ -82,16 +79,3 @@ class Ledger:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.bytes_by_kind = dict(state)
-
-
-class Channel:
-    """Delivers payloads between roles and records their size in a ledger."""
-
-    def __init__(self, ledger: Ledger | None = None, convention: str = "splitlab") -> None:
-        self.ledger = ledger or Ledger(convention)
-
-    def send(self, kind: str, payload: Payload) -> Payload:
-        self.ledger.add(kind, payload_bytes(payload))
-        if isinstance(payload, Mapping):
-            return {name: t.detach() for name, t in payload.items()}
-        return payload.detach()

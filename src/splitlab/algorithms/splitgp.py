@@ -21,14 +21,18 @@ sync server's, under the same slot names.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from collections.abc import Iterator
 
 import torch
+import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
+from splitlab.metrics import logits_in_batches
 from splitlab.models import output_shape
 from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, ModelAverage, State, TrainingServer, loss
 from splitlab.transport import KEYED, verb
@@ -65,10 +69,38 @@ def mix(own: nn.Module, average: dict[str, torch.Tensor], keep: float) -> None:
     own.load_state_dict(mixture.result(own.state_dict()))
 
 
+def entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of each row's softmax."""
+    return -(F.softmax(logits, dim=1) * F.log_softmax(logits, dim=1)).sum(dim=1)
+
+
+def to_server(client_logits: torch.Tensor, threshold: float) -> torch.Tensor:
+    """Eq. (11): a sample leaves the client exactly when its client entropy exceeds E_th."""
+    return entropy(client_logits) > threshold
+
+
+@contextlib.contextmanager
+def inference(*modules: nn.Module) -> Iterator[None]:
+    """No gradients, and `modules` in eval mode for the block (their mode is restored after)."""
+    modes = [module.training for module in modules]
+    try:
+        with torch.no_grad():
+            for module in modules:
+                module.eval()
+            yield
+    finally:
+        for module, mode in zip(modules, modes):
+            module.train(mode)
+
+
 class SplitGPClient(ClientNode[SplitGPParams]):
     """Client k: phi_k and h_k, its own for the whole run, trained on F_k (eqs. 5-8)."""
 
     keeps = frozenset({"client_model", "aux_model"})
+
+    def __init__(self, blueprint: Blueprint, client_id: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        super().__init__(blueprint, client_id, x, y)
+        self._inferred: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @verb()
     def begin_round(self, rnd: int) -> None:
@@ -103,10 +135,39 @@ class SplitGPClient(ClientNode[SplitGPParams]):
         """eqs. (9)-(10): keep lambda of the own model, take 1 - lambda of the average."""
         mix(self.model(slot), average, self.params.personalization)
 
+    # --- inference (Algorithm 1, inference phase; `splitlab evaluate`) ---------------------
+    @verb(down="evaluation", up="evaluation")
+    def infer(self, x: torch.Tensor) -> torch.Tensor:
+        """The client exit's logits h_k(phi_k(x)) on samples the client holds (handing them over is
+        the simulation's doing, not traffic). The features stay here for `route`."""
+        phi, h = self.model("client_model"), self.model("aux_model")
+        with inference(phi, h):
+            features = logits_in_batches(phi, x)
+            logits = h(features)
+        self._inferred = features, logits
+        return logits
+
+    @verb(up=KEYED)
+    def route(self, n: int, threshold: float) -> State:
+        """The entropy gate (eq. 11) on the first n samples of the last `infer`: the features of those
+        it sends to the server (`smashed`), and which ones they are (telemetry)."""
+        if self._inferred is None:
+            raise RuntimeError(f"client {self.id} routes samples before any inference")
+        features, logits = self._inferred
+        routed = to_server(logits[:n], threshold)
+        return {"smashed": features[:n][routed], "evaluation": routed}
+
 
 class SplitGPServer(TrainingServer[SplitGPParams]):
     def objective(self, value: torch.Tensor) -> torch.Tensor:
         return (1 - self.params.gamma) * value
+
+    @verb()
+    def infer(self, smashed: torch.Tensor) -> torch.Tensor:
+        """theta's logits on the features clients routed to the server at inference."""
+        theta = self.model("server_model")
+        with inference(theta):
+            return logits_in_batches(theta, smashed)
 
 
 class SplitGP(Algorithm[SplitGPParams]):

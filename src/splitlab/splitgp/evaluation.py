@@ -16,11 +16,17 @@ Rows for a run with one global model (e.g. fedavg): `generalized` (that model) a
 `personalized` (it, after `finetune_rounds` more local updates per client that are never
 averaged: FedAvg + local fine-tuning, the simplest personalization that needs no training
 algorithm of its own). A SplitGP run with personalization=0 is the multi-exit FedAvg baseline.
+
+A SplitGP run is evaluated through its roles: its weights go back into the client nodes (phi_k,
+h_k), the sync server and the training server (theta); each client runs phi_k and h_k on its view
+(`infer`), its entropy gate sends the features of the samples it routes (`route`, ledger kind
+`smashed`) and the server answers those with theta. `bytes_sent` is what the experiment's ledger
+counted for each row and rho. The training set (for the validation views and the fine-tuning
+baseline) is rebuilt exactly as the run's engine partitioned it.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,23 +34,31 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from splitlab.algorithms.splitgp import SplitGP
-from splitlab.channel import Channel
-from splitlab.engine import Experiment, build
+from splitlab.algorithms.splitgp import SplitGP, entropy, to_server
+from splitlab.config import parse_test_split
+from splitlab.data import load_dataset
+from splitlab.engine import Experiment, _client_indices, _hold_out, build
 from splitlab.errors import UserError
-from splitlab.splitgp import parse_settings
 from splitlab.io import write_json
 from splitlab.metrics import logits_in_batches
+from splitlab.models import split
+from splitlab.roles import ClientNode, State, loss
+from splitlab.splitgp import parse_settings
+from splitlab.streams import register_stream
+
+__all__ = ["ENTROPY_GRID", "EvaluationSettings", "entropy", "to_server", "gated_predict", "load_run",
+           "training_set", "nested_view", "evaluate_run"]
 
 #: The paper's candidate entropy thresholds (Section VI).
 ENTROPY_GRID = (0.05, 0.1, 0.2, 0.4, 0.8, 1.2, 1.6, 2.3)
-_STREAM_VIEW, _STREAM_VALIDATION = 10, 11
+STREAM_VIEW = register_stream("splitgp.evaluation.view", 10)
+STREAM_VALIDATION = register_stream("splitgp.evaluation.validation", 11)
 
 
 class EvaluationSettings(BaseModel):
@@ -90,27 +104,18 @@ class EvaluationSettings(BaseModel):
         return number
 
 
-# --- the entropy gate (Algorithm 1, inference phase) ----------------------------------------------
-def entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Shannon entropy (nats) of each row's softmax."""
-    return -(F.softmax(logits, dim=1) * F.log_softmax(logits, dim=1)).sum(dim=1)
-
-
-def to_server(client_logits: torch.Tensor, threshold: float) -> torch.Tensor:
-    """Eq. (11): a sample leaves the client exactly when its client entropy exceeds E_th."""
-    return entropy(client_logits) > threshold
-
-
-@torch.no_grad()
-def gated_predict(phi: nn.Module, head: nn.Module, theta: nn.Module, x: torch.Tensor, threshold: float,
-                  channel: Channel) -> tuple[torch.Tensor, torch.Tensor]:
-    """Predictions of one client's deployed SplitGP, and which samples the server decided."""
-    features = phi(x)
-    client_logits = head(features)
-    routed = to_server(client_logits, threshold)
-    predictions = client_logits.argmax(dim=1)
+# --- the entropy gate (Algorithm 1, inference phase), through the transport -------------------------
+def gated_predict(experiment: Experiment, client_id: int, client_logits: torch.Tensor, n: int,
+                  threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Predictions of client `client_id`'s deployed SplitGP on the first n samples of its last `infer`
+    (whose client-exit logits are `client_logits`), and which samples the server decided: the gate's
+    routed features reach the server through the transport (ledger kind `smashed`)."""
+    algorithm = experiment.algorithm
+    sent = algorithm.client(client_id).route(n, threshold)
+    routed = sent["evaluation"]
+    predictions = client_logits[:n].argmax(dim=1)
     if routed.any():
-        predictions[routed] = theta(channel.send("smashed", features[routed])).argmax(dim=1)
+        predictions[routed] = algorithm.server.infer(sent["smashed"]).argmax(dim=1)
     return predictions, routed
 
 
@@ -158,6 +163,7 @@ def _accuracy(outputs: list[ClientOutputs], rho: float, threshold: float | None)
         predictions = out.server_logits[:n].argmax(dim=1)
         routed = torch.ones_like(predictions, dtype=torch.bool)
         if threshold is not None:
+            assert out.client_logits is not None, "a model without a client exit is not gated"
             routed = to_server(out.client_logits[:n], threshold)
             predictions = torch.where(routed, predictions, out.client_logits[:n].argmax(dim=1))
         accuracies.append(float((predictions == out.labels[:n]).float().mean()))
@@ -171,70 +177,177 @@ def _pick_threshold(outputs: list[ClientOutputs], rho: float) -> float:
     return max(scores)[1]
 
 
+def _deployed(experiment: Experiment, outputs: list[ClientOutputs], rho: float,
+              threshold: float | None) -> tuple[float, float, int, int]:
+    """`_accuracy` of the deployed system: every client gates its view for rho (after its `infer` on
+    the whole view) and the server answers what it routes. Also the bytes of smashed data the
+    experiment's ledger counted for it."""
+    gate = -math.inf if threshold is None else threshold  # None: every sample goes to the server
+    smashed_before = experiment.ledger.bytes_by_kind.get("smashed", 0)
+    accuracies, total, sent = [], 0, 0
+    for client, out in zip(experiment.clients, outputs):
+        n = view_size(out.n_main, rho)
+        assert out.client_logits is not None, "SplitGP's outputs have a client exit"
+        predictions, routed = gated_predict(experiment, client.id, out.client_logits, n, gate)
+        accuracies.append(float((predictions == out.labels[:n]).float().mean()))
+        total, sent = total + n, sent + int(routed.sum())
+    sent_bytes = experiment.ledger.bytes_by_kind.get("smashed", 0) - smashed_before
+    return float(np.mean(accuracies)), 1 - sent / total, sent, sent_bytes
+
+
 # --- running it on a finished run -------------------------------------------------------------------
+def _read_config(path: Path) -> dict:
+    try:
+        raw = yaml.safe_load((path / "config.yaml").read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise UserError(f"cannot read {str(path / 'config.yaml')!r}: {_first_line(error)}") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{str(path / 'config.yaml')!r} is not a run's configuration (a mapping of keys)")
+    return raw
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+
+
+def _tensors(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """A safetensors file of the run (never unpickled); a missing or damaged one is a UserError."""
+    try:
+        return load_file(path, device=str(device))
+    except (OSError, SafetensorError, ValueError, RuntimeError) as error:
+        raise UserError(f"cannot read {str(path)!r}: {_first_line(error)}") from None
+
+
+def _named_like(template: State, tensors: dict[str, torch.Tensor], prefix: str, path: Path) -> State:
+    """`template`'s keys, valued from `tensors` under `prefix` (shapes are checked when loaded)."""
+    try:
+        return {key: tensors[prefix + key] for key in template}
+    except KeyError as error:
+        raise UserError(f"{str(path)!r} lacks the tensor {error.args[0]!r}; it is not this run's") from None
+
+
+def global_states(experiment: Experiment) -> list[State]:
+    """The final global model of a finished run (`weights.safetensors`), as the parts of its
+    `global_model()`, client side first."""
+    template = experiment.algorithm.global_model()
+    if template is None:
+        raise UserError(f"{experiment.config.run.algorithm!r} runs keep no model that evaluate can read; "
+                        f"use a splitgp run or one with a global model (e.g. fedavg)")
+    path = experiment.out / "weights.safetensors"
+    weights = _tensors(path, experiment.blueprint.device)
+    return [_named_like(part, weights, "", path) for part in template]
+
+
+def _restore(proxy: Any, models: dict[str, State], path: Path) -> None:
+    """Weights into a role's slots, through its `load_state_dict` verb (telemetry, never counted)."""
+    try:
+        proxy.load_state_dict({"models": models, "optimizers": {}})
+    except RuntimeError as error:
+        reason = " ".join(str(error).split())[:200]  # torch's message spans lines
+        raise UserError(f"{str(path)!r} does not fit this run's models: {reason}") from None
+
+
 def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
-    """Rebuild a finished run (data, clients, models) and load its final weights."""
+    """Rebuild a finished run (data, roles) and load its final weights; a SplitGP run's go back into
+    its roles: theta to the server, the averaged phi to the sync server, phi_k and h_k to client k."""
     path = Path(run_dir)
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
-    raw = yaml.safe_load((path / "config.yaml").read_text())
-    experiment = build({**raw, "device": device, "out": str(path)})
+    experiment = build({**_read_config(path), "device": device, "out": str(path)})
     algorithm = experiment.algorithm
-    parts = algorithm.global_parts()
-    if parts is not None:
-        weights = load_file(path / "weights.safetensors", device=device)
-        for part in parts:
-            part.load_state_dict({name: weights[name] for name in part.state_dict()})
+    parts = global_states(experiment)  # every evaluated run has one global model (SplitGP: phi, theta)
     if isinstance(algorithm, SplitGP):
-        algorithm.load_client_weights(load_file(path / "clients.safetensors", device=device))
-    elif parts is None:
-        raise UserError(f"{raw['algorithm']!r} runs keep no model that evaluate can read; "
-                        f"use a splitgp run or one with a global model (e.g. fedavg)")
-    for module in algorithm.modules():
-        module.eval()
+        weights = path / "weights.safetensors"
+        _restore(algorithm.sync, {"client_model": parts[0]}, weights)
+        _restore(algorithm.server, {"server_model": parts[1]}, weights)
+        clients_path = path / "clients.safetensors"
+        tensors = _tensors(clients_path, experiment.blueprint.device)
+        for client in experiment.clients:
+            proxy = algorithm.client(client.id)
+            models = {slot: _named_like(proxy.snapshot(slot), tensors, f"{name}.{client.id}.", clients_path)
+                      for name, slot in (("client", "client_model"), ("exit", "aux_model"))}
+            _restore(proxy, models, clients_path)
     return experiment
 
 
-def _views(experiment: Experiment, settings: EvaluationSettings, test: bool) -> list[tuple[np.ndarray, int]]:
-    """Each client's nested view over the test set, or over the held-out training samples."""
-    data, max_rho = experiment.data, max(settings.rho)
-    labels = (data.test_y if test else data.train_y).cpu().numpy()
-    train_labels = data.train_y.cpu().numpy()
+@dataclass
+class TrainingSet:
+    """The run's training set and each client's samples in it, as the run's engine partitioned them
+    (every training sample, those no client holds included: the validation views draw on them)."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    owned: list[np.ndarray]
+
+
+def training_set(experiment: Experiment) -> TrainingSet:
+    run = experiment.config.run
+    data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
+    owned = _client_indices(experiment.config, data)
+    held_out = parse_test_split(run.test_split)
+    if held_out is not None:
+        owned, _ = _hold_out(owned, held_out, run.seed)
+    return TrainingSet(data.train_x, data.train_y, owned)
+
+
+def _views(experiment: Experiment, train: TrainingSet, settings: EvaluationSettings,
+           test: bool) -> list[tuple[np.ndarray, int]]:
+    """Each client's nested view over the test set, or over the training samples it does not hold."""
+    max_rho = max(settings.rho)
+    labels = (experiment.data.test_y if test else train.y).cpu().numpy()
+    train_labels = train.y.cpu().numpy()
     views = []
-    for client in experiment.clients:
-        own = client.indices.cpu().numpy()
+    for client_id, own in enumerate(train.owned):
         main = main_classes(train_labels, own)
         if test:
-            pool, cap, stream = np.arange(len(labels)), None, _STREAM_VIEW
+            pool, cap, stream = np.arange(len(labels)), None, STREAM_VIEW
         else:
-            pool, cap, stream = np.setdiff1d(np.arange(len(labels)), own), settings.validation_size, _STREAM_VALIDATION
-        rng = experiment.algorithm.ctx.rng(0, stream, client.id)
+            pool, cap, stream = np.setdiff1d(np.arange(len(labels)), own), settings.validation_size, STREAM_VALIDATION
+        rng = experiment.blueprint.rng(0, stream, client_id)
         views.append(nested_view(labels, pool, main, max_rho, rng, cap))
     return views
 
 
-@torch.no_grad()
-def _splitgp_outputs(experiment: Experiment, views, x: torch.Tensor, y: torch.Tensor) -> list[ClientOutputs]:
-    gp: SplitGP = experiment.algorithm
+def _splitgp_outputs(experiment: Experiment, views: list[tuple[np.ndarray, int]], x: torch.Tensor,
+                     y: torch.Tensor) -> list[ClientOutputs]:
+    """Both exits on every client's whole view: the client runs `infer` on it (its features stay
+    there for the rows' gating), and its gate with E_th = -inf sends all of them to the server."""
+    algorithm, device = experiment.algorithm, experiment.blueprint.device
     outputs = []
-    for k, (indices, n_main) in enumerate(views):
-        features = logits_in_batches(gp.client_models[k], x[indices])
-        outputs.append(ClientOutputs(y[indices], n_main, gp.exits[k](features),
-                                     logits_in_batches(gp.server_model, features)))
+    for client, (indices, n_main) in zip(experiment.clients, views):
+        client_logits = algorithm.client(client.id).infer(x[indices].to(device))
+        sent = algorithm.client(client.id).route(len(indices), -math.inf)
+        outputs.append(ClientOutputs(y[indices].to(device), n_main, client_logits,
+                                     algorithm.server.infer(sent["smashed"])))
     return outputs
 
 
-def _finetuned(experiment: Experiment, rounds: int) -> list[nn.Module]:
-    """Per client: the global model after `rounds` local updates (FedAvg's, never averaged)."""
-    algorithm, cfg = experiment.algorithm, experiment.config.run
-    global_model = nn.Sequential(*algorithm.global_parts())
+def _model(experiment: Experiment, states: list[State]) -> nn.Module:
+    """A new module holding the global model `states` (the whole model, or client then server part)."""
+    model = experiment.blueprint.new_model()
+    parts = [model] if len(states) == 1 else list(split(model, experiment.config.run.cut))
+    for part, state in zip(parts, states):
+        part.load_state_dict(state)
+    return nn.Sequential(*parts)
+
+
+def _finetuned(experiment: Experiment, states: list[State], train: TrainingSet, rounds: int) -> list[nn.Module]:
+    """Per client: the global model after `rounds` local updates (FedAvg's, never averaged), on the
+    client's own samples in its own batch order (its node's, or, where the run's nodes are not the
+    partition's clients, as centralized, a node holding that client's samples)."""
+    blueprint, cfg = experiment.blueprint, experiment.config.run
+    nodes = experiment.roles.clients if len(experiment.roles.clients) == len(train.owned) else None
     models = []
-    for client in experiment.clients:
-        model = copy.deepcopy(global_model).train()
-        part = algorithm.ctx.part(model)
+    for client_id, own in enumerate(train.owned):
+        node = nodes[client_id] if nodes is not None else ClientNode(
+            blueprint, client_id, train.x[own].to(blueprint.device), train.y[own].to(blueprint.device))
+        model = _model(experiment, states).train()
+        optimizer = blueprint.optimizer(model)
         for rnd in range(cfg.rounds, cfg.rounds + rounds):
-            for x, y in algorithm.ctx.batches(client, rnd):
-                algorithm.local_step(part, x, y)
+            for x, y in node.batches(rnd):
+                optimizer.zero_grad(set_to_none=True)
+                loss(model(x), y).backward()
+                optimizer.step()
         models.append(model.eval())
     return models
 
@@ -243,41 +356,42 @@ def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     """The Table II view of a finished run; also written to RUN_DIR/evaluation.json."""
     settings = parse_settings(EvaluationSettings, raw)
     experiment = load_run(run_dir, settings.device)
-    data, rhos = experiment.data, settings.rho
-    test_views = _views(experiment, settings, test=True)
+    data, rhos, train = experiment.data, settings.rho, training_set(experiment)
+    test_views = _views(experiment, train, settings, test=True)
     rows: dict[str, dict[str, list]] = {}
 
-    def add(name: str, outputs: list[ClientOutputs], thresholds: list[float | None]) -> None:
-        results = [_accuracy(outputs, rho, t) for rho, t in zip(rhos, thresholds)]
+    def add(name: str, results: list[tuple], thresholds: list[float | None]) -> None:
         rows[name] = {"accuracy": [r[0] for r in results], "client_fraction": [r[1] for r in results],
                       "samples_sent": [r[2] for r in results],
                       "entropy_threshold": [t if t is not None and math.isfinite(t) else None for t in thresholds]}
+        if all(len(r) > 3 for r in results):
+            rows[name]["bytes_sent"] = [r[3] for r in results]
 
     if isinstance(experiment.algorithm, SplitGP):
-        test = _splitgp_outputs(experiment, test_views, data.test_x, data.test_y)
         if settings.entropy_threshold == "auto":
-            held_out = _splitgp_outputs(experiment, _views(experiment, settings, test=False),
-                                        data.train_x, data.train_y)
+            held_out = _splitgp_outputs(experiment, _views(experiment, train, settings, test=False), train.x, train.y)
             chosen = [_pick_threshold(held_out, rho) for rho in rhos]
         else:
             chosen = [float(settings.entropy_threshold)] * len(rhos)
-        add("splitgp", test, chosen)
-        add("client model", test, [float("inf")] * len(rhos))
-        add("full model", test, [None] * len(rhos))
-        add("splitgp (E_th chosen on test)", test, [_pick_threshold(test, rho) for rho in rhos])
-        with torch.no_grad():
-            cut_size = experiment.algorithm.client_average(data.test_x[:1]).numel()
-        for row in rows.values():
-            row["bytes_sent"] = [n * cut_size * data.test_x.element_size() for n in row["samples_sent"]]
+        test = _splitgp_outputs(experiment, test_views, data.test_x, data.test_y)  # last: the clients keep it
+        on_test: list[float | None] = [_pick_threshold(test, rho) for rho in rhos]
+        gated: list[tuple[str, list[float | None]]] = [
+            ("splitgp", list(chosen)), ("client model", [math.inf] * len(rhos)), ("full model", [None] * len(rhos)),
+            ("splitgp (E_th chosen on test)", on_test)]
+        for name, thresholds in gated:
+            add(name, [_deployed(experiment, test, rho, t) for rho, t in zip(rhos, thresholds)], thresholds)
     else:
-        global_logits = logits_in_batches(experiment.algorithm.predict, data.test_x)
-        add("generalized", [ClientOutputs(data.test_y[i], n, None, global_logits[i]) for i, n in test_views],
-            [None] * len(rhos))
+        states = global_states(experiment)
+        global_logits = logits_in_batches(experiment.assemble(states), data.test_x)
+        results = [_accuracy([ClientOutputs(data.test_y[i], n, None, global_logits[i]) for i, n in test_views],
+                             rho, None) for rho in rhos]
+        add("generalized", results, [None] * len(rhos))
         if settings.finetune_rounds > 0:
-            models = _finetuned(experiment, settings.finetune_rounds)
-            outputs = [ClientOutputs(data.test_y[i], n, None, logits_in_batches(model, data.test_x[i]))
-                       for model, (i, n) in zip(models, test_views)]
-            add("personalized", outputs, [None] * len(rhos))
+            models = _finetuned(experiment, states, train, settings.finetune_rounds)
+            with torch.no_grad():
+                outputs = [ClientOutputs(data.test_y[i], n, None, logits_in_batches(model, data.test_x[i]))
+                           for model, (i, n) in zip(models, test_views)]
+            add("personalized", [_accuracy(outputs, rho, None) for rho in rhos], [None] * len(rhos))
         for row in rows.values():  # the whole model runs at the client: nothing is sent
             row.update(client_fraction=[1.0] * len(rhos), samples_sent=[0] * len(rhos),
                        bytes_sent=[0] * len(rhos))
