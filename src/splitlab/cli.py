@@ -141,8 +141,8 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"SplitGP faster than the full model at the client (Prop. 2) iff P_C <= "
                   f"{result['client_power_threshold']:,.6g} (P_C = {settings.client_power:g})")
-    console.print(f"SplitGP faster than the full model at the server (Prop. 3) iff R <= "
-                  f"{result['rate_threshold']:,.6g} (R = {settings.rate:g})")
+    console.print(f"SplitGP faster than the full model at the server (Prop. 3) {result['rate_threshold']} "
+                  f"(R = {settings.rate:g})")
     cuts = Table("cut", "|phi|", "|theta|", "|h|", "q_c", "SplitGP latency / sample",
                  *(("max |phi| (Prop. 1)", "feasible") if settings.latency_budget is not None else ()))
     for row in result["cuts"]:
