@@ -138,10 +138,10 @@ def test_report_planted_mean_std_marks_and_targets(planted: Path):
 
     _, gib = table(md, "Communication to reach 75%")
     # lower is better; only 2 different values among fully-reached cells: bold, no underline
-    assert gib["sfl_v2 (cut=1)"] == ["**0.5000 ± 0.0000**"]  # round 1 x 0.5 GiB, both seeds
-    assert gib["sfl_v2 (cut=2)"] == ["**0.5000 (n=1)**"]
-    assert gib["sfl_v1 (cut=2)"] == ["0.7500 ± 0.3536"]  # round 2 x 0.5 and x 0.25 GiB
-    assert gib["sfl_v1 (cut=1)"] == ["0.5000 (1/2 reached)"]  # partly reached: not ranked
+    assert gib["sfl_v2 (cut=1)"] == ["**512.0 ± 0.0 MiB**"]  # round 1 x 0.5 GiB, both seeds
+    assert gib["sfl_v2 (cut=2)"] == ["**512.0 MiB (n=1)**"]
+    assert gib["sfl_v1 (cut=2)"] == ["768.0 ± 362.0 MiB"]  # round 2 x 0.5 and x 0.25 GiB
+    assert gib["sfl_v1 (cut=1)"] == ["512.0 MiB (1/2 reached)"]  # partly reached: not ranked
     assert gib["fedavg"] == ["not reached"]
     _, rounds = table(md, "Rounds to reach 75%")
     assert plain(rounds["sfl_v1 (cut=2)"][0]) == "2.0 ± 0.0"
@@ -226,7 +226,7 @@ def test_report_columns_axis_order_and_marks_per_column(tmp_path: Path):
     assert final["sfl_v1"] == ["<u>80.00</u>", "**60.00**"]
     assert final["fedavg"] == ["70.00", "40.00"]
     # default target: 80% of the best accuracy reached (0.9), rounded down to a whole percent
-    assert "## Communication to reach 72% test accuracy (GiB)" in md
+    assert "## Communication to reach 72% test accuracy" in md
     assert {r["target_accuracy"] for r in read_csv(sweep / "results.csv")} == {"0.72"}
 
 

@@ -32,6 +32,7 @@ from rich.progress import (
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import STREAM_SAMPLING, Algorithm, Context
 from splitlab.channel import GIB, Channel
+from splitlab.comm import to_target
 from splitlab.config import (
     RUN_CONTROL_KEYS,
     ResolvedConfig,
@@ -296,14 +297,6 @@ def _metrics_row(experiment: Experiment, state: dict, train_loss: float | None,
     }
 
 
-def _to_target(rows: list[dict], target: float | None) -> dict[str, Any]:
-    """First evaluated round whose test accuracy reaches `target`, and the GiB sent by then
-    (both None if it never did, or no target was set). Only evaluated rounds count (eval_every)."""
-    hit = next((row for row in rows if target is not None and row["test_accuracy"] >= target), None)
-    return {"target_accuracy": target, "rounds_to_target": hit and hit["round"],
-            "gib_to_target": hit and hit["comm_gib"]}
-
-
 def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
     cfg, out = experiment.config.run, experiment.out
     rows = state["metrics"]
@@ -319,7 +312,8 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         "total_bytes": ledger.total_bytes, "total_gib": ledger.total_bytes / GIB,
         "comm_bytes_by_kind": ledger.state_dict(),
         "wall_seconds": state["wall_seconds"], "stopped_by": state["stopped_by"],
-        **_to_target(rows, cfg.target_accuracy),
+        "target_accuracy": cfg.target_accuracy,
+        **dict(zip(("rounds_to_target", "gib_to_target"), to_target(rows, cfg.target_accuracy))),
     }
     parts = experiment.algorithm.global_parts()
     if parts is not None:

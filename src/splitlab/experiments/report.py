@@ -25,6 +25,7 @@ from typing import Any
 
 import yaml
 
+from splitlab.comm import GIB, byte_unit, format_bytes, row_gib, to_target
 from splitlab.errors import UserError
 from splitlab.experiments.sweep import ERROR_FILE, SNAPSHOT, check_target
 from splitlab.io import write_text
@@ -151,20 +152,6 @@ def _num(value: Any) -> float | None:
     return float(value) if math.isfinite(value) else None
 
 
-def _to_target(metrics: list[dict], target: float | None) -> tuple[int | None, float | None]:
-    """(round, cumulative GiB) of the first evaluated round with test accuracy >= target."""
-    if target is None:
-        return None, None
-    for row in metrics:
-        acc = _num(row.get("test_accuracy"))
-        if acc is not None and acc >= target - 1e-12:
-            gib = _num(row.get("comm_gib"))
-            if gib is None and _num(row.get("comm_bytes")) is not None:
-                gib = row["comm_bytes"] / 2**30
-            return int(row["round"]), gib
-    return None, None
-
-
 def _result_row(run: RunData, target: float | None, config_cols: list[str]) -> dict:
     row: dict[str, Any] = {"run": run.name, "status": run.status}
     for key in config_cols:
@@ -192,12 +179,12 @@ def _result_row(run: RunData, target: float | None, config_cols: list[str]) -> d
     row["final_f1"] = pick("final_f1", last.get("test_f1"))
     row["final_mcc"] = pick("final_mcc", last.get("test_mcc"))
     row["total_bytes"] = pick("total_bytes", last.get("comm_bytes"))
-    total_gib = _num(row["total_bytes"]) / 2**30 if _num(row["total_bytes"]) is not None else None
+    total_gib = _num(row["total_bytes"]) / GIB if _num(row["total_bytes"]) is not None else None
     row["total_gib"] = pick("total_gib", last.get("comm_gib", total_gib))
     row["wall_seconds"] = pick("wall_seconds", last.get("wall_seconds"))
     row["stopped_by"] = s.get("stopped_by")
     row["target_accuracy"] = target
-    row["rounds_to_target"], row["gib_to_target"] = _to_target(run.metrics, target)
+    row["rounds_to_target"], row["gib_to_target"] = to_target(run.metrics, target)
     for kind, nbytes in sorted((s.get("comm_bytes_by_kind") or last.get("comm_bytes_by_kind") or {}).items()):
         row[f"bytes_{kind}"] = nbytes
     return row
@@ -362,16 +349,19 @@ class _Cell:
     n: int
 
 
-def _format_cell(values: list[float], decimals: int | None, scale: float) -> tuple[str, float]:
+def _format_cell(values: list[float], decimals: int | None, scale: float, as_bytes: bool = False) -> tuple[str, float]:
     values = [v * scale for v in values]
     mean, std = mean_std(values)
+    if as_bytes:  # adaptive units; ranked on the value as displayed, in bytes
+        text = format_bytes(mean, std)
+        return text, float(text.split()[0]) * byte_unit(mean)[1]
     d = decimals if decimals is not None else _decimals_for([mean])
     text = f"{mean:.{d}f}" + (f" ± {std:.{d}f}" if std is not None else "")
     return text, float(f"{mean:.{d}f}")
 
 
 def _metric_table(an: _Analysis, column: str, header: str, *, scale: float = 1.0, decimals: int | None = 2,
-                  higher_is_better: bool = True, partial_ok: bool = False) -> str:
+                  higher_is_better: bool = True, partial_ok: bool = False, as_bytes: bool = False) -> str:
     """Markdown table of `column` from the result rows: rows x columns of the layout."""
     grid: dict[tuple, dict[tuple, _Cell]] = {}
     for row in an.row_tuples:
@@ -385,7 +375,7 @@ def _metric_table(an: _Analysis, column: str, header: str, *, scale: float = 1.0
             if not got:
                 grid.setdefault(row, {})[col] = _Cell("not reached" if partial_ok else "–", None, len(rows))
                 continue
-            text, rank = _format_cell(got, decimals, scale)
+            text, rank = _format_cell(got, decimals, scale, as_bytes)
             if len(got) < len(values):
                 text += f" ({len(got)}/{len(values)} reached)" if partial_ok else f" ({len(got)} of {len(values)})"
                 rank = None  # not comparable with cells where every seed counts
@@ -718,7 +708,7 @@ def write_report(sweep_dir: str | os.PathLike, target_accuracy: float | None = N
             an, plot_dir / "accuracy_vs_round.png", lambda m: _num(m.get("round")), "round",
             "Test accuracy vs round (mean ± std over seeds)")))
         plots.append(("Test accuracy vs communication", _plot_curves(
-            an, plot_dir / "accuracy_vs_gib.png", _gib_of, "communication (GiB, cumulative, log scale)",
+            an, plot_dir / "accuracy_vs_gib.png", row_gib, "communication (GiB, cumulative, log scale)",
             "Test accuracy vs GiB communicated (mean ± std over seeds)", logx=True)))
         if any("cut" in r.config for r in an.finished):
             plots.append(("Final test accuracy vs cut layer", _plot_vs_cut(an, plot_dir / "accuracy_vs_cut.png")))
@@ -728,13 +718,6 @@ def write_report(sweep_dir: str | os.PathLike, target_accuracy: float | None = N
 
     write_text(path / REPORT, _markdown(an, path, plots))
     return path / REPORT
-
-
-def _gib_of(m: dict) -> float | None:
-    gib = _num(m.get("comm_gib"))
-    if gib is None and _num(m.get("comm_bytes")) is not None:
-        gib = m["comm_bytes"] / 2**30
-    return gib
 
 
 def _markdown(an: _Analysis, path: Path, plots: list[tuple[str, Path]]) -> str:
@@ -779,16 +762,17 @@ def _markdown(an: _Analysis, path: Path, plots: list[tuple[str, Path]]) -> str:
             _metric_table(an, "best_accuracy", "best accuracy (%)", scale=100.0), ""]
     if an.target is not None:
         t = f"{100 * an.target:.4g}%"
-        out += [f"## Communication to reach {t} test accuracy (GiB)", "",
-                f"Target {t} ({an.target_source}). Cumulative GiB (2^30 bytes, all message kinds) at the "
+        out += [f"## Communication to reach {t} test accuracy", "",
+                f"Target {t} ({an.target_source}). Cumulative bytes (all message kinds; KiB/MiB/GiB are 2^10/2^20/2^30) at the "
                 f"first evaluated round whose test accuracy is >= the target; lower is better. "
                 f"\"k/n reached\": only k of the n seeds got there (mean over those; not ranked).", "",
-                _metric_table(an, "gib_to_target", "GiB to target", decimals=None, higher_is_better=False, partial_ok=True), ""]
+                _metric_table(an, "gib_to_target", "communication to target", scale=GIB, higher_is_better=False,
+                              partial_ok=True, as_bytes=True), ""]
         out += [f"## Rounds to reach {t} test accuracy", "",
                 "First evaluated round whose test accuracy is >= the target; lower is better.", "",
                 _metric_table(an, "rounds_to_target", "rounds to target", decimals=1, higher_is_better=False, partial_ok=True), ""]
-    out += ["## Total communication (GiB)", "", "Cumulative GiB communicated over the whole run.", "",
-            _metric_table(an, "total_gib", "total GiB", decimals=None, higher_is_better=False), ""]
+    out += ["## Total communication", "", "Cumulative bytes communicated over the whole run.", "",
+            _metric_table(an, "total_gib", "total communication", scale=GIB, higher_is_better=False, as_bytes=True), ""]
     if plots:
         out += ["## Plots", ""]
         for caption, p in plots:
