@@ -510,3 +510,36 @@ def test_parallel_failure_does_not_stop_the_others(tmp_path: Path):
     assert list(info.value.failures) == ["cut=9"]
     assert (tmp_path / "o" / "cut=1" / "summary.json").exists()
     assert "cut" in (tmp_path / "o" / "cut=9" / "error.txt").read_text()
+
+
+def test_report_warns_about_unreadable_files_and_prints_no_numbers_from_them(tmp_path: Path, capsys):
+    sweep = tmp_path / "sweep"
+    c = {"algorithm": "sfl_v1", "cut": 1}
+    fabricate(sweep, "good", {**c, "seed": 0}, [0.3, 0.5])
+    truncated = fabricate(sweep, "truncated", {**c, "seed": 1}, [0.91, 0.92])
+    (truncated / "summary.json").write_text((truncated / "summary.json").read_text()[:40])
+    garbage = fabricate(sweep, "garbage", {**c, "seed": 2}, [0.93, 0.94, 0.95])
+    lines = (garbage / "metrics.jsonl").read_text().splitlines()
+    (garbage / "metrics.jsonl").write_text("\n".join([lines[0], "\x00\x17garbage", *lines[1:]]) + "\n")
+    nan = fabricate(sweep, "nan", {**c, "seed": 3}, [0.96, 0.97])
+    (nan / "summary.json").write_text((nan / "summary.json").read_text().replace('"final_accuracy": 0.97',
+                                                                                    '"final_accuracy": NaN'))
+    torn = fabricate(sweep, "torn_finished", {**c, "seed": 4}, [0.98, 0.99])
+    (torn / "metrics.jsonl").write_text((torn / "metrics.jsonl").read_text()[:-30])
+    running = fabricate(sweep, "torn_running", {**c, "seed": 5}, [0.2, 0.4], finished=False)
+    (running / "metrics.jsonl").write_text((running / "metrics.jsonl").read_text()[:-30])  # tolerated
+
+    md = write_report(sweep).read_text()
+    err = capsys.readouterr().err
+    for name, what in [("truncated", "summary.json is not valid JSON"), ("garbage", "metrics.jsonl line 2"),
+                       ("nan", "summary.json is not valid JSON"), ("torn_finished", "metrics.jsonl line 2")]:
+        assert re.search(rf"warning: \S*{name}: {what}.*left out", err), err
+    assert "torn_running" not in err
+    _, final = table(md, "Final test accuracy")
+    assert final == {"all runs": ["50.00"]}  # only the good run
+    for value in ("91", "93", "95", "96", "97", "98", "99"):
+        assert f"{value}.00" not in md
+    status = {r["run"]: r for r in collect_results(sweep)}
+    assert status["truncated"]["status"] == "unreadable" and status["truncated"]["final_accuracy"] is None
+    assert status["torn_running"]["status"] == "incomplete" and status["torn_running"]["rounds_completed"] == 1
+    assert "| garbage | unreadable | 0 | metrics.jsonl line 2 is not valid JSON" in md

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import statistics
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -60,7 +61,7 @@ _FIXED_SHOWN = ("dataset", "model", "partition", "clients", "rounds", "local_epo
 class RunData:
     name: str
     path: Path
-    status: str  # finished | incomplete | failed | pending
+    status: str  # finished | incomplete | failed | unreadable | pending
     config: dict
     summary: dict | None = None
     metrics: list[dict] = field(default_factory=list)
@@ -75,6 +76,33 @@ def _read_json(path: Path) -> Any:
         return None
 
 
+def _no_constants(name: str) -> Any:
+    raise ValueError(f"{name} is not strict JSON")
+
+
+def _strict_json(text: str) -> Any:
+    return json.loads(text, parse_constant=_no_constants)
+
+
+def _read_summary(path: Path) -> tuple[dict | None, str | None]:
+    """(summary, None); (None, None) when there is none; (None, why) when it is unreadable."""
+    if not path.exists():
+        return None, None
+    try:
+        value = _strict_json(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        return None, f"{path.name} cannot be read ({e.__class__.__name__})"
+    except ValueError as e:
+        return None, f"{path.name} is not valid JSON ({str(e).splitlines()[0]}); truncated or corrupt"
+    if not isinstance(value, dict):
+        return None, f"{path.name} is not a JSON object"
+    bad = [k for k in METRIC_COLUMNS if k in value and value[k] is not None and k != "stopped_by"
+           and _num(value[k]) is None]
+    if bad:
+        return None, f"{path.name} has non-numeric {', '.join(bad)}"
+    return value, None
+
+
 def _read_yaml(path: Path) -> Any:
     try:
         return yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -82,28 +110,33 @@ def _read_yaml(path: Path) -> Any:
         return None
 
 
-def _read_metrics(path: Path) -> list[dict]:
-    """metrics.jsonl rows sorted by round; a round logged twice (resume) keeps its last row."""
+def _read_metrics(path: Path, finished: bool) -> tuple[list[dict], str | None]:
+    """metrics.jsonl rows sorted by round (a round logged twice, by a resume, keeps its last row),
+    and why the file is unreadable, if it is. A torn last line is what a killed or running run
+    leaves, so it is skipped unless the run has finished; any other bad line makes it unreadable."""
     by_round: dict[int, dict] = {}
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError:
-        return []
-    for line in lines:
-        line = line.strip()
-        if not line:
-            continue
+    except FileNotFoundError:
+        return [], None
+    except (OSError, UnicodeDecodeError) as e:
+        return [], f"{path.name} cannot be read ({e.__class__.__name__})"
+    numbered = [(i, line.strip()) for i, line in enumerate(lines, 1) if line.strip()]
+    for pos, (number, line) in enumerate(numbered):
         try:
-            row = json.loads(line)
+            row = _strict_json(line)
         except ValueError:
-            continue  # a torn last line
-        if isinstance(row, dict) and isinstance(row.get("round"), (int, float)):
-            by_round[int(row["round"])] = row
-    return [by_round[r] for r in sorted(by_round)]
+            if pos == len(numbered) - 1 and not finished:
+                continue  # a torn last line
+            return [], f"{path.name} line {number} is not valid JSON; truncated or corrupt"
+        if not (isinstance(row, dict) and _num(row.get("round")) is not None):
+            return [], f"{path.name} line {number} is not a metrics row (no round number)"
+        by_round[int(row["round"])] = row
+    return [by_round[r] for r in sorted(by_round)], None
 
 
 def _load_run(path: Path, planned: dict | None) -> RunData:
-    summary = _read_json(path / "summary.json")
+    summary, summary_problem = _read_summary(path / "summary.json")
     config = _read_yaml(path / "config.yaml")
     if not isinstance(config, dict):
         config = {}
@@ -111,18 +144,22 @@ def _load_run(path: Path, planned: dict | None) -> RunData:
             if isinstance(summary, dict) and key in summary:
                 config[key] = summary[key]
         config.update(planned or {})
-    metrics = _read_metrics(path / "metrics.jsonl")
+    finished = summary is not None or summary_problem is not None
+    metrics, metrics_problem = _read_metrics(path / "metrics.jsonl", finished)
+    problems = [p for p in (summary_problem, metrics_problem) if p]
+    if problems:  # no number from this run reaches a table or plot
+        return RunData(path.name, path, "unreadable", config, None, [], None, "; ".join(problems))
     partition = _read_json(path / "partition.json")
     error = None
-    if isinstance(summary, dict):
+    if summary is not None:
         status = "finished"
     elif (path / ERROR_FILE).is_file():
         status = "failed"
         error = (path / ERROR_FILE).read_text(encoding="utf-8", errors="replace")
     else:
         status = "incomplete"
-    return RunData(path.name, path, status, config, summary if isinstance(summary, dict) else None,
-                   metrics, partition if isinstance(partition, dict) else None, error)
+    return RunData(path.name, path, status, config, summary, metrics,
+                   partition if isinstance(partition, dict) else None, error)
 
 
 def _is_run_dir(path: Path) -> bool:
@@ -687,15 +724,25 @@ def _check_dir(sweep_dir: str | os.PathLike) -> Path:
     return path
 
 
-def write_report(sweep_dir: str | os.PathLike, target_accuracy: float | None = None) -> Path:
+def _warn_stderr(message: str) -> None:
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def write_report(sweep_dir: str | os.PathLike, target_accuracy: float | None = None,
+                 warn: Callable[[str], None] = _warn_stderr) -> Path:
     """Write results.csv, report.md and plots/*.png into `sweep_dir`; return report.md's path.
 
     `target_accuracy` (a fraction, e.g. 0.8) is the accuracy for the "GiB / rounds to target"
     tables; by default it comes from the sweep file's `report.target_accuracy`, else it is 80%
-    of the best accuracy any run reached, rounded down to a whole percent.
+    of the best accuracy any run reached, rounded down to a whole percent. Each run whose
+    summary.json or metrics.jsonl is unreadable (truncated, garbage, non-finite numbers) is
+    reported through `warn` and left out of every table and plot.
     """
     path = _check_dir(sweep_dir)
     an = _Analysis(path, target_accuracy)
+    for run in an.runs:
+        if run.status == "unreadable":
+            warn(f"{run.path}: {run.error}; left out of the tables and plots")
     if not an.runs:
         raise UserError(f"{path} holds no runs (subdirectories with config.yaml or summary.json, "
                         f"or a {SNAPSHOT} from `splitlab sweep`)")
@@ -727,7 +774,7 @@ def _markdown(an: _Analysis, path: Path, plots: list[tuple[str, Path]]) -> str:
     if an.snapshot.get("description"):
         out += [str(an.snapshot["description"]).strip(), ""]
     status = ", ".join(f"{counts[s]} {s if s != 'pending' else 'not started'}"
-                       for s in ("finished", "incomplete", "failed", "pending") if counts[s])
+                       for s in ("finished", "incomplete", "failed", "unreadable", "pending") if counts[s])
     out += [f"{len(an.runs)} runs in `{path}`: {status}. One row per run in [`{RESULTS}`]({RESULTS}).", ""]
     if not an.finished:
         out += ["No run has finished yet; tables and plots appear once runs finish.", ""]
