@@ -18,6 +18,7 @@ from splitlab.channel import Channel
 from splitlab.cli import main
 from splitlab.data import partition
 from splitlab.engine import run
+from splitlab.errors import UserError
 from splitlab.splitgp.evaluation import (ENTROPY_GRID, EvaluationSettings, _views, entropy, gated_predict,
                                          load_run, nested_view, to_server)
 from splitlab.splitgp.latency import (RateThreshold, SplitSizes, client_power_threshold, max_client_part, rate_threshold,
@@ -267,3 +268,24 @@ def test_rate_threshold_is_a_lower_bound_when_numerator_and_denominator_are_nega
     for rate in (0.1, 0.45, 0.55, 1, 10):
         t = table_one(PAPER, 20, 100, rate, 0.5)
         assert (t["splitgp"]["latency"] <= t["full model at server"]["latency"]) == threshold.holds(rate)
+
+
+def test_rho_that_cannot_be_met_says_why_and_what_to_do():
+    labels = np.repeat(np.arange(5), 20)
+    with pytest.raises(UserError, match=r"rho=0.2 cannot be met on partition=iid: client 3 holds all 5 classes.*"
+                                        r"evaluate with rho=0, or train on a partition"):
+        nested_view(labels, np.arange(100), np.arange(5), 0.2, np.random.default_rng(0), who="client 3",
+                    partition="iid")
+    with pytest.raises(UserError, match=r"needs 72 out-of-distribution samples for a client, which has only 60 "
+                                        r"\(beside 40 of its own classes\); use rho <= 1.5"):
+        nested_view(labels, np.arange(100), np.array([1, 3]), 1.8, np.random.default_rng(0))
+
+
+def test_evaluate_on_an_iid_run_explains_rho_in_one_line(tmp_path, capsys):
+    run({**quick(clients=2, rounds=1, train_subset=200, test_subset=100, partition="iid"), "algorithm": "fedavg",
+         "out": str(tmp_path / "iid")}, progress=False)
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "iid"), "rho=0,0.2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "on partition=iid" in err and "holds all 10 classes" in err and "rho=0" in err
