@@ -543,3 +543,51 @@ def test_report_warns_about_unreadable_files_and_prints_no_numbers_from_them(tmp
     assert status["truncated"]["status"] == "unreadable" and status["truncated"]["final_accuracy"] is None
     assert status["torn_running"]["status"] == "incomplete" and status["torn_running"]["rounds_completed"] == 1
     assert "| garbage | unreadable | 0 | metrics.jsonl line 2 is not valid JSON" in md
+
+
+def _label_boxes_overlap(fig) -> list[tuple[str, str]]:
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    clashes = []
+    for ax in fig.axes:
+        labels = [t for t in ax.get_xticklabels(which="both") if t.get_visible() and t.get_text()]
+        boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in labels]
+        boxes = [(text, b) for text, b in boxes if ax.bbox.x0 - 5 <= (b.x0 + b.x1) / 2 <= ax.bbox.x1 + 5]
+        for i, (ta, a) in enumerate(boxes):
+            for tb, b in boxes[i + 1:]:
+                if a.overlaps(b):
+                    clashes.append((ta, tb))
+    return clashes
+
+
+def test_plots_share_y_mark_identical_curves_readable_log_ticks_and_honest_titles(tmp_path: Path):
+    from splitlab.comm import row_gib
+    from splitlab.experiments.report import _Analysis, _curves_figure
+
+    sweep = tmp_path / "sweep"
+    accs = [0.2 + 0.05 * r for r in range(12)]
+    for part, shift in (("iid", 0.0), ("dirichlet:0.1", -0.15)):
+        shifted = [a + shift for a in accs]
+        tag = part.replace(":", "")
+        fabricate(sweep, f"fedavg_{tag}", {"algorithm": "fedavg", "cut": 1, "partition": part}, shifted,
+                  gib_per_round=0.45)
+        fabricate(sweep, f"sfl_v1_{tag}", {"algorithm": "sfl_v1", "cut": 1, "partition": part}, shifted,
+                  gib_per_round=0.4)
+        fabricate(sweep, f"sfl_v2_{tag}", {"algorithm": "sfl_v2", "cut": 1, "partition": part},
+                  [a + 0.01 for a in shifted], gib_per_round=0.05)
+    an = _Analysis(sweep, None)
+    fig = _curves_figure(an, lambda m: m.get("round"), "round", "Test accuracy vs round")
+    assert len(fig.axes) == 2 and fig.axes[0].get_shared_y_axes().joined(fig.axes[0], fig.axes[1])
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert "sfl_v1 (= fedavg, identical)" in labels and "sfl_v2" in labels
+    assert "mean ± std" not in fig._suptitle.get_text()  # one seed per curve
+
+    log_fig = _curves_figure(an, row_gib, "communication (GiB)", "Test accuracy vs GiB", logx=True)
+    assert not any("identical" in lab for lab in log_fig.axes[0].get_legend_handles_labels()[1])  # other GiB
+    assert log_fig.axes[0].get_xscale() == "log"
+    assert _label_boxes_overlap(log_fig) == []
+
+    fabricate(sweep, "sfl_v2_iid_seed1", {"algorithm": "sfl_v2", "cut": 1, "partition": "iid", "seed": 1},
+              accs, gib_per_round=0.05)
+    assert "mean ± std over seeds" in _curves_figure(_Analysis(sweep, None), lambda m: m.get("round"), "round",
+                                                     "t")._suptitle.get_text()

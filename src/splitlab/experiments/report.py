@@ -459,6 +459,7 @@ def _md(text: str) -> str:
 
 
 def _figure(n_panels: int, width: float = 5.2, height: float = 3.8, max_cols: int = 3):
+    """A figure with one panel per table column; the panels share the y-axis, so heights compare."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -466,8 +467,33 @@ def _figure(n_panels: int, width: float = 5.2, height: float = 3.8, max_cols: in
     nrows = max(1, math.ceil(n_panels / ncols))
     fig = Figure(figsize=(width * ncols, height * nrows))
     FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(nrows, ncols, i + 1) for i in range(max(1, n_panels))]
+    axes: list = []
+    for i in range(max(1, n_panels)):
+        axes.append(fig.add_subplot(nrows, ncols, i + 1, sharey=axes[0] if axes else None))
     return fig, axes
+
+
+def _log_x(ax) -> None:
+    """Log x-axis whose labels cannot collide: at most 5 labelled ticks (1, 2, 5 x 10^k, thinned
+    by matplotlib), short labels, and unlabelled minor ticks (which matplotlib labels by default
+    when the data span less than a decade, and which then overlap)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0), numticks=5))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
+def _over_seeds(an: _Analysis) -> str:
+    """The title suffix: "mean ± std over seeds" only when some cell has several seeds."""
+    n = max((len(idx) for idx in an.groups.values()), default=0)
+    return " (mean ± std over seeds)" if n > 1 else (" (one seed per curve)" if n == 1 else "")
+
+
+def _same_curve(a: tuple[list, list], b: tuple[list, list]) -> bool:
+    return len(a[0]) == len(b[0]) and all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12)
+                                          for u, v in zip(a, b) for x, y in zip(u, v))
 
 
 def _save(fig, path: Path) -> Path:
@@ -532,10 +558,17 @@ def _legend(fig, axes) -> None:
 
 def _plot_curves(an: _Analysis, path: Path, x_of: Callable[[dict], float | None], xlabel: str,
                  title: str, logx: bool = False) -> Path:
+    return _save(_curves_figure(an, x_of, xlabel, title, logx), path)
+
+
+def _curves_figure(an: _Analysis, x_of: Callable[[dict], float | None], xlabel: str, title: str,
+                   logx: bool = False):
+    """One panel per table column, one curve per row; a curve equal to one drawn before it in the
+    same panel (SFL-V1 under FedAvg vs rounds) is labelled "= <that one>" and drawn dashed on top."""
     fig, axes = _figure(len(an.col_tuples))
     style = _Styler(an)
     for ax, col in zip(axes, an.col_tuples):
-        drawn = 0
+        drawn: list[tuple[str, tuple[list, list]]] = []
         for row in an.row_tuples:
             g = an.cells.get((row, col))
             if g is None:
@@ -547,14 +580,20 @@ def _plot_curves(an: _Analysis, path: Path, x_of: Callable[[dict], float | None]
             if not xs:
                 continue
             st = style(row)
-            ax.plot(xs, ys, label=an.row_label(row), color=st["color"], linestyle=st["linestyle"],
-                    marker=st["marker"], markersize=3, linewidth=1.4)
+            label = an.row_label(row)
+            twin = next((name for name, curve in drawn if _same_curve(curve, (xs, ys))), None)
+            if twin is not None:
+                ax.plot(xs, ys, label=f"{label} (= {twin}, identical)", color=st["color"], linestyle=(0, (2, 2)),
+                        marker=st["marker"], markersize=5, markerfacecolor="none", linewidth=2.2, zorder=3)
+            else:
+                ax.plot(xs, ys, label=label, color=st["color"], linestyle=st["linestyle"],
+                        marker=st["marker"], markersize=3, linewidth=1.4)
             if any(ss):
                 ax.fill_between(xs, [y - s for y, s in zip(ys, ss)], [y + s for y, s in zip(ys, ss)],
                                 color=st["color"], alpha=0.15, linewidth=0)
-            drawn += 1
+            drawn.append((label, (xs, ys)))
         if logx and drawn:
-            ax.set_xscale("log")
+            _log_x(ax)
         if not drawn:
             ax.text(0.5, 0.5, "no data" + (" (no communication recorded)" if logx else ""),
                     ha="center", va="center", transform=ax.transAxes)
@@ -563,9 +602,9 @@ def _plot_curves(an: _Analysis, path: Path, x_of: Callable[[dict], float | None]
         if an.col_keys:
             ax.set_title(an.col_label(col), fontsize=10)
         ax.grid(True, alpha=0.3, which="both")
-    fig.suptitle(title, fontsize=11)
+    fig.suptitle(title + _over_seeds(an), fontsize=11)
     _legend(fig, axes)
-    return _save(fig, path)
+    return fig
 
 
 def _plot_vs_cut(an: _Analysis, path: Path) -> Path:
@@ -610,7 +649,7 @@ def _plot_vs_cut(an: _Analysis, path: Path) -> Path:
         if an.col_keys:
             ax.set_title(an.col_label(col), fontsize=10)
         ax.grid(True, alpha=0.3)
-    fig.suptitle("Final test accuracy vs cut layer (mean ± std over seeds)", fontsize=11)
+    fig.suptitle("Final test accuracy vs cut layer" + _over_seeds(an), fontsize=11)
     _legend(fig, axes)
     return _save(fig, path)
 
@@ -753,10 +792,10 @@ def write_report(sweep_dir: str | os.PathLike, target_accuracy: float | None = N
         plot_dir = path / PLOTS
         plots.append(("Test accuracy vs round", _plot_curves(
             an, plot_dir / "accuracy_vs_round.png", lambda m: _num(m.get("round")), "round",
-            "Test accuracy vs round (mean ± std over seeds)")))
+            "Test accuracy vs round")))
         plots.append(("Test accuracy vs communication", _plot_curves(
             an, plot_dir / "accuracy_vs_gib.png", row_gib, "communication (GiB, cumulative, log scale)",
-            "Test accuracy vs GiB communicated (mean ± std over seeds)", logx=True)))
+            "Test accuracy vs GiB communicated", logx=True)))
         if any("cut" in r.config for r in an.finished):
             plots.append(("Final test accuracy vs cut layer", _plot_vs_cut(an, plot_dir / "accuracy_vs_cut.png")))
         part = _plot_partitions(an, plot_dir / "label_distribution.png")
