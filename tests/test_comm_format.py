@@ -23,6 +23,8 @@ def test_to_target_first_evaluated_round_and_its_gib():
     assert to_target(rows, 0.95) == (None, None)
     assert to_target(rows, None) == (None, None)
     assert to_target([{"round": 1, "test_accuracy": "x"}], 0.1) == (None, None)
+    evaluated = [{"round": r, "test_accuracy": a, "comm_gib": 0.5 * r} for r, a in [(2, 0.3), (4, 0.5), (6, 0.45), (8, 0.7)]]
+    assert to_target(evaluated, 0.5) == (4, 2.0) and to_target(evaluated, 0.69) == (8, 4.0)  # evaluated rounds only
 
 
 def test_run_summary_prints_adaptive_units(capsys):
