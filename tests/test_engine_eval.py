@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import client_model, quick, server_model, sync_model, train
-from splitlab.engine import _hold_out, _to_target, build, evaluate, run
+from splitlab.engine import _hold_out, build, evaluate, run
 from splitlab.errors import UserError
 from splitlab.metrics import classification_metrics
 
@@ -78,14 +78,6 @@ def test_one_global_model_under_client_split_is_that_model_on_the_pooled_held_ou
     with torch.no_grad():
         logits = server_model(experiment)(sync_model(experiment)(x))
     assert evaluate(experiment) == pytest.approx(classification_metrics(logits, y))
-
-
-def test_rounds_and_gib_to_target():
-    rows = [{"round": r, "test_accuracy": a, "comm_gib": 0.5 * r} for r, a in [(2, 0.3), (4, 0.5), (6, 0.45), (8, 0.7)]]
-    assert _to_target(rows, 0.5) == {"target_accuracy": 0.5, "rounds_to_target": 4, "gib_to_target": 2.0}
-    assert _to_target(rows, 0.69) == {"target_accuracy": 0.69, "rounds_to_target": 8, "gib_to_target": 4.0}
-    assert _to_target(rows, 0.9)["rounds_to_target"] is None and _to_target(rows, 0.9)["gib_to_target"] is None
-    assert _to_target(rows, None)["rounds_to_target"] is None
 
 
 def test_summary_reports_rounds_to_target(tmp_path):

@@ -18,6 +18,7 @@ from helpers import client_model, global_weights, max_abs_difference, node, quic
 from splitlab.cli import main
 from splitlab.data import partition
 from splitlab.engine import run
+from splitlab.errors import UserError
 from splitlab.splitgp.evaluation import (
     ENTROPY_GRID,
     EvaluationSettings,
@@ -31,6 +32,7 @@ from splitlab.splitgp.evaluation import (
     training_set,
 )
 from splitlab.splitgp.latency import (
+    RateThreshold,
     SplitSizes,
     client_power_threshold,
     max_client_part,
@@ -273,15 +275,16 @@ def test_propositions_by_hand_and_against_direct_comparison():
     assert client_power_threshold(PAPER, 100, 1, 0.1) == pytest.approx(3_457_280 / 3_710.73)
     assert client_power_threshold(PAPER, 100, 1, 0.0) == math.inf
     # Prop. 3 at the paper's settings: client work (20,544.5) < server saving (35,201.37): always faster.
-    assert rate_threshold(PAPER, 20, 100, 0.1) == math.inf
+    assert rate_threshold(PAPER, 20, 100, 0.1) == RateThreshold("<=", math.inf)
     # A slow client (P_C = 5): threshold = (784 - 230.4) / (82,178 - 35,201.37).
-    assert rate_threshold(PAPER, 5, 100, 0.1) == pytest.approx(553.6 / (82_178 - 35_201.37))
+    slow = rate_threshold(PAPER, 5, 100, 0.1)
+    assert slow.op == "<=" and slow.value == pytest.approx(553.6 / (82_178 - 35_201.37))
     for p_c, rate in [(5, 0.01), (5, 0.02), (900, 1), (950, 1)]:
         t = table_one(PAPER, p_c, 100, rate, 0.1)
         latency = t["splitgp"]["latency"]
         faster_than_client = p_c <= client_power_threshold(PAPER, 100, rate, 0.1)
         assert (latency <= t["full model at client"]["latency"]) == faster_than_client
-        assert (latency <= t["full model at server"]["latency"]) == (rate <= rate_threshold(PAPER, p_c, 100, 0.1))
+        assert (latency <= t["full model at server"]["latency"]) == rate_threshold(PAPER, p_c, 100, 0.1).holds(rate)
     # Prop. 1: at the largest feasible |phi| (|w| fixed) the latency per sample is the budget.
     bound = max_client_part(PAPER, 20, 100, 1, 0.1, budget=30_000)
     at_bound = SplitSizes(phi=bound, theta=PAPER.full - bound, head=PAPER.head, q=PAPER.q, q_c=PAPER.q_c)
@@ -303,3 +306,35 @@ def test_shards_match_the_paper_100_shards_2_per_client():
     for part in parts:
         counts = np.bincount(labels[part], minlength=10)
         assert len(part) == 1200 and set(counts.tolist()) <= {0, 600, 1200}  # two whole shards of 600
+
+
+def test_rate_threshold_is_a_lower_bound_when_numerator_and_denominator_are_negative():
+    # Paper's cut-4 sizes, beta = 0.5, P_C = 20, P_S = 100: num = 784 - 1,152 = -368,
+    # den = 20,544.5 - 21,280.05 = -735.55, so SplitGP is faster for R >= 0.50 (not "never").
+    threshold = rate_threshold(PAPER, 20, 100, 0.5)
+    assert threshold.op == ">=" and threshold.value == pytest.approx(368 / 735.55)
+    assert str(threshold) == "iff R >= 0.500306"
+    for rate in (0.1, 0.45, 0.55, 1, 10):
+        t = table_one(PAPER, 20, 100, rate, 0.5)
+        assert (t["splitgp"]["latency"] <= t["full model at server"]["latency"]) == threshold.holds(rate)
+
+
+def test_rho_that_cannot_be_met_says_why_and_what_to_do():
+    labels = np.repeat(np.arange(5), 20)
+    with pytest.raises(UserError, match=r"rho=0.2 cannot be met on partition=iid: client 3 holds all 5 classes.*"
+                                        r"evaluate with rho=0, or train on a partition"):
+        nested_view(labels, np.arange(100), np.arange(5), 0.2, np.random.default_rng(0), who="client 3",
+                    partition="iid")
+    with pytest.raises(UserError, match=r"needs 72 out-of-distribution samples for a client, which has only 60 "
+                                        r"\(beside 40 of its own classes\); use rho <= 1.5"):
+        nested_view(labels, np.arange(100), np.array([1, 3]), 1.8, np.random.default_rng(0))
+
+
+def test_evaluate_on_an_iid_run_explains_rho_in_one_line(tmp_path, capsys):
+    run({**quick(clients=2, rounds=1, train_subset=200, test_subset=100, partition="iid"), "algorithm": "fedavg",
+         "out": str(tmp_path / "iid")}, progress=False)
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "iid"), "rho=0,0.2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "on partition=iid" in err and "holds all 10 classes" in err and "rho=0" in err

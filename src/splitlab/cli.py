@@ -13,6 +13,7 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.table import Table
 
+from splitlab.comm import format_bytes
 from splitlab.errors import UserError
 
 console = Console()
@@ -36,9 +37,9 @@ def _print_summary(summary: dict, raw: dict) -> None:
     table.add_row("final accuracy", f"{100 * summary['final_accuracy']:.2f}%")
     table.add_row("best accuracy", f"{100 * summary['best_accuracy']:.2f}% (round {summary['best_round']})")
     table.add_row("final macro-F1 / MCC", f"{summary['final_f1']:.4f} / {summary['final_mcc']:.4f}")
-    table.add_row("communication", f"{summary['total_gib']:.4f} GiB")
+    table.add_row("communication", format_bytes(summary["total_bytes"]))
     for kind, nbytes in sorted(summary["comm_bytes_by_kind"].items()):
-        table.add_row(f"  {kind}", f"{nbytes / 2 ** 30:.4f} GiB")
+        table.add_row(f"  {kind}", format_bytes(nbytes))
     table.add_row("training time", f"{summary['wall_seconds']:.1f} s")
     console.print(table)
 
@@ -141,8 +142,8 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"SplitGP faster than the full model at the client (Prop. 2) iff P_C <= "
                   f"{result['client_power_threshold']:,.6g} (P_C = {settings.client_power:g})")
-    console.print(f"SplitGP faster than the full model at the server (Prop. 3) iff R <= "
-                  f"{result['rate_threshold']:,.6g} (R = {settings.rate:g})")
+    console.print(f"SplitGP faster than the full model at the server (Prop. 3) {result['rate_threshold']} "
+                  f"(R = {settings.rate:g})")
     cuts = Table("cut", "|phi|", "|theta|", "|h|", "q_c", "SplitGP latency / sample",
                  *(("max |phi| (Prop. 1)", "feasible") if settings.latency_budget is not None else ()))
     for row in result["cuts"]:

@@ -35,6 +35,7 @@ from splitlab import codec
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.channel import GIB, Ledger
+from splitlab.comm import to_target
 from splitlab.config import (
     RUN_CONTROL_KEYS,
     ResolvedConfig,
@@ -53,14 +54,12 @@ from splitlab.io import (
 from splitlab.loggers import check_logger, make_logger
 from splitlab.metrics import classification_metrics, logits_in_batches
 from splitlab.models import split
+from splitlab.runfiles import CHECKPOINT, LEGACY_CHECKPOINT, RUN_FILES
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
 from splitlab.streams import register_stream
 from splitlab.transport import TRANSPORTS, Transport
 
 STREAM_SAMPLING = register_stream("sampling", 0)
-CHECKPOINT = "checkpoint.safetensors"
-RUN_FILES = ("config.yaml", "partition.json", "metrics.jsonl", "summary.json", CHECKPOINT, "checkpoint.pt",
-             "weights.safetensors", "clients.safetensors")
 
 
 @dataclasses.dataclass
@@ -298,8 +297,8 @@ class _Checkpointer:
     def load(self) -> dict[str, Any] | None:
         """The loop state of the last checkpoint, with every role restored; None if there is none."""
         if not self.path.exists():
-            if (self.path.parent / "checkpoint.pt").exists():
-                raise UserError(f"{str(self.path.parent)!r} holds a checkpoint.pt of an older splitlab, which "
+            if (self.path.parent / LEGACY_CHECKPOINT).exists():
+                raise UserError(f"{str(self.path.parent)!r} holds a {LEGACY_CHECKPOINT} of an older splitlab, which "
                                 f"cannot be resumed; use overwrite=true to start over")
             return None
         try:
@@ -420,14 +419,6 @@ def _envelope(experiment: Experiment) -> dict[str, int]:
     return {"envelope_bytes": experiment.ledger.envelope_bytes} if experiment.transport.name != "direct" else {}
 
 
-def _to_target(rows: list[dict], target: float | None) -> dict[str, Any]:
-    """First evaluated round whose test accuracy reaches `target`, and the GiB sent by then
-    (both None if it never did, or no target was set). Only evaluated rounds count (eval_every)."""
-    hit = next((row for row in rows if target is not None and row["test_accuracy"] >= target), None)
-    return {"target_accuracy": target, "rounds_to_target": hit and hit["round"],
-            "gib_to_target": hit and hit["comm_gib"]}
-
-
 def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
     cfg, out = experiment.config.run, experiment.out
     rows = state["metrics"]
@@ -443,7 +434,8 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         "total_bytes": ledger.total_bytes, "total_gib": ledger.total_bytes / GIB,
         "comm_bytes_by_kind": ledger.state_dict(), **_envelope(experiment),
         "wall_seconds": state["wall_seconds"], "stopped_by": state["stopped_by"],
-        **_to_target(rows, cfg.target_accuracy),
+        "target_accuracy": cfg.target_accuracy,
+        **dict(zip(("rounds_to_target", "gib_to_target"), to_target(rows, cfg.target_accuracy))),
     }
     model = experiment.algorithm.global_model()
     if model is not None:

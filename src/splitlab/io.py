@@ -45,10 +45,6 @@ def write_yaml(path: Path, obj: Any) -> None:
     write_text(path, yaml.safe_dump(obj, sort_keys=False))
 
 
-def save_torch(path: Path, obj: Any) -> None:
-    _atomic(path, lambda tmp: torch.save(obj, tmp))
-
-
 def save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
     cpu = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
     _atomic(path, lambda tmp: save_file(cpu, tmp))

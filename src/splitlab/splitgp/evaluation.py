@@ -125,7 +125,8 @@ def main_classes(labels: np.ndarray, indices: np.ndarray) -> np.ndarray:
 
 
 def nested_view(labels: np.ndarray, pool: np.ndarray, main: np.ndarray, max_rho: float,
-                rng: np.random.Generator, main_cap: int | None = None) -> tuple[np.ndarray, int]:
+                rng: np.random.Generator, main_cap: int | None = None, who: str = "a client",
+                partition: str | None = None) -> tuple[np.ndarray, int]:
     """Indices: the pool's main-class samples (at most `main_cap`, seeded), then out-of-distribution
     ones in a seeded order, enough for `max_rho`; and the number of main samples. The view for
     rho is the first n_main + round(rho * n_main) indices."""
@@ -135,9 +136,22 @@ def nested_view(labels: np.ndarray, pool: np.ndarray, main: np.ndarray, max_rho:
         mains = np.sort(rng.choice(mains, main_cap, replace=False))
     need = round(max_rho * len(mains))
     if need > len(others):
-        raise UserError(f"rho={max_rho} needs {need} out-of-distribution samples but a client has only "
-                        f"{len(others)}; use a smaller rho")
+        raise UserError(_rho_unmet(max_rho, need, len(others), len(mains), len(main), who, partition))
     return np.concatenate([mains, others[:need]]), len(mains)
+
+
+def _rho_unmet(rho: float, need: int, have: int, n_main: int, n_classes: int, who: str,
+               partition: str | None) -> str:
+    """One line: why rho cannot be met on this partition, and what to do."""
+    on = f" on partition={partition}" if partition else ""
+    if have == 0:
+        return (f"rho={rho:g} cannot be met{on}: {who} holds all {n_classes} classes, so no test sample is "
+                f"out of its distribution (rho measures that); evaluate with rho=0, or train on a partition "
+                f"that leaves classes out of each client (e.g. partition=shards:2 or dirichlet:0.1)")
+    most = math.floor(100 * have / n_main) / 100 if n_main else 0.0
+    return (f"rho={rho:g} cannot be met{on}: it needs {need} out-of-distribution samples for {who}, which "
+            f"has only {have} (beside {n_main} of its own classes); use rho <= {most:g}, or a partition "
+            f"that leaves more classes out of each client (e.g. partition=shards:2)")
 
 
 def view_size(n_main: int, rho: float) -> int:
@@ -304,7 +318,8 @@ def _views(experiment: Experiment, train: TrainingSet, settings: EvaluationSetti
         else:
             pool, cap, stream = np.setdiff1d(np.arange(len(labels)), own), settings.validation_size, STREAM_VALIDATION
         rng = experiment.blueprint.rng(0, stream, client_id)
-        views.append(nested_view(labels, pool, main, max_rho, rng, cap))
+        views.append(nested_view(labels, pool, main, max_rho, rng, cap, who=f"client {client_id}",
+                                 partition=str(experiment.config.run.partition)))
     return views
 
 

@@ -94,19 +94,45 @@ def client_power_threshold(s: SplitSizes, p_s: float, rate: float, beta: float) 
     return (s.theta - s.head) / (beta * (s.q_c / rate + s.theta / p_s))
 
 
-def rate_threshold(s: SplitSizes, p_c: float, p_s: float, beta: float) -> float:
-    """Prop. 3: SplitGP is no slower than the full model at the server iff R <= this.
+@dataclass(frozen=True)
+class RateThreshold:
+    """Prop. 3's answer: SplitGP is no slower than the full model at the server iff R `op` `value`
+    (op "<=" or ">="); `value` is inf for "at every rate" and 0 with "<=" for "never"."""
+
+    op: str
+    value: float
+
+    def holds(self, rate: float) -> bool:
+        return rate <= self.value if self.op == "<=" else rate >= self.value
+
+    def __str__(self) -> str:
+        if self.op == "<=" and self.value == math.inf:
+            return "at every rate R"
+        if self.op == "<=" and self.value <= 0:
+            return "at no rate R"
+        return f"iff R {self.op} {self.value:,.6g}"
+
+
+def rate_threshold(s: SplitSizes, p_c: float, p_s: float, beta: float) -> RateThreshold:
+    """Prop. 3: when SplitGP is no slower than the full model at the server.
 
     From eqs. (29)-(30) the server-side term is (|phi| + (1 - beta)|theta|) / P_S; the paper's
-    eq. (33) prints (1 - beta)(|phi| + |theta|) / P_S. When the denominator is <= 0 the client
-    work alone is cheaper than the server's saving, and SplitGP wins at every rate (inf) as long
-    as it sends less than the raw input (q >= beta q_c); otherwise it never wins (0).
+    eq. (33) prints (1 - beta)(|phi| + |theta|) / P_S. SplitGP minus server latency per sample is
+    den - num / R with num = q - beta q_c, den = (|phi| + |h|) / P_C - (|phi| + (1 - beta)|theta|) / P_S,
+    so SplitGP wins iff R den <= num: R <= num / den when den > 0 (never if num < 0); when den < 0
+    (the client work is cheaper than the server's saving) R >= num / den, which is every rate when
+    num >= 0 and a lower bound when both are negative (it sends more than the raw input, so it
+    needs a fast enough link); when den = 0, every rate iff num >= 0.
     """
     numerator = s.q - beta * s.q_c
     denominator = (s.phi + s.head) / p_c - (s.phi + (1 - beta) * s.theta) / p_s
-    if denominator <= 0:
-        return math.inf if numerator >= 0 else 0.0
-    return max(numerator, 0.0) / denominator
+    if denominator > 0:
+        return RateThreshold("<=", max(numerator, 0.0) / denominator)
+    if numerator >= 0:
+        return RateThreshold("<=", math.inf)
+    if denominator == 0:
+        return RateThreshold("<=", 0.0)
+    return RateThreshold(">=", numerator / denominator)
 
 
 def report(settings: LatencySettings) -> dict:
@@ -126,6 +152,6 @@ def report(settings: LatencySettings) -> dict:
         "sizes": vars(sizes),
         "table_one": table_one(sizes, st.client_power, st.server_power, st.rate, st.beta, st.samples),
         "client_power_threshold": client_power_threshold(sizes, st.server_power, st.rate, st.beta),
-        "rate_threshold": rate_threshold(sizes, st.client_power, st.server_power, st.beta),
+        "rate_threshold": rate_threshold(sizes, st.client_power, st.server_power, st.beta),  # a RateThreshold
         "cuts": cuts,
     }
