@@ -203,13 +203,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Flags may come anywhere among KEY=VALUE pairs: argparse stops the pairs at the first flag.
+    args, rest = parser.parse_known_args(argv)
+    if rest and (not hasattr(args, "overrides") or any(item.startswith("-") for item in rest)):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:
+        args.overrides += rest
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_code", 2)
     except KeyboardInterrupt:
         again = "run the same sweep command again" if args.command == "sweep" else "add resume=true"
         print(f"interrupted; to continue, {again}", file=sys.stderr)

@@ -54,3 +54,9 @@ class NoLogger:
 
 def make_logger(name: str, out: Path) -> TensorBoardLogger | NoLogger:
     return TensorBoardLogger(out) if name == "tensorboard" else NoLogger()
+
+
+def round_line(row: dict, rounds: int) -> str:
+    """One plain line per evaluated round, for output that is not a terminal."""
+    return (f"round {row['round']}/{rounds}  acc {100 * row['test_accuracy']:.2f}%  "
+            f"loss {row['test_loss']:.4f}  {row['comm_gib']:.3f} GiB  {row['wall_seconds']:.1f} s")
