@@ -115,7 +115,7 @@ def test_overwrite_removes_everything_written_and_stale_temp_files(tmp_path):
     run(quick(rounds=1, out=str(out), overwrite=True), progress=False)
     names = {p.relative_to(out).as_posix() for p in out.rglob("*")}
     assert not names & {"evaluation.json", ".summary.json.abc123.tmp", "tensorboard", "tensorboard/events"}
-    assert "notes.txt" in names and "summary.json" in names
+    assert "notes.txt" in names and "summary.json" in names and ".lock" not in names
 
 
 def test_written_files_follow_the_umask(tmp_path):

@@ -3,8 +3,8 @@
 - `check_out_dir` refuses an out= that can never become a directory (an existing file, a path
   under a file, a place nobody can write) before data is loaded or anything is written.
 - `locked` holds an exclusive lock on OUT/.lock (fcntl.flock, released by the kernel when its
-  process dies, so a dead run's lock is simply taken over). A second process is refused with one
-  line naming the holder's PID and host. While holding it, temporary files left by a killed
+  process dies, so a dead run's lock is simply taken over; the file is removed when the run ends).
+  A second process is refused with one line naming the holder's PID and host. While holding it, temporary files left by a killed
   writer (splitlab.io's `.<name>.<random>.tmp`) are removed.
 - `WRITTEN` is every file a run or `evaluate` writes, for `overwrite=true` to remove.
 """
@@ -18,6 +18,7 @@ import shutil
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 from splitlab.errors import UserError
 from splitlab.io import TEMP_GLOB
@@ -58,27 +59,43 @@ def make_out_dir(path: Path) -> None:
 def locked(path: Path) -> Iterator[None]:
     """Hold OUT/.lock for the duration; refuse if another live process holds it."""
     make_out_dir(path)
-    try:
-        handle = open(path / LOCK, "a+")  # noqa: SIM115 (held open while locked)
-    except OSError as err:
-        raise UserError(f"out {str(path)!r} cannot be locked ({err.strerror}); choose another out=") from None
+    handle = _acquire(path / LOCK)
     with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "another process"
-            raise UserError(f"out {str(path)!r} is in use by {holder}; wait for it to finish "
-                            f"or choose another out=") from None
-        handle.seek(0)
-        handle.truncate()
         handle.write(f"PID {os.getpid()} on host {socket.gethostname()}\n")
         handle.flush()
         remove_temp_files(path)
         try:
             yield
         finally:
+            (path / LOCK).unlink(missing_ok=True)  # before unlocking: a waiter then sees a new file
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _acquire(lock: Path) -> TextIO:
+    """The lock file, open and exclusively locked, emptied for the new holder's line."""
+    while True:
+        try:
+            handle = open(lock, "a+")  # noqa: SIM115 (held open while locked)
+        except OSError as err:
+            raise UserError(f"out {str(lock.parent)!r} cannot be locked ({err.strerror}); "
+                            f"choose another out=") from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise UserError(f"out {str(lock.parent)!r} is in use by {holder}; wait for it to finish "
+                            f"or choose another out=") from None
+        try:
+            current = os.stat(lock).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(handle.fileno()).st_ino:
+            handle.seek(0)
+            handle.truncate()
+            return handle
+        handle.close()  # the previous holder removed this file while we waited for it: open the new one
 
 
 def remove_temp_files(path: Path) -> None:
