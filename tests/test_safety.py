@@ -157,3 +157,21 @@ def test_flags_anywhere_among_pairs_and_one_line_per_round_without_terminal(tmp_
     done = _splitlab("run", *cli(rounds=2, out=tmp_path / "lines"))
     assert done.returncode == 0, done.stderr
     assert [line.split("  ")[0] for line in done.stderr.splitlines()] == ["round 1/2", "round 2/2"]
+
+
+def test_algorithms_table_shows_whole_first_sentences_and_yaml_defaults(capsys):
+    from splitlab.cli import first_sentence
+
+    assert first_sentence("FedAvg (McMahan et al. 2017): each client trains. More.") == \
+        "FedAvg (McMahan et al. 2017): each client trains."
+    assert main(["algorithms"]) == 0
+    shown = " ".join(capsys.readouterr().out.split())
+    assert "McMahan et al. 2017" in shown and "server_lr=null" in shown and "None" not in shown
+
+
+def test_a_run_is_repeated_from_its_config_yaml_into_a_new_out(tmp_path):
+    run(quick(rounds=1, out=str(tmp_path / "a")), progress=False)
+    assert main(["run", "--config", str(tmp_path / "a" / "config.yaml"), f"out={tmp_path / 'b'}",
+                 "--no-progress"]) == 0
+    first, second = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "ab")
+    assert first["final_accuracy"] == second["final_accuracy"]
