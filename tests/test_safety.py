@@ -175,3 +175,12 @@ def test_a_run_is_repeated_from_its_config_yaml_into_a_new_out(tmp_path):
                  "--no-progress"]) == 0
     first, second = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "ab")
     assert first["final_accuracy"] == second["final_accuracy"]
+
+
+def test_datasets_table_does_not_import_torch():
+    probe = ("import sys; from splitlab.cli import main; main(['datasets']); "
+             "print('torch' in sys.modules, 'sklearn' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": SRC})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "False False"

@@ -13,9 +13,9 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import yaml
-from safetensors.torch import save_file
+
+from splitlab.lazy import torch
 
 
 TEMP_GLOB = ".*.tmp"
@@ -65,6 +65,8 @@ def save_torch(path: Path, obj: Any) -> None:
 
 
 def save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
     cpu = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
     _atomic(path, lambda tmp: save_file(cpu, tmp))
 

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from splitlab.data import shakespeare
 from splitlab.data.datasets import Dataset, _looked_in, _roots
 from splitlab.errors import UserError
+from splitlab.lazy import torch
 
 CELEBA_SIZE = 84
 LEAF_URL = "https://github.com/TalwalkarLab/leaf"
