@@ -86,6 +86,25 @@ def test_labels_outside_the_classes_are_rejected(tmp_path):
         load_leaf("femnist", folder)
 
 
+@pytest.mark.parametrize("label", [1.5, "a", True, None, -1])
+def test_non_integer_labels_are_refused_naming_file_user_and_field(tmp_path, label):
+    user = femnist_user(2, 3)
+    user["y"][1] = label
+    folder = write_leaf(tmp_path, {"train": [{"u": user}], "test": [{"u": femnist_user(1, 0)}]})
+    with pytest.raises(UserError, match=r"all_data_0.*train_9\.json is not a LEAF data file: user 'u': field y "
+                                        r"must hold whole-number class labels"):
+        load_leaf("femnist", folder)
+
+
+def test_non_finite_pixels_are_refused_naming_file_user_and_field(tmp_path):
+    user = femnist_user(2, 3)
+    user["x"][1][5] = float("nan")  # json.dumps writes NaN, which json.loads reads back
+    folder = write_leaf(tmp_path, {"train": [{"u": user}], "test": [{"u": femnist_user(1, 0)}]})
+    with pytest.raises(UserError, match=r"train_9\.json is not a LEAF data file: user 'u': field x holds a "
+                                        r"non-finite pixel value \(nan\)"):
+        load_leaf("femnist", folder)
+
+
 # ---------------------------------------------------------------------------------------------
 # CelebA
 

@@ -80,12 +80,30 @@ def _cmd_algorithms(args: argparse.Namespace) -> int:
 
     table = Table("algorithm", "own keys (defaults)", "description")
     for name, cls in sorted(algorithms().items()):
-        own = ", ".join(f"{k}={f.default}" for k, f in cls.Params.model_fields.items())
+        own = ", ".join(f"{k}={_yaml_scalar(f.default)}" for k, f in cls.Params.model_fields.items())
         paragraph = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
-        doc = " ".join(paragraph.split()).split(". ")[0]
-        table.add_row(name, own or "-", doc)
+        table.add_row(name, own or "-", first_sentence(" ".join(paragraph.split())))
     console.print(table)
     return 0
+
+
+def _yaml_scalar(value: object) -> str:
+    """A default as it is written in a config file (None -> null, True -> true)."""
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
+def first_sentence(text: str) -> str:
+    """Up to the first full stop that ends a sentence (not "et al." or "e.g." or one inside brackets)."""
+    depth = 0
+    for i, char in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if char == "." and depth == 0 and (i + 1 == len(text) or text[i + 1] == " "):
+            word = text[:i].rsplit(" ", 1)[-1]
+            if word not in ("al", "e.g", "i.e", "cf", "etc", "vs") and not word[-1:].isdigit():
+                return text[:i + 1]
+    return text
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
@@ -204,13 +222,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Flags may come anywhere among KEY=VALUE pairs: argparse stops the pairs at the first flag.
+    args, rest = parser.parse_known_args(argv)
+    if rest and (not hasattr(args, "overrides") or any(item.startswith("-") for item in rest)):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if rest:
+        args.overrides += rest
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
-        return 2
+        return getattr(err, "exit_code", 2)
     except KeyboardInterrupt:
         again = "run the same sweep command again" if args.command == "sweep" else "add resume=true"
         print(f"interrupted; to continue, {again}", file=sys.stderr)

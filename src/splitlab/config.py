@@ -7,6 +7,8 @@ Every problem becomes a one-line `UserError` naming the bad value and what is al
 
 from __future__ import annotations
 
+import math
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +42,7 @@ class RunConfig(BaseModel):
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0)
     partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2 ** 32 - 1, description="random seed (0 to 2**32-1, what numpy and torch both accept)")
     device: Literal["cpu", "cuda", "auto"] = "auto"
     eval_every: int = Field(1, ge=1, description="evaluate every N rounds (and after the last)")
     train_subset: int | None = Field(None, ge=1, description="use only N training samples (seeded choice)")
@@ -141,6 +143,10 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
         if key not in common and key not in own:
             allowed = ", ".join(sorted(common | own))
             raise UserError(f"unknown key {key!r} for algorithm {algorithm.name!r}; allowed: {allowed}")
+    fields = {**RunConfig.model_fields, **algorithm.Params.model_fields}
+    for key, value in raw.items():
+        if isinstance(value, bool) and not _accepts_bool(fields[key].annotation):
+            raise UserError(f"invalid value {value!r} for {key}: expected a number or name, not a boolean")
     try:
         run = RunConfig(**{k: v for k, v in raw.items() if k in common})
         params = algorithm.Params(**{k: v for k, v in raw.items() if k in own})
@@ -148,20 +154,33 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
         raise UserError(_one_line(err)) from None
     except UserError:
         raise
+    for key, value in {**run.model_dump(), **params.model_dump()}.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"invalid value {value!r} for {key}: expected a finite number")
     return ResolvedConfig(run, params)
+
+
+def _accepts_bool(annotation: Any) -> bool:
+    """Whether a field's type admits True/False (pydantic would otherwise read True as 1)."""
+    return annotation is bool or any(_accepts_bool(arg) for arg in typing.get_args(annotation))
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """KEY=VALUE strings -> dict, values read as YAML scalars (numbers, booleans, null, strings)."""
     parsed: dict[str, Any] = {}
+    given: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UserError(f"expected KEY=VALUE, got {item!r}")
+        key = key.strip()
+        if key in parsed:
+            raise UserError(f"key {key!r} is given twice ({given[key]} and {item}); give it once")
+        given[key] = item
         try:
-            parsed[key.strip()] = yaml.safe_load(value) if value.strip() else None
+            parsed[key] = yaml.safe_load(value) if value.strip() else None
         except yaml.YAMLError:
-            parsed[key.strip()] = value
+            parsed[key] = value
     return parsed
 
 
@@ -170,7 +189,9 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"config file {str(path)!r} does not exist")
     try:
-        content = yaml.safe_load(path.read_text())
+        content = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except _DuplicateKey as err:
+        raise UserError(f"config file {str(path)!r}: {err}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -180,3 +201,20 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(content, dict):
         raise UserError(f"config file {str(path)!r} must hold a mapping of KEY: VALUE, not {type(content).__name__}")
     return content
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load, except that a key given twice in one mapping is an error, not the last one."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise _DuplicateKey(f"key {key!r} is given twice (line {key_node.start_mark.line + 1}); give it once")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -21,7 +23,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -31,11 +32,11 @@ from rich.progress import (
 )
 from torch import nn
 
-from splitlab import codec
+from splitlab import codec, rundir
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.channel import GIB, Ledger
-from splitlab.comm import to_target
+from splitlab.comm import format_bytes, to_target
 from splitlab.config import (
     RUN_CONTROL_KEYS,
     ResolvedConfig,
@@ -43,7 +44,7 @@ from splitlab.config import (
     resolve_config,
 )
 from splitlab.data import Dataset, load_dataset, partition, partition_report
-from splitlab.errors import UserError
+from splitlab.errors import NonFiniteLoss, UserError
 from splitlab.io import (
     save_safetensors,
     write_bytes,
@@ -51,11 +52,11 @@ from splitlab.io import (
     write_jsonl,
     write_yaml,
 )
-from splitlab.loggers import check_logger, make_logger
+from splitlab.loggers import check_logger, make_logger, round_line
 from splitlab.metrics import classification_metrics, logits_in_batches
 from splitlab.models import split
-from splitlab.runfiles import CHECKPOINT, LEGACY_CHECKPOINT, RUN_FILES
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
+from splitlab.runfiles import CHECKPOINT, LEGACY_CHECKPOINT, RUN_FILES
 from splitlab.streams import register_stream
 from splitlab.transport import TRANSPORTS, Transport
 
@@ -155,6 +156,7 @@ def build(raw: Mapping[str, Any]) -> Experiment:
     """Validate the config and build data, roles, transport and algorithm; UserError on bad input."""
     config = resolve_config(raw)
     run = config.run
+    rundir.check_out_dir(config.out_dir)
     device = resolve_device(run.device)
     check_logger(run.logger)
     data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
@@ -225,7 +227,7 @@ class _RunDirectory:
 
     def check_resumable(self) -> None:
         # A key the stored config lacks (added to splitlab after the run began) counts as its default.
-        stored = {**self.config.defaults(), **(yaml.safe_load((self.path / "config.yaml").read_text()) or {})}
+        stored = {**self.config.defaults(), **rundir.stored_config(self.path)}
         current = self.config.as_dict()
         differing = sorted(k for k in current if k not in RUN_CONTROL_KEYS and stored.get(k) != current[k])
         if differing:
@@ -234,8 +236,7 @@ class _RunDirectory:
                             f"stored {stored.get(key)!r}; use overwrite=true to start over")
 
     def clear(self) -> None:
-        for name in RUN_FILES:
-            (self.path / name).unlink(missing_ok=True)
+        rundir.clear(self.path)
 
 
 def run(config: Mapping[str, Any], *, resume: bool | None = None, progress: bool = True) -> dict[str, Any]:
@@ -244,17 +245,18 @@ def run(config: Mapping[str, Any], *, resume: bool | None = None, progress: bool
     run_config = experiment.config.run
     resume = run_config.resume if resume is None else resume
     directory = _RunDirectory(experiment)
-    existing = directory.existing()
-    if existing and run_config.overwrite:
-        directory.clear()
-    elif existing and not resume:
-        raise UserError(f"out {str(directory.path)!r} already holds a run; use resume=true to continue it "
-                        f"or overwrite=true to replace it")
-    elif existing and "config.yaml" in existing:
-        directory.check_resumable()
-        if "summary.json" in existing:
-            return json.loads((directory.path / "summary.json").read_text())
-    return _loop(experiment, progress)
+    with rundir.locked(directory.path):
+        existing = directory.existing()
+        if existing and run_config.overwrite:
+            directory.clear()
+        elif existing and not resume:
+            raise UserError(f"out {str(directory.path)!r} already holds a run; use resume=true to continue it "
+                            f"or overwrite=true to replace it")
+        elif existing:
+            directory.check_resumable()
+            if "summary.json" in existing:
+                return json.loads((directory.path / "summary.json").read_text())
+        return _loop(experiment, progress)
 
 
 def role_states(experiment: Experiment) -> dict[str, Any]:
@@ -354,13 +356,14 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
         write_json(out / "partition.json", experiment.partition_report)
 
     columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("acc {task.fields[acc]}  {task.fields[gib]} GiB"), TimeElapsedColumn()]
+               TextColumn("acc {task.fields[acc]}  {task.fields[sent]}"), TimeElapsedColumn()]
     logger = make_logger(cfg.logger, out)
+    lines = show_progress and not sys.stderr.isatty()  # logs, CI, nohup: one line per evaluated round
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(checkpoints.join)
-        bar = cleanup.enter_context(Progress(*columns, disable=not show_progress, transient=False))
+        bar = cleanup.enter_context(Progress(*columns, disable=not show_progress or lines, transient=False))
         task = bar.add_task(f"{cfg.algorithm} rounds", total=cfg.rounds, completed=state["round"],
-                            acc=_last_accuracy(state["metrics"]), gib=f"{ledger.total_bytes / GIB:.3f}")
+                            acc=_last_accuracy(state["metrics"]), sent=format_bytes(ledger.total_bytes))
         while state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
             rnd = state["round"]
             torch.manual_seed(cfg.seed * 1_000_003 + rnd)  # dropout etc. depend on (seed, round) only
@@ -369,6 +372,7 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
             started = time.perf_counter()
             algorithm.run_round(rnd, clients)
             train_loss = algorithm.pop_train_loss()
+            _check_finite(train_loss, "training loss", rnd + 1)
             compute_seconds = experiment.blueprint.pop_seconds()
             state["wall_seconds"] += time.perf_counter() - started
             state["round"] = rnd + 1
@@ -377,17 +381,26 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
                 state["stopped_by"] = "comm_budget"
             if state["round"] % cfg.eval_every == 0 or state["round"] == cfg.rounds or over_budget:
                 state["metrics"].append(_metrics_row(experiment, state, train_loss, compute_seconds))
+                _check_finite(state["metrics"][-1]["test_loss"], "test loss", state["round"])
                 write_jsonl(out / "metrics.jsonl", state["metrics"])
                 logger.log(state["metrics"][-1])
+                if lines:
+                    print(round_line(state["metrics"][-1], cfg.rounds), file=sys.stderr, flush=True)
             if state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
                 checkpoints.maybe_save(state)
             bar.update(task, completed=state["round"], acc=_last_accuracy(state["metrics"]),
-                       gib=f"{ledger.total_bytes / GIB:.3f}")
+                       sent=format_bytes(ledger.total_bytes))
     logger.close()
     checkpoints.wait()
     summary = _finish(experiment, state)
     checkpoints.remove()
     return summary
+
+
+def _check_finite(loss: float | None, what: str, round_number: int) -> None:
+    if loss is not None and not math.isfinite(loss):
+        raise NonFiniteLoss(f"the {what} became {loss} in round {round_number}: training diverged; lower lr "
+                            f"(or use optimizer=adam) and start again with overwrite=true")
 
 
 def _last_accuracy(rows: list[dict]) -> str:

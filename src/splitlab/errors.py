@@ -7,3 +7,9 @@ its traceback.
 
 class UserError(Exception):
     """A bad value from the user: the message names the value and what is allowed."""
+
+
+class NonFiniteLoss(UserError):
+    """Training diverged (a NaN or infinite loss): the run stops there, its files hold only finite rounds."""
+
+    exit_code = 3

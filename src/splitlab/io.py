@@ -1,4 +1,9 @@
-"""Atomic file writes: a crash leaves the old file or the new one, never half of either."""
+"""Atomic file writes: a crash leaves the old file or the new one, never half of either.
+
+Temporary files are named `.<name>.<random>.tmp` beside their target (`TEMP_GLOB`), so one left by
+a killed process can be found and removed; finished files get the permissions the umask allows
+(not mkstemp's 0600); JSON is strict (NaN or inf is a bug, not a number to write).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,18 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 import yaml
-from safetensors.torch import save_file
+
+from splitlab.lazy import torch
+
+
+TEMP_GLOB = ".*.tmp"
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _atomic(path: Path, write: Callable[[str], object]) -> None:
@@ -19,6 +33,7 @@ def _atomic(path: Path, write: Callable[[str], object]) -> None:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -34,11 +49,11 @@ def write_text(path: Path, text: str) -> None:
 
 
 def write_json(path: Path, obj: Any) -> None:
-    write_text(path, json.dumps(obj, indent=2) + "\n")
+    write_text(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    write_text(path, "".join(json.dumps(row) + "\n" for row in rows))
+    write_text(path, "".join(json.dumps(row, allow_nan=False) + "\n" for row in rows))
 
 
 def write_yaml(path: Path, obj: Any) -> None:
@@ -46,6 +61,8 @@ def write_yaml(path: Path, obj: Any) -> None:
 
 
 def save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
     cpu = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
     _atomic(path, lambda tmp: save_file(cpu, tmp))
 

@@ -10,6 +10,7 @@ import importlib.util
 from pathlib import Path
 
 from splitlab.channel import GIB
+from splitlab.comm import format_bytes
 from splitlab.errors import UserError
 
 SCALARS = ("test_accuracy", "test_loss", "test_f1", "test_mcc", "train_loss", "comm_gib")
@@ -54,3 +55,9 @@ class NoLogger:
 
 def make_logger(name: str, out: Path) -> TensorBoardLogger | NoLogger:
     return TensorBoardLogger(out) if name == "tensorboard" else NoLogger()
+
+
+def round_line(row: dict, rounds: int) -> str:
+    """One plain line per evaluated round, for output that is not a terminal."""
+    return (f"round {row['round']}/{rounds}  acc {100 * row['test_accuracy']:.2f}%  "
+            f"loss {row['test_loss']:.4f}  {format_bytes(row['comm_bytes'])}  {row['wall_seconds']:.1f} s")

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from splitlab.data import shakespeare
 from splitlab.data.datasets import Dataset, _looked_in, _roots
 from splitlab.errors import UserError
+from splitlab.lazy import torch
 
 CELEBA_SIZE = 84
 LEAF_URL = "https://github.com/TalwalkarLab/leaf"
@@ -81,7 +81,10 @@ def read_split(folder: Path, convert: Callable) -> list[tuple[np.ndarray, np.nda
                     raise ValueError(f"user {user!r} has {len(data['x'])} x, {len(data['y'])} y "
                                      f"and num_samples {count}")
                 if count:
-                    users.append(convert(data["x"], data["y"], folder.parent))
+                    try:
+                        users.append(convert(data["x"], data["y"], folder.parent))
+                    except ValueError as e:
+                        raise ValueError(f"user {user!r}: {e}") from None
         except (OSError, ValueError, KeyError, TypeError) as e:
             what = f"missing key {e}" if isinstance(e, KeyError) else str(e)
             raise UserError(f"{path} is not a LEAF data file: {what}") from None
@@ -94,11 +97,25 @@ def read_split(folder: Path, convert: Callable) -> list[tuple[np.ndarray, np.nda
 # Per-dataset sample conversion: a user's x and y lists -> arrays
 
 
+def integer_labels(y: list) -> np.ndarray:
+    """Class labels as int64; ValueError naming field y unless every one is a whole number >= 0
+    (a float such as 1.0 is accepted, as LEAF writes CelebA's; 1.5, NaN, "a" or true are not)."""
+    for v in y:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not np.isfinite(v) or v != int(v) or v < 0:
+            raise ValueError(f"field y must hold whole-number class labels >= 0, not {v!r}")
+    return np.asarray(y, dtype=np.float64).astype(np.int64)
+
+
 def _femnist(x: list, y: list, folder: Path) -> tuple[np.ndarray, np.ndarray]:
-    pixels = np.asarray(x, dtype=np.float32)
+    try:
+        pixels = np.asarray(x, dtype=np.float32)
+    except (ValueError, TypeError):
+        raise ValueError("field x must hold lists of numbers") from None
     if pixels.ndim != 2 or pixels.shape[1] != 28 * 28:
         raise UserError(f"FEMNIST samples under {folder} must be lists of 784 pixels; got shape {pixels.shape}")
-    return pixels.reshape(-1, 1, 28, 28), np.asarray(y, dtype=np.int64)
+    if not np.isfinite(pixels).all():
+        raise ValueError(f"field x holds a non-finite pixel value ({pixels[~np.isfinite(pixels)][0]})")
+    return pixels.reshape(-1, 1, 28, 28), integer_labels(y)
 
 
 def _celeba(x: list, y: list, folder: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -113,7 +130,7 @@ def _celeba(x: list, y: list, folder: Path) -> tuple[np.ndarray, np.ndarray]:
         except OSError as e:
             raise UserError(f"cannot read CelebA image {images / name}: {e}") from None
         out[i] = np.asarray(pixels).transpose(2, 0, 1)
-    return out, np.asarray(y, dtype=np.float64).astype(np.int64)  # LEAF writes 0.0 / 1.0
+    return out, integer_labels(y)  # LEAF writes 0.0 / 1.0
 
 
 def _celeba_images(folder: Path) -> Path:

@@ -25,10 +25,10 @@ import tarfile
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from splitlab.data.datasets import Dataset
 from splitlab.errors import UserError
+from splitlab.lazy import torch
 
 #: LEAF's vocabulary (models/shakespeare/utils/language_utils.py); a symbol's index is its class.
 VOCAB = "\n !\"&'(),-.0123456789:;>?ABCDEFGHIJKLMNOPQRSTUVWXYZ[]abcdefghijklmnopqrstuvwxyz}"
