@@ -70,6 +70,13 @@ class Experiment:
     def out(self) -> Path:
         return self.config.out_dir
 
+    @functools.cached_property
+    def client_test_inputs(self) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        """test_split=client: (client id, model inputs, labels) of every client's held-out samples,
+        prepared once for all evaluations."""
+        return [(c.id, self.data.train_x[idx], self.data.train_y[idx])
+                for c, idx in zip(self.clients, self.client_test) if len(idx)]
+
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
@@ -115,8 +122,12 @@ def _hold_out(indices: list[np.ndarray], fraction: float, seed: int) -> tuple[li
     return train, test
 
 
-def build(raw: Mapping[str, Any]) -> Experiment:
-    """Validate the config and build data, clients and algorithm; raises UserError on bad input."""
+def build(raw: Mapping[str, Any], *, all_train_samples: bool = False) -> Experiment:
+    """Validate the config and build data, clients and algorithm; raises UserError on bad input.
+
+    The experiment holds only the training samples its clients own (in their stored dtype) and the
+    test samples it evaluates on; `all_train_samples=True` keeps every training sample (for
+    evaluations that draw from samples outside the partition)."""
     config = resolve_config(raw)
     run = config.run
     device = resolve_device(run.device)
@@ -129,9 +140,11 @@ def build(raw: Mapping[str, Any]) -> Experiment:
         indices, client_test = _hold_out(indices, held_out, run.seed)
     report = partition_report(data.train_y.numpy(), indices, data.num_classes)
     test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
-    data = dataclasses.replace(
-        data, train_x=data.train_x.to(device), train_y=data.train_y.to(device),
-        test_x=data.test_x[test].to(device), test_y=data.test_y[test].to(device))
+    used = np.arange(len(data.train_y)) if all_train_samples else np.unique(np.concatenate([*indices, *(client_test or [])]))
+    data, kept = data.for_run(used, test, device)
+    indices = [np.searchsorted(kept, idx) for idx in indices]
+    if client_test is not None:
+        client_test = [np.searchsorted(kept, idx) for idx in client_test]
     clients = [Client(k, torch.as_tensor(idx, device=device)) for k, idx in enumerate(indices)]
     context = Context(run, config.params, data, clients, Channel(convention=run.ledger), device)
     context.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
@@ -169,10 +182,10 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     data, algorithm = experiment.data, experiment.algorithm
     with eval_mode(algorithm):
         if experiment.client_test is not None:
-            held = [(c.id, idx) for c, idx in zip(experiment.clients, experiment.client_test) if len(idx)]
-            logits = torch.cat([logits_in_batches(functools.partial(algorithm.predict_for_client, k),
-                                                  data.train_x[idx]) for k, idx in held])
-            return classification_metrics(logits, torch.cat([data.train_y[idx] for _, idx in held]))
+            held = experiment.client_test_inputs
+            logits = torch.cat([logits_in_batches(functools.partial(algorithm.predict_for_client, k), x)
+                                for k, x, _ in held])
+            return classification_metrics(logits, torch.cat([y for _, _, y in held]))
         if algorithm.personal_models:
             per_client = [classification_metrics(logits_in_batches(
                 functools.partial(algorithm.predict_for_client, c.id), data.test_x), data.test_y)

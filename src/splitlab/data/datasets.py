@@ -7,10 +7,12 @@ and how to get them.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 import pickle
 import zlib
+import dataclasses
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -34,18 +36,92 @@ _FASHION_MEAN, _FASHION_STD = 0.2860, 0.3530
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 
 
+class Prepared:
+    """Stored samples that become model inputs when indexed: `x[idx]` is `prepare(stored[idx])`.
+
+    A run's training inputs: the samples stay in their stored dtype (uint8 images) and only the
+    mini-batch being used is converted, so memory follows the stored bytes, not float32 copies.
+    `shape`, `dtype` (of the prepared inputs), `device`, `len`, `to` and `element_size` answer as a
+    tensor of the prepared inputs would.
+    """
+
+    def __init__(self, stored: torch.Tensor, prepare: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.stored, self.prepare = stored, prepare
+        self.dtype = prepare(stored[:0]).dtype
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        return self.prepare(self.stored[idx])
+
+    def __len__(self) -> int:
+        return len(self.stored)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.stored.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.stored.device
+
+    def to(self, device: torch.device | str) -> Prepared:
+        return Prepared(self.stored.to(device), self.prepare)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def scale_and_normalize(x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """uint8 images (N, C, H, W) -> float32 `(x / 255 - mean) / std` per channel, computed with the
+    same float32 operations in the same order as when whole datasets were converted at load time,
+    so the values are bit for bit those."""
+    x = x.float().div_(255.0)
+    if len(mean) == 1:
+        return x.sub_(mean[0]).div_(std[0])
+    shape = (1, len(mean), 1, 1)
+    return x.sub_(torch.tensor(mean, device=x.device).view(shape)).div_(torch.tensor(std, device=x.device).view(shape))
+
+
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """A whole dataset in memory. `eq=False`: comparing tensors field by field is meaningless."""
+    """A whole dataset in memory. `eq=False`: comparing tensors field by field is meaningless.
+
+    `train_x` and `test_x` hold the samples as stored (uint8 images for Fashion-MNIST and CIFAR);
+    `prepare` turns a batch of them into model inputs (float32, normalized); None means they are
+    model inputs already. `for_run` gives a run its view: only the samples it uses.
+    """
 
     name: str
-    train_x: torch.Tensor  # float32 (N, C, H, W) normalized per channel; (N, D) for tabular
+    train_x: torch.Tensor  # stored samples (N, C, H, W) / (N, D); a `Prepared` in a run's view
     train_y: torch.Tensor  # int64 (N,)
     test_x: torch.Tensor
     test_y: torch.Tensor
     num_classes: int
     input_shape: tuple[int, ...]  # shape of one sample, e.g. (1, 28, 28)
     train_groups: list[np.ndarray] | None = None  # natural per-user partition (LEAF datasets)
+    prepare: Callable[[torch.Tensor], torch.Tensor] | None = None  # stored batch -> model inputs
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Model inputs from a batch of stored samples."""
+        return x if self.prepare is None else self.prepare(x)
+
+    def for_run(self, train_rows: np.ndarray, test_rows: np.ndarray,
+                device: torch.device) -> tuple[Dataset, np.ndarray]:
+        """A run's view on `device`: the training samples in `train_rows` (sorted, unique) kept in
+        their stored dtype and prepared per indexed batch (`Prepared`), and the test samples in
+        `test_rows` prepared once. Returns it with the kept training rows, ascending: a sample's
+        new index is its position there (`np.searchsorted(kept, old)`). A training set stored as a
+        strided view (Shakespeare's windows over one character stream) is kept whole, as gathering
+        the rows would copy every window."""
+        kept = np.asarray(train_rows) if self.train_x.is_contiguous() else np.arange(len(self.train_y))
+        rows = torch.as_tensor(kept)
+        train_x = self.train_x[rows].to(device) if len(kept) < len(self.train_x) else self.train_x.to(device)
+        test = torch.as_tensor(np.asarray(test_rows))
+        view = dataclasses.replace(
+            self, train_x=train_x if self.prepare is None else Prepared(train_x, self.prepare),
+            train_y=self.train_y[rows].to(device),
+            test_x=self.inputs(self.test_x[test].to(device)), test_y=self.test_y[test].to(device),
+            train_groups=None, prepare=None)
+        return view, kept
 
     def __post_init__(self) -> None:
         """Catch a malformed dataset where it is built rather than deep inside training."""
@@ -148,15 +224,15 @@ def _read_fashion_mnist(folder: Path) -> tuple[torch.Tensor, ...]:
             raise UserError(f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} labels")
         if labels.max(initial=0) > 9:
             raise UserError(f"{labels_path} has label {labels.max()}; fashion_mnist labels are 0..9")
-        x = torch.from_numpy(images.astype(np.float32)).unsqueeze(1)
-        x.div_(255.0).sub_(_FASHION_MEAN).div_(_FASHION_STD)
+        x = torch.from_numpy(images.copy()).unsqueeze(1)  # uint8; `prepare` scales and normalizes
         out += [x, torch.from_numpy(labels.astype(np.int64))]
     return tuple(out)
 
 
 def _load_fashion_mnist(data_dir: Path | None, seed: int) -> Dataset:
     train_x, train_y, test_x, test_y = _read_fashion_mnist(_find_fashion_mnist(data_dir))
-    return Dataset("fashion_mnist", train_x, train_y, test_x, test_y, 10, tuple(train_x.shape[1:]))
+    return Dataset("fashion_mnist", train_x, train_y, test_x, test_y, 10, tuple(train_x.shape[1:]),
+                   prepare=functools.partial(scale_and_normalize, mean=(_FASHION_MEAN,), std=(_FASHION_STD,)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,23 +305,22 @@ def _read_cifar_batch(path: Path, fmt: _CifarFormat) -> tuple[np.ndarray, np.nda
 
 @lru_cache(maxsize=None)
 def _read_cifar(name: str, folder: Path) -> tuple[torch.Tensor, ...]:
-    """Parse once per folder; rows are 1024 R, 1024 G, 1024 B bytes, each row-major 32x32."""
+    """Parse once per folder (uint8); rows are 1024 R, 1024 G, 1024 B bytes, each row-major 32x32."""
     fmt = _CIFAR[name]
-    mean = torch.tensor(fmt.mean).view(1, 3, 1, 1)
-    std = torch.tensor(fmt.std).view(1, 3, 1, 1)
     out = []
     for files in (fmt.train_files, (fmt.test_file,)):
         batches = [_read_cifar_batch(folder / f, fmt) for f in files]
         data = np.concatenate([b[0] for b in batches]).reshape(-1, 3, 32, 32)
-        x = torch.from_numpy(data).float().div_(255.0).sub_(mean).div_(std)
-        out += [x, torch.from_numpy(np.concatenate([b[1] for b in batches]))]
+        out += [torch.from_numpy(data), torch.from_numpy(np.concatenate([b[1] for b in batches]))]  # x uint8
     return tuple(out)
 
 
 def _cifar_loader(name: str) -> Callable[[Path | None, int], Dataset]:
     def load(data_dir: Path | None, seed: int) -> Dataset:
         train_x, train_y, test_x, test_y = _read_cifar(name, _find_cifar(name, data_dir))
-        return Dataset(name, train_x, train_y, test_x, test_y, _CIFAR[name].num_classes, (3, 32, 32))
+        fmt = _CIFAR[name]
+        return Dataset(name, train_x, train_y, test_x, test_y, fmt.num_classes, (3, 32, 32),
+                       prepare=functools.partial(scale_and_normalize, mean=fmt.mean, std=fmt.std))
 
     return load
 

@@ -178,7 +178,8 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
     raw = yaml.safe_load((path / "config.yaml").read_text())
-    experiment = build({**raw, "device": device, "out": str(path)})
+    # Held-out views draw from every training sample outside a client's own, not just the run's.
+    experiment = build({**raw, "device": device, "out": str(path)}, all_train_samples=True)
     algorithm = experiment.algorithm
     parts = algorithm.global_parts()
     if parts is not None:
