@@ -20,8 +20,6 @@ from typing import Callable
 
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from splitlab.data.download import FASHION_MNIST_FILES, cache_dir
 from splitlab.errors import UserError
@@ -331,6 +329,9 @@ def _cifar_loader(name: str) -> Callable[[Path | None, int], Dataset]:
 
 def _load_digits(data_dir: Path | None, seed: int) -> Dataset:
     """scikit-learn's 8x8 digits, seeded stratified 80/20 split, normalized by train statistics."""
+    from sklearn.datasets import load_digits  # imported here: scikit-learn costs a second to import
+    from sklearn.model_selection import train_test_split
+
     bunch = load_digits()
     x = (bunch.data / 16.0).astype(np.float32).reshape(-1, 1, 8, 8)
     y = bunch.target.astype(np.int64)
