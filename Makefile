@@ -35,6 +35,7 @@ test: setup
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/memory.py
+	$(BIN)/python benchmarks/throughput.py --rss
 
 clean:
 	rm -rf $(VENV) runs
