@@ -91,3 +91,16 @@ def test_prepared_answers_like_a_tensor_of_the_inputs():
     assert len(x) == 2 and x.shape == (2, 1, 3, 4) and x.dtype == torch.float32 and x.element_size() == 4
     assert x.device == stored.device and x.to("cpu").stored is not None
     assert torch.equal(x[torch.tensor([1])], (stored[1:].float() / 255 - 0.5) / 0.5)
+
+
+def test_a_strided_training_set_is_kept_whole_not_gathered():
+    """Shakespeare-like windows over one stream: gathering rows would copy every window."""
+    stream = torch.arange(50, dtype=torch.uint8)
+    windows = stream.unfold(0, 8, 1)  # 43 windows of 8, a view
+    ds = Dataset("windows", windows, torch.zeros(len(windows), dtype=torch.int64), windows[:3].clone(),
+                 torch.zeros(3, dtype=torch.int64), 2, (8,))
+    view, kept = ds.for_run(np.array([2, 5, 9]), np.arange(3), torch.device("cpu"))
+    assert kept.tolist() == list(range(43)) and view.train_x.untyped_storage().nbytes() == 50
+    compact, kept = Dataset("rows", windows.contiguous(), ds.train_y, ds.test_x, ds.test_y, 2, (8,)).for_run(
+        np.array([2, 5, 9]), np.arange(3), torch.device("cpu"))
+    assert kept.tolist() == [2, 5, 9] and torch.equal(compact.train_x, windows[[2, 5, 9]])
