@@ -100,7 +100,8 @@ class PlainLoop:
         self.client, self.server = split(copy.deepcopy(model), 2)
         self.server_opt = adam(self.server)
         self.copies = [copy.deepcopy(self.client) for _ in range(20)]
-        self.server_copies = [copy.deepcopy(self.server) for _ in range(20)]
+        if algorithm == "sfl_v1":  # one server copy per client, as SFL-V1's fed server keeps
+            self.server_copies = [copy.deepcopy(self.server) for _ in range(20)]
         if algorithm == "fsl_sage":
             self.aux = [build_aux("stage", build_model("cnn", (1, 28, 28), 10, seed=0), 2, (1, 28, 28)) for _ in range(20)]
             self.buffers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(20)]
