@@ -73,12 +73,24 @@ def adam(module: nn.Module) -> torch.optim.Adam:
     return torch.optim.Adam(module.parameters(), lr=1e-3, foreach=True)
 
 
+def accumulate(total: dict | None, module: nn.Module) -> dict:
+    """Running sum of `module`'s state (equal weights: the caller divides by the count)."""
+    if total is None:
+        return {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for k, v in module.state_dict().items():
+        total[k].add_(v)
+    return total
+
+
+def load_mean(target: nn.Module, total: dict, count: int) -> None:
+    target.load_state_dict({k: v.div_(count) for k, v in total.items()})
+
+
 def average_into(target: nn.Module, modules: list[nn.Module]) -> None:
-    total = {k: v.detach().clone() for k, v in modules[0].state_dict().items()}
-    for module in modules[1:]:
-        for k, v in module.state_dict().items():
-            total[k].add_(v)
-    target.load_state_dict({k: v.div_(len(modules)) for k, v in total.items()})
+    total = None
+    for module in modules:
+        total = accumulate(total, module)
+    load_mean(target, total, len(modules))
 
 
 def cut_grad(server: nn.Module, z: torch.Tensor, y: torch.Tensor, create_graph: bool = False) -> torch.Tensor:
@@ -100,8 +112,7 @@ class PlainLoop:
         self.client, self.server = split(copy.deepcopy(model), 2)
         self.server_opt = adam(self.server)
         self.copies = [copy.deepcopy(self.client) for _ in range(20)]
-        if algorithm == "sfl_v1":  # one server copy per client, as SFL-V1's fed server keeps
-            self.server_copies = [copy.deepcopy(self.server) for _ in range(20)]
+        self.server_copy = copy.deepcopy(self.server)  # SFL-V1's per-client server part, reused
         if algorithm == "fsl_sage":
             self.aux = [build_aux("stage", build_model("cnn", (1, 28, 28), 10, seed=0), 2, (1, 28, 28)) for _ in range(20)]
             self.buffers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(20)]
@@ -110,20 +121,24 @@ class PlainLoop:
         getattr(self, self.algorithm)(rnd, batches)
 
     def fedavg(self, rnd, batches):
+        """Clients one after another on one working model; the average is a running sum."""
         whole = nn.Sequential(self.client, self.server)
-        locals_ = [copy.deepcopy(whole) for _ in batches] if not hasattr(self, "_whole") else self._whole
-        self._whole = locals_
-        for model, (_, x, y) in zip(locals_, batches):
-            model.load_state_dict(whole.state_dict())
-            opt = adam(model)
+        self._local = getattr(self, "_local", None) or copy.deepcopy(whole)
+        total = None
+        for _, x, y in batches:
+            self._local.load_state_dict(whole.state_dict())
+            opt = adam(self._local)
             opt.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
+            F.cross_entropy(self._local(x), y).backward()
             opt.step()
-        average_into(whole, locals_)
+            total = accumulate(total, self._local)
+        load_mean(whole, total, len(batches))
 
     def sfl_v1(self, rnd, batches):
-        for (k, x, y) in batches:
-            c, s = self.copies[k], self.server_copies[k]
+        """Clients one after another, each with a fresh copy of the server part; running sums."""
+        c, s = self.copies[0], self.server_copy
+        client_total = server_total = None
+        for _, x, y in batches:
             c.load_state_dict(self.client.state_dict())
             s.load_state_dict(self.server.state_dict())
             co, so = adam(c), adam(s)
@@ -132,8 +147,9 @@ class PlainLoop:
             co.zero_grad(set_to_none=True)
             z.backward(grad)
             co.step()
-        average_into(self.client, [self.copies[k] for k, _, _ in batches])
-        average_into(self.server, [self.server_copies[k] for k, _, _ in batches])
+            client_total, server_total = accumulate(client_total, c), accumulate(server_total, s)
+        load_mean(self.client, client_total, len(batches))
+        load_mean(self.server, server_total, len(batches))
 
     def sfl_v2(self, rnd, batches):
         opts = {}
