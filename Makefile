@@ -42,6 +42,7 @@ check: setup
 bench: setup
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/memory.py
+	$(BIN)/python benchmarks/throughput.py --rss
 
 clean:
 	rm -rf $(VENV) runs

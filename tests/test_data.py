@@ -77,13 +77,28 @@ def test_fashion_mnist_loader_on_tiny_idx_files(tmp_path):
     arrays = write_fashion(tmp_path)
     ds = load_dataset("fashion_mnist", data_dir=tmp_path)
     assert ds.train_x.shape == (20, 1, 28, 28) and ds.test_x.shape == (10, 1, 28, 28)
-    assert ds.train_x.dtype == torch.float32 and ds.train_y.dtype == torch.int64
+    assert ds.train_x.dtype == torch.uint8 and ds.train_y.dtype == torch.int64  # stored; inputs() scales
     assert ds.input_shape == (1, 28, 28) and ds.num_classes == 10
     assert ds.train_y.tolist() == arrays["train_labels"].tolist()
     assert ds.test_y.tolist() == arrays["test_labels"].tolist()
-    assert ds.train_x[3, 0, 5, 7].item() == pytest.approx((1.0 - 0.2860) / 0.3530, abs=1e-5)
-    assert ds.train_x[3, 0, 7, 5].item() == pytest.approx(-0.2860 / 0.3530, abs=1e-5)
-    assert ds.test_x[0, 0, 0, 0].item() == pytest.approx((0.2 - 0.2860) / 0.3530, abs=1e-5)
+    train_x, test_x = ds.inputs(ds.train_x), ds.inputs(ds.test_x)
+    assert train_x.dtype == torch.float32
+    assert train_x[3, 0, 5, 7].item() == pytest.approx((1.0 - 0.2860) / 0.3530, abs=1e-5)
+    assert train_x[3, 0, 7, 5].item() == pytest.approx(-0.2860 / 0.3530, abs=1e-5)
+    assert test_x[0, 0, 0, 0].item() == pytest.approx((0.2 - 0.2860) / 0.3530, abs=1e-5)
+
+
+def test_fashion_mnist_inputs_are_bit_identical_to_the_float32_pipeline(tmp_path):
+    """Per-batch preparation of the stored uint8 pixels gives exactly the float32 values the loader
+    used to hold for the whole dataset (converted and normalized at load time)."""
+    write_fashion(tmp_path)
+    images = np.random.default_rng(0).integers(0, 256, (20, 28, 28), dtype=np.uint8)
+    (tmp_path / FASHION_FILES["train_images"]).write_bytes(gzip.compress(idx_bytes(images)))
+    ds = load_dataset("fashion_mnist", data_dir=tmp_path)
+    before = torch.from_numpy(images.astype(np.float32)).unsqueeze(1)
+    before.div_(255.0).sub_(0.2860).div_(0.3530)
+    assert torch.equal(ds.inputs(ds.train_x), before)
+    assert torch.equal(torch.cat([ds.inputs(ds.train_x[i:i + 3]) for i in range(0, 20, 3)]), before)
 
 
 def test_fashion_mnist_accepts_uncompressed_files_in_a_subfolder(tmp_path):
@@ -141,7 +156,8 @@ def test_real_fashion_mnist():
     assert ds.train_x.shape == (60000, 1, 28, 28) and ds.test_x.shape == (10000, 1, 28, 28)
     assert np.bincount(ds.train_y.numpy()).tolist() == [6000] * 10
     assert np.bincount(ds.test_y.numpy()).tolist() == [1000] * 10
-    assert abs(ds.train_x.mean().item()) < 0.01 and abs(ds.train_x.std().item() - 1) < 0.01
+    x = ds.inputs(ds.train_x)
+    assert abs(x.mean().item()) < 0.01 and abs(x.std().item() - 1) < 0.01
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,10 +209,15 @@ def test_cifar_loader_layout_and_normalization(tmp_path, name, point_at):
     assert ds.input_shape == (3, 32, 32) and ds.num_classes == classes
     assert ds.train_y.tolist() == [(7 * i) % classes for i in range(n_train)]
     assert ds.test_y.tolist() == [(7 * i) % classes for i in range(n_train, n_train + 3)]
-    assert ds.train_x[-1, 1, 5, 9].item() == pytest.approx((200 / 255 - mean[1]) / std[1], abs=1e-5)
+    assert ds.train_x.dtype == torch.uint8  # stored; inputs() scales and normalizes per batch
+    x = ds.inputs(ds.train_x)
+    assert x[-1, 1, 5, 9].item() == pytest.approx((200 / 255 - mean[1]) / std[1], abs=1e-5)
     for c in range(3):  # every other pixel is a normalized 0
-        assert ds.train_x[0, c, 5, 9].item() == pytest.approx(-mean[c] / std[c], abs=1e-5)
-    assert (ds.train_x[-1] != ds.train_x[0]).sum().item() == 1
+        assert x[0, c, 5, 9].item() == pytest.approx(-mean[c] / std[c], abs=1e-5)
+    assert (x[-1] != x[0]).sum().item() == 1
+    # bit for bit the float32 values of converting the whole set at load time, as before
+    before = ds.train_x.float().div_(255.0).sub_(torch.tensor(mean).view(1, 3, 1, 1)).div_(torch.tensor(std).view(1, 3, 1, 1))
+    assert torch.equal(x, before)
 
 
 @pytest.mark.parametrize("name", ["cifar10", "cifar100"])

@@ -164,14 +164,16 @@ def build(raw: Mapping[str, Any]) -> Experiment:
     held_out = parse_test_split(run.test_split)
     client_test = None
     if held_out is not None:
-        indices, held = _hold_out(indices, held_out, run.seed)
-        client_test = [(data.train_x[idx].to(device), data.train_y[idx].to(device)) for idx in held]
+        indices, held = _hold_out(indices, held_out, run.seed)  # prepared once, for every evaluation
+        client_test = [(data.inputs(data.train_x[idx].to(device)), data.train_y[idx].to(device)) for idx in held]
     report = partition_report(data.train_y.numpy(), indices, data.num_classes)
     algorithm_class = get_algorithm(run.algorithm)
-    blueprint = Blueprint(run, config.params, device, data.input_shape, data.num_classes, data.train_x.dtype,
-                          builders=algorithm_class.models)
+    blueprint = Blueprint(run, config.params, device, data.input_shape, data.num_classes,
+                          data.inputs(data.train_x[:1]).dtype, builders=algorithm_class.models)
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
-    nodes = [algorithm_class.Client(blueprint, k, data.train_x[idx].to(device), data.train_y[idx].to(device))
+    # Each node holds only its own samples, as stored (uint8 images are prepared batch by batch).
+    nodes = [algorithm_class.Client(blueprint, k, data.train_x[idx].to(device), data.train_y[idx].to(device),
+                                    data.prepare)
              for k, idx in enumerate(algorithm_class.data_owners(indices))]
     roles = Roles(nodes, algorithm_class.Server(blueprint), algorithm_class.Sync(blueprint))
     transport = TRANSPORTS[run.transport](Ledger(run.ledger), device)
@@ -180,8 +182,9 @@ def build(raw: Mapping[str, Any]) -> Experiment:
                       transport.connect(roles.server, counted=False), transport.connect(roles.sync, counted=False))
     algorithm = algorithm_class(context)
     test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
-    data = dataclasses.replace(data, train_x=data.train_x[:0], train_y=data.train_y[:0],
-                               test_x=data.test_x[test].to(device), test_y=data.test_y[test].to(device))
+    data = dataclasses.replace(data, train_x=data.train_x[:0], train_y=data.train_y[:0], train_groups=None,
+                               test_x=data.inputs(data.test_x[test].to(device)), test_y=data.test_y[test].to(device),
+                               prepare=None)  # the test set, prepared once
     return Experiment(config, data, clients, algorithm, report, roles, blueprint, transport, client_test)
 
 

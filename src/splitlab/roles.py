@@ -254,9 +254,12 @@ class Role(Generic[ParamsT]):
 class ClientNode(Role[ParamsT]):
     """A client: its own samples and model slots, and the activations awaiting their cut gradient."""
 
-    def __init__(self, blueprint: Blueprint, client_id: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    def __init__(self, blueprint: Blueprint, client_id: int, x: torch.Tensor, y: torch.Tensor,
+                 prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         super().__init__(blueprint)
         self.id, self.x, self.y = client_id, x, y
+        #: stored samples -> model inputs, batch by batch (uint8 images stay uint8 until used)
+        self.prepare = prepare
         self.stash: dict[int, Any] = {}
         self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
 
@@ -273,9 +276,12 @@ class ClientNode(Role[ParamsT]):
             for epoch in range(cfg.local_epochs):
                 order = self.blueprint.rng(rnd, STREAM_BATCHES, self.id, epoch).permutation(self.num_samples)
                 for idx in torch.as_tensor(order, device=self.y.device).split(cfg.batch_size):
-                    yield self.x[idx], self.y[idx]
+                    yield self.inputs(self.x[idx]), self.y[idx]
 
         return itertools.islice(passes(), self.blueprint.steps_per_round(cfg, self.num_samples))
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.prepare is None else self.prepare(x)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return next(self._batches)

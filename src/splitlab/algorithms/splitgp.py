@@ -25,6 +25,7 @@ import contextlib
 import copy
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -98,8 +99,8 @@ class SplitGPClient(ClientNode[SplitGPParams]):
 
     keeps = frozenset({"client_model", "aux_model"})
 
-    def __init__(self, blueprint: Blueprint, client_id: int, x: torch.Tensor, y: torch.Tensor) -> None:
-        super().__init__(blueprint, client_id, x, y)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self._inferred: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @verb()

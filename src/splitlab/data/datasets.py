@@ -7,14 +7,14 @@ and how to get them.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import os
 import pickle
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -32,18 +32,73 @@ _FASHION_MEAN, _FASHION_STD = 0.2860, 0.3530
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
 
 
+class Prepared:
+    """Stored samples that become model inputs when indexed: `x[idx]` is `prepare(stored[idx])`.
+
+    A run's training inputs: the samples stay in their stored dtype (uint8 images) and only the
+    mini-batch being used is converted, so memory follows the stored bytes, not float32 copies.
+    `shape`, `dtype` (of the prepared inputs), `device`, `len`, `to` and `element_size` answer as a
+    tensor of the prepared inputs would.
+    """
+
+    def __init__(self, stored: torch.Tensor, prepare: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.stored, self.prepare = stored, prepare
+        self.dtype = prepare(stored[:0]).dtype
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        return self.prepare(self.stored[idx])
+
+    def __len__(self) -> int:
+        return len(self.stored)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.stored.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.stored.device
+
+    def to(self, device: torch.device | str) -> Prepared:
+        return Prepared(self.stored.to(device), self.prepare)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+
+def scale_and_normalize(x: torch.Tensor, mean: tuple[float, ...], std: tuple[float, ...]) -> torch.Tensor:
+    """uint8 images (N, C, H, W) -> float32 `(x / 255 - mean) / std` per channel, computed with the
+    same float32 operations in the same order as when whole datasets were converted at load time,
+    so the values are bit for bit those."""
+    x = x.float().div_(255.0)
+    if len(mean) == 1:
+        return x.sub_(mean[0]).div_(std[0])
+    shape = (1, len(mean), 1, 1)
+    return x.sub_(torch.tensor(mean, device=x.device).view(shape)).div_(torch.tensor(std, device=x.device).view(shape))
+
+
 @dataclass(frozen=True, eq=False)
 class Dataset:
-    """A whole dataset in memory. `eq=False`: comparing tensors field by field is meaningless."""
+    """A whole dataset in memory. `eq=False`: comparing tensors field by field is meaningless.
+
+    `train_x` and `test_x` hold the samples as stored (uint8 images for Fashion-MNIST and CIFAR);
+    `prepare` turns a batch of them into model inputs (float32, normalized); None means they are
+    model inputs already.
+    """
 
     name: str
-    train_x: torch.Tensor  # float32 (N, C, H, W) normalized per channel; (N, D) for tabular
+    train_x: torch.Tensor  # stored samples (N, C, H, W) / (N, D)
     train_y: torch.Tensor  # int64 (N,)
     test_x: torch.Tensor
     test_y: torch.Tensor
     num_classes: int
     input_shape: tuple[int, ...]  # shape of one sample, e.g. (1, 28, 28)
     train_groups: list[np.ndarray] | None = None  # natural per-user partition (LEAF datasets)
+    prepare: Callable[[torch.Tensor], torch.Tensor] | None = None  # stored batch -> model inputs
+
+    def inputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Model inputs from a batch of stored samples."""
+        return x if self.prepare is None else self.prepare(x)
 
     def __post_init__(self) -> None:
         """Catch a malformed dataset where it is built rather than deep inside training."""
@@ -135,7 +190,7 @@ def _find_fashion_mnist(data_dir: Path | None) -> Path:
     )
 
 
-@lru_cache(maxsize=None)
+@functools.cache
 def _read_fashion_mnist(folder: Path) -> tuple[torch.Tensor, ...]:
     """Parse once per folder, so loads with different seeds share the same tensors."""
     out = []
@@ -146,15 +201,15 @@ def _read_fashion_mnist(folder: Path) -> tuple[torch.Tensor, ...]:
             raise UserError(f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} labels")
         if labels.max(initial=0) > 9:
             raise UserError(f"{labels_path} has label {labels.max()}; fashion_mnist labels are 0..9")
-        x = torch.from_numpy(images.astype(np.float32)).unsqueeze(1)
-        x.div_(255.0).sub_(_FASHION_MEAN).div_(_FASHION_STD)
+        x = torch.from_numpy(images.copy()).unsqueeze(1)  # uint8; `prepare` scales and normalizes
         out += [x, torch.from_numpy(labels.astype(np.int64))]
     return tuple(out)
 
 
 def _load_fashion_mnist(data_dir: Path | None, seed: int) -> Dataset:
     train_x, train_y, test_x, test_y = _read_fashion_mnist(_find_fashion_mnist(data_dir))
-    return Dataset("fashion_mnist", train_x, train_y, test_x, test_y, 10, tuple(train_x.shape[1:]))
+    return Dataset("fashion_mnist", train_x, train_y, test_x, test_y, 10, tuple(train_x.shape[1:]),
+                   prepare=functools.partial(scale_and_normalize, mean=(_FASHION_MEAN,), std=(_FASHION_STD,)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,25 +280,24 @@ def _read_cifar_batch(path: Path, fmt: _CifarFormat) -> tuple[np.ndarray, np.nda
     return data, labels
 
 
-@lru_cache(maxsize=None)
+@functools.cache
 def _read_cifar(name: str, folder: Path) -> tuple[torch.Tensor, ...]:
-    """Parse once per folder; rows are 1024 R, 1024 G, 1024 B bytes, each row-major 32x32."""
+    """Parse once per folder (uint8); rows are 1024 R, 1024 G, 1024 B bytes, each row-major 32x32."""
     fmt = _CIFAR[name]
-    mean = torch.tensor(fmt.mean).view(1, 3, 1, 1)
-    std = torch.tensor(fmt.std).view(1, 3, 1, 1)
     out = []
     for files in (fmt.train_files, (fmt.test_file,)):
         batches = [_read_cifar_batch(folder / f, fmt) for f in files]
         data = np.concatenate([b[0] for b in batches]).reshape(-1, 3, 32, 32)
-        x = torch.from_numpy(data).float().div_(255.0).sub_(mean).div_(std)
-        out += [x, torch.from_numpy(np.concatenate([b[1] for b in batches]))]
+        out += [torch.from_numpy(data), torch.from_numpy(np.concatenate([b[1] for b in batches]))]  # x uint8
     return tuple(out)
 
 
 def _cifar_loader(name: str) -> Callable[[Path | None, int], Dataset]:
     def load(data_dir: Path | None, seed: int) -> Dataset:
         train_x, train_y, test_x, test_y = _read_cifar(name, _find_cifar(name, data_dir))
-        return Dataset(name, train_x, train_y, test_x, test_y, _CIFAR[name].num_classes, (3, 32, 32))
+        fmt = _CIFAR[name]
+        return Dataset(name, train_x, train_y, test_x, test_y, fmt.num_classes, (3, 32, 32),
+                       prepare=functools.partial(scale_and_normalize, mean=fmt.mean, std=fmt.std))
 
     return load
 
@@ -335,7 +389,7 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, seed: int
     return _load_cached(name, _resolve(data_dir), seed, os.environ.get(DATA_ENV))
 
 
-@lru_cache(maxsize=None)
+@functools.cache
 def _load_cached(name: str, data_dir: Path | None, seed: int, env_root: str | None) -> Dataset:
     """`env_root` is only part of the key: a changed $SPLITLAB_DATA must not hit a stale entry."""
     return DATASETS[name](data_dir, seed)

@@ -43,6 +43,7 @@ from torch import nn
 from splitlab.algorithms.splitgp import SplitGP, entropy, to_server
 from splitlab.config import parse_test_split
 from splitlab.data import load_dataset
+from splitlab.data.datasets import Prepared
 from splitlab.engine import Experiment, _client_indices, _hold_out, build
 from splitlab.errors import UserError
 from splitlab.io import write_json
@@ -289,7 +290,7 @@ class TrainingSet:
     """The run's training set and each client's samples in it, as the run's engine partitioned them
     (every training sample, those no client holds included: the validation views draw on them)."""
 
-    x: torch.Tensor
+    x: torch.Tensor | Prepared
     y: torch.Tensor
     owned: list[np.ndarray]
 
@@ -301,7 +302,8 @@ def training_set(experiment: Experiment) -> TrainingSet:
     held_out = parse_test_split(run.test_split)
     if held_out is not None:
         owned, _ = _hold_out(owned, held_out, run.seed)
-    return TrainingSet(data.train_x, data.train_y, owned)
+    x = data.train_x if data.prepare is None else Prepared(data.train_x, data.prepare)  # prepared when indexed
+    return TrainingSet(x, data.train_y, owned)
 
 
 def _views(experiment: Experiment, train: TrainingSet, settings: EvaluationSettings,

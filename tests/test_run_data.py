@@ -1,0 +1,90 @@
+"""A run's data: each client node holds only its samples, in their stored dtype (uint8 images
+prepared per batch), the same float inputs reaching the algorithm as when whole datasets were
+float32, and the test set prepared once however often the run evaluates."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import quick
+from splitlab.data import DATASETS, Dataset
+from splitlab.data.datasets import Prepared, scale_and_normalize
+from splitlab.engine import build, evaluate
+from splitlab.roles import STREAM_BATCHES
+
+NAME = "tiny_uint8"
+CALLS: list[int] = []  # the batch size of every `prepare` call
+
+
+def _counting_prepare(x: torch.Tensor) -> torch.Tensor:
+    CALLS.append(len(x))
+    return scale_and_normalize(x, mean=(0.3,), std=(0.25,))
+
+
+def _tiny_uint8(data_dir, seed: int) -> Dataset:
+    rng = np.random.default_rng(seed)
+    train_y, test_y = np.arange(400) % 10, np.arange(100) % 10
+    return Dataset(NAME, torch.from_numpy(rng.integers(0, 256, (400, 1, 8, 8), dtype=np.uint8)),
+                   torch.from_numpy(train_y), torch.from_numpy(rng.integers(0, 256, (100, 1, 8, 8), dtype=np.uint8)),
+                   torch.from_numpy(test_y), 10, (1, 8, 8), prepare=_counting_prepare)
+
+
+@pytest.fixture(autouse=True)
+def tiny_uint8(monkeypatch):
+    monkeypatch.setitem(DATASETS, NAME, _tiny_uint8)
+    CALLS.clear()
+
+
+def config(**overrides) -> dict:
+    return quick(dataset=NAME, train_subset=60, clients=3, **overrides)
+
+
+def test_each_client_node_holds_only_its_samples_in_their_stored_dtype():
+    experiment = build(config())
+    nodes = experiment.roles.clients
+    assert all(node.x.dtype == torch.uint8 for node in nodes)
+    assert sum(len(node.x) for node in nodes) == 60 and len(experiment.data.train_x) == 0
+
+
+def test_held_out_client_samples_are_the_rest_of_the_clients_samples():
+    experiment = build(config(test_split="client:0.25"))
+    held = sum(len(y) for _, y in experiment.client_test)
+    assert sum(len(node.x) for node in experiment.roles.clients) + held == 60 and held > 0
+
+
+def test_batches_reaching_the_algorithm_are_the_float32_values_of_the_stored_rows():
+    experiment = build(config())
+    for node in experiment.roles.clients:
+        order = experiment.blueprint.rng(0, STREAM_BATCHES, node.id, 0).permutation(node.num_samples)
+        expected = node.x.float().div_(255.0).sub_(0.3).div_(0.25)[torch.as_tensor(order)]
+        batches = list(node.batches(0))
+        assert all(x.dtype == torch.float32 for x, _ in batches)
+        assert torch.equal(torch.cat([x for x, _ in batches]), expected)
+        assert torch.equal(torch.cat([y for _, y in batches]), node.y[torch.as_tensor(order)])
+
+
+def test_the_test_set_is_prepared_once_whatever_the_number_of_evaluations():
+    experiment = build(config(test_subset=40))
+    assert CALLS.count(40) == 1 and experiment.data.test_x.dtype == torch.float32
+    calls = len(CALLS)
+    first = evaluate(experiment)
+    assert evaluate(experiment) == first and len(CALLS) == calls
+
+
+def test_held_out_client_samples_are_prepared_once():
+    experiment = build(config(test_split="client:0.25"))
+    first = evaluate(experiment)
+    calls = len(CALLS)
+    assert evaluate(experiment) == first and len(CALLS) == calls
+
+
+def test_prepared_answers_like_a_tensor_of_the_inputs():
+    stored = torch.arange(2 * 3 * 4, dtype=torch.uint8).view(2, 1, 3, 4)
+    x = Prepared(stored, functools.partial(scale_and_normalize, mean=(0.5,), std=(0.5,)))
+    assert len(x) == 2 and x.shape == (2, 1, 3, 4) and x.dtype == torch.float32 and x.element_size() == 4
+    assert x.device == stored.device and x.to("cpu").stored is not None
+    assert torch.equal(x[torch.tensor([1])], (stored[1:].float() / 255 - 0.5) / 0.5)
