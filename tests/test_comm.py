@@ -1,82 +1,39 @@
-"""Communication bytes of one round, against hand computation from tensor shapes.
-
-Setup: synthetic data (1x8x8 inputs, 10 classes), 300 training samples over 3 IID clients of 100,
-the MLP 64-200-200-10 in float32. Parameters: fc1 64*200+200 = 13,000; fc2 200*200+200 = 40,200;
-out 200*10+10 = 2,010; all 55,210. At cut 1 the client holds fc1 (52,000 bytes) and sends 200
-floats (800 bytes) and an int64 label (8 bytes) per sample; the cut gradient is 800 bytes.
-"""
+"""splitlab.comm: one byte formatter and one rounds/GiB-to-target for the summary and the report."""
 
 from __future__ import annotations
 
-import pytest
-
-from helpers import quick, train
-
-SAMPLES, CLIENTS = 300, 3
-CLIENT_PART = 13_000 * 4
-FULL_MODEL = 55_210 * 4
-SMASHED, LABEL = 200 * 4, 8
+from splitlab.comm import format_bytes, to_target
 
 
-def bytes_of_round(algorithm: str, **extra) -> dict[str, int]:
-    experiment = train(1, **quick(algorithm=algorithm, clients=CLIENTS, train_subset=SAMPLES, cut=1, **extra))
-    owners = [[300]] if algorithm == "centralized" else [[100, 100, 100]]  # centralized: one data owner
-    assert [c.num_samples for c in experiment.clients] in owners
-    return experiment.ledger.state_dict()
+def test_format_bytes_picks_adaptive_binary_units():
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.500 KiB"
+    assert format_bytes(13_151_200) == "12.54 MiB"
+    assert format_bytes(403_233_912) == "384.6 MiB"
+    assert format_bytes(3 * 2**30) == "3.000 GiB"
+    assert format_bytes(2**29, 2**27) == "512.0 ± 128.0 MiB"
 
 
-SPLIT_FED = {
-    "smashed": SAMPLES * SMASHED,          # 240,000
-    "labels": SAMPLES * LABEL,             # 2,400
-    "cut_grad": SAMPLES * SMASHED,         # 240,000
-    "client_model_down": CLIENTS * CLIENT_PART,  # 156,000
-    "client_model_up": CLIENTS * CLIENT_PART,
-}
+def test_to_target_first_evaluated_round_and_its_gib():
+    rows = [{"round": 1, "test_accuracy": 0.5, "comm_gib": 0.1},
+            {"round": 2, "test_accuracy": 0.7, "comm_bytes": 2**30},  # older rows: bytes only
+            {"round": 3, "test_accuracy": 0.9, "comm_gib": 0.3}]
+    assert to_target(rows, 0.6) == (2, 1.0)
+    assert to_target(rows, 0.95) == (None, None)
+    assert to_target(rows, None) == (None, None)
+    assert to_target([{"round": 1, "test_accuracy": "x"}], 0.1) == (None, None)
+    evaluated = [{"round": r, "test_accuracy": a, "comm_gib": 0.5 * r} for r, a in [(2, 0.3), (4, 0.5), (6, 0.45), (8, 0.7)]]
+    assert to_target(evaluated, 0.5) == (4, 2.0) and to_target(evaluated, 0.69) == (8, 4.0)  # evaluated rounds only
 
 
-@pytest.mark.parametrize("algorithm,extra", [("sfl_v1", {}), ("sfl_v2", {}),
-                                             ("sfl_v2", {"server_schedule": "sequential"})])
-def test_splitfed_round(algorithm, extra):
-    assert bytes_of_round(algorithm, **extra) == SPLIT_FED
+def test_run_summary_prints_adaptive_units(capsys):
+    from splitlab import cli
 
-
-def test_local_epochs_multiply_activation_traffic_only():
-    ledger = bytes_of_round("sfl_v1", local_epochs=2)
-    assert ledger["smashed"] == 2 * SAMPLES * SMASHED and ledger["cut_grad"] == 2 * SAMPLES * SMASHED
-    assert ledger["client_model_down"] == CLIENTS * CLIENT_PART
-
-
-def test_fedavg_round_moves_the_full_model_down_and_up_per_client():
-    assert bytes_of_round("fedavg") == {"client_model_down": CLIENTS * FULL_MODEL,
-                                        "client_model_up": CLIENTS * FULL_MODEL}
-
-
-def test_sl_relays_the_client_part_between_consecutive_clients():
-    # Round 0: client 0 starts with the model, hands it to 1, who hands it to 2: two relays.
-    assert bytes_of_round("sl") == {"smashed": SAMPLES * SMASHED, "labels": SAMPLES * LABEL,
-                                    "cut_grad": SAMPLES * SMASHED, "client_model_relay": 2 * CLIENT_PART}
-    # Round 1 adds three more (2 -> 0, 0 -> 1, 1 -> 2).
-    experiment = train(2, **quick(algorithm="sl", clients=CLIENTS, train_subset=SAMPLES))
-    ledger = experiment.ledger.state_dict()
-    assert ledger["client_model_relay"] == 5 * CLIENT_PART
-
-
-def test_centralized_communicates_nothing():
-    assert bytes_of_round("centralized") == {}
-
-
-def test_cnn_cut_bytes_follow_the_activation_shape():
-    # LEAF CNN on 8x8 inputs: after conv2 + pool the activation is 64 x 2 x 2 = 256 floats.
-    experiment = train(1, **quick(algorithm="sfl_v1", model="cnn", cut=2, clients=CLIENTS, train_subset=SAMPLES))
-    client_params = (1 * 32 * 25 + 32) + (32 * 64 * 25 + 64)
-    assert experiment.ledger.state_dict() == {
-        "smashed": SAMPLES * 256 * 4, "labels": SAMPLES * LABEL, "cut_grad": SAMPLES * 256 * 4,
-        "client_model_down": CLIENTS * client_params * 4, "client_model_up": CLIENTS * client_params * 4}
-
-
-@pytest.mark.parametrize("algorithm,extra", [("sfl_v1", {}), ("sfl_v2", {}),
-                                             ("cse_fsl", {"server_update_interval": 1})])
-def test_local_steps_caps_the_batches_a_client_sends(algorithm, extra):
-    # 100 samples per client in batches of 32 would be 4 batches (32+32+32+4); the cap keeps 2.
-    ledger = bytes_of_round(algorithm, local_steps=2, **extra)
-    assert ledger["smashed"] == CLIENTS * 2 * 32 * SMASHED
+    summary = {"algorithm": "sl", "dataset": "d", "model": "m", "cut": 1, "rounds_completed": 2,
+               "stopped_by": "rounds", "final_accuracy": 0.5, "best_accuracy": 0.5, "best_round": 2,
+               "final_f1": 0.1, "final_mcc": 0.1, "total_bytes": 3 * 2**20 + 600,
+               "comm_bytes_by_kind": {"labels": 600, "smashed": 3 * 2**20}, "wall_seconds": 1.0}
+    cli._print_summary(summary, {})
+    out = capsys.readouterr().out
+    assert "3.001 MiB" in out and "600 B" in out and "3.000 MiB" in out and "GiB" not in out

@@ -139,7 +139,7 @@ def test_overwrite_replaces_a_run(tmp_path):
 
 
 def test_comm_budget_stops_the_run_once_spent(tmp_path):
-    # One sfl_v2 round here moves 794,400 bytes (see test_comm.py): a budget of 1.5 rounds stops after 2.
+    # One sfl_v2 round here moves 794,400 bytes (see algorithms/test_bytes_per_round.py): a budget of 1.5 rounds stops after 2.
     budget_gib = 1.5 * 794_400 / 2 ** 30
     summary = run(quick(algorithm="sfl_v2", rounds=10, eval_every=5, comm_budget_gib=budget_gib,
                         out=str(tmp_path)), progress=False)

@@ -1,6 +1,6 @@
 """CSE-FSL and FSL-SAGE: auxiliary models, alignment, byte counts, lazy mode, budget, resume.
 
-Byte setup (as in test_comm.py): synthetic data (1x8x8 inputs, 10 classes), 300 samples over 3
+Byte setup (as in test_bytes_per_round.py): synthetic data (1x8x8 inputs, 10 classes), 300 samples over 3
 IID clients of 100, the MLP 64-200-200-10 in float32 cut after fc1. A client part is 13,000
 parameters (52,000 bytes); per sample it sends 200 floats (800 bytes) and an int64 label (8 bytes).
 The `linear` auxiliary model at cut 1 is Linear(200, 10): 2,010 parameters, 8,040 bytes.

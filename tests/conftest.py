@@ -1,0 +1,6 @@
+"""Tests mirror the package (tests/algorithms, tests/data, ...); `helpers` is shared by all."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
