@@ -24,9 +24,21 @@ ALGORITHMS = ["fedavg", "sfl_v1", "sfl_v2", "cse_fsl", "fsl_sage"]
 def sweep(args: argparse.Namespace) -> dict:
     return {
         "description": "issue 3: accuracy vs GiB of the auxiliary-model algorithms and their baselines",
-        "base": dict(dataset="fashion_mnist", model="cnn", cut=1, clients=10, rounds=args.rounds,
-                     train_subset=args.train_subset, test_subset=args.test_subset, batch_size=args.batch_size,
-                     optimizer="adam", lr=1e-3, seed=0, device="cpu", ledger=args.ledger),
+        "base": dict(
+            dataset="fashion_mnist",
+            model="cnn",
+            cut=1,
+            clients=10,
+            rounds=args.rounds,
+            train_subset=args.train_subset,
+            test_subset=args.test_subset,
+            batch_size=args.batch_size,
+            optimizer="adam",
+            lr=1e-3,
+            seed=0,
+            device="cpu",
+            ledger=args.ledger,
+        ),
         "axes": {"partition": [f"dirichlet:{alpha:g}" for alpha in args.alphas], "algorithm": ALGORITHMS},
         "overrides": [
             {"when": {"algorithm": ["cse_fsl", "fsl_sage"]}, "set": {"server_update_interval": 5, "aux": "stage"}},
@@ -44,8 +56,13 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--align-interval", type=int, default=5, help="l of FSL-SAGE (authors: 10)")
     parser.add_argument("--alphas", type=float, nargs="+", default=[0.1, 1000])
-    parser.add_argument("--target", type=float, nargs="+", default=[0.6, 0.7],
-                        help="test accuracies (fractions) for the GiB tables; the first goes into report.md")
+    parser.add_argument(
+        "--target",
+        type=float,
+        nargs="+",
+        default=[0.6, 0.7],
+        help="test accuracies (fractions) for the GiB tables; the first goes into report.md",
+    )
     parser.add_argument("--ledger", choices=["splitlab", "fsl_sage"], default="splitlab")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--out", default="runs/fsl_comm")
@@ -53,15 +70,22 @@ def main() -> None:
 
     run_sweep(sweep(args), out=args.out, jobs=args.jobs)
     print(f"report: {write_report(args.out, args.target[0])}")
-    to_target = [{row["run"]: row.get("gib_to_target") for row in collect_results(args.out, target)}
-                 for target in args.target]
-    print("\n| partition | algorithm | best acc | final acc | GiB total | "
-          + " | ".join(f"GiB to {100 * t:g}%" for t in args.target) + " |")
+    to_target = [
+        {row["run"]: row.get("gib_to_target") for row in collect_results(args.out, target)} for target in args.target
+    ]
+    print(
+        "\n| partition | algorithm | best acc | final acc | GiB total | "
+        + " | ".join(f"GiB to {100 * t:g}%" for t in args.target)
+        + " |"
+    )
     print("|---|---|---|---|---|" + "---|" * len(args.target))
     for row in collect_results(args.out):
-        print(f"| {row['partition']} | {row['algorithm']} | {_pct(row.get('best_accuracy'))} | "
-              f"{_pct(row.get('final_accuracy'))} | {_num(row.get('total_gib'))} | "
-              + " | ".join(_num(gib[row["run"]]) for gib in to_target) + " |")
+        print(
+            f"| {row['partition']} | {row['algorithm']} | {_pct(row.get('best_accuracy'))} | "
+            f"{_pct(row.get('final_accuracy'))} | {_num(row.get('total_gib'))} | "
+            + " | ".join(_num(gib[row["run"]]) for gib in to_target)
+            + " |"
+        )
 
 
 def _pct(value: float | None) -> str:

@@ -19,15 +19,31 @@ import sys
 def child(algorithm: str, clients: int, samples: int, model: str) -> None:
     from splitlab.engine import build
 
-    experiment = build(dict(algorithm=algorithm, dataset="fashion_mnist", model=model, cut=1, clients=clients,
-                            train_subset=samples, batch_size=64, optimizer="adam", device="cpu", seed=0))
+    experiment = build(
+        dict(
+            algorithm=algorithm,
+            dataset="fashion_mnist",
+            model=model,
+            cut=1,
+            clients=clients,
+            train_subset=samples,
+            batch_size=64,
+            optimizer="adam",
+            device="cpu",
+            seed=0,
+        )
+    )
     experiment.algorithm.run_round(0, experiment.clients)
     print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 def measure(algorithm: str, clients: int, args: argparse.Namespace) -> float:
-    out = subprocess.run([sys.executable, __file__, "--child", algorithm, str(clients), str(args.samples), args.model],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", algorithm, str(clients), str(args.samples), args.model],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out.splitlines()[-1])["peak_rss_mib"]
 
 

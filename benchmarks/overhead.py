@@ -17,9 +17,21 @@ from splitlab.engine import build
 
 
 def epoch_seconds(algorithm: str, args: argparse.Namespace, **extra) -> float:
-    experiment = build(dict(algorithm=algorithm, dataset="fashion_mnist", model="cnn", cut=args.cut,
-                            clients=args.clients, train_subset=args.samples, batch_size=args.batch_size,
-                            optimizer="adam", device=args.device, seed=0, **extra))
+    experiment = build(
+        dict(
+            algorithm=algorithm,
+            dataset="fashion_mnist",
+            model="cnn",
+            cut=args.cut,
+            clients=args.clients,
+            train_subset=args.samples,
+            batch_size=args.batch_size,
+            optimizer="adam",
+            device=args.device,
+            seed=0,
+            **extra,
+        )
+    )
     experiment.algorithm.run_round(0, experiment.clients[:1])  # warm-up (allocator, kernels)
     started = time.perf_counter()
     experiment.algorithm.run_round(1, experiment.clients)
@@ -41,11 +53,15 @@ def main() -> None:
         runs["sfl_v2 interleaved"].append(epoch_seconds("sfl_v2", args))
         runs["sfl_v2 sequential"].append(epoch_seconds("sfl_v2", args, server_schedule="sequential"))
     base = min(runs["centralized"])
-    print(f"{args.samples} Fashion-MNIST samples, cnn cut {args.cut}, batch {args.batch_size}, "
-          f"K={args.clients}, best of {args.repeats}")
+    print(
+        f"{args.samples} Fashion-MNIST samples, cnn cut {args.cut}, batch {args.batch_size}, "
+        f"K={args.clients}, best of {args.repeats}"
+    )
     for name, seconds in runs.items():
-        print(f"  {name:20s} {min(seconds):7.2f} s/epoch  ratio {min(seconds) / base:.3f}   "
-              f"(all: {', '.join(f'{s:.2f}' for s in seconds)})")
+        print(
+            f"  {name:20s} {min(seconds):7.2f} s/epoch  ratio {min(seconds) / base:.3f}   "
+            f"(all: {', '.join(f'{s:.2f}' for s in seconds)})"
+        )
 
 
 if __name__ == "__main__":

@@ -22,12 +22,25 @@ RHOS = "0,0.2,0.4,0.6,0.8"
 
 
 def configs(args: argparse.Namespace) -> dict[str, dict]:
-    common = dict(dataset="fashion_mnist", model=args.model, cut=args.cut, clients=50, partition="shards:2",
-                  optimizer="sgd", lr=args.lr, batch_size=50, rounds=args.rounds,
-                  train_subset=args.train_subset or None, test_subset=args.test_subset or None,
-                  eval_every=args.rounds, device="cpu", seed=args.seed)
-    runs = {f"splitgp_lambda{lam}": dict(common, algorithm="splitgp", gamma=0.5, personalization=lam)
-            for lam in LAMBDAS}
+    common = dict(
+        dataset="fashion_mnist",
+        model=args.model,
+        cut=args.cut,
+        clients=50,
+        partition="shards:2",
+        optimizer="sgd",
+        lr=args.lr,
+        batch_size=50,
+        rounds=args.rounds,
+        train_subset=args.train_subset or None,
+        test_subset=args.test_subset or None,
+        eval_every=args.rounds,
+        device="cpu",
+        seed=args.seed,
+    )
+    runs = {
+        f"splitgp_lambda{lam}": dict(common, algorithm="splitgp", gamma=0.5, personalization=lam) for lam in LAMBDAS
+    }
     runs["multi_exit_fedavg"] = dict(common, algorithm="splitgp", gamma=0.5, personalization=0.0)
     runs["fedavg"] = dict(common, algorithm="fedavg", cut=1)
     return runs
@@ -74,18 +87,35 @@ def main() -> None:
     fedavg, gp = results["fedavg"]["evaluation"]["rows"], results["splitgp_lambda0.2"]["evaluation"]["rows"]
     me = results["multi_exit_fedavg"]["evaluation"]["rows"]
     print("Table II view (mean per-client accuracy)\n")
-    print(table({"personalized FL (FedAvg + 1 local update)": fedavg["personalized"]["accuracy"],
-                 "generalized FL (FedAvg)": fedavg["generalized"]["accuracy"],
-                 "multi-exit FedAvg (gated)": me["splitgp"]["accuracy"],
-                 "SplitGP lambda=0.2": gp["splitgp"]["accuracy"],
-                 "  client model only": gp["client model"]["accuracy"],
-                 "  full model only": gp["full model"]["accuracy"],
-                 "  E_th chosen on test (reference)": gp["splitgp (E_th chosen on test)"]["accuracy"]}, rhos))
-    print("\nE_th (auto) and fraction decided at the client, SplitGP lambda=0.2:",
-          gp["splitgp"]["entropy_threshold"], [round(f, 3) for f in gp["splitgp"]["client_fraction"]])
+    print(
+        table(
+            {
+                "personalized FL (FedAvg + 1 local update)": fedavg["personalized"]["accuracy"],
+                "generalized FL (FedAvg)": fedavg["generalized"]["accuracy"],
+                "multi-exit FedAvg (gated)": me["splitgp"]["accuracy"],
+                "SplitGP lambda=0.2": gp["splitgp"]["accuracy"],
+                "  client model only": gp["client model"]["accuracy"],
+                "  full model only": gp["full model"]["accuracy"],
+                "  E_th chosen on test (reference)": gp["splitgp (E_th chosen on test)"]["accuracy"],
+            },
+            rhos,
+        )
+    )
+    print(
+        "\nE_th (auto) and fraction decided at the client, SplitGP lambda=0.2:",
+        gp["splitgp"]["entropy_threshold"],
+        [round(f, 3) for f in gp["splitgp"]["client_fraction"]],
+    )
     print("\nTable III view (lambda ablation, SplitGP gated)\n")
-    print(table({f"lambda={lam}": results[f"splitgp_lambda{lam}"]["evaluation"]["rows"]["splitgp"]["accuracy"]
-                 for lam in LAMBDAS}, rhos))
+    print(
+        table(
+            {
+                f"lambda={lam}": results[f"splitgp_lambda{lam}"]["evaluation"]["rows"]["splitgp"]["accuracy"]
+                for lam in LAMBDAS
+            },
+            rhos,
+        )
+    )
     print("\ntraining wall seconds:", {name: round(r["summary"]["wall_seconds"]) for name, r in results.items()})
 
 

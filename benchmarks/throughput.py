@@ -45,12 +45,28 @@ MEAN, STD = 0.2860, 0.3530
 
 
 def workload(algorithm: str, args: argparse.Namespace, out: str) -> dict:
-    return dict(algorithm=algorithm, dataset="fashion_mnist", model="cnn", cut=2, clients=20, batch_size=32,
-                local_steps=1, train_subset=args.samples, optimizer="adam", lr=1e-3, device="cpu", seed=0,
-                rounds=args.rounds, eval_every=args.rounds, out=out, overwrite=True)
+    return dict(
+        algorithm=algorithm,
+        dataset="fashion_mnist",
+        model="cnn",
+        cut=2,
+        clients=20,
+        batch_size=32,
+        local_steps=1,
+        train_subset=args.samples,
+        optimizer="adam",
+        lr=1e-3,
+        device="cpu",
+        seed=0,
+        rounds=args.rounds,
+        eval_every=args.rounds,
+        out=out,
+        overwrite=True,
+    )
 
 
 # --- the plain-torch loop ----------------------------------------------------------------------
+
 
 def schedule(config: dict) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, torch.Tensor]]]]:
     """The run's samples (float32, all prepared) and per round the (client, sample indices) of every
@@ -63,9 +79,21 @@ def schedule(config: dict) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[
     plan = []
     for rnd in range(config["rounds"]):
         order = [int(k) for k in ctx.rng(rnd, 2, 0).permutation(len(clients))]  # STREAM_ORDER, step 0
-        plan.append([(k, clients[k].indices[torch.as_tensor(
-            ctx.rng(rnd, 1, clients[k].id, 0).permutation(clients[k].num_samples)[:config["batch_size"]])])
-            for k in order])  # STREAM_BATCHES, epoch 0: the first batch of the permutation
+        plan.append(
+            [
+                (
+                    k,
+                    clients[k].indices[
+                        torch.as_tensor(
+                            ctx.rng(rnd, 1, clients[k].id, 0).permutation(clients[k].num_samples)[
+                                : config["batch_size"]
+                            ]
+                        )
+                    ],
+                )
+                for k in order
+            ]
+        )  # STREAM_BATCHES, epoch 0: the first batch of the permutation
     return data.train_x[torch.arange(len(data.train_x))], data.train_y.clone(), plan
 
 
@@ -114,7 +142,9 @@ class PlainLoop:
         self.copies = [copy.deepcopy(self.client) for _ in range(20)]
         self.server_copy = copy.deepcopy(self.server)  # SFL-V1's per-client server part, reused
         if algorithm == "fsl_sage":
-            self.aux = [build_aux("stage", build_model("cnn", (1, 28, 28), 10, seed=0), 2, (1, 28, 28)) for _ in range(20)]
+            self.aux = [
+                build_aux("stage", build_model("cnn", (1, 28, 28), 10, seed=0), 2, (1, 28, 28)) for _ in range(20)
+            ]
             self.buffers: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(20)]
 
     def round(self, rnd: int, batches: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
@@ -200,16 +230,20 @@ class PlainLoop:
             self.server_opt.zero_grad(set_to_none=True)
             loss.backward()
             self.server_opt.step()
-            self.buffers[k] = (self.buffers[k] + [(z, y)])[-(1000 // 32):]
+            self.buffers[k] = (self.buffers[k] + [(z, y)])[-(1000 // 32) :]
         average_into(self.client, [self.copies[k] for k, _, _ in batches])
         if rnd % 10 == 0:  # alignment of every client's aux model on its buffer
             for k, _, _ in batches:
                 z = torch.cat([b[0] for b in self.buffers[k]])
                 y = torch.cat([b[1] for b in self.buffers[k]])
-                target = torch.cat([cut_grad(self.server, zi, yi) * len(yi) for zi, yi in zip(z.split(100), y.split(100))])
+                target = torch.cat(
+                    [cut_grad(self.server, zi, yi) * len(yi) for zi, yi in zip(z.split(100), y.split(100))]
+                )
                 opt = torch.optim.Adam(self.aux[k].parameters(), lr=1e-3, foreach=True)
                 for epoch in range(5):
-                    for idx in torch.as_tensor(np.random.default_rng([0, rnd, 5, k, epoch]).permutation(len(y))).split(100):
+                    for idx in torch.as_tensor(np.random.default_rng([0, rnd, 5, k, epoch]).permutation(len(y))).split(
+                        100
+                    ):
                         est = cut_grad(self.aux[k], z[idx], y[idx], create_graph=True) * len(idx)
                         loss = F.mse_loss(est, target[idx], reduction="sum") / len(idx)
                         opt.zero_grad(set_to_none=True)
@@ -235,7 +269,7 @@ def plain_run(algorithm: str, x: torch.Tensor, y: torch.Tensor, plan, test_x, te
     loop_seconds = time.perf_counter() - loop_started
     with torch.no_grad():
         model = nn.Sequential(loop.client, loop.server).eval()
-        logits = torch.cat([model(test_x[i:i + 1024]) for i in range(0, len(test_x), 1024)])
+        logits = torch.cat([model(test_x[i : i + 1024]) for i in range(0, len(test_x), 1024)])
         float(F.cross_entropy(logits, test_y))
     return loop_seconds, time.perf_counter() - started
 
@@ -253,9 +287,11 @@ def throughput(args: argparse.Namespace) -> None:
 
     full = load_dataset("fashion_mnist")  # parsed once, outside every timing
     test_x, test_y = full.inputs(full.test_x), full.test_y
-    print(f"Fashion-MNIST ({args.samples} samples), 20 clients x 1 batch of 32 per round, cnn cut 2, Adam, "
-          f"{args.rounds} rounds, torch threads {torch.get_num_threads()}, median of {args.repeats} "
-          f"interleaved runs; ratio = plain-torch seconds / splitlab seconds (1.0 = as fast)")
+    print(
+        f"Fashion-MNIST ({args.samples} samples), 20 clients x 1 batch of 32 per round, cnn cut 2, Adam, "
+        f"{args.rounds} rounds, torch threads {torch.get_num_threads()}, median of {args.repeats} "
+        f"interleaved runs; ratio = plain-torch seconds / splitlab seconds (1.0 = as fast)"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         for algorithm in args.algorithms:
             config = workload(algorithm, args, str(Path(tmp) / algorithm))
@@ -266,12 +302,15 @@ def throughput(args: argparse.Namespace) -> None:
                 plain.append(plain_run(algorithm, x, y, plan, test_x, test_y))
             loop = statistics.median(p[0] for p in plain) / statistics.median(o[0] for o in ours)
             whole = statistics.median(p[1] for p in plain) / statistics.median(o[1] for o in ours)
-            print(f"  {algorithm:9s} round loop {loop:.3f}  end to end {whole:.3f}   "
-                  f"(splitlab {statistics.median(o[1] for o in ours):.2f} s, "
-                  f"plain {statistics.median(p[1] for p in plain):.2f} s per run)")
+            print(
+                f"  {algorithm:9s} round loop {loop:.3f}  end to end {whole:.3f}   "
+                f"(splitlab {statistics.median(o[1] for o in ours):.2f} s, "
+                f"plain {statistics.median(p[1] for p in plain):.2f} s per run)"
+            )
 
 
 # --- peak RSS -------------------------------------------------------------------------------------
+
 
 def rss_child(kind: str, samples: int, threads: int) -> None:
     torch.set_num_threads(threads)
@@ -279,9 +318,24 @@ def rss_child(kind: str, samples: int, threads: int) -> None:
         from splitlab.engine import run
 
         with tempfile.TemporaryDirectory() as tmp:
-            run(dict(algorithm="sfl_v2", dataset="fashion_mnist", model="cnn", cut=2, clients=8, batch_size=32,
-                     train_subset=samples, optimizer="adam", device="cpu", seed=0, rounds=1, out=tmp,
-                     overwrite=True), progress=False)
+            run(
+                dict(
+                    algorithm="sfl_v2",
+                    dataset="fashion_mnist",
+                    model="cnn",
+                    cut=2,
+                    clients=8,
+                    batch_size=32,
+                    train_subset=samples,
+                    optimizer="adam",
+                    device="cpu",
+                    seed=0,
+                    rounds=1,
+                    out=tmp,
+                    overwrite=True,
+                ),
+                progress=False,
+            )
     else:  # the plain loop: its own reader, the chosen samples as float32, one SFL-V2 round
         from splitlab.models import build_model, split  # model definitions only (torch modules)
 
@@ -296,7 +350,7 @@ def rss_child(kind: str, samples: int, threads: int) -> None:
         del images
         test = read("t10k-images-idx3-ubyte.gz", 16).reshape(-1, 1, 28, 28)
         test_x = torch.from_numpy(test.astype(np.float32)).div_(255).sub_(MEAN).div_(STD)
-        test_y = torch.from_numpy(read("t10k-labels-idx1-ubyte.gz", 8).astype(np.int64))
+        torch.from_numpy(read("t10k-labels-idx1-ubyte.gz", 8).astype(np.int64))
         client, server = split(build_model("cnn", (1, 28, 28), 10, seed=0), 2)
         copies = [copy.deepcopy(client) for _ in range(8)]
         opts = [adam(c) for c in copies]
@@ -304,7 +358,7 @@ def rss_child(kind: str, samples: int, threads: int) -> None:
         parts = np.array_split(rng.permutation(samples), 8)
         for step in range(max(len(p) for p in parts) // 32 + 1):
             for k, part in enumerate(parts):
-                idx = torch.as_tensor(part[step * 32:(step + 1) * 32])
+                idx = torch.as_tensor(part[step * 32 : (step + 1) * 32])
                 if len(idx) == 0:
                     continue
                 z = copies[k](x[idx])
@@ -319,14 +373,18 @@ def rss_child(kind: str, samples: int, threads: int) -> None:
         average_into(client, copies)
         with torch.no_grad():
             model = nn.Sequential(client, server).eval()
-            torch.cat([model(test_x[i:i + 1024]) for i in range(0, len(test_x), 1024)]).argmax(1)
+            torch.cat([model(test_x[i : i + 1024]) for i in range(0, len(test_x), 1024)]).argmax(1)
     print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 
 
 def peak_rss(args: argparse.Namespace) -> None:
     def measure(kind: str) -> float:
-        out = subprocess.run([sys.executable, __file__, "--child", kind, str(args.rss_samples), str(args.threads)],
-                             capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(
+            [sys.executable, __file__, "--child", kind, str(args.rss_samples), str(args.threads)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
         return json.loads(out.splitlines()[-1])["peak_rss_mib"]
 
     runs = {"splitlab": [], "plain": []}
@@ -334,8 +392,10 @@ def peak_rss(args: argparse.Namespace) -> None:
         for kind in runs:
             runs[kind].append(measure(kind))
     ours, plain = (statistics.median(v) for v in runs.values())
-    print(f"peak RSS, sfl_v2 one round over {args.rss_samples} Fashion-MNIST samples, 8 clients, fresh processes: "
-          f"splitlab {ours:.0f} MiB, plain torch {plain:.0f} MiB, ratio {ours / plain:.3f} (target <= 1.2)")
+    print(
+        f"peak RSS, sfl_v2 one round over {args.rss_samples} Fashion-MNIST samples, 8 clients, fresh processes: "
+        f"splitlab {ours:.0f} MiB, plain torch {plain:.0f} MiB, ratio {ours / plain:.3f} (target <= 1.2)"
+    )
 
 
 def main() -> None:

@@ -21,8 +21,18 @@ import sys
 import time
 from pathlib import Path
 
-WORKLOAD = dict(dataset="fashion_mnist", model="cnn", cut=2, clients=20, train_subset=12000, batch_size=32,
-                local_steps=1, optimizer="adam", device="cpu", seed=0)
+WORKLOAD = dict(
+    dataset="fashion_mnist",
+    model="cnn",
+    cut=2,
+    clients=20,
+    train_subset=12000,
+    batch_size=32,
+    local_steps=1,
+    optimizer="adam",
+    device="cpu",
+    seed=0,
+)
 
 
 def child(algorithm: str, transport: str | None, rounds: int) -> None:
@@ -53,14 +63,26 @@ def child(algorithm: str, transport: str | None, rounds: int) -> None:
         step(rnd, experiment.clients)
     seconds = time.perf_counter() - started
     ledger = experiment.ledger if hasattr(experiment, "ledger") else algorithm_.channel.ledger
-    print(json.dumps({"seconds_per_round": seconds / rounds, "messages_per_round": len(carried) / rounds,
-                      "envelope_bytes_per_round": getattr(ledger, "envelope_bytes", 0) / (rounds + 1)}))
+    print(
+        json.dumps(
+            {
+                "seconds_per_round": seconds / rounds,
+                "messages_per_round": len(carried) / rounds,
+                "envelope_bytes_per_round": getattr(ledger, "envelope_bytes", 0) / (rounds + 1),
+            }
+        )
+    )
 
 
 def measure(algorithm: str, transport: str | None, src: str, rounds: int) -> dict:
     env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, __file__, "--child", algorithm, transport or "-", str(rounds)],
-                         capture_output=True, text=True, check=True, env=env).stdout
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", algorithm, transport or "-", str(rounds)],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=env,
+    ).stdout
     return json.loads(out.splitlines()[-1])
 
 
@@ -87,12 +109,15 @@ def main() -> None:
         median = {name: statistics.median(r["seconds_per_round"] for r in rows) for name, rows in results.items()}
         reference = median.get("baseline", median["direct"])
         for name, rows in results.items():
-            line = f"  {algorithm:10s} {name:10s} {1000 * median[name]:8.2f} ms/round  ratio {median[name] / reference:.3f}"
+            ratio = median[name] / reference
+            line = f"  {algorithm:10s} {name:10s} {1000 * median[name]:8.2f} ms/round  ratio {ratio:.3f}"
             if name == "serialized":
                 messages = rows[0]["messages_per_round"]
                 extra = median[name] - median["direct"]
-                line += (f"  {messages:.0f} messages/round, {rows[0]['envelope_bytes_per_round'] / 2**20:.2f} MiB/round, "
-                         f"+{1e6 * extra / messages:.0f} us/message")
+                line += (
+                    f"  {messages:.0f} messages/round, {rows[0]['envelope_bytes_per_round'] / 2**20:.2f} MiB/round, "
+                    f"+{1e6 * extra / messages:.0f} us/message"
+                )
             print(line)
 
 

@@ -8,8 +8,9 @@ from splitlab import codec
 from splitlab.engine import STREAM_SAMPLING, Experiment, build, restore, role_states, sample_clients
 from splitlab.roles import ClientNode, random_stream
 
-QUICK = dict(dataset="synthetic", model="mlp", clients=3, rounds=2, batch_size=32, device="cpu",
-             train_subset=300, seed=0)
+QUICK = dict(
+    dataset="synthetic", model="mlp", clients=3, rounds=2, batch_size=32, device="cpu", train_subset=300, seed=0
+)
 
 
 def quick(**overrides) -> dict:
@@ -71,5 +72,8 @@ def straight_and_resumed(num_rounds: int, **config) -> tuple[Experiment, Experim
 
 def personal_weights(experiment: Experiment) -> dict[int, dict[str, torch.Tensor]]:
     """Every client's own client part, for the clients that hold one."""
-    return {node.id: node.models["client_model"].state_dict() for node in experiment.roles.clients
-            if "client_model" in node.models}
+    return {
+        node.id: node.models["client_model"].state_dict()
+        for node in experiment.roles.clients
+        if "client_model" in node.models
+    }

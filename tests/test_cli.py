@@ -20,16 +20,21 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 
 
 def test_module_entry_point_runs_and_prints_a_summary(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "splitlab", "run", *QUICK_ARGS, f"out={tmp_path}"],
-                            capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "splitlab", "run", *QUICK_ARGS, f"out={tmp_path}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "final accuracy" in result.stdout and "communication" in result.stdout
     assert json.loads((tmp_path / "summary.json").read_text())["rounds_completed"] == 1
 
 
 def test_yaml_config_with_overrides(tmp_path, capsys):
     config = tmp_path / "c.yaml"
-    config.write_text("algorithm: fedavg\ndataset: synthetic\nmodel: mlp\nclients: 2\nrounds: 5\n"
-                      "train_subset: 200\ndevice: cpu\n")
+    config.write_text(
+        "algorithm: fedavg\ndataset: synthetic\nmodel: mlp\nclients: 2\nrounds: 5\ntrain_subset: 200\ndevice: cpu\n"
+    )
     code, _, _ = run_cli(capsys, "run", "--no-progress", "--config", str(config), "rounds=2", f"out={tmp_path / 'r'}")
     assert code == 0
     summary = json.loads((tmp_path / "r" / "summary.json").read_text())

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import global_weights, quick, train
-from splitlab.algorithms.sfl_v2 import SFLV2
 from splitlab import codec
+from splitlab.algorithms.sfl_v2 import SFLV2
 from splitlab.engine import CHECKPOINT, run
 from splitlab.errors import UserError
 from splitlab.io import read_jsonl
@@ -31,11 +31,25 @@ def without_timing(rows: list[dict]) -> list[dict]:
 def test_run_writes_every_file_with_the_promised_fields(tmp_path):
     summary = run(quick(algorithm="sfl_v2", rounds=3, eval_every=2, out=str(tmp_path)), progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "config.yaml", "metrics.jsonl", "partition.json", "summary.json", "weights.safetensors"]
+        "config.yaml",
+        "metrics.jsonl",
+        "partition.json",
+        "summary.json",
+        "weights.safetensors",
+    ]
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [row["round"] for row in rows] == [2, 3]  # every 2 rounds, and after the last
-    for key in ("test_accuracy", "test_loss", "test_f1", "test_mcc", "comm_bytes", "comm_bytes_by_kind",
-                "wall_seconds", "train_loss", "round_compute_seconds"):
+    for key in (
+        "test_accuracy",
+        "test_loss",
+        "test_f1",
+        "test_mcc",
+        "comm_bytes",
+        "comm_bytes_by_kind",
+        "wall_seconds",
+        "train_loss",
+        "round_compute_seconds",
+    ):
         assert key in rows[-1]
     assert rows[-1]["comm_bytes"] == sum(rows[-1]["comm_bytes_by_kind"].values())
     assert set(rows[-1]["round_compute_seconds"]) == {"client", "server"}
@@ -49,8 +63,11 @@ def test_weights_file_is_the_global_model_under_unsplit_names(tmp_path):
     run(quick(algorithm="sfl_v1", cut=2, out=str(tmp_path)), progress=False)
     saved = load_file(tmp_path / "weights.safetensors")
     expected = global_weights(train(2, **quick(algorithm="sfl_v1", cut=2)))
-    assert saved.keys() == expected.keys() == {"fc1.1.weight", "fc1.1.bias", "fc2.0.weight", "fc2.0.bias",
-                                               "out.weight", "out.bias"}
+    assert (
+        saved.keys()
+        == expected.keys()
+        == {"fc1.1.weight", "fc1.1.bias", "fc2.0.weight", "fc2.0.bias", "out.weight", "out.bias"}
+    )
     for name in saved:
         assert torch.equal(saved[name], expected[name])
 
@@ -100,8 +117,17 @@ def assert_same_run(a: Path, b: Path) -> None:
 
 
 def test_sigkilled_cli_run_resumes_to_the_uninterrupted_result(tmp_path):
-    args = ["algorithm=sfl_v1", "dataset=digits", "model=mlp", "clients=4", "rounds=30", "device=cpu",
-            "train_subset=400", "partition=dirichlet:1", "checkpoint_every=0"]
+    args = [
+        "algorithm=sfl_v1",
+        "dataset=digits",
+        "model=mlp",
+        "clients=4",
+        "rounds=30",
+        "device=cpu",
+        "train_subset=400",
+        "partition=dirichlet:1",
+        "checkpoint_every=0",
+    ]
     cli = [sys.executable, "-m", "splitlab", "run", "--no-progress"]
     subprocess.run(cli + args + [f"out={tmp_path / 'whole'}"], check=True, capture_output=True)
 
@@ -139,10 +165,13 @@ def test_overwrite_replaces_a_run(tmp_path):
 
 
 def test_comm_budget_stops_the_run_once_spent(tmp_path):
-    # One sfl_v2 round here moves 794,400 bytes (see algorithms/test_bytes_per_round.py): a budget of 1.5 rounds stops after 2.
-    budget_gib = 1.5 * 794_400 / 2 ** 30
-    summary = run(quick(algorithm="sfl_v2", rounds=10, eval_every=5, comm_budget_gib=budget_gib,
-                        out=str(tmp_path)), progress=False)
+    # One sfl_v2 round here moves 794,400 bytes (see algorithms/test_bytes_per_round.py):
+    # a budget of 1.5 rounds stops after 2.
+    budget_gib = 1.5 * 794_400 / 2**30
+    summary = run(
+        quick(algorithm="sfl_v2", rounds=10, eval_every=5, comm_budget_gib=budget_gib, out=str(tmp_path)),
+        progress=False,
+    )
     assert summary["stopped_by"] == "comm_budget"
     assert summary["rounds_completed"] == 2
     assert summary["total_bytes"] == 2 * 794_400
@@ -153,6 +182,7 @@ def test_a_run_from_before_a_new_key_existed_still_resumes(tmp_path, monkeypatch
     config = quick(algorithm="sfl_v2", rounds=2, out=str(tmp_path))
     crash_before_round(1, config, monkeypatch)
     stored = (tmp_path / "config.yaml").read_text()
-    (tmp_path / "config.yaml").write_text("".join(line + "\n" for line in stored.splitlines()
-                                                  if not line.startswith("local_steps:")))
+    (tmp_path / "config.yaml").write_text(
+        "".join(line + "\n" for line in stored.splitlines() if not line.startswith("local_steps:"))
+    )
     assert run({**config, "resume": True}, progress=False)["rounds_completed"] == 2

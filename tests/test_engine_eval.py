@@ -18,7 +18,7 @@ from splitlab.metrics import classification_metrics
 def test_hold_out_is_sample_wise_seeded_and_keeps_a_training_sample():
     indices = [np.arange(0, 10), np.arange(10, 15), np.arange(15, 16), np.arange(16, 116)]
     train_idx, test_idx = _hold_out(indices, 0.1, seed=0)
-    assert [len(t) for t in test_idx] == [1, 1, 0, 10]   # n - max(1, int(0.9 n)), as LEAF
+    assert [len(t) for t in test_idx] == [1, 1, 0, 10]  # n - max(1, int(0.9 n)), as LEAF
     for original, tr, te in zip(indices, train_idx, test_idx):
         assert sorted(np.concatenate([tr, te]).tolist()) == original.tolist()
         assert not set(tr) & set(te)
@@ -52,10 +52,10 @@ def test_client_split_pools_every_clients_own_predictions():
         with torch.no_grad():
             logits = server_model(experiment)(client_model(experiment, client.id)(x))
         per_client.append((logits, y))
-    pooled = classification_metrics(torch.cat([l for l, _ in per_client]), torch.cat([y for _, y in per_client]))
+    pooled = classification_metrics(torch.cat([z for z, _ in per_client]), torch.cat([y for _, y in per_client]))
     assert evaluate(experiment) == pytest.approx(pooled)
     sizes = [len(y) for _, y in per_client]
-    accuracy = sum(float((l.argmax(1) == y).float().mean()) * n for (l, y), n in zip(per_client, sizes)) / sum(sizes)
+    accuracy = sum(float((z.argmax(1) == y).float().mean()) * n for (z, y), n in zip(per_client, sizes)) / sum(sizes)
     assert evaluate(experiment)["accuracy"] == pytest.approx(accuracy)  # = test-size-weighted mean
 
 
@@ -81,8 +81,10 @@ def test_one_global_model_under_client_split_is_that_model_on_the_pooled_held_ou
 
 
 def test_summary_reports_rounds_to_target(tmp_path):
-    summary = run(quick(algorithm="cycle_sfl", rounds=3, target_accuracy=0.01, test_split="client:0.1",
-                        out=str(tmp_path)), progress=False)
+    summary = run(
+        quick(algorithm="cycle_sfl", rounds=3, target_accuracy=0.01, test_split="client:0.1", out=str(tmp_path)),
+        progress=False,
+    )
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert summary["rounds_to_target"] == 1 and summary["gib_to_target"] == rows[0]["comm_gib"]
     assert json.loads((tmp_path / "summary.json").read_text())["rounds_to_target"] == 1

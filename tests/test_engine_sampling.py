@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from helpers import personal_weights, quick
 from splitlab.algorithms import algorithm_names
-from splitlab.engine import STREAM_SAMPLING, build, run, sample_clients
 from splitlab.algorithms.base import ClientInfo
+from splitlab.engine import STREAM_SAMPLING, build, run, sample_clients
 from splitlab.roles import ClientNode
 
 
@@ -19,8 +18,18 @@ def clients(k: int) -> list[ClientInfo]:
 
 
 # (C, K, expected): written out by hand, including Python's round-half-to-even (2.5 -> 2).
-CASES = [(1.0, 10, 10), (0.05, 100, 5), (0.05, 1129, 56), (0.1, 3, 1), (0.01, 10, 1), (0.5, 1, 1),
-         (0.25, 10, 2), (0.35, 10, 4), (0.3, 10, 3), (0.05, 3550, 178)]
+CASES = [
+    (1.0, 10, 10),
+    (0.05, 100, 5),
+    (0.05, 1129, 56),
+    (0.1, 3, 1),
+    (0.01, 10, 1),
+    (0.5, 1, 1),
+    (0.25, 10, 2),
+    (0.35, 10, 4),
+    (0.3, 10, 3),
+    (0.05, 3550, 178),
+]
 
 
 @pytest.mark.parametrize("c,k,expected", CASES)
@@ -38,7 +47,7 @@ def test_sampling_is_seeded_per_round():
     def ids(rnd, context=ctx):
         return [c.id for c in sample_clients(experiment.clients, 0.25, context.rng(rnd, STREAM_SAMPLING))]
 
-    assert ids(3) == ids(3)                         # same (seed, round): same clients
+    assert ids(3) == ids(3)  # same (seed, round): same clients
     assert len({tuple(ids(r)) for r in range(10)}) > 1  # rounds differ
     other = build(quick(clients=20, seed=1)).algorithm.ctx
     assert [ids(r) for r in range(5)] != [ids(r, other) for r in range(5)]
@@ -57,8 +66,10 @@ def test_engine_trains_only_the_sampled_clients(tmp_path, monkeypatch):
     run(quick(algorithm="psl", clients=10, participation=0.3, rounds=3, out=str(tmp_path)), progress=False)
     assert [len(ids) for ids in seen] == [3, 3, 3]
     experiment = build(quick(algorithm="psl", clients=10))
-    expected = [[c.id for c in original(experiment.clients, 0.3, experiment.algorithm.ctx.rng(r, STREAM_SAMPLING))]
-                for r in range(3)]
+    expected = [
+        [c.id for c in original(experiment.clients, 0.3, experiment.algorithm.ctx.rng(r, STREAM_SAMPLING))]
+        for r in range(3)
+    ]
     assert seen == expected
 
 

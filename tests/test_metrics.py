@@ -15,8 +15,9 @@ def test_f1_and_mcc_match_scikit_learn(seed):
     classes = int(rng.integers(1, 12))
     truth = rng.integers(0, classes, int(rng.integers(1, 300)))
     predicted = np.where(rng.random(len(truth)) < 0.6, truth, rng.integers(0, classes + 2, len(truth)))
-    assert macro_f1(truth, predicted) == pytest.approx(f1_score(truth, predicted, average="macro", zero_division=0),
-                                                       rel=1e-12, abs=1e-15)
+    assert macro_f1(truth, predicted) == pytest.approx(
+        f1_score(truth, predicted, average="macro", zero_division=0), rel=1e-12, abs=1e-15
+    )
     assert matthews(truth, predicted) == pytest.approx(matthews_corrcoef(truth, predicted), rel=1e-12, abs=1e-15)
 
 

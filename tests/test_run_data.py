@@ -28,9 +28,16 @@ def _counting_prepare(x: torch.Tensor) -> torch.Tensor:
 def _tiny_uint8(data_dir, seed: int) -> Dataset:
     rng = np.random.default_rng(seed)
     train_y, test_y = np.arange(400) % 10, np.arange(100) % 10
-    return Dataset(NAME, torch.from_numpy(rng.integers(0, 256, (400, 1, 8, 8), dtype=np.uint8)),
-                   torch.from_numpy(train_y), torch.from_numpy(rng.integers(0, 256, (100, 1, 8, 8), dtype=np.uint8)),
-                   torch.from_numpy(test_y), 10, (1, 8, 8), prepare=_counting_prepare)
+    return Dataset(
+        NAME,
+        torch.from_numpy(rng.integers(0, 256, (400, 1, 8, 8), dtype=np.uint8)),
+        torch.from_numpy(train_y),
+        torch.from_numpy(rng.integers(0, 256, (100, 1, 8, 8), dtype=np.uint8)),
+        torch.from_numpy(test_y),
+        10,
+        (1, 8, 8),
+        prepare=_counting_prepare,
+    )
 
 
 @pytest.fixture(autouse=True)

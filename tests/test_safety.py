@@ -9,19 +9,26 @@ from splitlab.config import load_config_file, parse_overrides, resolve_config
 from splitlab.errors import UserError
 
 
-@pytest.mark.parametrize("setting, named", [
-    ({"lr": float("inf")}, "lr"), ({"weight_decay": float("inf")}, "weight_decay"),
-    ({"lr": "inf"}, "lr"), ({"seed": -1}, "seed"), ({"seed": 2 ** 32}, "seed"),
-    ({"clients": True}, "clients"), ({"rounds": False}, "rounds"),
-])
+@pytest.mark.parametrize(
+    "setting, named",
+    [
+        ({"lr": float("inf")}, "lr"),
+        ({"weight_decay": float("inf")}, "weight_decay"),
+        ({"lr": "inf"}, "lr"),
+        ({"seed": -1}, "seed"),
+        ({"seed": 2**32}, "seed"),
+        ({"clients": True}, "clients"),
+        ({"rounds": False}, "rounds"),
+    ],
+)
 def test_bad_numbers_are_refused_up_front(setting, named):
     with pytest.raises(UserError, match=named):
         resolve_config(setting)
 
 
 def test_booleans_and_largest_seed_still_accepted():
-    config = resolve_config({"seed": 2 ** 32 - 1, "resume": True})
-    assert config.run.seed == 2 ** 32 - 1 and config.run.resume is True
+    config = resolve_config({"seed": 2**32 - 1, "resume": True})
+    assert config.run.seed == 2**32 - 1 and config.run.resume is True
 
 
 def test_duplicate_key_on_the_command_line_is_refused():
@@ -51,7 +58,6 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from helpers import quick  # noqa: E402
-
 from splitlab import rundir  # noqa: E402
 from splitlab.engine import run  # noqa: E402
 from splitlab.io import write_json  # noqa: E402
@@ -66,9 +72,18 @@ def cli(**overrides) -> list[str]:
 def test_second_writer_is_refused_naming_the_holder(tmp_path, capsys):
     out = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, pathlib; from splitlab import rundir\n"
-         "with rundir.locked(pathlib.Path(sys.argv[1])):\n print('ready', flush=True); sys.stdin.read()", str(out)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": SRC})
+        [
+            sys.executable,
+            "-c",
+            "import sys, pathlib; from splitlab import rundir\n"
+            "with rundir.locked(pathlib.Path(sys.argv[1])):\n print('ready', flush=True); sys.stdin.read()",
+            str(out),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": SRC},
+    )
     try:
         assert holder.stdout.readline().strip() == "ready"
         assert main(["run", *cli(rounds=1, out=out)]) == 2
@@ -142,10 +157,12 @@ def test_out_in_proc_is_refused():
 
 # --- first use -------------------------------------------------------------------------------
 
+
 def _splitlab(*args: str) -> subprocess.CompletedProcess:
     """The CLI as a user runs it, stderr a pipe (not a terminal)."""
-    return subprocess.run([sys.executable, "-m", "splitlab", *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": SRC})
+    return subprocess.run(
+        [sys.executable, "-m", "splitlab", *args], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC}
+    )
 
 
 def test_flags_anywhere_among_pairs_and_one_line_per_round_without_terminal(tmp_path):
@@ -162,8 +179,10 @@ def test_flags_anywhere_among_pairs_and_one_line_per_round_without_terminal(tmp_
 def test_algorithms_table_shows_whole_first_sentences_and_yaml_defaults(capsys):
     from splitlab.cli import first_sentence
 
-    assert first_sentence("FedAvg (McMahan et al. 2017): each client trains. More.") == \
-        "FedAvg (McMahan et al. 2017): each client trains."
+    assert (
+        first_sentence("FedAvg (McMahan et al. 2017): each client trains. More.")
+        == "FedAvg (McMahan et al. 2017): each client trains."
+    )
     assert main(["algorithms"]) == 0
     shown = " ".join(capsys.readouterr().out.split())
     assert "McMahan et al. 2017" in shown and "server_lr=null" in shown and "None" not in shown
@@ -171,16 +190,18 @@ def test_algorithms_table_shows_whole_first_sentences_and_yaml_defaults(capsys):
 
 def test_a_run_is_repeated_from_its_config_yaml_into_a_new_out(tmp_path):
     run(quick(rounds=1, out=str(tmp_path / "a")), progress=False)
-    assert main(["run", "--config", str(tmp_path / "a" / "config.yaml"), f"out={tmp_path / 'b'}",
-                 "--no-progress"]) == 0
+    assert main(["run", "--config", str(tmp_path / "a" / "config.yaml"), f"out={tmp_path / 'b'}", "--no-progress"]) == 0
     first, second = (json.loads((tmp_path / d / "summary.json").read_text()) for d in "ab")
     assert first["final_accuracy"] == second["final_accuracy"]
 
 
 def test_datasets_table_does_not_import_torch():
-    probe = ("import sys; from splitlab.cli import main; main(['datasets']); "
-             "print('torch' in sys.modules, 'sklearn' in sys.modules)")
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": SRC})
+    probe = (
+        "import sys; from splitlab.cli import main; main(['datasets']); "
+        "print('torch' in sys.modules, 'sklearn' in sys.modules)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC}
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "False False"

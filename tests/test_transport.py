@@ -31,8 +31,11 @@ def weights(experiment) -> dict[str, torch.Tensor]:
 def test_serialized_transport_is_bit_identical_to_direct(algorithm):
     """Every message through bytes and back changes nothing: no algorithm shares objects across
     the boundary. Same weights, metrics and ledger; the envelope bytes are the only addition."""
-    config = quick(algorithm=algorithm, clients=4, local_epochs=2, align_interval=1) if algorithm == "fsl_sage" \
+    config = (
+        quick(algorithm=algorithm, clients=4, local_epochs=2, align_interval=1)
+        if algorithm == "fsl_sage"
         else quick(algorithm=algorithm, clients=4, local_epochs=2)
+    )
     direct = train(2, **config)
     serialized = train(2, transport="serialized", **config)
     a, b = weights(direct), weights(serialized)
@@ -58,11 +61,22 @@ def test_serialized_run_writes_the_same_files_and_reports_envelope_bytes(tmp_pat
 
 # --- messages ---------------------------------------------------------------------------------------
 
+
 def test_codec_round_trips_nested_messages_exactly():
-    message = {"smashed": torch.randn(3, 4), "labels": torch.tensor([1, 2, 3]), "step": 7, "lr": 0.1,
-               "inf": float("inf"), "ids": [1, 2], "pair": (1, "a"), "none": None, "flag": True,
-               "optimizer": {"state": {0: {"step": torch.tensor(2.0)}}, "param_groups": [{"params": [0]}]},
-               "$odd": "key", "shared": None}
+    message = {
+        "smashed": torch.randn(3, 4),
+        "labels": torch.tensor([1, 2, 3]),
+        "step": 7,
+        "lr": 0.1,
+        "inf": float("inf"),
+        "ids": [1, 2],
+        "pair": (1, "a"),
+        "none": None,
+        "flag": True,
+        "optimizer": {"state": {0: {"step": torch.tensor(2.0)}}, "param_groups": [{"params": [0]}]},
+        "$odd": "key",
+        "shared": None,
+    }
     base = torch.arange(10.0)
     message["shared"] = [base[:4], base[2:6]]  # views of one storage
     back = codec.decode(codec.encode(message))
@@ -73,8 +87,16 @@ def test_codec_round_trips_nested_messages_exactly():
     assert torch.equal(back["shared"][1], torch.tensor([2.0, 3.0, 4.0, 5.0]))
 
 
-@pytest.mark.parametrize("data", [b"", b"garbage", b"\xff" * 16, codec.encode({"a": torch.ones(3)})[:-4],
-                                  codec.encode({"a": 1}).replace(b"splitlab.skeleton", b"splitlab.skeletoN")])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"garbage",
+        b"\xff" * 16,
+        codec.encode({"a": torch.ones(3)})[:-4],
+        codec.encode({"a": 1}).replace(b"splitlab.skeleton", b"splitlab.skeletoN"),
+    ],
+)
 def test_malformed_messages_are_refused(data):
     with pytest.raises(codec.MessageError, match="not a splitlab message"):
         codec.decode(data)
@@ -97,6 +119,7 @@ def test_only_plain_data_is_encoded():
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b"", lambda b: b"garbage" * 10])
 def test_resume_refuses_a_damaged_checkpoint_in_one_line(tmp_path, monkeypatch, damage):
@@ -131,16 +154,34 @@ def test_resume_refuses_an_old_pickled_checkpoint(tmp_path):
 # --- the boundary -------------------------------------------------------------------------------------
 
 #: What only a role holds: an orchestrator that names one of these reaches into a role.
-ROLE_INTERNALS = {"models", "optimizers", "stash", "blueprint", "x", "y", "buffers", "aux_models", "roles",
-                  "model", "optimizer", "load_copy", "next_batch", "scratch"}
+ROLE_INTERNALS = {
+    "models",
+    "optimizers",
+    "stash",
+    "blueprint",
+    "x",
+    "y",
+    "buffers",
+    "aux_models",
+    "roles",
+    "model",
+    "optimizer",
+    "load_copy",
+    "next_batch",
+    "scratch",
+}
 #: What only an orchestrator holds: a role that names one of these reaches across the boundary.
 ORCHESTRATION = {"ctx", "client", "server", "sync", "client_proxies"}
 
 
 def classes_of_algorithm_files() -> list[type]:
     modules = {inspect.getmodule(cls) for cls in algorithms().values()}
-    return [obj for module in modules for _, obj in inspect.getmembers(module, inspect.isclass)
-            if obj.__module__ == module.__name__]
+    return [
+        obj
+        for module in modules
+        for _, obj in inspect.getmembers(module, inspect.isclass)
+        if obj.__module__ == module.__name__
+    ]
 
 
 def attributes(cls: type) -> set[str]:

@@ -14,22 +14,22 @@ import torch
 
 #: kind -> direction. "up" is client -> server, "down" is server -> client.
 KINDS: dict[str, str] = {
-    "smashed": "up",             # activations at the cut
-    "labels": "up",              # the labels that go with them
-    "cut_grad": "down",          # gradient of the loss at the cut
+    "smashed": "up",  # activations at the cut
+    "labels": "up",  # the labels that go with them
+    "cut_grad": "down",  # gradient of the loss at the cut
     "client_model_down": "down",  # (part of the) model a client trains, from the sync server
-    "client_model_up": "up",      # ... and back for averaging
+    "client_model_up": "up",  # ... and back for averaging
     "client_model_relay": "peer",  # vanilla SL: client model handed to the next client
-    "aux_model_down": "down",     # auxiliary heads / models (CSE-FSL, FSL-SAGE, SplitGP)
+    "aux_model_down": "down",  # auxiliary heads / models (CSE-FSL, FSL-SAGE, SplitGP)
     "aux_model_up": "up",
     # Telemetry: what the simulation reads from roles and a deployment would not send, or not
     # as training traffic. Never counted.
-    "loss": "telemetry",          # a training loss, for the round's mean train loss
-    "evaluation": "telemetry",    # a model fetched by the engine to evaluate it
-    "checkpoint": "telemetry",    # a role's state, saved or restored by the engine
+    "loss": "telemetry",  # a training loss, for the round's mean train loss
+    "evaluation": "telemetry",  # a model fetched by the engine to evaluate it
+    "checkpoint": "telemetry",  # a role's state, saved or restored by the engine
 }
 
-GIB = 2 ** 30
+GIB = 2**30
 
 #: Ledger conventions: the message kinds each one leaves uncounted. `splitlab` (the default)
 #: counts every byte that crosses. `fsl_sage` reproduces the FSL-SAGE authors' code

@@ -31,8 +31,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _print_summary(summary: dict, raw: dict) -> None:
-    table = Table(title=f"{summary['algorithm']} on {summary['dataset']} ({summary['model']}, cut {summary['cut']})",
-                  show_header=False)
+    table = Table(
+        title=f"{summary['algorithm']} on {summary['dataset']} ({summary['model']}, cut {summary['cut']})",
+        show_header=False,
+    )
     table.add_row("rounds", f"{summary['rounds_completed']} (stopped by {summary['stopped_by']})")
     table.add_row("final accuracy", f"{100 * summary['final_accuracy']:.2f}%")
     table.add_row("best accuracy", f"{100 * summary['best_accuracy']:.2f}% (round {summary['best_round']})")
@@ -70,7 +72,9 @@ def _cmd_models(args: argparse.Namespace) -> int:
             model, note = build_model(name, (1, 28, 28), 10), ""
         except UserError:  # lstm takes token sequences: shown for LEAF Shakespeare's shape
             model, note = build_model(name, (80,), 80), " (80 tokens in, 80 classes)"
-        table.add_row(name, ", ".join(map(str, model.valid_cuts)), f"{sum(p.numel() for p in model.parameters()):,}{note}")
+        table.add_row(
+            name, ", ".join(map(str, model.valid_cuts)), f"{sum(p.numel() for p in model.parameters()):,}{note}"
+        )
     console.print(table)
     return 0
 
@@ -102,7 +106,7 @@ def first_sentence(text: str) -> str:
         if char == "." and depth == 0 and (i + 1 == len(text) or text[i + 1] == " "):
             word = text[:i].rsplit(" ", 1)[-1]
             if word not in ("al", "e.g", "i.e", "cf", "etc", "vs") and not word[-1:].isdigit():
-                return text[:i + 1]
+                return text[: i + 1]
     return text
 
 
@@ -130,8 +134,11 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from splitlab.splitgp.evaluation import evaluate_run
 
     result = evaluate_run(args.dir, parse_overrides(args.overrides))
-    table = Table("method", *(f"rho={r:g}" for r in result["rho"]),
-                  title=f"mean per-client accuracy ({result['algorithm']}; written to evaluation.json)")
+    table = Table(
+        "method",
+        *(f"rho={r:g}" for r in result["rho"]),
+        title=f"mean per-client accuracy ({result['algorithm']}; written to evaluation.json)",
+    )
     for name, row in result["rows"].items():
         table.add_row(name, *(f"{100 * a:.2f}%" for a in row["accuracy"]))
     if "splitgp" in result["rows"]:
@@ -151,23 +158,48 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     settings = parse_settings(LatencySettings, parse_overrides(args.overrides))
     result = report(settings)
     sizes = result["sizes"]
-    table = Table("scheme", "storage", "client computation", "communication", "latency",
-                  title=f"{settings.model} cut {settings.cut}: |phi|={sizes['phi']:,} |theta|={sizes['theta']:,} "
-                        f"|h|={sizes['head']:,} q={sizes['q']:,} q_c={sizes['q_c']:,}")
+    table = Table(
+        "scheme",
+        "storage",
+        "client computation",
+        "communication",
+        "latency",
+        title=f"{settings.model} cut {settings.cut}: |phi|={sizes['phi']:,} |theta|={sizes['theta']:,} "
+        f"|h|={sizes['head']:,} q={sizes['q']:,} q_c={sizes['q_c']:,}",
+    )
     for scheme, row in result["table_one"].items():
-        table.add_row(scheme, *(f"{row[k]:,.1f}".removesuffix(".0")
-                                for k in ("storage", "computation", "communication", "latency")))
+        table.add_row(
+            scheme,
+            *(f"{row[k]:,.1f}".removesuffix(".0") for k in ("storage", "computation", "communication", "latency")),
+        )
     console.print(table)
-    console.print(f"SplitGP faster than the full model at the client (Prop. 2) iff P_C <= "
-                  f"{result['client_power_threshold']:,.6g} (P_C = {settings.client_power:g})")
-    console.print(f"SplitGP faster than the full model at the server (Prop. 3) {result['rate_threshold']} "
-                  f"(R = {settings.rate:g})")
-    cuts = Table("cut", "|phi|", "|theta|", "|h|", "q_c", "SplitGP latency / sample",
-                 *(("max |phi| (Prop. 1)", "feasible") if settings.latency_budget is not None else ()))
+    console.print(
+        f"SplitGP faster than the full model at the client (Prop. 2) iff P_C <= "
+        f"{result['client_power_threshold']:,.6g} (P_C = {settings.client_power:g})"
+    )
+    console.print(
+        f"SplitGP faster than the full model at the server (Prop. 3) {result['rate_threshold']} (R = {settings.rate:g})"
+    )
+    cuts = Table(
+        "cut",
+        "|phi|",
+        "|theta|",
+        "|h|",
+        "q_c",
+        "SplitGP latency / sample",
+        *(("max |phi| (Prop. 1)", "feasible") if settings.latency_budget is not None else ()),
+    )
     for row in result["cuts"]:
         extra = (f"{row['max_phi']:,.0f}", "yes" if row["feasible"] else "no") if "max_phi" in row else ()
-        cuts.add_row(str(row["cut"]), f"{row['phi']:,}", f"{row['theta']:,}", f"{row['head']:,}",
-                     f"{row['q_c']:,}", f"{row['latency_per_sample']:,.6g}", *extra)
+        cuts.add_row(
+            str(row["cut"]),
+            f"{row['phi']:,}",
+            f"{row['theta']:,}",
+            f"{row['head']:,}",
+            f"{row['q_c']:,}",
+            f"{row['latency_per_sample']:,.6g}",
+            *extra,
+        )
     console.print(cuts)
     return 0
 
@@ -176,23 +208,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitlab", description="Split learning and split federated learning.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    run = commands.add_parser("run", help="train one configuration",
-                              description="Train one configuration given as KEY=VALUE settings "
-                                          "(and/or a YAML file of them); see docs/cli.md for the keys.")
+    run = commands.add_parser(
+        "run",
+        help="train one configuration",
+        description="Train one configuration given as KEY=VALUE settings "
+        "(and/or a YAML file of them); see docs/cli.md for the keys.",
+    )
     run.add_argument("--config", help="YAML file of KEY: VALUE settings; KEY=VALUE arguments override it")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     run.set_defaults(handler=_cmd_run)
 
     commands.add_parser("datasets", help="list datasets and whether their files are here").set_defaults(
-        handler=_cmd_datasets)
+        handler=_cmd_datasets
+    )
     download = commands.add_parser("download", help="fetch Fashion-MNIST from its official mirror (needs a network)")
     download.add_argument("dataset", choices=["fashion_mnist"])
     download.add_argument("--dir", help="target folder (default: ~/.cache/splitlab/fashion_mnist, searched by runs)")
     download.set_defaults(handler=_cmd_download)
     commands.add_parser("models", help="list models and their valid cut layers").set_defaults(handler=_cmd_models)
-    commands.add_parser("algorithms", help="list algorithms and their own keys").set_defaults(
-        handler=_cmd_algorithms)
+    commands.add_parser("algorithms", help="list algorithms and their own keys").set_defaults(handler=_cmd_algorithms)
 
     sweep = commands.add_parser("sweep", help="run a grid of configurations from a sweep file")
     sweep.add_argument("file")
@@ -206,16 +241,22 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--target", type=float, help="target accuracy (fraction) for GiB/rounds-to-target")
     report.set_defaults(handler=_cmd_report)
 
-    evaluate = commands.add_parser("evaluate", help="SplitGP's per-client view of a finished run (rho, E_th)",
-                                   description="Keys: rho=0,0.2,... entropy_threshold=auto|<E_th> "
-                                               "validation_size=200 finetune_rounds=1 device=cpu; see docs/splitgp.md.")
+    evaluate = commands.add_parser(
+        "evaluate",
+        help="SplitGP's per-client view of a finished run (rho, E_th)",
+        description="Keys: rho=0,0.2,... entropy_threshold=auto|<E_th> "
+        "validation_size=200 finetune_rounds=1 device=cpu; see docs/splitgp.md.",
+    )
     evaluate.add_argument("dir")
     evaluate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     evaluate.set_defaults(handler=_cmd_evaluate)
 
-    latency = commands.add_parser("latency", help="SplitGP's inference-time model (Table I, Props. 1-3)",
-                                  description="Keys: model cut client_power server_power rate beta samples "
-                                              "latency_budget phi_min input classes; see docs/splitgp.md.")
+    latency = commands.add_parser(
+        "latency",
+        help="SplitGP's inference-time model (Table I, Props. 1-3)",
+        description="Keys: model cut client_power server_power rate beta samples "
+        "latency_budget phi_min input classes; see docs/splitgp.md.",
+    )
     latency.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     latency.set_defaults(handler=_cmd_latency)
     return parser

@@ -103,7 +103,7 @@ def decode(data: bytes, device: torch.device | str = "cpu") -> Any:
 def _metadata(data: bytes) -> dict[str, str]:
     """The safetensors header's metadata (`load_tensors` has already checked the header)."""
     size = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + size])
+    header = json.loads(data[8 : 8 + size])
     metadata = header.get("__metadata__")
     if not isinstance(metadata, dict):
         raise KeyError("no metadata")

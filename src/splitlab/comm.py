@@ -10,8 +10,8 @@ import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-GIB = 2 ** 30
-_UNITS = (("B", 1), ("KiB", 2 ** 10), ("MiB", 2 ** 20), ("GiB", 2 ** 30), ("TiB", 2 ** 40))
+GIB = 2**30
+_UNITS = (("B", 1), ("KiB", 2**10), ("MiB", 2**20), ("GiB", 2**30), ("TiB", 2**40))
 
 
 def byte_unit(nbytes: float) -> tuple[str, int]:

@@ -34,35 +34,50 @@ class RunConfig(BaseModel):
     participation: float = Field(1.0, gt=0, le=1, description="fraction C of clients sampled per round")
     rounds: int = Field(10, ge=1)
     local_epochs: int = Field(1, ge=1)
-    local_steps: int | None = Field(None, ge=1, description="cap on a client's mini-batches per round (after "
-                                                            "local_epochs); none = all of them")
+    local_steps: int | None = Field(
+        None, ge=1, description="cap on a client's mini-batches per round (after local_epochs); none = all of them"
+    )
     batch_size: int = Field(64, ge=1)
     optimizer: Literal["sgd", "adam"] = "adam"
     lr: float = Field(1e-3, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0)
     partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
-    seed: int = Field(0, ge=0, le=2 ** 32 - 1, description="random seed (0 to 2**32-1, what numpy and torch both accept)")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="random seed (0 to 2**32-1, what numpy and torch both accept)")
     device: Literal["cpu", "cuda", "auto"] = "auto"
     eval_every: int = Field(1, ge=1, description="evaluate every N rounds (and after the last)")
     train_subset: int | None = Field(None, ge=1, description="use only N training samples (seeded choice)")
     test_subset: int | None = Field(None, ge=1, description="evaluate on only N test samples (seeded choice)")
     comm_budget_gib: float | None = Field(None, gt=0, description="stop once this much has been communicated")
-    test_split: str = Field("global", description="global (the dataset's test set) | client:<fraction> (each "
-                                                  "client holds out that fraction of its own samples)")
-    target_accuracy: float | None = Field(None, gt=0, le=1, description="summary reports the first evaluated "
-                                                                        "round (and GiB) reaching this accuracy")
+    test_split: str = Field(
+        "global",
+        description="global (the dataset's test set) | client:<fraction> (each "
+        "client holds out that fraction of its own samples)",
+    )
+    target_accuracy: float | None = Field(
+        None, gt=0, le=1, description="summary reports the first evaluated round (and GiB) reaching this accuracy"
+    )
     ledger: Literal["splitlab", "fsl_sage"] = Field(
-        "splitlab", description="byte-counting convention: splitlab counts everything; fsl_sage leaves labels "
-                                "out, as the FSL-SAGE authors' code does")
+        "splitlab",
+        description="byte-counting convention: splitlab counts everything; fsl_sage leaves labels "
+        "out, as the FSL-SAGE authors' code does",
+    )
     logger: Literal["none", "tensorboard"] = Field(
-        "none", description="also log metrics to TensorBoard (OUT/tensorboard; needs the tensorboard package)")
-    out: str | None = Field(None, description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>")
+        "none", description="also log metrics to TensorBoard (OUT/tensorboard; needs the tensorboard package)"
+    )
+    out: str | None = Field(
+        None, description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>"
+    )
     transport: Literal["direct", "serialized"] = Field(
-        "direct", description="how roles exchange messages: direct (in-process, zero-copy) | serialized "
-                              "(every message encoded to bytes and back, as over a network; same results)")
-    checkpoint_every: float = Field(60.0, ge=0, description="seconds between checkpoints (0: after every "
-                                                            "round); a resumed run replays from the last one")
+        "direct",
+        description="how roles exchange messages: direct (in-process, zero-copy) | serialized "
+        "(every message encoded to bytes and back, as over a network; same results)",
+    )
+    checkpoint_every: float = Field(
+        60.0,
+        ge=0,
+        description="seconds between checkpoints (0: after every round); a resumed run replays from the last one",
+    )
     resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
     overwrite: bool = Field(False, description="replace a finished or partial run in `out`")
 
@@ -128,7 +143,7 @@ def _one_line(err: ValidationError) -> str:
     key = ".".join(str(part) for part in first["loc"]) or "config"
     message = first["msg"]
     if message.startswith("Value error, "):
-        message = message[len("Value error, "):]
+        message = message[len("Value error, ") :]
     return f"invalid value {first.get('input')!r} for {key}: {message}"
 
 

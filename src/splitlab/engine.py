@@ -168,23 +168,43 @@ def build(raw: Mapping[str, Any]) -> Experiment:
         client_test = [(data.inputs(data.train_x[idx].to(device)), data.train_y[idx].to(device)) for idx in held]
     report = partition_report(data.train_y.numpy(), indices, data.num_classes)
     algorithm_class = get_algorithm(run.algorithm)
-    blueprint = Blueprint(run, config.params, device, data.input_shape, data.num_classes,
-                          data.inputs(data.train_x[:1]).dtype, builders=algorithm_class.models)
+    blueprint = Blueprint(
+        run,
+        config.params,
+        device,
+        data.input_shape,
+        data.num_classes,
+        data.inputs(data.train_x[:1]).dtype,
+        builders=algorithm_class.models,
+    )
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
     # Each node holds only its own samples, as stored (uint8 images are prepared batch by batch).
-    nodes = [algorithm_class.Client(blueprint, k, data.train_x[idx].to(device), data.train_y[idx].to(device),
-                                    data.prepare)
-             for k, idx in enumerate(algorithm_class.data_owners(indices))]
+    nodes = [
+        algorithm_class.Client(blueprint, k, data.train_x[idx].to(device), data.train_y[idx].to(device), data.prepare)
+        for k, idx in enumerate(algorithm_class.data_owners(indices))
+    ]
     roles = Roles(nodes, algorithm_class.Server(blueprint), algorithm_class.Sync(blueprint))
     transport = TRANSPORTS[run.transport](Ledger(run.ledger), device)
     clients = [ClientInfo(node.id, node.num_samples) for node in nodes]
-    context = Context(run, config.params, clients, {node.id: transport.connect(node, counted=True) for node in nodes},
-                      transport.connect(roles.server, counted=False), transport.connect(roles.sync, counted=False))
+    context = Context(
+        run,
+        config.params,
+        clients,
+        {node.id: transport.connect(node, counted=True) for node in nodes},
+        transport.connect(roles.server, counted=False),
+        transport.connect(roles.sync, counted=False),
+    )
     algorithm = algorithm_class(context)
     test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
-    data = dataclasses.replace(data, train_x=data.train_x[:0], train_y=data.train_y[:0], train_groups=None,
-                               test_x=data.inputs(data.test_x[test].to(device)), test_y=data.test_y[test].to(device),
-                               prepare=None)  # the test set, prepared once
+    data = dataclasses.replace(
+        data,
+        train_x=data.train_x[:0],
+        train_y=data.train_y[:0],
+        train_groups=None,
+        test_x=data.inputs(data.test_x[test].to(device)),
+        test_y=data.test_y[test].to(device),
+        prepare=None,
+    )  # the test set, prepared once
     return Experiment(config, data, clients, algorithm, report, roles, blueprint, transport, client_test)
 
 
@@ -204,13 +224,15 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     data, algorithm = experiment.data, experiment.algorithm
     if experiment.client_test is not None:
         held = [(k, x, y) for k, (x, y) in enumerate(experiment.client_test) if len(y)]
-        logits = torch.cat([logits_in_batches(experiment.assemble(algorithm.personal_model(k)), x)
-                            for k, x, _ in held])
+        logits = torch.cat([logits_in_batches(experiment.assemble(algorithm.personal_model(k)), x) for k, x, _ in held])
         return classification_metrics(logits, torch.cat([y for _, _, y in held]))
     if algorithm.personal_models:
-        per_client = [classification_metrics(logits_in_batches(
-            experiment.assemble(algorithm.personal_model(c.id)), data.test_x), data.test_y)
-            for c in experiment.clients]
+        per_client = [
+            classification_metrics(
+                logits_in_batches(experiment.assemble(algorithm.personal_model(c.id)), data.test_x), data.test_y
+            )
+            for c in experiment.clients
+        ]
         return {key: float(np.mean([m[key] for m in per_client])) for key in per_client[0]}
     model = algorithm.global_model()
     if model is None:
@@ -235,8 +257,10 @@ class _RunDirectory:
         differing = sorted(k for k in current if k not in RUN_CONTROL_KEYS and stored.get(k) != current[k])
         if differing:
             key = differing[0]
-            raise UserError(f"cannot resume {str(self.path)!r}: {key}={current[key]!r} differs from the "
-                            f"stored {stored.get(key)!r}; use overwrite=true to start over")
+            raise UserError(
+                f"cannot resume {str(self.path)!r}: {key}={current[key]!r} differs from the "
+                f"stored {stored.get(key)!r}; use overwrite=true to start over"
+            )
 
     def clear(self) -> None:
         rundir.clear(self.path)
@@ -253,8 +277,10 @@ def run(config: Mapping[str, Any], *, resume: bool | None = None, progress: bool
         if existing and run_config.overwrite:
             directory.clear()
         elif existing and not resume:
-            raise UserError(f"out {str(directory.path)!r} already holds a run; use resume=true to continue it "
-                            f"or overwrite=true to replace it")
+            raise UserError(
+                f"out {str(directory.path)!r} already holds a run; use resume=true to continue it "
+                f"or overwrite=true to replace it"
+            )
         elif existing:
             directory.check_resumable()
             if "summary.json" in existing:
@@ -266,10 +292,13 @@ def role_states(experiment: Experiment) -> dict[str, Any]:
     """Every role's state that outlives a round (fetched through the transport), and the ledger's."""
     algorithm, ledger = experiment.algorithm, experiment.ledger
     clients = {c.id: algorithm.client(c.id).state_dict() for c in experiment.clients}
-    return {"algorithm": algorithm.state_dict(), "server": algorithm.server.state_dict(),
-            "sync": algorithm.sync.state_dict(),
-            "clients": {k: state for k, state in clients.items() if state["models"]},
-            "ledger": {"bytes_by_kind": ledger.state_dict(), "envelope_bytes": ledger.envelope_bytes}}
+    return {
+        "algorithm": algorithm.state_dict(),
+        "server": algorithm.server.state_dict(),
+        "sync": algorithm.sync.state_dict(),
+        "clients": {k: state for k, state in clients.items() if state["models"]},
+        "ledger": {"bytes_by_kind": ledger.state_dict(), "envelope_bytes": ledger.envelope_bytes},
+    }
 
 
 def restore(experiment: Experiment, state: dict[str, Any]) -> None:
@@ -303,15 +332,19 @@ class _Checkpointer:
         """The loop state of the last checkpoint, with every role restored; None if there is none."""
         if not self.path.exists():
             if (self.path.parent / LEGACY_CHECKPOINT).exists():
-                raise UserError(f"{str(self.path.parent)!r} holds a {LEGACY_CHECKPOINT} of an older splitlab, which "
-                                f"cannot be resumed; use overwrite=true to start over")
+                raise UserError(
+                    f"{str(self.path.parent)!r} holds a {LEGACY_CHECKPOINT} of an older splitlab, which "
+                    f"cannot be resumed; use overwrite=true to start over"
+                )
             return None
         try:
             state = codec.decode(self.path.read_bytes(), self.experiment.blueprint.device)
             restore(self.experiment, state)
         except (codec.MessageError, KeyError, TypeError, ValueError, RuntimeError) as error:
-            raise UserError(f"cannot resume from {str(self.path)!r}: the checkpoint is unreadable "
-                            f"({str(error).splitlines()[0][:120]}); use overwrite=true to start over") from None
+            raise UserError(
+                f"cannot resume from {str(self.path)!r}: the checkpoint is unreadable "
+                f"({str(error).splitlines()[0][:120]}); use overwrite=true to start over"
+            ) from None
         return state["loop"]
 
     def maybe_save(self, loop: dict[str, Any], force: bool = False) -> None:
@@ -352,26 +385,41 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
     cfg = experiment.config.run
     algorithm, out, ledger = experiment.algorithm, experiment.out, experiment.ledger
     checkpoints = _Checkpointer(experiment)
-    state: dict[str, Any] = checkpoints.load() or {"round": 0, "metrics": [], "wall_seconds": 0.0,
-                                                   "stopped_by": "rounds"}
+    state: dict[str, Any] = checkpoints.load() or {
+        "round": 0,
+        "metrics": [],
+        "wall_seconds": 0.0,
+        "stopped_by": "rounds",
+    }
     if state["round"] == 0:
         write_yaml(out / "config.yaml", experiment.config.as_dict())
         write_json(out / "partition.json", experiment.partition_report)
 
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("acc {task.fields[acc]}  {task.fields[sent]}"), TimeElapsedColumn()]
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("acc {task.fields[acc]}  {task.fields[sent]}"),
+        TimeElapsedColumn(),
+    ]
     logger = make_logger(cfg.logger, out)
     lines = show_progress and not sys.stderr.isatty()  # logs, CI, nohup: one line per evaluated round
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(checkpoints.join)
         bar = cleanup.enter_context(Progress(*columns, disable=not show_progress or lines, transient=False))
-        task = bar.add_task(f"{cfg.algorithm} rounds", total=cfg.rounds, completed=state["round"],
-                            acc=_last_accuracy(state["metrics"]), sent=format_bytes(ledger.total_bytes))
+        task = bar.add_task(
+            f"{cfg.algorithm} rounds",
+            total=cfg.rounds,
+            completed=state["round"],
+            acc=_last_accuracy(state["metrics"]),
+            sent=format_bytes(ledger.total_bytes),
+        )
         while state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
             rnd = state["round"]
             torch.manual_seed(cfg.seed * 1_000_003 + rnd)  # dropout etc. depend on (seed, round) only
-            clients = sample_clients(experiment.clients, cfg.participation,
-                                     random_stream(cfg.seed, rnd, STREAM_SAMPLING))
+            clients = sample_clients(
+                experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING)
+            )
             started = time.perf_counter()
             algorithm.run_round(rnd, clients)
             train_loss = algorithm.pop_train_loss()
@@ -391,8 +439,12 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
                     print(round_line(state["metrics"][-1], cfg.rounds), file=sys.stderr, flush=True)
             if state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
                 checkpoints.maybe_save(state)
-            bar.update(task, completed=state["round"], acc=_last_accuracy(state["metrics"]),
-                       sent=format_bytes(ledger.total_bytes))
+            bar.update(
+                task,
+                completed=state["round"],
+                acc=_last_accuracy(state["metrics"]),
+                sent=format_bytes(ledger.total_bytes),
+            )
     logger.close()
     checkpoints.wait()
     summary = _finish(experiment, state)
@@ -402,16 +454,19 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
 
 def _check_finite(loss: float | None, what: str, round_number: int) -> None:
     if loss is not None and not math.isfinite(loss):
-        raise NonFiniteLoss(f"the {what} became {loss} in round {round_number}: training diverged; lower lr "
-                            f"(or use optimizer=adam) and start again with overwrite=true")
+        raise NonFiniteLoss(
+            f"the {what} became {loss} in round {round_number}: training diverged; lower lr "
+            f"(or use optimizer=adam) and start again with overwrite=true"
+        )
 
 
 def _last_accuracy(rows: list[dict]) -> str:
     return f"{100 * rows[-1]['test_accuracy']:.2f}%" if rows else "-"
 
 
-def _metrics_row(experiment: Experiment, state: dict, train_loss: float | None,
-                 compute_seconds: dict[str, float]) -> dict[str, Any]:
+def _metrics_row(
+    experiment: Experiment, state: dict, train_loss: float | None, compute_seconds: dict[str, float]
+) -> dict[str, Any]:
     ledger = experiment.ledger
     test = evaluate(experiment)
     return {
@@ -441,15 +496,26 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
     best = max(rows, key=lambda row: row["test_accuracy"])
     ledger = experiment.ledger
     summary = {
-        "algorithm": cfg.algorithm, "dataset": cfg.dataset, "model": cfg.model, "cut": cfg.cut,
-        "seed": cfg.seed, "partition": cfg.partition, "clients": len(experiment.clients),
+        "algorithm": cfg.algorithm,
+        "dataset": cfg.dataset,
+        "model": cfg.model,
+        "cut": cfg.cut,
+        "seed": cfg.seed,
+        "partition": cfg.partition,
+        "clients": len(experiment.clients),
         "rounds_completed": state["round"],
-        "final_accuracy": rows[-1]["test_accuracy"], "best_accuracy": best["test_accuracy"],
-        "best_round": best["round"], "final_loss": rows[-1]["test_loss"],
-        "final_f1": rows[-1]["test_f1"], "final_mcc": rows[-1]["test_mcc"],
-        "total_bytes": ledger.total_bytes, "total_gib": ledger.total_bytes / GIB,
-        "comm_bytes_by_kind": ledger.state_dict(), **_envelope(experiment),
-        "wall_seconds": state["wall_seconds"], "stopped_by": state["stopped_by"],
+        "final_accuracy": rows[-1]["test_accuracy"],
+        "best_accuracy": best["test_accuracy"],
+        "best_round": best["round"],
+        "final_loss": rows[-1]["test_loss"],
+        "final_f1": rows[-1]["test_f1"],
+        "final_mcc": rows[-1]["test_mcc"],
+        "total_bytes": ledger.total_bytes,
+        "total_gib": ledger.total_bytes / GIB,
+        "comm_bytes_by_kind": ledger.state_dict(),
+        **_envelope(experiment),
+        "wall_seconds": state["wall_seconds"],
+        "stopped_by": state["stopped_by"],
         "target_accuracy": cfg.target_accuracy,
         **dict(zip(("rounds_to_target", "gib_to_target"), to_target(rows, cfg.target_accuracy))),
     }

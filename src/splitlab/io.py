@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
 from splitlab.lazy import torch
-
 
 TEMP_GLOB = ".*.tmp"
 

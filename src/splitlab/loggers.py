@@ -23,8 +23,10 @@ def installed(package: str) -> bool:
 def check_logger(name: str) -> None:
     """Fail before anything is written when the chosen logger cannot work here."""
     if name == "tensorboard" and not installed("tensorboard"):
-        raise UserError("logger=tensorboard needs the tensorboard package (pip install tensorboard); "
-                        "use logger=none to log to metrics.jsonl only")
+        raise UserError(
+            "logger=tensorboard needs the tensorboard package (pip install tensorboard); "
+            "use logger=none to log to metrics.jsonl only"
+        )
 
 
 class TensorBoardLogger:
@@ -59,5 +61,7 @@ def make_logger(name: str, out: Path) -> TensorBoardLogger | NoLogger:
 
 def round_line(row: dict, rounds: int) -> str:
     """One plain line per evaluated round, for output that is not a terminal."""
-    return (f"round {row['round']}/{rounds}  acc {100 * row['test_accuracy']:.2f}%  "
-            f"loss {row['test_loss']:.4f}  {format_bytes(row['comm_bytes'])}  {row['wall_seconds']:.1f} s")
+    return (
+        f"round {row['round']}/{rounds}  acc {100 * row['test_accuracy']:.2f}%  "
+        f"loss {row['test_loss']:.4f}  {format_bytes(row['comm_bytes'])}  {row['wall_seconds']:.1f} s"
+    )

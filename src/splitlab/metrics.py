@@ -7,7 +7,7 @@ SciPy, a second of startup and tens of MB of memory for every run.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -15,9 +15,10 @@ import torch.nn.functional as F
 
 
 @torch.no_grad()
-def logits_in_batches(predict: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor,
-                      batch_size: int = 1024) -> torch.Tensor:
-    return torch.cat([predict(x[i:i + batch_size]) for i in range(0, len(x), batch_size)])
+def logits_in_batches(
+    predict: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int = 1024
+) -> torch.Tensor:
+    return torch.cat([predict(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
 
 
 def classification_metrics(logits: torch.Tensor, y: torch.Tensor) -> dict[str, float]:
@@ -36,7 +37,7 @@ def _confusion(truth: np.ndarray, predicted: np.ndarray) -> np.ndarray:
     """Confusion matrix over the labels seen in either array (rows: truth), as scikit-learn's."""
     labels, codes = np.unique(np.concatenate([truth, predicted]), return_inverse=True)
     n = len(labels)
-    return np.bincount(codes[:len(truth)] * n + codes[len(truth):], minlength=n * n).reshape(n, n)
+    return np.bincount(codes[: len(truth)] * n + codes[len(truth) :], minlength=n * n).reshape(n, n)
 
 
 def macro_f1(truth: np.ndarray, predicted: np.ndarray) -> float:

@@ -65,8 +65,7 @@ class Blueprint:
 
     def new_model(self) -> StagedModel:
         """The initial global model: every call returns the same weights (seeded by `seed`)."""
-        return build_model(self.config.model, self.input_shape, self.num_classes,
-                           seed=self.config.seed).to(self.device)
+        return build_model(self.config.model, self.input_shape, self.num_classes, seed=self.config.seed).to(self.device)
 
     def new_split(self) -> tuple[nn.Sequential, nn.Sequential]:
         return split(self.new_model(), self.config.cut)
@@ -89,8 +88,7 @@ class Blueprint:
         params = [p for p in module.parameters() if p.requires_grad]
         if cfg.optimizer == "adam":
             return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay, foreach=True)
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                               foreach=True)
+        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=True)
 
     @staticmethod
     def steps_per_round(cfg: RunConfig, num_samples: int) -> int:
@@ -122,7 +120,6 @@ class Blueprint:
         return seconds
 
 
-
 def client_part(blueprint: Blueprint) -> nn.Module:
     return blueprint.new_split()[0]
 
@@ -138,7 +135,10 @@ def whole_model(blueprint: Blueprint) -> nn.Module:
 #: The slots of split learning: the client part clients train and the sync server averages, the
 #: server part, and the training server's per-client working copies of it.
 SPLIT_MODELS: dict[str, Callable[[Blueprint], nn.Module]] = {
-    "client_model": client_part, "server_model": server_part, "server_copy": server_part}
+    "client_model": client_part,
+    "server_model": server_part,
+    "server_copy": server_part,
+}
 
 
 def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -167,8 +167,10 @@ class ModelAverage:
         """The average, cast back to the dtypes of `like` (usually the global model's state)."""
         if self._sum is None:
             raise RuntimeError("no model was added to the average")
-        return {k: (self._sum[k].round() if not v.is_floating_point() else self._sum[k]).to(v.dtype)
-                for k, v in like.items()}
+        return {
+            k: (self._sum[k].round() if not v.is_floating_point() else self._sum[k]).to(v.dtype)
+            for k, v in like.items()
+        }
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:
@@ -239,8 +241,10 @@ class Role(Generic[ParamsT]):
     @verb(up="checkpoint")
     def state_dict(self) -> State:
         own = [slot for slot in self.models if slot not in self.scratch]
-        return {"models": {slot: self.models[slot].state_dict() for slot in own},
-                "optimizers": {slot: self.optimizers[slot].state_dict() for slot in own if slot in self.optimizers}}
+        return {
+            "models": {slot: self.models[slot].state_dict() for slot in own},
+            "optimizers": {slot: self.optimizers[slot].state_dict() for slot in own if slot in self.optimizers},
+        }
 
     @verb(down="checkpoint")
     def load_state_dict(self, state: State) -> None:
@@ -254,8 +258,14 @@ class Role(Generic[ParamsT]):
 class ClientNode(Role[ParamsT]):
     """A client: its own samples and model slots, and the activations awaiting their cut gradient."""
 
-    def __init__(self, blueprint: Blueprint, client_id: int, x: torch.Tensor, y: torch.Tensor,
-                 prepare: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self,
+        blueprint: Blueprint,
+        client_id: int,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        prepare: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
         super().__init__(blueprint)
         self.id, self.x, self.y = client_id, x, y
         #: stored samples -> model inputs, batch by batch (uint8 images stay uint8 until used)

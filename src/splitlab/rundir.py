@@ -4,8 +4,8 @@
   under a file, a place nobody can write) before data is loaded or anything is written.
 - `locked` holds an exclusive lock on OUT/.lock (fcntl.flock, released by the kernel when its
   process dies, so a dead run's lock is simply taken over; the file is removed when the run ends).
-  A second process is refused with one line naming the holder's PID and host. While holding it, temporary files left by a killed
-  writer (splitlab.io's `.<name>.<random>.tmp`) are removed.
+  A second process is refused with one line naming the holder's PID and host. While holding it,
+  temporary files left by a killed writer (splitlab.io's `.<name>.<random>.tmp`) are removed.
 - `WRITTEN` is every file a run or `evaluate` writes, for `overwrite=true` to remove.
 """
 
@@ -25,8 +25,17 @@ from splitlab.io import TEMP_GLOB
 
 LOCK = ".lock"
 #: Every file or folder a run (engine) or `splitlab evaluate` writes into its directory.
-WRITTEN = ("config.yaml", "partition.json", "metrics.jsonl", "summary.json", "checkpoint.pt",
-           "weights.safetensors", "clients.safetensors", "evaluation.json", "tensorboard")
+WRITTEN = (
+    "config.yaml",
+    "partition.json",
+    "metrics.jsonl",
+    "summary.json",
+    "checkpoint.pt",
+    "weights.safetensors",
+    "clients.safetensors",
+    "evaluation.json",
+    "tensorboard",
+)
 
 
 def check_out_dir(path: Path) -> None:
@@ -43,8 +52,7 @@ def check_out_dir(path: Path) -> None:
     if not ancestor.is_dir():
         raise UserError(f"out {str(path)!r} lies under {str(ancestor)!r}, which is a file; choose another out=")
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise UserError(f"out {str(path)!r} cannot be created: {str(ancestor)!r} is not writable; "
-                        f"choose another out=")
+        raise UserError(f"out {str(path)!r} cannot be created: {str(ancestor)!r} is not writable; choose another out=")
 
 
 def make_out_dir(path: Path) -> None:
@@ -77,16 +85,18 @@ def _acquire(lock: Path) -> TextIO:
         try:
             handle = open(lock, "a+")  # noqa: SIM115 (held open while locked)
         except OSError as err:
-            raise UserError(f"out {str(lock.parent)!r} cannot be locked ({err.strerror}); "
-                            f"choose another out=") from None
+            raise UserError(
+                f"out {str(lock.parent)!r} cannot be locked ({err.strerror}); choose another out="
+            ) from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise UserError(f"out {str(lock.parent)!r} is in use by {holder}; wait for it to finish "
-                            f"or choose another out=") from None
+            raise UserError(
+                f"out {str(lock.parent)!r} is in use by {holder}; wait for it to finish or choose another out="
+            ) from None
         try:
             current = os.stat(lock).st_ino
         except FileNotFoundError:

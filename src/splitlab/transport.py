@@ -60,8 +60,9 @@ class Proxy:
     def __getattr__(self, name: str) -> Callable[..., Any]:
         spec = getattr(getattr(type(self._role), name, None), "__verb__", None)
         if spec is None:
-            raise AttributeError(f"{type(self._role).__name__}.{name} is not a verb; roles are reached "
-                                 f"only through their verbs")
+            raise AttributeError(
+                f"{type(self._role).__name__}.{name} is not a verb; roles are reached only through their verbs"
+            )
         call = functools.partial(self._transport.call, getattr(self._role, name), spec, self._counted)
         setattr(self, name, call)  # looked up once per verb
         return call

@@ -26,16 +26,17 @@ def bytes_of_round(algorithm: str, **extra) -> dict[str, int]:
 
 
 SPLIT_FED = {
-    "smashed": SAMPLES * SMASHED,          # 240,000
-    "labels": SAMPLES * LABEL,             # 2,400
-    "cut_grad": SAMPLES * SMASHED,         # 240,000
+    "smashed": SAMPLES * SMASHED,  # 240,000
+    "labels": SAMPLES * LABEL,  # 2,400
+    "cut_grad": SAMPLES * SMASHED,  # 240,000
     "client_model_down": CLIENTS * CLIENT_PART,  # 156,000
     "client_model_up": CLIENTS * CLIENT_PART,
 }
 
 
-@pytest.mark.parametrize("algorithm,extra", [("sfl_v1", {}), ("sfl_v2", {}),
-                                             ("sfl_v2", {"server_schedule": "sequential"})])
+@pytest.mark.parametrize(
+    "algorithm,extra", [("sfl_v1", {}), ("sfl_v2", {}), ("sfl_v2", {"server_schedule": "sequential"})]
+)
 def test_splitfed_round(algorithm, extra):
     assert bytes_of_round(algorithm, **extra) == SPLIT_FED
 
@@ -47,14 +48,20 @@ def test_local_epochs_multiply_activation_traffic_only():
 
 
 def test_fedavg_round_moves_the_full_model_down_and_up_per_client():
-    assert bytes_of_round("fedavg") == {"client_model_down": CLIENTS * FULL_MODEL,
-                                        "client_model_up": CLIENTS * FULL_MODEL}
+    assert bytes_of_round("fedavg") == {
+        "client_model_down": CLIENTS * FULL_MODEL,
+        "client_model_up": CLIENTS * FULL_MODEL,
+    }
 
 
 def test_sl_relays_the_client_part_between_consecutive_clients():
     # Round 0: client 0 starts with the model, hands it to 1, who hands it to 2: two relays.
-    assert bytes_of_round("sl") == {"smashed": SAMPLES * SMASHED, "labels": SAMPLES * LABEL,
-                                    "cut_grad": SAMPLES * SMASHED, "client_model_relay": 2 * CLIENT_PART}
+    assert bytes_of_round("sl") == {
+        "smashed": SAMPLES * SMASHED,
+        "labels": SAMPLES * LABEL,
+        "cut_grad": SAMPLES * SMASHED,
+        "client_model_relay": 2 * CLIENT_PART,
+    }
     # Round 1 adds three more (2 -> 0, 0 -> 1, 1 -> 2).
     experiment = train(2, **quick(algorithm="sl", clients=CLIENTS, train_subset=SAMPLES))
     ledger = experiment.ledger.state_dict()
@@ -70,12 +77,17 @@ def test_cnn_cut_bytes_follow_the_activation_shape():
     experiment = train(1, **quick(algorithm="sfl_v1", model="cnn", cut=2, clients=CLIENTS, train_subset=SAMPLES))
     client_params = (1 * 32 * 25 + 32) + (32 * 64 * 25 + 64)
     assert experiment.ledger.state_dict() == {
-        "smashed": SAMPLES * 256 * 4, "labels": SAMPLES * LABEL, "cut_grad": SAMPLES * 256 * 4,
-        "client_model_down": CLIENTS * client_params * 4, "client_model_up": CLIENTS * client_params * 4}
+        "smashed": SAMPLES * 256 * 4,
+        "labels": SAMPLES * LABEL,
+        "cut_grad": SAMPLES * 256 * 4,
+        "client_model_down": CLIENTS * client_params * 4,
+        "client_model_up": CLIENTS * client_params * 4,
+    }
 
 
-@pytest.mark.parametrize("algorithm,extra", [("sfl_v1", {}), ("sfl_v2", {}),
-                                             ("cse_fsl", {"server_update_interval": 1})])
+@pytest.mark.parametrize(
+    "algorithm,extra", [("sfl_v1", {}), ("sfl_v2", {}), ("cse_fsl", {"server_update_interval": 1})]
+)
 def test_local_steps_caps_the_batches_a_client_sends(algorithm, extra):
     # 100 samples per client in batches of 32 would be 4 batches (32+32+32+4); the cap keeps 2.
     ledger = bytes_of_round(algorithm, local_steps=2, **extra)

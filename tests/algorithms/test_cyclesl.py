@@ -9,8 +9,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import (global_weights, max_abs_difference, node, personal_weights, quick, server_model,
-                     straight_and_resumed, sync_model, train)
+from helpers import (
+    global_weights,
+    max_abs_difference,
+    node,
+    personal_weights,
+    quick,
+    server_model,
+    straight_and_resumed,
+    sync_model,
+    train,
+)
 from splitlab.algorithms.sglr import averaged_clients
 
 CYCLES = ["cycle_psl", "cycle_sglr", "cycle_sfl", "cycle_ssl"]
@@ -21,8 +30,7 @@ def one_batch_config(**opt) -> dict:
     return quick(clients=1, train_subset=32, batch_size=32, **opt)
 
 
-@pytest.mark.parametrize("opt", [dict(optimizer="sgd", lr=0.1), dict(optimizer="adam", lr=1e-3)],
-                         ids=["sgd", "adam"])
+@pytest.mark.parametrize("opt", [dict(optimizer="sgd", lr=0.1), dict(optimizer="adam", lr=1e-3)], ids=["sgd", "adam"])
 def test_cycle_sfl_one_client_is_a_server_step_then_a_client_step_through_the_updated_server(opt):
     config = one_batch_config(**opt)
     cycle = train(1, algorithm="cycle_sfl", **config)
@@ -35,7 +43,7 @@ def test_cycle_sfl_one_client_is_a_server_step_then_a_client_step_through_the_up
     server_optimizer, client_optimizer = blueprint.optimizer(server), blueprint.optimizer(client)
     features = client(x).detach().requires_grad_()
     F.cross_entropy(server(features), y).backward()
-    server_optimizer.step()                      # 1. the server step (SFL-V2's)
+    server_optimizer.step()  # 1. the server step (SFL-V2's)
     for p in server.parameters():
         p.requires_grad_(False)
     F.cross_entropy(server(client(x)), y).backward()  # 2. the client step, through the new server

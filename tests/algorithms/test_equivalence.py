@@ -38,8 +38,11 @@ ONE_CLIENT = [("sfl_v2", {}), ("sfl_v2", {"server_schedule": "sequential"}), ("s
 def test_one_client_equals_centralized(algorithm, extra, model):
     # Plain SGD over two rounds. Stateful optimizers over one round only: client optimizers start
     # afresh each round (their state is not averaged or relayed); the centralized one lives on.
-    settings = [(dict(optimizer="sgd", lr=0.05), 2), (dict(optimizer="sgd", lr=0.05, momentum=0.5), 1),
-                (dict(optimizer="adam"), 1)]
+    settings = [
+        (dict(optimizer="sgd", lr=0.05), 2),
+        (dict(optimizer="sgd", lr=0.05, momentum=0.5), 1),
+        (dict(optimizer="adam"), 1),
+    ]
     for opt, rounds in settings:
         config = quick(model=model, clients=1, local_epochs=2, **opt)
         reference = global_weights(train(rounds, algorithm="centralized", **config))

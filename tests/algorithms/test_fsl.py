@@ -19,7 +19,6 @@ from safetensors.torch import load_file
 from helpers import client_model, global_weights, max_abs_difference, node, quick, server_model, sync_model, train
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.fsl_sage import cut_gradient
-from splitlab.roles import STREAM_BATCHES
 from splitlab.channel import GIB
 from splitlab.engine import build, run
 from splitlab.errors import UserError
@@ -27,6 +26,7 @@ from splitlab.io import read_jsonl
 from splitlab.models import build_model, split
 from splitlab.models.aux import AUX_KINDS, build_aux
 from splitlab.models.staged import StagedModel
+from splitlab.roles import STREAM_BATCHES
 
 CLIENTS, CLIENT_PART, AUX_LINEAR = 3, 52_000, 8_040
 SENT_SAMPLES = 3 * 68
@@ -49,8 +49,12 @@ def bytes_per_round(num_rounds: int, **config) -> list[dict[str, int]]:
 
 
 def test_cse_fsl_round_bytes_equal_the_hand_computation():
-    expected = {**ACTIVATIONS, **MODEL_TRAFFIC, "aux_model_down": CLIENTS * AUX_LINEAR,
-                "aux_model_up": CLIENTS * AUX_LINEAR}
+    expected = {
+        **ACTIVATIONS,
+        **MODEL_TRAFFIC,
+        "aux_model_down": CLIENTS * AUX_LINEAR,
+        "aux_model_up": CLIENTS * AUX_LINEAR,
+    }
     assert bytes_per_round(2, algorithm="cse_fsl", **BYTES) == [expected, expected]
 
 
@@ -92,6 +96,7 @@ def test_alignment_time_is_reported_in_the_metrics(tmp_path):
 
 
 # --- what the algorithms compute ---------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("aux", ["linear", "stage"])
 def test_alignment_brings_the_estimate_closer_to_the_true_cut_gradient(aux):
@@ -144,8 +149,7 @@ def test_cse_fsl_never_sends_cut_gradients_and_trains():
 
 
 def test_alignment_buffer_keeps_the_latest_pairs():
-    experiment = train(2, **quick(algorithm="fsl_sage", align_buffer_size=50, server_update_interval=1,
-                                  batch_size=32))
+    experiment = train(2, **quick(algorithm="fsl_sage", align_buffer_size=50, server_update_interval=1, batch_size=32))
     for client in experiment.clients:
         buffer = experiment.roles.server.buffers[client.id]
         assert len(buffer.labels) == len(buffer.smashed) == 50 and buffer.received == 2 * client.num_samples
@@ -158,8 +162,9 @@ def test_alignment_buffer_keeps_the_latest_pairs():
 def test_interrupted_run_resumes_bit_for_bit(tmp_path, monkeypatch, algorithm):
     """Killed in round 2 (an alignment round), resumed from the checkpoint of round 1: aux models,
     alignment buffers and optimizers come back, so the run ends where the whole one does."""
-    config = quick(algorithm=algorithm, rounds=3, partition="dirichlet:0.5", checkpoint_every=0,
-                   **SAGE.get(algorithm, {}))
+    config = quick(
+        algorithm=algorithm, rounds=3, partition="dirichlet:0.5", checkpoint_every=0, **SAGE.get(algorithm, {})
+    )
     run({**config, "out": str(tmp_path / "whole")}, progress=False)
     cls = get_algorithm(algorithm)
     original = cls.train_round
@@ -174,8 +179,13 @@ def test_interrupted_run_resumes_bit_for_bit(tmp_path, monkeypatch, algorithm):
         run({**config, "out": str(tmp_path / "cut")}, progress=False)
     monkeypatch.undo()
     run({**config, "out": str(tmp_path / "cut"), "resume": True}, progress=False)
-    rows = [[{k: v for k, v in row.items() if k not in ("wall_seconds", "round_compute_seconds")}
-             for row in read_jsonl(tmp_path / name / "metrics.jsonl")] for name in ("whole", "cut")]
+    rows = [
+        [
+            {k: v for k, v in row.items() if k not in ("wall_seconds", "round_compute_seconds")}
+            for row in read_jsonl(tmp_path / name / "metrics.jsonl")
+        ]
+        for name in ("whole", "cut")
+    ]
     assert rows[0] == rows[1]
     whole, cut = (load_file(tmp_path / name / "weights.safetensors") for name in ("whole", "cut"))
     assert all(torch.equal(whole[k], cut[k]) for k in whole)
@@ -183,8 +193,14 @@ def test_interrupted_run_resumes_bit_for_bit(tmp_path, monkeypatch, algorithm):
 
 # --- auxiliary models -----------------------------------------------------------------------------
 
-SHAPES = {"mlp": (1, 8, 8), "cnn": (1, 28, 28), "splitgp_cnn": (1, 28, 28), "vgg11": (3, 32, 32),
-          "resnet18": (3, 32, 32), "resnet50": (3, 32, 32)}
+SHAPES = {
+    "mlp": (1, 8, 8),
+    "cnn": (1, 28, 28),
+    "splitgp_cnn": (1, 28, 28),
+    "vgg11": (3, 32, 32),
+    "resnet18": (3, 32, 32),
+    "resnet50": (3, 32, 32),
+}
 
 
 def parameters(module: torch.nn.Module) -> int:
@@ -214,8 +230,10 @@ def test_resnet18_aux_sizes_follow_the_paper_appendix_d4():
     """Cut after stage 2: linear = pool + fc (1,290 parameters, ~5 kB), stage = layer3 + pool + fc
     (2.10 M, ~8 MB), full = the server part (10.5 M, ~40 MB), half = layer3 and layer4 with one
     block each (4.60 M; the paper prints ~3.5 MB, which its own description does not give)."""
-    sizes = {kind: parameters(build_aux(kind, build_model("resnet18", (3, 32, 32), 10), 2, (3, 32, 32)))
-             for kind in AUX_KINDS}
+    sizes = {
+        kind: parameters(build_aux(kind, build_model("resnet18", (3, 32, 32), 10), 2, (3, 32, 32)))
+        for kind in AUX_KINDS
+    }
     assert sizes == {"linear": 1_290, "half": 4_597_258, "stage": 2_102_282, "full": 10_498_570}
     half = build_aux("half", build_model("resnet18", (3, 32, 32), 10), 2, (3, 32, 32))
     assert [len(half.layer3), len(half.layer4)] == [1, 1]

@@ -8,8 +8,17 @@ import math
 import pytest
 import torch
 
-from helpers import (client_model, global_weights, max_abs_difference, personal_weights, quick, server_model,
-                     straight_and_resumed, sync_model, train)
+from helpers import (
+    client_model,
+    global_weights,
+    max_abs_difference,
+    personal_weights,
+    quick,
+    server_model,
+    straight_and_resumed,
+    sync_model,
+    train,
+)
 from splitlab.algorithms.sglr import average_cut_grads, averaged_clients
 
 SGD = dict(optimizer="sgd", lr=0.05)
@@ -39,8 +48,10 @@ def test_psl_first_round_matches_sfl_v1_then_clients_stay_personal():
     server = server_model(psl).state_dict()
     assert max_abs_difference(server, server_model(sfl_v1).state_dict()) <= 1e-6
     alphas = psl.algorithm.ctx.weights(psl.clients)
-    mean = {name: sum(a * client_model(psl, c.id).state_dict()[name] for a, c in zip(alphas, psl.clients))
-            for name in server.keys() ^ personal_model(psl, 0).keys()}
+    mean = {
+        name: sum(a * client_model(psl, c.id).state_dict()[name] for a, c in zip(alphas, psl.clients))
+        for name in server.keys() ^ personal_model(psl, 0).keys()
+    }
     assert max_abs_difference(mean, sync_model(sfl_v1).state_dict()) <= 1e-6
     clients = [client_model(psl, c.id).state_dict() for c in psl.clients]
     assert max_abs_difference(clients[0], clients[1]) > 1e-3
@@ -61,12 +72,15 @@ def test_sglr_server_and_client_learning_rates_are_separate():
     config = quick(batch_size=300, **SGD)
     initial_server = {k: v.clone() for k, v in server_model(train(0, algorithm="sglr", **config)).state_dict().items()}
     runs = {lr: train(1, algorithm="sglr", server_lr=lr, **config) for lr in (0.05, 0.1)}
-    moved = {lr: {k: v - initial_server[k] for k, v in server_model(run).state_dict().items()}
-             for lr, run in runs.items()}
+    moved = {
+        lr: {k: v - initial_server[k] for k, v in server_model(run).state_dict().items()} for lr, run in runs.items()
+    }
     assert max_abs_difference({k: 2 * v for k, v in moved[0.05].items()}, moved[0.1]) <= 1e-6
     for c in runs[0.05].clients:
-        assert max_abs_difference(client_model(runs[0.05], c.id).state_dict(),
-                                  client_model(runs[0.1], c.id).state_dict()) <= 1e-7
+        assert (
+            max_abs_difference(client_model(runs[0.05], c.id).state_dict(), client_model(runs[0.1], c.id).state_dict())
+            <= 1e-7
+        )
 
 
 def test_cut_gradient_mean_is_weighted_by_client_size():
@@ -102,7 +116,10 @@ def test_psl_bytes_per_round():
     experiment = train(1, algorithm="psl", **quick(local_epochs=2))
     total = 2 * sum(c.num_samples for c in experiment.clients)
     assert experiment.ledger.state_dict() == {
-        "smashed": total * 200 * 4, "labels": total * 8, "cut_grad": total * 200 * 4}
+        "smashed": total * 200 * 4,
+        "labels": total * 8,
+        "cut_grad": total * 200 * 4,
+    }
 
 
 @pytest.mark.parametrize("algorithm", ["psl", "sglr"])

@@ -98,7 +98,7 @@ def test_fashion_mnist_inputs_are_bit_identical_to_the_float32_pipeline(tmp_path
     before = torch.from_numpy(images.astype(np.float32)).unsqueeze(1)
     before.div_(255.0).sub_(0.2860).div_(0.3530)
     assert torch.equal(ds.inputs(ds.train_x), before)
-    assert torch.equal(torch.cat([ds.inputs(ds.train_x[i:i + 3]) for i in range(0, 20, 3)]), before)
+    assert torch.equal(torch.cat([ds.inputs(ds.train_x[i : i + 3]) for i in range(0, 20, 3)]), before)
 
 
 def test_fashion_mnist_accepts_uncompressed_files_in_a_subfolder(tmp_path):
@@ -166,10 +166,24 @@ def test_real_fashion_mnist():
 
 CIFAR = {
     # name: folder, train files, test file, label key, classes, mean, std
-    "cifar10": ("cifar-10-batches-py", [f"data_batch_{i}" for i in range(1, 6)], "test_batch",
-                b"labels", 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
-    "cifar100": ("cifar-100-python", ["train"], "test",
-                 b"fine_labels", 100, (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762)),
+    "cifar10": (
+        "cifar-10-batches-py",
+        [f"data_batch_{i}" for i in range(1, 6)],
+        "test_batch",
+        b"labels",
+        10,
+        (0.4914, 0.4822, 0.4465),
+        (0.2470, 0.2435, 0.2616),
+    ),
+    "cifar100": (
+        "cifar-100-python",
+        ["train"],
+        "test",
+        b"fine_labels",
+        100,
+        (0.5071, 0.4865, 0.4409),
+        (0.2673, 0.2564, 0.2762),
+    ),
 }
 
 
@@ -183,7 +197,7 @@ def write_cifar(parent: Path, name: str) -> Path:
         n = 3 if file == test_file else 2
         data = np.zeros((n, 3072), np.uint8)
         labels = []
-        for i in range(n):
+        for _i in range(n):
             labels.append(label % classes)
             label += 7
         batch = {b"batch_label": file.encode(), b"data": data, label_key: labels, b"filenames": []}
@@ -216,7 +230,12 @@ def test_cifar_loader_layout_and_normalization(tmp_path, name, point_at):
         assert x[0, c, 5, 9].item() == pytest.approx(-mean[c] / std[c], abs=1e-5)
     assert (x[-1] != x[0]).sum().item() == 1
     # bit for bit the float32 values of converting the whole set at load time, as before
-    before = ds.train_x.float().div_(255.0).sub_(torch.tensor(mean).view(1, 3, 1, 1)).div_(torch.tensor(std).view(1, 3, 1, 1))
+    before = (
+        ds.train_x.float()
+        .div_(255.0)
+        .sub_(torch.tensor(mean).view(1, 3, 1, 1))
+        .div_(torch.tensor(std).view(1, 3, 1, 1))
+    )
     assert torch.equal(x, before)
 
 
@@ -372,8 +391,22 @@ def test_shards_drop_the_remainder_when_not_divisible():
     assert len(np.unique(np.concatenate(parts))) == 996
 
 
-@pytest.mark.parametrize("scheme", ["dirichlet:0", "dirichlet:-1", "dirichlet:x", "dirichlet:nan",
-                                    "dirichlet", "shards:0", "shards:1.5", "shards:", "foo", "iid:2", ""])
+@pytest.mark.parametrize(
+    "scheme",
+    [
+        "dirichlet:0",
+        "dirichlet:-1",
+        "dirichlet:x",
+        "dirichlet:nan",
+        "dirichlet",
+        "shards:0",
+        "shards:1.5",
+        "shards:",
+        "foo",
+        "iid:2",
+        "",
+    ],
+)
 def test_bad_schemes_are_user_errors(scheme):
     with pytest.raises(UserError) as excinfo:
         partition(balanced_labels(), 5, scheme, seed=0)

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from test_data import write_fashion
 
 from splitlab.cli import main
 from splitlab.data import load_dataset
 from splitlab.data.download import FASHION_MNIST_FILES, download_fashion_mnist
 from splitlab.errors import UserError
-from test_data import write_fashion
 
 
 def test_download_then_load(tmp_path):

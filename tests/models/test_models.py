@@ -8,8 +8,14 @@ import torch
 from splitlab.errors import UserError
 from splitlab.models import build_model, model_names, split
 
-SHAPES = {"mlp": (1, 8, 8), "cnn": (1, 28, 28), "splitgp_cnn": (1, 28, 28), "vgg11": (3, 32, 32),
-          "resnet18": (3, 32, 32), "resnet50": (3, 32, 32)}
+SHAPES = {
+    "mlp": (1, 8, 8),
+    "cnn": (1, 28, 28),
+    "splitgp_cnn": (1, 28, 28),
+    "vgg11": (3, 32, 32),
+    "resnet18": (3, 32, 32),
+    "resnet50": (3, 32, 32),
+}
 
 
 @pytest.mark.parametrize("name", sorted(SHAPES))

@@ -45,8 +45,9 @@ GP = dict(algorithm="splitgp", cut=1, partition="shards:2")
 
 
 # --- training ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("opt", [dict(optimizer="sgd", lr=0.05), dict(optimizer="adam", lr=1e-3)],
-                         ids=lambda o: o["optimizer"])
+@pytest.mark.parametrize(
+    "opt", [dict(optimizer="sgd", lr=0.05), dict(optimizer="adam", lr=1e-3)], ids=lambda o: o["optimizer"]
+)
 @pytest.mark.parametrize("cut", [1, 2])
 def test_gamma0_lambda0_is_splitfed_v1(opt, cut):
     config = quick(partition="dirichlet:0.5", cut=cut, **opt)
@@ -73,10 +74,18 @@ def test_lambda_mixes_each_client_with_the_average_exactly():
         expected = {n: 0.5 * mine[n] + 0.5 * average[n] for n in mine}
         assert max_abs_difference(client_model(half, k).state_dict(), expected) <= 1e-7
         assert max_abs_difference(client_model(shared, k).state_dict(), average) == 0  # lambda = 0: all equal
-        assert max_abs_difference(client_model(shared, k, "aux_model").state_dict(),
-                                  sync_model(shared, "aux_model").state_dict()) == 0
-    assert max_abs_difference(client_model(own, 0, "aux_model").state_dict(),
-                              client_model(own, 1, "aux_model").state_dict()) > 1e-4
+        assert (
+            max_abs_difference(
+                client_model(shared, k, "aux_model").state_dict(), sync_model(shared, "aux_model").state_dict()
+            )
+            == 0
+        )
+    assert (
+        max_abs_difference(
+            client_model(own, 0, "aux_model").state_dict(), client_model(own, 1, "aux_model").state_dict()
+        )
+        > 1e-4
+    )
 
 
 def test_one_step_follows_the_multi_exit_objective():
@@ -101,9 +110,13 @@ def test_bytes_of_one_round_against_shapes():
     experiment = train(1, **quick(clients=3, **GP))
     phi, h, smashed, label = 13_000 * 4, 2_010 * 4, 200 * 4, 8
     assert experiment.ledger.state_dict() == {
-        "smashed": 300 * smashed, "labels": 300 * label, "cut_grad": 300 * smashed,
-        "client_model_up": 3 * phi, "aux_model_up": 3 * h,
-        "client_model_down": 2 * 3 * phi, "aux_model_down": 2 * 3 * h,  # initial copies + one mixing round
+        "smashed": 300 * smashed,
+        "labels": 300 * label,
+        "cut_grad": 300 * smashed,
+        "client_model_up": 3 * phi,
+        "aux_model_up": 3 * h,
+        "client_model_down": 2 * 3 * phi,
+        "aux_model_down": 2 * 3 * h,  # initial copies + one mixing round
     }
 
 
@@ -157,7 +170,8 @@ def test_deployed_gate_sends_the_routed_features_through_the_transport(transport
     assert torch.equal(predictions, torch.where(routed, server_logits.argmax(1), client_logits.argmax(1)))
     after = experiment.ledger.state_dict()  # the routed samples' features, and nothing else, were counted
     assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} == {
-        "smashed": int(routed.sum()) * 200 * 4}
+        "smashed": int(routed.sum()) * 200 * 4
+    }
 
 
 # --- the per-client evaluation ------------------------------------------------------------------------
@@ -172,8 +186,9 @@ def test_nested_view_holds_all_main_samples_and_rho_times_as_many_others():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("runs")
-    config = quick(clients=5, rounds=3, optimizer="sgd", lr=0.05, train_subset=500, test_subset=300,
-                   partition="shards:2")
+    config = quick(
+        clients=5, rounds=3, optimizer="sgd", lr=0.05, train_subset=500, test_subset=300, partition="shards:2"
+    )
     run({**config, "algorithm": "splitgp", "cut": 1, "out": str(root / "gp")}, progress=False)
     run({**config, "algorithm": "fedavg", "out": str(root / "fedavg")}, progress=False)
     return root
@@ -227,13 +242,17 @@ def test_evaluate_mistakes_exit_2(runs, tmp_path, capsys):
     assert all(line.startswith("error: ") for line in capsys.readouterr().err.strip().splitlines())
 
 
-@pytest.mark.parametrize("damage", [
-    ("clients.safetensors", b"not a safetensors file"),
-    ("weights.safetensors", None),  # missing
-    ("clients.safetensors", "other"),  # another run's tensors
-    ("config.yaml", b"algorithm: [splitgp"),
-    ("config.yaml", b"- a list"),
-], ids=["garbage", "missing", "foreign", "bad yaml", "not a mapping"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        ("clients.safetensors", b"not a safetensors file"),
+        ("weights.safetensors", None),  # missing
+        ("clients.safetensors", "other"),  # another run's tensors
+        ("config.yaml", b"algorithm: [splitgp"),
+        ("config.yaml", b"- a list"),
+    ],
+    ids=["garbage", "missing", "foreign", "bad yaml", "not a mapping"],
+)
 def test_damaged_run_files_are_one_line_errors(runs, tmp_path, capsys, damage):
     name, content = damage
     copy_of = tmp_path / "gp"
@@ -260,10 +279,12 @@ def test_zoo_sizes_match_the_paper():
 def test_table_one_for_the_paper_cnn_by_hand():
     # Fig. 3 settings: P_S = 100, P_C = 20, R = 1, beta = 0.1, |D| = 1.
     table = table_one(PAPER, 20, 100, 1, 0.1)
-    assert table["full model at client"] == dict(storage=3_868_170, computation=3_868_170, communication=0,
-                                                 latency=pytest.approx(193_408.5))
-    assert table["full model at server"] == dict(storage=0, computation=0, communication=784,
-                                                 latency=pytest.approx(784 + 38_681.7))
+    assert table["full model at client"] == dict(
+        storage=3_868_170, computation=3_868_170, communication=0, latency=pytest.approx(193_408.5)
+    )
+    assert table["full model at server"] == dict(
+        storage=0, computation=0, communication=784, latency=pytest.approx(784 + 38_681.7)
+    )
     gp = table["splitgp"]
     assert (gp["storage"], gp["computation"]) == (410_890, 410_890) and gp["communication"] == pytest.approx(230.4)
     assert gp["latency"] == pytest.approx(20_544.5 + 230.4 + 34_803.3 * 0.1)
@@ -321,18 +342,31 @@ def test_rate_threshold_is_a_lower_bound_when_numerator_and_denominator_are_nega
 
 def test_rho_that_cannot_be_met_says_why_and_what_to_do():
     labels = np.repeat(np.arange(5), 20)
-    with pytest.raises(UserError, match=r"rho=0.2 cannot be met on partition=iid: client 3 holds all 5 classes.*"
-                                        r"evaluate with rho=0, or train on a partition"):
-        nested_view(labels, np.arange(100), np.arange(5), 0.2, np.random.default_rng(0), who="client 3",
-                    partition="iid")
-    with pytest.raises(UserError, match=r"needs 72 out-of-distribution samples for a client, which has only 60 "
-                                        r"\(beside 40 of its own classes\); use rho <= 1.5"):
+    with pytest.raises(
+        UserError,
+        match=r"rho=0.2 cannot be met on partition=iid: client 3 holds all 5 classes.*"
+        r"evaluate with rho=0, or train on a partition",
+    ):
+        nested_view(
+            labels, np.arange(100), np.arange(5), 0.2, np.random.default_rng(0), who="client 3", partition="iid"
+        )
+    with pytest.raises(
+        UserError,
+        match=r"needs 72 out-of-distribution samples for a client, which has only 60 "
+        r"\(beside 40 of its own classes\); use rho <= 1.5",
+    ):
         nested_view(labels, np.arange(100), np.array([1, 3]), 1.8, np.random.default_rng(0))
 
 
 def test_evaluate_on_an_iid_run_explains_rho_in_one_line(tmp_path, capsys):
-    run({**quick(clients=2, rounds=1, train_subset=200, test_subset=100, partition="iid"), "algorithm": "fedavg",
-         "out": str(tmp_path / "iid")}, progress=False)
+    run(
+        {
+            **quick(clients=2, rounds=1, train_subset=200, test_subset=100, partition="iid"),
+            "algorithm": "fedavg",
+            "out": str(tmp_path / "iid"),
+        },
+        progress=False,
+    )
     capsys.readouterr()
     assert main(["evaluate", str(tmp_path / "iid"), "rho=0,0.2"]) == 2
     err = capsys.readouterr().err.strip()

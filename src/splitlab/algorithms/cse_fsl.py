@@ -31,15 +31,22 @@ from splitlab.transport import KEYED, verb
 class CSEFSLParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     server_update_interval: int = Field(
-        5, ge=1, description="q: a client sends smashed data + labels at every q-th local step (authors: 5)")
+        5, ge=1, description="q: a client sends smashed data + labels at every q-th local step (authors: 5)"
+    )
     aux: AuxKind = Field("stage", description="auxiliary model: linear | half | stage | full (FSL-SAGE App. D.4)")
 
 
 def initial_aux(blueprint: Blueprint) -> nn.Module:
     """The initial auxiliary model for this run's model, cut and seed."""
     cfg, params = blueprint.config, typing.cast(CSEFSLParams, blueprint.params)
-    return build_aux(params.aux, blueprint.new_model().cpu(), cfg.cut, blueprint.input_shape,
-                     seed=cfg.seed, dtype=blueprint.input_dtype).to(blueprint.device)
+    return build_aux(
+        params.aux,
+        blueprint.new_model().cpu(),
+        cfg.cut,
+        blueprint.input_shape,
+        seed=cfg.seed,
+        dtype=blueprint.input_dtype,
+    ).to(blueprint.device)
 
 
 class AuxiliaryFSL(Algorithm):

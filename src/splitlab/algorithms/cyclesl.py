@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.algorithms.psl import PersonalClients
-from splitlab.algorithms.sglr import SGLRParams, ServerWithOwnLR, average_cut_grads, averaged_clients
+from splitlab.algorithms.sglr import ServerWithOwnLR, SGLRParams, average_cut_grads, averaged_clients
 from splitlab.algorithms.sl import Relay
 from splitlab.roles import State, loss
 from splitlab.streams import register_stream
@@ -50,8 +50,15 @@ class CycleSGLRParams(CycleParams, SGLRParams):
 
 class CycleServer(ServerWithOwnLR[CycleParams]):
     @verb()
-    def cycle(self, rnd: int, features: list[torch.Tensor], labels: list[torch.Tensor], sizes: list[int],
-              first_client: int, averaged: list[int]) -> State:
+    def cycle(
+        self,
+        rnd: int,
+        features: list[torch.Tensor],
+        labels: list[torch.Tensor],
+        sizes: list[int],
+        first_client: int,
+        averaged: list[int],
+    ) -> State:
         """The server task on the pooled features, then each client's cut gradient from the frozen,
         updated server (averaged over the clients in `averaged`, as SGLR)."""
         losses = self.train_pooled(rnd, features, labels, sizes, first_client)
@@ -59,8 +66,9 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
             grads = [self.frozen_cut_grad(z, y) for z, y in zip(features, labels)]
         return {"cut_grads": average_cut_grads(grads, sizes, set(averaged)), "losses": losses}
 
-    def train_pooled(self, rnd: int, features: list[torch.Tensor], labels: list[torch.Tensor],
-                     sizes: list[int], first_client: int) -> list[torch.Tensor]:
+    def train_pooled(
+        self, rnd: int, features: list[torch.Tensor], labels: list[torch.Tensor], sizes: list[int], first_client: int
+    ) -> list[torch.Tensor]:
         """The higher-level task: resampled mini-batches of the pooled features, loss weighted by |D_k|."""
         x, y = torch.cat(features), torch.cat(labels)
         weight = torch.cat([torch.full((len(f),), float(n), device=x.device) for f, n in zip(features, sizes)])
@@ -89,13 +97,18 @@ class CycleSL(Algorithm):
     Server = CycleServer
 
     def cycle(self, rnd: int, clients: list[ClientInfo], averaged: Collection[int] = ()) -> None:
-        sent = [self.client(c.id).forward(0) for c in clients]                          # ClientFP
-        reply = self.server.cycle(rnd, [s["smashed"] for s in sent], [s["labels"] for s in sent],
-                                  [c.num_samples for c in clients], clients[0].id,   # server task,
-                                  sorted(averaged))                                   # ServerGrad
+        sent = [self.client(c.id).forward(0) for c in clients]  # ClientFP
+        reply = self.server.cycle(
+            rnd,
+            [s["smashed"] for s in sent],
+            [s["labels"] for s in sent],
+            [c.num_samples for c in clients],
+            clients[0].id,  # server task,
+            sorted(averaged),
+        )  # ServerGrad
         for value in reply["losses"]:
             self.track(value)
-        for client, grad in zip(clients, reply["cut_grads"]):                         # ClientBP
+        for client, grad in zip(clients, reply["cut_grads"]):  # ClientBP
             self.client(client.id).backward(0, grad)
 
 

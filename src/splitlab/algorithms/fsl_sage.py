@@ -45,16 +45,21 @@ STREAM_ALIGNMENT = register_stream("fsl_sage.alignment", 5)
 class FSLSAGEParams(CSEFSLParams):
     align_interval: int = Field(10, ge=1, description="l: align the auxiliary models every l rounds (authors: 10)")
     lazy_until: int | None = Field(
-        None, ge=0, description="T' of lazy FSL-SAGE: align only in rounds t < T' (default: every l-th round)")
+        None, ge=0, description="T' of lazy FSL-SAGE: align only in rounds t < T' (default: every l-th round)"
+    )
     align_buffer_size: int = Field(
-        1000, ge=1, description="(smashed, label) pairs the server keeps per client; the oldest go first (authors: 1000)")
+        1000,
+        ge=1,
+        description="(smashed, label) pairs the server keeps per client; the oldest go first (authors: 1000)",
+    )
     align_epochs: int = Field(5, ge=1, description="passes over a client's buffer per alignment (authors: 5)")
     align_batch_size: int = Field(100, ge=1, description="mini-batch of the alignment (authors: 100)")
     align_lr: float = Field(1e-3, gt=0, description="Adam learning rate of the alignment, without weight decay")
 
 
-def cut_gradient(model: nn.Module, smashed: torch.Tensor, labels: torch.Tensor,
-                 create_graph: bool = False) -> torch.Tensor:
+def cut_gradient(
+    model: nn.Module, smashed: torch.Tensor, labels: torch.Tensor, create_graph: bool = False
+) -> torch.Tensor:
     """d loss(model(z), y) / dz of the batch-mean loss, as a SplitFed server sends it back,
     leaving the model's buffers (BatchNorm statistics) as they are."""
     smashed = smashed.detach().requires_grad_()
@@ -72,7 +77,7 @@ class AlignmentBuffer:
         self.capacity, self.smashed, self.labels, self.received = capacity, smashed, labels, received
 
     def add(self, smashed: torch.Tensor, labels: torch.Tensor) -> None:
-        smashed, labels = smashed[-self.capacity:], labels[-self.capacity:]
+        smashed, labels = smashed[-self.capacity :], labels[-self.capacity :]
         grow = min(self.capacity - len(self.labels), len(labels))
         if grow:
             self.smashed = torch.cat([self.smashed, smashed[:grow]])
@@ -118,8 +123,7 @@ class SageServer(TrainingServer[FSLSAGEParams]):
     def learn_from(self, client_id: int, smashed: torch.Tensor, labels: torch.Tensor) -> State:
         reply = self.learn(smashed, labels)
         if client_id not in self.buffers:
-            self.buffers[client_id] = AlignmentBuffer(self.params.align_buffer_size,
-                                                      smashed[:0].detach(), labels[:0])
+            self.buffers[client_id] = AlignmentBuffer(self.params.align_buffer_size, smashed[:0].detach(), labels[:0])
         self.buffers[client_id].add(smashed.detach(), labels)
         return reply
 
@@ -167,19 +171,24 @@ class SageServer(TrainingServer[FSLSAGEParams]):
         buffer = self.buffers[client_id]
         target = self.buffer_gradients(self.model("server_model"), buffer.smashed, buffer.labels)
         estimate = self.buffer_gradients(self.aux_model(client_id), buffer.smashed, buffer.labels)
-        return float(((estimate - target) ** 2).sum() / (target ** 2).sum())
+        return float(((estimate - target) ** 2).sum() / (target**2).sum())
 
     @verb(up="checkpoint")
     def state_dict(self) -> State:
-        return {**super().state_dict(), "buffers": {k: b.state_dict() for k, b in self.buffers.items()},
-                "aux_models": {k: m.state_dict() for k, m in self.aux_models.items()}}
+        return {
+            **super().state_dict(),
+            "buffers": {k: b.state_dict() for k, b in self.buffers.items()},
+            "aux_models": {k: m.state_dict() for k, m in self.aux_models.items()},
+        }
 
     @verb(down="checkpoint")
     def load_state_dict(self, state: State) -> None:
         super().load_state_dict(state)
         capacity = self.params.align_buffer_size
-        self.buffers = {int(k): AlignmentBuffer(capacity, b["smashed"], b["labels"], int(b["received"]))
-                        for k, b in state["buffers"].items()}
+        self.buffers = {
+            int(k): AlignmentBuffer(capacity, b["smashed"], b["labels"], int(b["received"]))
+            for k, b in state["buffers"].items()
+        }
         for k, weights in state["aux_models"].items():
             self.aux_model(int(k)).load_state_dict(weights)
 

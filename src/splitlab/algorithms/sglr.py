@@ -30,10 +30,18 @@ STREAM_SUBSET = register_stream("sglr.averaged_clients", 3)
 
 class SGLRParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    server_lr: float | None = Field(None, gt=0, description="server-side learning rate (default: lr, the "
-                                                            "client-side one); SGLR's acceleration is a larger value")
-    average_fraction: float = Field(0.5, gt=0, le=1, description="fraction of the round's clients whose cut "
-                                                                 "gradients are averaged (0.5 in the CycleSL code)")
+    server_lr: float | None = Field(
+        None,
+        gt=0,
+        description="server-side learning rate (default: lr, the "
+        "client-side one); SGLR's acceleration is a larger value",
+    )
+    average_fraction: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="fraction of the round's clients whose cut gradients are averaged (0.5 in the CycleSL code)",
+    )
 
 
 def averaged_clients(ctx: Context, rnd: int, count: int, fraction: float) -> set[int]:
@@ -62,8 +70,14 @@ class ServerWithOwnLR(TrainingServer[ParamsT]):
 
 class SGLRServer(ServerWithOwnLR[SGLRParams]):
     @verb()
-    def lockstep(self, smashed: list[torch.Tensor], labels: list[torch.Tensor], alphas: list[float],
-                 sizes: list[int], averaged: list[int]) -> State:
+    def lockstep(
+        self,
+        smashed: list[torch.Tensor],
+        labels: list[torch.Tensor],
+        alphas: list[float],
+        sizes: list[int],
+        averaged: list[int],
+    ) -> State:
         """One server step on sum_k alpha_k loss_k; each client's cut gradient (averaged over a subset)."""
         for z in smashed:
             z.requires_grad_()
@@ -88,8 +102,13 @@ class SGLR(PersonalClients, Algorithm[SGLRParams]):
 
     def lockstep(self, step: int, clients: list[ClientInfo], averaged: set[int]) -> None:
         sent = [self.client(c.id).forward(step) for c in clients]
-        reply = self.server.lockstep([s["smashed"] for s in sent], [s["labels"] for s in sent],
-                                     self.ctx.weights(clients), [c.num_samples for c in clients], sorted(averaged))
+        reply = self.server.lockstep(
+            [s["smashed"] for s in sent],
+            [s["labels"] for s in sent],
+            self.ctx.weights(clients),
+            [c.num_samples for c in clients],
+            sorted(averaged),
+        )
         for client, grad in zip(clients, reply["cut_grads"]):
             self.client(client.id).backward(step, grad)
         self.track(reply["loss"])

@@ -44,8 +44,9 @@ class SplitGPParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     gamma: float = Field(0.5, ge=0, le=1, description="weight of the client-exit loss in eq. (5)")
-    personalization: float = Field(0.2, ge=0, le=1,
-                                   description="lambda of eqs. (9)-(10): share of phi_k, h_k kept after a round")
+    personalization: float = Field(
+        0.2, ge=0, le=1, description="lambda of eqs. (9)-(10): share of phi_k, h_k kept after a round"
+    )
 
 
 def exit_head(client_part: nn.Module, input_shape: tuple[int, ...], num_classes: int, seed: int) -> nn.Sequential:
@@ -58,8 +59,9 @@ def exit_head(client_part: nn.Module, input_shape: tuple[int, ...], num_classes:
 
 
 def initial_exit(blueprint: Blueprint) -> nn.Module:
-    return exit_head(blueprint.initial("client_model"), blueprint.input_shape, blueprint.num_classes,
-                     blueprint.config.seed).to(blueprint.device)
+    return exit_head(
+        blueprint.initial("client_model"), blueprint.input_shape, blueprint.num_classes, blueprint.config.seed
+    ).to(blueprint.device)
 
 
 def mix(own: nn.Module, average: dict[str, torch.Tensor], keep: float) -> None:
@@ -204,6 +206,9 @@ class SplitGP(Algorithm[SplitGPParams]):
 
     def client_weights(self) -> dict[str, torch.Tensor]:
         """phi_k and h_k of every client, as `client.<k>.<name>` and `exit.<k>.<name>`."""
-        return {f"{name}.{c.id}.{key}": t
-                for name, slot in (("client", "client_model"), ("exit", "aux_model")) for c in self.ctx.clients
-                for key, t in self.client(c.id).snapshot(slot).items()}
+        return {
+            f"{name}.{c.id}.{key}": t
+            for name, slot in (("client", "client_model"), ("exit", "aux_model"))
+            for c in self.ctx.clients
+            for key, t in self.client(c.id).snapshot(slot).items()
+        }

@@ -185,7 +185,8 @@ def _find_fashion_mnist(data_dir: Path | None) -> Path:
             return folder
     raise UserError(
         f"fashion_mnist files not found; looked in {_looked_in(candidates)}; get them with "
-        f"'apt-get install dataset-fashion-mnist', 'splitlab download fashion_mnist' (online), or pass data_dir=DIR holding "
+        f"'apt-get install dataset-fashion-mnist', 'splitlab download fashion_mnist' (online), "
+        f"or pass data_dir=DIR holding "
         f"{', '.join(_FASHION_FILES)} (gzipped or not)"
     )
 
@@ -208,8 +209,16 @@ def _read_fashion_mnist(folder: Path) -> tuple[torch.Tensor, ...]:
 
 def _load_fashion_mnist(data_dir: Path | None, seed: int) -> Dataset:
     train_x, train_y, test_x, test_y = _read_fashion_mnist(_find_fashion_mnist(data_dir))
-    return Dataset("fashion_mnist", train_x, train_y, test_x, test_y, 10, tuple(train_x.shape[1:]),
-                   prepare=functools.partial(scale_and_normalize, mean=(_FASHION_MEAN,), std=(_FASHION_STD,)))
+    return Dataset(
+        "fashion_mnist",
+        train_x,
+        train_y,
+        test_x,
+        test_y,
+        10,
+        tuple(train_x.shape[1:]),
+        prepare=functools.partial(scale_and_normalize, mean=(_FASHION_MEAN,), std=(_FASHION_STD,)),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,12 +239,24 @@ class _CifarFormat:
 
 _CIFAR = {
     "cifar10": _CifarFormat(
-        "cifar-10-batches-py", tuple(f"data_batch_{i}" for i in range(1, 6)), "test_batch",
-        b"labels", 10, "CIFAR-10", (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616),
+        "cifar-10-batches-py",
+        tuple(f"data_batch_{i}" for i in range(1, 6)),
+        "test_batch",
+        b"labels",
+        10,
+        "CIFAR-10",
+        (0.4914, 0.4822, 0.4465),
+        (0.2470, 0.2435, 0.2616),
     ),
     "cifar100": _CifarFormat(
-        "cifar-100-python", ("train",), "test",
-        b"fine_labels", 100, "CIFAR-100", (0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762),
+        "cifar-100-python",
+        ("train",),
+        "test",
+        b"fine_labels",
+        100,
+        "CIFAR-100",
+        (0.5071, 0.4865, 0.4409),
+        (0.2673, 0.2564, 0.2762),
     ),
 }
 
@@ -250,10 +271,7 @@ def _find_cifar(name: str, data_dir: Path | None) -> Path:
         missing[folder] = [f for f in files if not (folder / f).is_file()]
         if not missing[folder]:
             return folder
-    how = (
-        f"download the {fmt.title} python version from {_CIFAR_URL}, unpack it into DIR "
-        f"and pass data_dir=DIR"
-    )
+    how = f"download the {fmt.title} python version from {_CIFAR_URL}, unpack it into DIR and pass data_dir=DIR"
     if not candidates:
         raise UserError(f"{name} files not found; looked {_looked_in(candidates)}; {how}")
     closest = min(candidates, key=lambda c: len(missing[c]))
@@ -272,8 +290,7 @@ def _read_cifar_batch(path: Path, fmt: _CifarFormat) -> tuple[np.ndarray, np.nda
         raise UserError(f"cannot read {fmt.title} batch {path}: {type(e).__name__}: {e}") from None
     if data.ndim != 2 or data.shape[1] != 3072 or labels.shape != (len(data),):
         raise UserError(
-            f"{fmt.title} batch {path} has data {data.shape} and labels {labels.shape}; "
-            f"expected (N, 3072) and (N,)"
+            f"{fmt.title} batch {path} has data {data.shape} and labels {labels.shape}; expected (N, 3072) and (N,)"
         )
     if len(labels) and (labels.min() < 0 or labels.max() >= fmt.num_classes):
         raise UserError(f"{path} has a label outside 0..{fmt.num_classes - 1}")
@@ -296,8 +313,16 @@ def _cifar_loader(name: str) -> Callable[[Path | None, int], Dataset]:
     def load(data_dir: Path | None, seed: int) -> Dataset:
         train_x, train_y, test_x, test_y = _read_cifar(name, _find_cifar(name, data_dir))
         fmt = _CIFAR[name]
-        return Dataset(name, train_x, train_y, test_x, test_y, fmt.num_classes, (3, 32, 32),
-                       prepare=functools.partial(scale_and_normalize, mean=fmt.mean, std=fmt.std))
+        return Dataset(
+            name,
+            train_x,
+            train_y,
+            test_x,
+            test_y,
+            fmt.num_classes,
+            (3, 32, 32),
+            prepare=functools.partial(scale_and_normalize, mean=fmt.mean, std=fmt.std),
+        )
 
     return load
 
@@ -318,9 +343,12 @@ def _load_digits(data_dir: Path | None, seed: int) -> Dataset:
     mean, std = tr_x.mean(), tr_x.std()
     return Dataset(
         "digits",
-        torch.from_numpy((tr_x - mean) / std), torch.from_numpy(tr_y),
-        torch.from_numpy((te_x - mean) / std), torch.from_numpy(te_y),
-        10, (1, 8, 8),
+        torch.from_numpy((tr_x - mean) / std),
+        torch.from_numpy(tr_y),
+        torch.from_numpy((te_x - mean) / std),
+        torch.from_numpy(te_y),
+        10,
+        (1, 8, 8),
     )
 
 

@@ -48,8 +48,10 @@ def download_fashion_mnist(dest: Path | None = None, base_url: str = FASHION_MNI
             with urllib.request.urlopen(url, timeout=60) as response:
                 payload = response.read()
         except (urllib.error.URLError, OSError) as err:
-            raise UserError(f"could not download {url}: {getattr(err, 'reason', err)}; without a network, "
-                            f"install 'dataset-fashion-mnist' or pass data_dir=DIR with the four files") from None
+            raise UserError(
+                f"could not download {url}: {getattr(err, 'reason', err)}; without a network, "
+                f"install 'dataset-fashion-mnist' or pass data_dir=DIR with the four files"
+            ) from None
 
         try:
             parse_idx(gzip.decompress(payload), 3 if "images" in name else 1, url)

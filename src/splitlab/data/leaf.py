@@ -78,8 +78,9 @@ def read_split(folder: Path, convert: Callable) -> list[tuple[np.ndarray, np.nda
             for user, count in zip(content["users"], content["num_samples"], strict=True):
                 data = content["user_data"][user]
                 if not len(data["x"]) == len(data["y"]) == count:
-                    raise ValueError(f"user {user!r} has {len(data['x'])} x, {len(data['y'])} y "
-                                     f"and num_samples {count}")
+                    raise ValueError(
+                        f"user {user!r} has {len(data['x'])} x, {len(data['y'])} y and num_samples {count}"
+                    )
                 if count:
                     try:
                         users.append(convert(data["x"], data["y"], folder.parent))
@@ -138,14 +139,17 @@ def _celeba_images(folder: Path) -> Path:
     for candidate in candidates:
         if candidate.is_dir():
             return candidate
-    raise UserError(f"CelebA images not found; looked in {_looked_in(candidates)}; unpack LEAF's "
-                    f"img_align_celeba.zip there")
+    raise UserError(
+        f"CelebA images not found; looked in {_looked_in(candidates)}; unpack LEAF's img_align_celeba.zip there"
+    )
 
 
 def _shakespeare(x: list, y: list, folder: Path) -> tuple[np.ndarray, np.ndarray]:
     if any(len(s) != shakespeare.SEQ_LEN for s in x) or any(len(c) != 1 for c in y):
-        raise UserError(f"Shakespeare samples under {folder} must be {shakespeare.SEQ_LEN}-character "
-                        f"strings with one-character targets")
+        raise UserError(
+            f"Shakespeare samples under {folder} must be {shakespeare.SEQ_LEN}-character "
+            f"strings with one-character targets"
+        )
     windows = shakespeare.encode("".join(x)).reshape(-1, shakespeare.SEQ_LEN)
     return windows, shakespeare.encode("".join(y)).astype(np.int64)
 
@@ -163,14 +167,20 @@ def load_leaf(name: str, folder: Path) -> Dataset:
     (train_x, train_y), (test_x, test_y) = (zip(*read_split(folder / split, convert)) for split in ("train", "test"))
     labels = np.concatenate(train_y + test_y)
     if labels.min() < 0 or labels.max() >= num_classes:
-        raise UserError(f"{name} labels under {folder} must be in 0..{num_classes - 1}; found {labels.min()}..{labels.max()}")
+        raise UserError(
+            f"{name} labels under {folder} must be in 0..{num_classes - 1}; found {labels.min()}..{labels.max()}"
+        )
     sizes = np.cumsum([0] + [len(y) for y in train_y])
     groups = [np.arange(start, end) for start, end in zip(sizes[:-1], sizes[1:])]
     return Dataset(
         name,
-        torch.from_numpy(np.concatenate(train_x)), torch.from_numpy(np.concatenate(train_y)),
-        torch.from_numpy(np.concatenate(test_x)), torch.from_numpy(np.concatenate(test_y)),
-        num_classes, shape, groups,
+        torch.from_numpy(np.concatenate(train_x)),
+        torch.from_numpy(np.concatenate(train_y)),
+        torch.from_numpy(np.concatenate(test_x)),
+        torch.from_numpy(np.concatenate(test_y)),
+        num_classes,
+        shape,
+        groups,
     )
 
 

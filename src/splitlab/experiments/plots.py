@@ -51,8 +51,9 @@ def _over_seeds(an: Analysis) -> str:
 
 
 def _same_curve(a: tuple[list, list], b: tuple[list, list]) -> bool:
-    return len(a[0]) == len(b[0]) and all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12)
-                                          for u, v in zip(a, b) for x, y in zip(u, v))
+    return len(a[0]) == len(b[0]) and all(
+        math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for u, v in zip(a, b) for x, y in zip(u, v)
+    )
 
 
 def _save(fig, path: Path) -> Path:
@@ -83,8 +84,11 @@ class _Styler:
     def __call__(self, row: tuple) -> dict:
         same = [r for r in self.an.row_tuples if r[:1] == row[:1]]
         i = same.index(row) if row in same else 0
-        return {"color": self.color.get(row[:1], "C0"), "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
-                "marker": _MARKERS[i % len(_MARKERS)]}
+        return {
+            "color": self.color.get(row[:1], "C0"),
+            "linestyle": _LINESTYLES[i % len(_LINESTYLES)],
+            "marker": _MARKERS[i % len(_MARKERS)],
+        }
 
 
 def _curve(runs: list[RunData], x_of: Callable[[dict], float | None]) -> tuple[list, list, list]:
@@ -113,17 +117,23 @@ def _legend(fig, axes) -> None:
                 handles[lab] = h
                 labels.append(lab)
     if labels:
-        fig.legend([handles[lab] for lab in labels], labels, loc="center left",
-                   bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False)
+        fig.legend(
+            [handles[lab] for lab in labels],
+            labels,
+            loc="center left",
+            bbox_to_anchor=(1.0, 0.5),
+            fontsize=8,
+            frameon=False,
+        )
 
 
-def plot_curves(an: Analysis, path: Path, x_of: Callable[[dict], float | None], xlabel: str,
-                 title: str, logx: bool = False) -> Path:
+def plot_curves(
+    an: Analysis, path: Path, x_of: Callable[[dict], float | None], xlabel: str, title: str, logx: bool = False
+) -> Path:
     return _save(curves_figure(an, x_of, xlabel, title, logx), path)
 
 
-def curves_figure(an: Analysis, x_of: Callable[[dict], float | None], xlabel: str, title: str,
-                   logx: bool = False):
+def curves_figure(an: Analysis, x_of: Callable[[dict], float | None], xlabel: str, title: str, logx: bool = False):
     """One panel per table column, one curve per row; a curve equal to one drawn before it in the
     same panel (SFL-V1 under FedAvg vs rounds) is labelled "= <that one>" and drawn dashed on top."""
     fig, axes = _figure(len(an.col_tuples))
@@ -144,20 +154,50 @@ def curves_figure(an: Analysis, x_of: Callable[[dict], float | None], xlabel: st
             label = an.row_label(row)
             twin = next((name for name, curve in drawn if _same_curve(curve, (xs, ys))), None)
             if twin is not None:
-                ax.plot(xs, ys, label=f"{label} (= {twin}, identical)", color=st["color"], linestyle=(0, (2, 2)),
-                        marker=st["marker"], markersize=5, markerfacecolor="none", linewidth=2.2, zorder=3)
+                ax.plot(
+                    xs,
+                    ys,
+                    label=f"{label} (= {twin}, identical)",
+                    color=st["color"],
+                    linestyle=(0, (2, 2)),
+                    marker=st["marker"],
+                    markersize=5,
+                    markerfacecolor="none",
+                    linewidth=2.2,
+                    zorder=3,
+                )
             else:
-                ax.plot(xs, ys, label=label, color=st["color"], linestyle=st["linestyle"],
-                        marker=st["marker"], markersize=3, linewidth=1.4)
+                ax.plot(
+                    xs,
+                    ys,
+                    label=label,
+                    color=st["color"],
+                    linestyle=st["linestyle"],
+                    marker=st["marker"],
+                    markersize=3,
+                    linewidth=1.4,
+                )
             if any(ss):
-                ax.fill_between(xs, [y - s for y, s in zip(ys, ss)], [y + s for y, s in zip(ys, ss)],
-                                color=st["color"], alpha=0.15, linewidth=0)
+                ax.fill_between(
+                    xs,
+                    [y - s for y, s in zip(ys, ss)],
+                    [y + s for y, s in zip(ys, ss)],
+                    color=st["color"],
+                    alpha=0.15,
+                    linewidth=0,
+                )
             drawn.append((label, (xs, ys)))
         if logx and drawn:
             _log_x(ax)
         if not drawn:
-            ax.text(0.5, 0.5, "no data" + (" (no communication recorded)" if logx else ""),
-                    ha="center", va="center", transform=ax.transAxes)
+            ax.text(
+                0.5,
+                0.5,
+                "no data" + (" (no communication recorded)" if logx else ""),
+                ha="center",
+                va="center",
+                transform=ax.transAxes,
+            )
         ax.set_xlabel(xlabel)
         ax.set_ylabel("test accuracy (%)")
         if an.col_keys:
@@ -184,7 +224,7 @@ def plot_vs_cut(an: Analysis, path: Path) -> Path:
                 continue
             cut = an.group_runs(g)[0].config.get("cut")
             mean, std = mean_std(accs)
-            key = row[:cut_i] + row[cut_i + 1:] if cut_i is not None else row
+            key = row[:cut_i] + row[cut_i + 1 :] if cut_i is not None else row
             lines.setdefault(key, []).append((cut, mean, std or 0.0, row))
         all_cuts = sorted({p[0] for pts in lines.values() for p in pts if num(p[0]) is not None})
         for key, pts in lines.items():
@@ -193,9 +233,18 @@ def plot_vs_cut(an: Analysis, path: Path) -> Path:
             numeric = [p for p in pts if num(p[0]) is not None]
             if len(numeric) >= 2 or (numeric and len(all_cuts) <= 1):
                 numeric.sort(key=lambda p: p[0])
-                ax.errorbar([p[0] for p in numeric], [p[1] for p in numeric], yerr=[p[2] for p in numeric],
-                            label=label, color=st["color"], linestyle=st["linestyle"], marker=st["marker"],
-                            capsize=3, linewidth=1.4, markersize=4)
+                ax.errorbar(
+                    [p[0] for p in numeric],
+                    [p[1] for p in numeric],
+                    yerr=[p[2] for p in numeric],
+                    label=label,
+                    color=st["color"],
+                    linestyle=st["linestyle"],
+                    marker=st["marker"],
+                    capsize=3,
+                    linewidth=1.4,
+                    markersize=4,
+                )
             else:  # one point (e.g. FedAvg, which has no cut): a horizontal reference line
                 _, mean, std, _ = pts[0]
                 ax.axhline(mean, color=st["color"], linestyle="--", linewidth=1.2, label=f"{label} (no cut)")
@@ -216,7 +265,7 @@ def plot_vs_cut(an: Analysis, path: Path) -> Path:
 
 
 def _line_label(an: Analysis, key: tuple, cut_i: int) -> str:
-    keys = an.row_keys[:cut_i] + an.row_keys[cut_i + 1:]
+    keys = an.row_keys[:cut_i] + an.row_keys[cut_i + 1 :]
     if not keys:
         return "all"
     head = str(key[0]) if keys[0] == "algorithm" else f"{keys[0]}={key[0]}"
@@ -227,15 +276,21 @@ def _line_label(an: Analysis, key: tuple, cut_i: int) -> str:
 def _partitions(an: Analysis) -> list[tuple[str, RunData]]:
     """One run per distinct (dataset, partition, clients), preferring the smallest seed."""
     chosen: dict[tuple, RunData] = {}
+
     def seed_order(run: RunData) -> tuple:
         seed = run.config.get("seed")
         return (0, seed, run.name) if isinstance(seed, int) else (1, 0, run.name)
 
     for run in sorted((r for r in an.runs if r.partition), key=seed_order):
         cfg = run.config
-        key = (hashable(cfg.get("dataset")), hashable(cfg.get("partition")), hashable(cfg.get("clients")),
-               hashable(cfg.get("train_subset")))
+        key = (
+            hashable(cfg.get("dataset")),
+            hashable(cfg.get("partition")),
+            hashable(cfg.get("clients")),
+            hashable(cfg.get("train_subset")),
+        )
         chosen.setdefault(key, run)
+
     def panel_order(run: RunData) -> tuple:
         return tuple(_position(an, k, run.config.get(k)) for k in ("dataset", "partition", "clients"))
 
@@ -274,8 +329,15 @@ def plot_partitions(an: Analysis, path: Path) -> Path | None:
         bottom = np.zeros(k)
         x = np.arange(k)
         for j in range(c):
-            ax.bar(x, counts[:, j], bottom=bottom, color=colors[j], width=0.85 if k < 60 else 1.0,
-                   label=f"class {j}" if c <= 20 else None, linewidth=0)
+            ax.bar(
+                x,
+                counts[:, j],
+                bottom=bottom,
+                color=colors[j],
+                width=0.85 if k < 60 else 1.0,
+                label=f"class {j}" if c <= 20 else None,
+                linewidth=0,
+            )
             bottom += counts[:, j]
         ax.set_xlabel("client")
         ax.set_ylabel("training samples")

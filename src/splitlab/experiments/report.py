@@ -67,8 +67,9 @@ def _warn_stderr(message: str) -> None:
     print(f"warning: {message}", file=sys.stderr)
 
 
-def write_report(sweep_dir: str | os.PathLike, target_accuracy: float | None = None,
-                 warn: Callable[[str], None] = _warn_stderr) -> Path:
+def write_report(
+    sweep_dir: str | os.PathLike, target_accuracy: float | None = None, warn: Callable[[str], None] = _warn_stderr
+) -> Path:
     """Write results.csv, report.md and plots/*.png into `sweep_dir`; return report.md's path.
 
     `target_accuracy` (a fraction, e.g. 0.8) is the accuracy for the "GiB / rounds to target"
@@ -83,19 +84,40 @@ def write_report(sweep_dir: str | os.PathLike, target_accuracy: float | None = N
         if run.status == "unreadable":
             warn(f"{run.path}: {run.error}; left out of the tables and plots")
     if not an.runs:
-        raise UserError(f"{path} holds no runs (subdirectories with config.yaml or summary.json, "
-                        f"or a {SNAPSHOT} from `splitlab sweep`)")
+        raise UserError(
+            f"{path} holds no runs (subdirectories with config.yaml or summary.json, "
+            f"or a {SNAPSHOT} from `splitlab sweep`)"
+        )
     _write_csv(an, path / RESULTS)
 
     plots: list[tuple[str, Path]] = []
     if an.finished:
         plot_dir = path / PLOTS
-        plots.append(("Test accuracy vs round", plot_curves(
-            an, plot_dir / "accuracy_vs_round.png", lambda m: num(m.get("round")), "round",
-            "Test accuracy vs round")))
-        plots.append(("Test accuracy vs communication", plot_curves(
-            an, plot_dir / "accuracy_vs_gib.png", row_gib, "communication (GiB, cumulative, log scale)",
-            "Test accuracy vs GiB communicated", logx=True)))
+        plots.append(
+            (
+                "Test accuracy vs round",
+                plot_curves(
+                    an,
+                    plot_dir / "accuracy_vs_round.png",
+                    lambda m: num(m.get("round")),
+                    "round",
+                    "Test accuracy vs round",
+                ),
+            )
+        )
+        plots.append(
+            (
+                "Test accuracy vs communication",
+                plot_curves(
+                    an,
+                    plot_dir / "accuracy_vs_gib.png",
+                    row_gib,
+                    "communication (GiB, cumulative, log scale)",
+                    "Test accuracy vs GiB communicated",
+                    logx=True,
+                ),
+            )
+        )
         if any("cut" in r.config for r in an.finished):
             plots.append(("Final test accuracy vs cut layer", plot_vs_cut(an, plot_dir / "accuracy_vs_cut.png")))
         part = plot_partitions(an, plot_dir / "label_distribution.png")

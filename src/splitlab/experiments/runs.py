@@ -24,9 +24,20 @@ CONFIG_COLUMNS = ("algorithm", "dataset", "model", "cut", "partition", "clients"
 
 #: metric columns of results.csv, then one `bytes_<kind>` column per message kind
 METRIC_COLUMNS = (
-    "rounds_completed", "final_accuracy", "best_accuracy", "best_round", "final_loss",
-    "final_f1", "final_mcc", "total_bytes", "total_gib", "wall_seconds", "stopped_by",
-    "target_accuracy", "rounds_to_target", "gib_to_target",
+    "rounds_completed",
+    "final_accuracy",
+    "best_accuracy",
+    "best_round",
+    "final_loss",
+    "final_f1",
+    "final_mcc",
+    "total_bytes",
+    "total_gib",
+    "wall_seconds",
+    "stopped_by",
+    "target_accuracy",
+    "rounds_to_target",
+    "gib_to_target",
 )
 
 
@@ -69,8 +80,9 @@ def _read_summary(path: Path) -> tuple[dict | None, str | None]:
         return None, f"{path.name} is not valid JSON ({str(e).splitlines()[0]}); truncated or corrupt"
     if not isinstance(value, dict):
         return None, f"{path.name} is not a JSON object"
-    bad = [k for k in METRIC_COLUMNS if k in value and value[k] is not None and k != "stopped_by"
-           and num(value[k]) is None]
+    bad = [
+        k for k in METRIC_COLUMNS if k in value and value[k] is not None and k != "stopped_by" and num(value[k]) is None
+    ]
     if bad:
         return None, f"{path.name} has non-numeric {', '.join(bad)}"
     return value, None
@@ -131,13 +143,15 @@ def _load_run(path: Path, planned: dict | None) -> RunData:
         error = (path / ERROR_FILE).read_text(encoding="utf-8", errors="replace")
     else:
         status = "incomplete"
-    return RunData(path.name, path, status, config, summary, metrics,
-                   partition if isinstance(partition, dict) else None, error)
+    return RunData(
+        path.name, path, status, config, summary, metrics, partition if isinstance(partition, dict) else None, error
+    )
 
 
 def _is_run_dir(path: Path) -> bool:
-    return path.is_dir() and any((path / f).exists() for f in
-                                 ("config.yaml", "summary.json", "metrics.jsonl", CHECKPOINT, ERROR_FILE))
+    return path.is_dir() and any(
+        (path / f).exists() for f in ("config.yaml", "summary.json", "metrics.jsonl", CHECKPOINT, ERROR_FILE)
+    )
 
 
 def load_runs(sweep_dir: Path) -> tuple[list[RunData], dict]:

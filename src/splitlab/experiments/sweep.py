@@ -9,6 +9,7 @@ in `failures.json`; the others go on, and `SweepFailed` is raised at the end.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
 import logging
 import multiprocessing
@@ -33,11 +34,20 @@ from splitlab.experiments.grid import (
 )
 from splitlab.io import write_text
 
-__all__ = ["ERROR_FILE", "FAILURES", "SNAPSHOT", "SweepFailed", "available_cpus", "check_target", "expand_sweep",
-           "load_sweep", "run_name", "run_sweep"]
+__all__ = [
+    "ERROR_FILE",
+    "FAILURES",
+    "SNAPSHOT",
+    "SweepFailed",
+    "available_cpus",
+    "check_target",
+    "expand_sweep",
+    "load_sweep",
+    "run_name",
+    "run_sweep",
+]
 
 log = logging.getLogger(__name__)
-
 
 
 SNAPSHOT = "sweep.yaml"  # copy of the expanded sweep, written into the sweep directory
@@ -126,10 +136,8 @@ def _init_worker(threads: int) -> None:
     import torch
 
     torch.set_num_threads(threads)
-    try:
+    with contextlib.suppress(RuntimeError):  # already set, or parallel work already started
         torch.set_num_interop_threads(1)
-    except RuntimeError:  # already set or parallel work already started
-        pass
 
 
 def _run_in_worker(name: str, config: dict) -> tuple[str, dict | None, str | None, float]:
@@ -156,8 +164,9 @@ def _describe(summary: dict | None) -> str:
     return ", ".join(parts) or "done"
 
 
-def run_sweep(path: str | os.PathLike | Mapping, out: str | os.PathLike | None = None,
-              jobs: int = 1, progress: bool = True) -> Path:
+def run_sweep(
+    path: str | os.PathLike | Mapping, out: str | os.PathLike | None = None, jobs: int = 1, progress: bool = True
+) -> Path:
     """Run every grid point of a sweep file that has not finished; return the sweep directory.
 
     Finished runs (with `summary.json`) are skipped; the others are started, or resumed from
@@ -179,10 +188,11 @@ def run_sweep(path: str | os.PathLike | Mapping, out: str | os.PathLike | None =
     _write_snapshot(sweep_dir, spec, where, runs)
     # seed-major order, so that an interrupted sweep has every configuration's first seeds
     seed_axis = spec["axes"].get("seed")
-    order = {p.name: (seed_axis.index(p.axis_values["seed"]) if seed_axis else 0, i)
-             for i, p in enumerate(runs)}
-    pending = sorted(((p.name, p.config) for p in runs if not (sweep_dir / p.name / "summary.json").is_file()),
-                     key=lambda nc: order[nc[0]])
+    order = {p.name: (seed_axis.index(p.axis_values["seed"]) if seed_axis else 0, i) for i, p in enumerate(runs)}
+    pending = sorted(
+        ((p.name, p.config) for p in runs if not (sweep_dir / p.name / "summary.json").is_file()),
+        key=lambda nc: order[nc[0]],
+    )
     total, skipped = len(runs), len(runs) - len(pending)
 
     console = None
@@ -190,9 +200,11 @@ def run_sweep(path: str | os.PathLike | Mapping, out: str | os.PathLike | None =
         from rich.console import Console
 
         console = Console(stderr=True, highlight=False)
-        console.print(f"sweep {where}: {total} runs in {sweep_dir}"
-                      + (f", {skipped} already finished" if skipped else "")
-                      + (f", {len(pending)} to run with {_plural(min(jobs, len(pending)), 'job')}" if pending else ""))
+        console.print(
+            f"sweep {where}: {total} runs in {sweep_dir}"
+            + (f", {skipped} already finished" if skipped else "")
+            + (f", {len(pending)} to run with {_plural(min(jobs, len(pending)), 'job')}" if pending else "")
+        )
 
     failures: dict[str, str] = {}
     done = 0
@@ -229,8 +241,9 @@ def run_sweep(path: str | os.PathLike | Mapping, out: str | os.PathLike | None =
     elif pending:
         threads = max(1, available_cpus() // workers)
         ctx = multiprocessing.get_context("spawn")
-        pool = cf.ProcessPoolExecutor(max_workers=workers, mp_context=ctx,
-                                      initializer=_init_worker, initargs=(threads,))
+        pool = cf.ProcessPoolExecutor(
+            max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(threads,)
+        )
         try:
             futures = {pool.submit(_run_in_worker, n, c): n for n, c in pending}
             for fut in cf.as_completed(futures):

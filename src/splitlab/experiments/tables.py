@@ -26,8 +26,18 @@ RESULTS = "results.csv"
 PLOTS = "plots"
 
 
-_FIXED_SHOWN = ("dataset", "model", "partition", "clients", "rounds", "local_epochs", "batch_size",
-                "optimizer", "lr", "train_subset")
+_FIXED_SHOWN = (
+    "dataset",
+    "model",
+    "partition",
+    "clients",
+    "rounds",
+    "local_epochs",
+    "batch_size",
+    "optimizer",
+    "lr",
+    "train_subset",
+)
 
 
 def _decimals_for(values: list[float]) -> int:
@@ -62,8 +72,17 @@ def _format_cell(values: list[float], decimals: int | None, scale: float, as_byt
     return text, float(f"{mean:.{d}f}")
 
 
-def _metric_table(an: Analysis, column: str, header: str, *, scale: float = 1.0, decimals: int | None = 2,
-                  higher_is_better: bool = True, partial_ok: bool = False, as_bytes: bool = False) -> str:
+def _metric_table(
+    an: Analysis,
+    column: str,
+    header: str,
+    *,
+    scale: float = 1.0,
+    decimals: int | None = 2,
+    higher_is_better: bool = True,
+    partial_ok: bool = False,
+    as_bytes: bool = False,
+) -> str:
     """Markdown table of `column` from the result rows: rows x columns of the layout."""
     grid: dict[tuple, dict[tuple, _Cell]] = {}
     for row in an.row_tuples:
@@ -87,8 +106,10 @@ def _metric_table(an: Analysis, column: str, header: str, *, scale: float = 1.0,
     common_n = ns.most_common(1)[0][0] if ns else 0
     marks: dict[tuple, dict[tuple, str]] = {}
     for col in an.col_tuples:
-        ranked = sorted({c[col].rank_value for c in grid.values() if col in c and c[col].rank_value is not None},
-                        reverse=higher_is_better)
+        ranked = sorted(
+            {c[col].rank_value for c in grid.values() if col in c and c[col].rank_value is not None},
+            reverse=higher_is_better,
+        )
         for row, cols in grid.items():
             cell = cols.get(col)
             if cell is None or cell.rank_value is None:
@@ -100,8 +121,7 @@ def _metric_table(an: Analysis, column: str, header: str, *, scale: float = 1.0,
 
     head = "method" if an.row_keys[:1] == ["algorithm"] else (" / ".join(an.row_keys) or "runs")
     col_names = [_md(an.col_label(c)) for c in an.col_tuples] if an.col_keys else [header]
-    lines = ["| " + " | ".join([head] + col_names) + " |",
-             "|" + "---|" + "---:|" * len(an.col_tuples)]
+    lines = ["| " + " | ".join([head] + col_names) + " |", "|" + "---|" + "---:|" * len(an.col_tuples)]
     for row in an.row_tuples:
         cells = []
         for col in an.col_tuples:
@@ -126,8 +146,11 @@ def markdown(an: Analysis, path: Path, plots: list[tuple[str, Path]]) -> str:
     out = [f"# Sweep report: {title}", ""]
     if an.snapshot.get("description"):
         out += [str(an.snapshot["description"]).strip(), ""]
-    status = ", ".join(f"{counts[s]} {s if s != 'pending' else 'not started'}"
-                       for s in ("finished", "incomplete", "failed", "unreadable", "pending") if counts[s])
+    status = ", ".join(
+        f"{counts[s]} {s if s != 'pending' else 'not started'}"
+        for s in ("finished", "incomplete", "failed", "unreadable", "pending")
+        if counts[s]
+    )
     out += [f"{len(an.runs)} runs in `{path}`: {status}. One row per run in [`{RESULTS}`]({RESULTS}).", ""]
     if not an.finished:
         out += ["No run has finished yet; tables and plots appear once runs finish.", ""]
@@ -136,8 +159,9 @@ def markdown(an: Analysis, path: Path, plots: list[tuple[str, Path]]) -> str:
 
     seeds = Counter(len(idx) for idx in an.groups.values())
     common_n = seeds.most_common(1)[0][0]
-    n_text = (f"n = {common_n} seed{'s' if common_n != 1 else ''} per cell" +
-              (" unless marked (n=...)" if len(seeds) > 1 else ""))
+    n_text = f"n = {common_n} seed{'s' if common_n != 1 else ''} per cell" + (
+        " unless marked (n=...)" if len(seeds) > 1 else ""
+    )
     fixed = []
     common_cfg = an.finished[0].config
     for key in _FIXED_SHOWN:
@@ -156,23 +180,61 @@ def markdown(an: Analysis, path: Path, plots: list[tuple[str, Path]]) -> str:
     if fixed:
         out += ["Common settings: " + ", ".join(f"`{f}`" for f in fixed) + ".", ""]
 
-    out += ["## Final test accuracy (%)", "", "Test accuracy after the last round.", "",
-            _metric_table(an, "final_accuracy", "final accuracy (%)", scale=100.0), ""]
-    out += ["## Best test accuracy (%)", "", "Highest test accuracy over the evaluated rounds.", "",
-            _metric_table(an, "best_accuracy", "best accuracy (%)", scale=100.0), ""]
+    out += [
+        "## Final test accuracy (%)",
+        "",
+        "Test accuracy after the last round.",
+        "",
+        _metric_table(an, "final_accuracy", "final accuracy (%)", scale=100.0),
+        "",
+    ]
+    out += [
+        "## Best test accuracy (%)",
+        "",
+        "Highest test accuracy over the evaluated rounds.",
+        "",
+        _metric_table(an, "best_accuracy", "best accuracy (%)", scale=100.0),
+        "",
+    ]
     if an.target is not None:
         t = f"{100 * an.target:.4g}%"
-        out += [f"## Communication to reach {t} test accuracy", "",
-                f"Target {t} ({an.target_source}). Cumulative bytes (all message kinds; KiB/MiB/GiB are 2^10/2^20/2^30) at the "
-                f"first evaluated round whose test accuracy is >= the target; lower is better. "
-                f"\"k/n reached\": only k of the n seeds got there (mean over those; not ranked).", "",
-                _metric_table(an, "gib_to_target", "communication to target", scale=GIB, higher_is_better=False,
-                              partial_ok=True, as_bytes=True), ""]
-        out += [f"## Rounds to reach {t} test accuracy", "",
-                "First evaluated round whose test accuracy is >= the target; lower is better.", "",
-                _metric_table(an, "rounds_to_target", "rounds to target", decimals=1, higher_is_better=False, partial_ok=True), ""]
-    out += ["## Total communication", "", "Cumulative bytes communicated over the whole run.", "",
-            _metric_table(an, "total_gib", "total communication", scale=GIB, higher_is_better=False, as_bytes=True), ""]
+        out += [
+            f"## Communication to reach {t} test accuracy",
+            "",
+            f"Target {t} ({an.target_source}). Cumulative bytes (all message kinds; KiB/MiB/GiB are "
+            f"2^10/2^20/2^30) at the "
+            f"first evaluated round whose test accuracy is >= the target; lower is better. "
+            f'"k/n reached": only k of the n seeds got there (mean over those; not ranked).',
+            "",
+            _metric_table(
+                an,
+                "gib_to_target",
+                "communication to target",
+                scale=GIB,
+                higher_is_better=False,
+                partial_ok=True,
+                as_bytes=True,
+            ),
+            "",
+        ]
+        out += [
+            f"## Rounds to reach {t} test accuracy",
+            "",
+            "First evaluated round whose test accuracy is >= the target; lower is better.",
+            "",
+            _metric_table(
+                an, "rounds_to_target", "rounds to target", decimals=1, higher_is_better=False, partial_ok=True
+            ),
+            "",
+        ]
+    out += [
+        "## Total communication",
+        "",
+        "Cumulative bytes communicated over the whole run.",
+        "",
+        _metric_table(an, "total_gib", "total communication", scale=GIB, higher_is_better=False, as_bytes=True),
+        "",
+    ]
     if plots:
         out += ["## Plots", ""]
         for caption, p in plots:
@@ -195,6 +257,7 @@ def _unfinished(an: Analysis) -> list[str]:
             note = lines[-1].strip() if lines else "failed"
         elif run.status == "incomplete":
             note = "resumes from its checkpoint" if (run.path / CHECKPOINT).exists() else "in progress or interrupted"
-        out.append(f"| {_md(run.name)} | {run.status if run.status != 'pending' else 'not started'} | {done} | "
-                   f"{_md(note)} |")
+        out.append(
+            f"| {_md(run.name)} | {run.status if run.status != 'pending' else 'not started'} | {done} | {_md(note)} |"
+        )
     return out + [""]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from splitlab.errors import UserError
-from splitlab.models.staged import StagedModel, output_shape, split
 from splitlab.models.leaf import LEAF_MODELS
+from splitlab.models.staged import StagedModel, output_shape, split
 from splitlab.models.zoo import MODELS
 
 MODELS.update(LEAF_MODELS)  # lstm, celeba_cnn, resnet9 (models/leaf.py builds on the zoo's blocks)

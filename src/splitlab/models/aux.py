@@ -36,8 +36,14 @@ AuxKind = Literal["linear", "half", "stage", "full"]
 AUX_KINDS: tuple[str, ...] = ("linear", "half", "stage", "full")
 
 
-def build_aux(kind: str, model: nn.Sequential, cut: int, input_shape: tuple[int, ...],
-              seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequential:
+def build_aux(
+    kind: str,
+    model: nn.Sequential,
+    cut: int,
+    input_shape: tuple[int, ...],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Sequential:
     """The `kind` auxiliary model for `model` (a freshly built StagedModel) split at `cut`."""
     if kind not in AUX_KINDS:
         raise UserError(f"unknown aux {kind!r}; available: {', '.join(AUX_KINDS)}")
@@ -60,18 +66,22 @@ def build_aux(kind: str, model: nn.Sequential, cut: int, input_shape: tuple[int,
     return body
 
 
-def smashed_shape(model: nn.Sequential, cut: int, input_shape: tuple[int, ...],
-                  dtype: torch.dtype = torch.float32) -> tuple[int, ...]:
+def smashed_shape(
+    model: nn.Sequential, cut: int, input_shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+) -> tuple[int, ...]:
     """Shape of one sample's cut-layer activations (a dry run of the client part, on the CPU)."""
     return output_shape(split(model, cut)[0], input_shape, dtype)
 
 
 def _halved(stages: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
-    residual = [name for name, stage in stages
-                if isinstance(stage, nn.Sequential) and all(isinstance(b, (BasicBlock, Bottleneck)) for b in stage)]
+    residual = [
+        name
+        for name, stage in stages
+        if isinstance(stage, nn.Sequential) and all(isinstance(b, (BasicBlock, Bottleneck)) for b in stage)
+    ]
     if residual and len(residual) == len(stages):
-        return [(name, stage[:math.ceil(len(stage) / 2)]) for name, stage in stages]
-    return stages[:math.ceil(len(stages) / 2)]
+        return [(name, stage[: math.ceil(len(stage) / 2)]) for name, stage in stages]
+    return stages[: math.ceil(len(stages) / 2)]
 
 
 def _head(features: tuple[int, ...], logits: tuple[int, ...]) -> nn.Module:

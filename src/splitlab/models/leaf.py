@@ -45,11 +45,14 @@ def lstm(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
     """
     if len(input_shape) != 1:
         raise RuntimeError("lstm takes sequences of token ids, input shape (T,)")
-    return StagedModel(OrderedDict(
-        embed=TokenEmbedding(num_classes, 8),
-        lstm=LastStep(8, 256, layers=2),
-        out=nn.Linear(256, num_classes),
-    ), cut_stages={1: 2})
+    return StagedModel(
+        OrderedDict(
+            embed=TokenEmbedding(num_classes, 8),
+            lstm=LastStep(8, 256, layers=2),
+            out=nn.Linear(256, num_classes),
+        ),
+        cut_stages={1: 2},
+    )
 
 
 class ImageBytes(nn.Module):
@@ -87,15 +90,17 @@ def resnet9(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
     in the paper's Table 5; its default split is cut 3 (conv1, conv2, res1 on the client).
 
     The head max-pools globally, which is the original MaxPool2d(4) for 32x32 inputs."""
-    return StagedModel(OrderedDict(
-        conv1=_block(input_shape[0], 64, pool=False),
-        conv2=_block(64, 128, pool=True),
-        res1=Residual(128),
-        conv3=_block(128, 256, pool=True),
-        conv4=_block(256, 512, pool=True),
-        res2=Residual(512),
-        head=nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)),
-    ))
+    return StagedModel(
+        OrderedDict(
+            conv1=_block(input_shape[0], 64, pool=False),
+            conv2=_block(64, 128, pool=True),
+            res1=Residual(128),
+            conv3=_block(128, 256, pool=True),
+            conv4=_block(256, 512, pool=True),
+            res2=Residual(512),
+            head=nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(512, num_classes)),
+        )
+    )
 
 
 LEAF_MODELS = {"lstm": lstm, "celeba_cnn": celeba_cnn, "resnet9": resnet9}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Callable
+from collections.abc import Callable
 
 from torch import nn
 
@@ -22,15 +22,18 @@ def _flat_size(shape: tuple[int, ...]) -> int:
 
 def mlp(input_shape: tuple[int, ...], num_classes: int, hidden: int = 200) -> StagedModel:
     """Two hidden layers of 200 (McMahan et al.'s MNIST MLP); cuts 1..2."""
-    return StagedModel(OrderedDict(
-        fc1=nn.Sequential(nn.Flatten(), nn.Linear(_flat_size(input_shape), hidden), nn.ReLU()),
-        fc2=nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()),
-        out=nn.Linear(hidden, num_classes),
-    ))
+    return StagedModel(
+        OrderedDict(
+            fc1=nn.Sequential(nn.Flatten(), nn.Linear(_flat_size(input_shape), hidden), nn.ReLU()),
+            fc2=nn.Sequential(nn.Linear(hidden, hidden), nn.ReLU()),
+            out=nn.Linear(hidden, num_classes),
+        )
+    )
 
 
-def _conv_block(c_in: int, c_out: int, kernel: int, pool: bool, batch_norm: bool = False,
-                ceil_pool: bool = False) -> nn.Sequential:
+def _conv_block(
+    c_in: int, c_out: int, kernel: int, pool: bool, batch_norm: bool = False, ceil_pool: bool = False
+) -> nn.Sequential:
     layers: list[nn.Module] = [nn.Conv2d(c_in, c_out, kernel, padding=kernel // 2)]
     if batch_norm:
         layers.append(nn.BatchNorm2d(c_out))
@@ -47,11 +50,13 @@ def cnn(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
         conv2=_conv_block(32, 64, 5, pool=True),
     )
     features = _flat_size(output_shape(nn.Sequential(convs), input_shape))
-    return StagedModel(OrderedDict(
-        **convs,
-        fc1=nn.Sequential(nn.Flatten(), nn.Linear(features, 2048), nn.ReLU()),
-        out=nn.Linear(2048, num_classes),
-    ))
+    return StagedModel(
+        OrderedDict(
+            **convs,
+            fc1=nn.Sequential(nn.Flatten(), nn.Linear(features, 2048), nn.ReLU()),
+            out=nn.Linear(2048, num_classes),
+        )
+    )
 
 
 def splitgp_cnn(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
@@ -69,12 +74,14 @@ def splitgp_cnn(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
         conv5=_conv_block(256, 256, 3, pool=False),
     )
     features = _flat_size(output_shape(nn.Sequential(convs), input_shape))
-    return StagedModel(OrderedDict(
-        **convs,
-        fc1=nn.Sequential(nn.Flatten(), nn.Linear(features, 1024), nn.ReLU()),
-        fc2=nn.Sequential(nn.Linear(1024, 512), nn.ReLU()),
-        out=nn.Linear(512, num_classes),
-    ))
+    return StagedModel(
+        OrderedDict(
+            **convs,
+            fc1=nn.Sequential(nn.Flatten(), nn.Linear(features, 1024), nn.ReLU()),
+            fc2=nn.Sequential(nn.Linear(1024, 512), nn.ReLU()),
+            out=nn.Linear(512, num_classes),
+        )
+    )
 
 
 def vgg11(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
@@ -89,8 +96,7 @@ def vgg11(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
         if width == "M":
             continue
         pool = i + 1 < len(widths) and widths[i + 1] == "M"
-        stages[f"conv{len(stages) + 1}"] = _conv_block(c_in, int(width), 3, pool=pool, batch_norm=True,
-                                                       ceil_pool=True)
+        stages[f"conv{len(stages) + 1}"] = _conv_block(c_in, int(width), 3, pool=pool, batch_norm=True, ceil_pool=True)
         c_in = int(width)
     stages["classifier"] = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes))
     return StagedModel(stages)
@@ -103,8 +109,11 @@ class BasicBlock(nn.Module):
         super().__init__()
         c_out = width * self.expansion
         self.body = nn.Sequential(
-            nn.Conv2d(c_in, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, c_out, 3, 1, 1, bias=False), nn.BatchNorm2d(c_out),
+            nn.Conv2d(c_in, width, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, c_out, 3, 1, 1, bias=False),
+            nn.BatchNorm2d(c_out),
         )
         self.shortcut = _shortcut(c_in, c_out, stride)
 
@@ -119,9 +128,14 @@ class Bottleneck(nn.Module):
         super().__init__()
         c_out = width * self.expansion
         self.body = nn.Sequential(
-            nn.Conv2d(c_in, width, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, width, 3, stride, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, c_out, 1, bias=False), nn.BatchNorm2d(c_out),
+            nn.Conv2d(c_in, width, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, width, 3, stride, 1, bias=False),
+            nn.BatchNorm2d(width),
+            nn.ReLU(),
+            nn.Conv2d(width, c_out, 1, bias=False),
+            nn.BatchNorm2d(c_out),
         )
         self.shortcut = _shortcut(c_in, c_out, stride)
 
@@ -135,11 +149,13 @@ def _shortcut(c_in: int, c_out: int, stride: int) -> nn.Module:
     return nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
 
 
-def _resnet(block: type[BasicBlock] | type[Bottleneck], depths: list[int],
-            input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
+def _resnet(
+    block: type[BasicBlock] | type[Bottleneck], depths: list[int], input_shape: tuple[int, ...], num_classes: int
+) -> StagedModel:
     """CIFAR-form ResNet (3x3 stem, no max-pool). Cut i = after residual stage i, i = 1..4."""
     stages: OrderedDict[str, nn.Module] = OrderedDict(
-        stem=nn.Sequential(nn.Conv2d(input_shape[0], 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU()))
+        stem=nn.Sequential(nn.Conv2d(input_shape[0], 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
+    )
     c_in = 64
     for i, (width, depth) in enumerate(zip([64, 128, 256, 512], depths), start=1):
         blocks = []

@@ -53,8 +53,17 @@ from splitlab.roles import ClientNode, State, loss
 from splitlab.splitgp import parse_settings
 from splitlab.streams import register_stream
 
-__all__ = ["ENTROPY_GRID", "EvaluationSettings", "entropy", "to_server", "gated_predict", "load_run",
-           "training_set", "nested_view", "evaluate_run"]
+__all__ = [
+    "ENTROPY_GRID",
+    "EvaluationSettings",
+    "entropy",
+    "to_server",
+    "gated_predict",
+    "load_run",
+    "training_set",
+    "nested_view",
+    "evaluate_run",
+]
 
 #: The paper's candidate entropy thresholds (Section VI).
 ENTROPY_GRID = (0.05, 0.1, 0.2, 0.4, 0.8, 1.2, 1.6, 2.3)
@@ -106,8 +115,9 @@ class EvaluationSettings(BaseModel):
 
 
 # --- the entropy gate (Algorithm 1, inference phase), through the transport -------------------------
-def gated_predict(experiment: Experiment, client_id: int, client_logits: torch.Tensor, n: int,
-                  threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+def gated_predict(
+    experiment: Experiment, client_id: int, client_logits: torch.Tensor, n: int, threshold: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Predictions of client `client_id`'s deployed SplitGP on the first n samples of its last `infer`
     (whose client-exit logits are `client_logits`), and which samples the server decided: the gate's
     routed features reach the server through the transport (ledger kind `smashed`)."""
@@ -125,9 +135,16 @@ def main_classes(labels: np.ndarray, indices: np.ndarray) -> np.ndarray:
     return np.unique(labels[indices])
 
 
-def nested_view(labels: np.ndarray, pool: np.ndarray, main: np.ndarray, max_rho: float,
-                rng: np.random.Generator, main_cap: int | None = None, who: str = "a client",
-                partition: str | None = None) -> tuple[np.ndarray, int]:
+def nested_view(
+    labels: np.ndarray,
+    pool: np.ndarray,
+    main: np.ndarray,
+    max_rho: float,
+    rng: np.random.Generator,
+    main_cap: int | None = None,
+    who: str = "a client",
+    partition: str | None = None,
+) -> tuple[np.ndarray, int]:
     """Indices: the pool's main-class samples (at most `main_cap`, seeded), then out-of-distribution
     ones in a seeded order, enough for `max_rho`; and the number of main samples. The view for
     rho is the first n_main + round(rho * n_main) indices."""
@@ -141,18 +158,21 @@ def nested_view(labels: np.ndarray, pool: np.ndarray, main: np.ndarray, max_rho:
     return np.concatenate([mains, others[:need]]), len(mains)
 
 
-def _rho_unmet(rho: float, need: int, have: int, n_main: int, n_classes: int, who: str,
-               partition: str | None) -> str:
+def _rho_unmet(rho: float, need: int, have: int, n_main: int, n_classes: int, who: str, partition: str | None) -> str:
     """One line: why rho cannot be met on this partition, and what to do."""
     on = f" on partition={partition}" if partition else ""
     if have == 0:
-        return (f"rho={rho:g} cannot be met{on}: {who} holds all {n_classes} classes, so no test sample is "
-                f"out of its distribution (rho measures that); evaluate with rho=0, or train on a partition "
-                f"that leaves classes out of each client (e.g. partition=shards:2 or dirichlet:0.1)")
+        return (
+            f"rho={rho:g} cannot be met{on}: {who} holds all {n_classes} classes, so no test sample is "
+            f"out of its distribution (rho measures that); evaluate with rho=0, or train on a partition "
+            f"that leaves classes out of each client (e.g. partition=shards:2 or dirichlet:0.1)"
+        )
     most = math.floor(100 * have / n_main) / 100 if n_main else 0.0
-    return (f"rho={rho:g} cannot be met{on}: it needs {need} out-of-distribution samples for {who}, which "
-            f"has only {have} (beside {n_main} of its own classes); use rho <= {most:g}, or a partition "
-            f"that leaves more classes out of each client (e.g. partition=shards:2)")
+    return (
+        f"rho={rho:g} cannot be met{on}: it needs {need} out-of-distribution samples for {who}, which "
+        f"has only {have} (beside {n_main} of its own classes); use rho <= {most:g}, or a partition "
+        f"that leaves more classes out of each client (e.g. partition=shards:2)"
+    )
 
 
 def view_size(n_main: int, rho: float) -> int:
@@ -192,8 +212,9 @@ def _pick_threshold(outputs: list[ClientOutputs], rho: float) -> float:
     return max(scores)[1]
 
 
-def _deployed(experiment: Experiment, outputs: list[ClientOutputs], rho: float,
-              threshold: float | None) -> tuple[float, float, int, int]:
+def _deployed(
+    experiment: Experiment, outputs: list[ClientOutputs], rho: float, threshold: float | None
+) -> tuple[float, float, int, int]:
     """`_accuracy` of the deployed system: every client gates its view for rho (after its `infer` on
     the whole view) and the server answers what it routes. Also the bytes of smashed data the
     experiment's ledger counted for it."""
@@ -246,8 +267,10 @@ def global_states(experiment: Experiment) -> list[State]:
     `global_model()`, client side first."""
     template = experiment.algorithm.global_model()
     if template is None:
-        raise UserError(f"{experiment.config.run.algorithm!r} runs keep no model that evaluate can read; "
-                        f"use a splitgp run or one with a global model (e.g. fedavg)")
+        raise UserError(
+            f"{experiment.config.run.algorithm!r} runs keep no model that evaluate can read; "
+            f"use a splitgp run or one with a global model (e.g. fedavg)"
+        )
     path = experiment.out / "weights.safetensors"
     weights = _tensors(path, experiment.blueprint.device)
     return [_named_like(part, weights, "", path) for part in template]
@@ -279,8 +302,10 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
         tensors = _tensors(clients_path, experiment.blueprint.device)
         for client in experiment.clients:
             proxy = algorithm.client(client.id)
-            models = {slot: _named_like(proxy.snapshot(slot), tensors, f"{name}.{client.id}.", clients_path)
-                      for name, slot in (("client", "client_model"), ("exit", "aux_model"))}
+            models = {
+                slot: _named_like(proxy.snapshot(slot), tensors, f"{name}.{client.id}.", clients_path)
+                for name, slot in (("client", "client_model"), ("exit", "aux_model"))
+            }
             _restore(proxy, models, clients_path)
     return experiment
 
@@ -306,8 +331,9 @@ def training_set(experiment: Experiment) -> TrainingSet:
     return TrainingSet(x, data.train_y, owned)
 
 
-def _views(experiment: Experiment, train: TrainingSet, settings: EvaluationSettings,
-           test: bool) -> list[tuple[np.ndarray, int]]:
+def _views(
+    experiment: Experiment, train: TrainingSet, settings: EvaluationSettings, test: bool
+) -> list[tuple[np.ndarray, int]]:
     """Each client's nested view over the test set, or over the training samples it does not hold."""
     max_rho = max(settings.rho)
     labels = (experiment.data.test_y if test else train.y).cpu().numpy()
@@ -320,13 +346,24 @@ def _views(experiment: Experiment, train: TrainingSet, settings: EvaluationSetti
         else:
             pool, cap, stream = np.setdiff1d(np.arange(len(labels)), own), settings.validation_size, STREAM_VALIDATION
         rng = experiment.blueprint.rng(0, stream, client_id)
-        views.append(nested_view(labels, pool, main, max_rho, rng, cap, who=f"client {client_id}",
-                                 partition=str(experiment.config.run.partition)))
+        views.append(
+            nested_view(
+                labels,
+                pool,
+                main,
+                max_rho,
+                rng,
+                cap,
+                who=f"client {client_id}",
+                partition=str(experiment.config.run.partition),
+            )
+        )
     return views
 
 
-def _splitgp_outputs(experiment: Experiment, views: list[tuple[np.ndarray, int]], x: torch.Tensor,
-                     y: torch.Tensor) -> list[ClientOutputs]:
+def _splitgp_outputs(
+    experiment: Experiment, views: list[tuple[np.ndarray, int]], x: torch.Tensor, y: torch.Tensor
+) -> list[ClientOutputs]:
     """Both exits on every client's whole view: the client runs `infer` on it (its features stay
     there for the rows' gating), and its gate with E_th = -inf sends all of them to the server."""
     algorithm, device = experiment.algorithm, experiment.blueprint.device
@@ -334,8 +371,9 @@ def _splitgp_outputs(experiment: Experiment, views: list[tuple[np.ndarray, int]]
     for client, (indices, n_main) in zip(experiment.clients, views):
         client_logits = algorithm.client(client.id).infer(x[indices].to(device))
         sent = algorithm.client(client.id).route(len(indices), -math.inf)
-        outputs.append(ClientOutputs(y[indices].to(device), n_main, client_logits,
-                                     algorithm.server.infer(sent["smashed"])))
+        outputs.append(
+            ClientOutputs(y[indices].to(device), n_main, client_logits, algorithm.server.infer(sent["smashed"]))
+        )
     return outputs
 
 
@@ -356,8 +394,11 @@ def _finetuned(experiment: Experiment, states: list[State], train: TrainingSet, 
     nodes = experiment.roles.clients if len(experiment.roles.clients) == len(train.owned) else None
     models = []
     for client_id, own in enumerate(train.owned):
-        node = nodes[client_id] if nodes is not None else ClientNode(
-            blueprint, client_id, train.x[own].to(blueprint.device), train.y[own].to(blueprint.device))
+        node = (
+            nodes[client_id]
+            if nodes is not None
+            else ClientNode(blueprint, client_id, train.x[own].to(blueprint.device), train.y[own].to(blueprint.device))
+        )
         model = _model(experiment, states).train()
         optimizer = blueprint.optimizer(model)
         for rnd in range(cfg.rounds, cfg.rounds + rounds):
@@ -378,9 +419,12 @@ def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     rows: dict[str, dict[str, list]] = {}
 
     def add(name: str, results: list[tuple], thresholds: list[float | None]) -> None:
-        rows[name] = {"accuracy": [r[0] for r in results], "client_fraction": [r[1] for r in results],
-                      "samples_sent": [r[2] for r in results],
-                      "entropy_threshold": [t if t is not None and math.isfinite(t) else None for t in thresholds]}
+        rows[name] = {
+            "accuracy": [r[0] for r in results],
+            "client_fraction": [r[1] for r in results],
+            "samples_sent": [r[2] for r in results],
+            "entropy_threshold": [t if t is not None and math.isfinite(t) else None for t in thresholds],
+        }
         if all(len(r) > 3 for r in results):
             rows[name]["bytes_sent"] = [r[3] for r in results]
 
@@ -393,26 +437,37 @@ def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
         test = _splitgp_outputs(experiment, test_views, data.test_x, data.test_y)  # last: the clients keep it
         on_test: list[float | None] = [_pick_threshold(test, rho) for rho in rhos]
         gated: list[tuple[str, list[float | None]]] = [
-            ("splitgp", list(chosen)), ("client model", [math.inf] * len(rhos)), ("full model", [None] * len(rhos)),
-            ("splitgp (E_th chosen on test)", on_test)]
+            ("splitgp", list(chosen)),
+            ("client model", [math.inf] * len(rhos)),
+            ("full model", [None] * len(rhos)),
+            ("splitgp (E_th chosen on test)", on_test),
+        ]
         for name, thresholds in gated:
             add(name, [_deployed(experiment, test, rho, t) for rho, t in zip(rhos, thresholds)], thresholds)
     else:
         states = global_states(experiment)
         global_logits = logits_in_batches(experiment.assemble(states), data.test_x)
-        results = [_accuracy([ClientOutputs(data.test_y[i], n, None, global_logits[i]) for i, n in test_views],
-                             rho, None) for rho in rhos]
+        results = [
+            _accuracy([ClientOutputs(data.test_y[i], n, None, global_logits[i]) for i, n in test_views], rho, None)
+            for rho in rhos
+        ]
         add("generalized", results, [None] * len(rhos))
         if settings.finetune_rounds > 0:
             models = _finetuned(experiment, states, train, settings.finetune_rounds)
             with torch.no_grad():
-                outputs = [ClientOutputs(data.test_y[i], n, None, logits_in_batches(model, data.test_x[i]))
-                           for model, (i, n) in zip(models, test_views)]
+                outputs = [
+                    ClientOutputs(data.test_y[i], n, None, logits_in_batches(model, data.test_x[i]))
+                    for model, (i, n) in zip(models, test_views)
+                ]
             add("personalized", [_accuracy(outputs, rho, None) for rho in rhos], [None] * len(rhos))
         for row in rows.values():  # the whole model runs at the client: nothing is sent
-            row.update(client_fraction=[1.0] * len(rhos), samples_sent=[0] * len(rhos),
-                       bytes_sent=[0] * len(rhos))
-    result = {"run": str(run_dir), "algorithm": experiment.config.run.algorithm,
-              "settings": settings.model_dump(), "rho": rhos, "rows": rows}
+            row.update(client_fraction=[1.0] * len(rhos), samples_sent=[0] * len(rhos), bytes_sent=[0] * len(rhos))
+    result = {
+        "run": str(run_dir),
+        "algorithm": experiment.config.run.algorithm,
+        "settings": settings.model_dump(),
+        "rho": rhos,
+        "rows": rows,
+    }
     write_json(Path(run_dir) / "evaluation.json", result)
     return result

@@ -36,9 +36,13 @@ def split_sizes(model: str, cut: int, input_shape: tuple[int, ...] = (1, 28, 28)
     """Sizes of a zoo model split at `cut`, with SplitGP's exit head (flatten + linear)."""
     client, server = split(build_model(model, input_shape, num_classes), cut)
     q_c = math.prod(output_shape(client, input_shape))
-    return SplitSizes(phi=sum(p.numel() for p in client.parameters()),
-                      theta=sum(p.numel() for p in server.parameters()),
-                      head=q_c * num_classes + num_classes, q=math.prod(input_shape), q_c=q_c)
+    return SplitSizes(
+        phi=sum(p.numel() for p in client.parameters()),
+        theta=sum(p.numel() for p in server.parameters()),
+        head=q_c * num_classes + num_classes,
+        q=math.prod(input_shape),
+        q_c=q_c,
+    )
 
 
 class LatencySettings(BaseModel):
@@ -72,12 +76,16 @@ def table_one(s: SplitSizes, p_c: float, p_s: float, rate: float, beta: float, s
     """Table I: storage, client computation, communication and latency (eqs. 28-30) per scheme."""
     d = samples
     return {
-        "full model at server": dict(storage=0, computation=0, communication=s.q * d,
-                                     latency=s.q * d / rate + s.full * d / p_s),
-        "full model at client": dict(storage=s.full, computation=s.full * d, communication=0,
-                                     latency=s.full * d / p_c),
-        "splitgp": dict(storage=s.phi + s.head, computation=(s.phi + s.head) * d, communication=beta * s.q_c * d,
-                        latency=(s.phi + s.head) * d / p_c + beta * s.q_c * d / rate + beta * s.theta * d / p_s),
+        "full model at server": dict(
+            storage=0, computation=0, communication=s.q * d, latency=s.q * d / rate + s.full * d / p_s
+        ),
+        "full model at client": dict(storage=s.full, computation=s.full * d, communication=0, latency=s.full * d / p_c),
+        "splitgp": dict(
+            storage=s.phi + s.head,
+            computation=(s.phi + s.head) * d,
+            communication=beta * s.q_c * d,
+            latency=(s.phi + s.head) * d / p_c + beta * s.q_c * d / rate + beta * s.theta * d / p_s,
+        ),
     }
 
 
