@@ -161,105 +161,190 @@ def test_real_fashion_mnist():
 
 
 # ---------------------------------------------------------------------------------------------
-# CIFAR
+# CIFAR (binary version)
 
 
 CIFAR = {
-    # name: folder, train files, test file, label key, classes, mean, std
+    # name: folder, train files, test file, label bytes, classes, mean, std
     "cifar10": (
-        "cifar-10-batches-py",
-        [f"data_batch_{i}" for i in range(1, 6)],
-        "test_batch",
-        b"labels",
+        "cifar-10-batches-bin",
+        [f"data_batch_{i}.bin" for i in range(1, 6)],
+        "test_batch.bin",
+        1,
         10,
         (0.4914, 0.4822, 0.4465),
         (0.2470, 0.2435, 0.2616),
     ),
     "cifar100": (
-        "cifar-100-python",
-        ["train"],
-        "test",
-        b"fine_labels",
+        "cifar-100-binary",
+        ["train.bin"],
+        "test.bin",
+        2,
         100,
         (0.5071, 0.4865, 0.4409),
         (0.2673, 0.2564, 0.2762),
     ),
 }
+# the python version (pickled dicts), which splitlab refuses: folder, files
+CIFAR_PICKLED = {
+    "cifar10": ("cifar-10-batches-py", [*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"]),
+    "cifar100": ("cifar-100-python", ["train", "test"]),
+}
 
 
-def write_cifar(parent: Path, name: str) -> Path:
-    """Two images per train file, three test images; pixel bytes are (image index + offset)."""
-    folder_name, train_files, test_file, label_key, classes, _, _ = CIFAR[name]
+def cifar_records(labels: list[int], images: np.ndarray, coarse: list[int] | None = None) -> bytes:
+    """Binary-version records: [coarse label byte] label byte, then 3072 pixel bytes (R, G, B planes)."""
+    heads = np.array([labels] if coarse is None else [coarse, labels], np.uint8).T
+    return np.concatenate([heads, images.reshape(len(labels), 3072)], axis=1).tobytes()
+
+
+def write_cifar(parent: Path, name: str, seed: int = 0) -> tuple[Path, dict[str, tuple[np.ndarray, list[int]]]]:
+    """Two random images per train file, three test images; labels 0, 7, 14, ... mod classes, and
+    CIFAR-100 coarse labels fine % 20. Returns the folder and {file: (images (N, 3, 32, 32), labels)}."""
+    folder_name, train_files, test_file, label_bytes, classes, _, _ = CIFAR[name]
     folder = parent / folder_name
     folder.mkdir(parents=True)
-    label = 0
+    rng = np.random.default_rng(seed)
+    written, label = {}, 0
     for file in [*train_files, test_file]:
         n = 3 if file == test_file else 2
-        data = np.zeros((n, 3072), np.uint8)
-        labels = []
-        for _i in range(n):
-            labels.append(label % classes)
-            label += 7
-        batch = {b"batch_label": file.encode(), b"data": data, label_key: labels, b"filenames": []}
-        (folder / file).write_bytes(pickle.dumps(batch))
-    (folder / ("batches.meta" if name == "cifar10" else "meta")).write_bytes(pickle.dumps({}))
-    return folder
+        images = rng.integers(0, 256, (n, 3, 32, 32), dtype=np.uint8)
+        labels = [(label + 7 * i) % classes for i in range(n)]
+        label += 7 * n
+        coarse = [y % 20 for y in labels] if label_bytes == 2 else None
+        (folder / file).write_bytes(cifar_records(labels, images, coarse))
+        written[file] = (images, labels)
+    (folder / ("batches.meta.txt" if name == "cifar10" else "fine_label_names.txt")).write_text("x\n")
+    return folder, written
 
 
 @pytest.mark.parametrize("name", ["cifar10", "cifar100"])
 @pytest.mark.parametrize("point_at", ["folder", "parent"])
-def test_cifar_loader_layout_and_normalization(tmp_path, name, point_at):
-    folder = write_cifar(tmp_path, name)
-    _, train_files, test_file, label_key, classes, mean, std = CIFAR[name]
-    # a known pixel: channel 1 (G), row 5, column 9 of the last training image gets 200
-    last = folder / train_files[-1]
-    batch = pickle.loads(last.read_bytes())
-    batch[b"data"][-1, 1 * 1024 + 5 * 32 + 9] = 200
-    last.write_bytes(pickle.dumps(batch))
+def test_cifar_loader_layout_labels_and_values(tmp_path, name, point_at):
+    folder, written = write_cifar(tmp_path, name)
+    _, train_files, test_file, label_bytes, classes, mean, std = CIFAR[name]
+    # a known pixel: channel 1 (G), row 5, column 9 of the last training image is 200, i.e. byte
+    # label_bytes + 1 * 1024 + 5 * 32 + 9 of its record
+    images, labels = written[train_files[-1]]
+    images[-1, 1, 5, 9] = 200
+    coarse = [y % 20 for y in labels] if label_bytes == 2 else None
+    raw = bytearray(cifar_records(labels, images, coarse))
+    assert raw[len(raw) // 2 + label_bytes + 1 * 1024 + 5 * 32 + 9] == 200
+    (folder / train_files[-1]).write_bytes(bytes(raw))
 
     ds = load_dataset(name, data_dir=folder if point_at == "folder" else tmp_path)
     n_train = 2 * len(train_files)
     assert ds.train_x.shape == (n_train, 3, 32, 32) and ds.test_x.shape == (3, 3, 32, 32)
     assert ds.input_shape == (3, 32, 32) and ds.num_classes == classes
-    assert ds.train_y.tolist() == [(7 * i) % classes for i in range(n_train)]
+    assert ds.train_x.dtype == torch.uint8 and ds.train_y.dtype == torch.int64  # stored; inputs() scales
+    assert ds.train_x.is_contiguous() and ds.test_x.is_contiguous()
+    expected_train = np.concatenate([written[f][0] for f in train_files])
+    assert np.array_equal(ds.train_x.numpy(), expected_train)
+    assert np.array_equal(ds.test_x.numpy(), written[test_file][0])
+    assert ds.train_y.tolist() == [(7 * i) % classes for i in range(n_train)]  # the fine labels
     assert ds.test_y.tolist() == [(7 * i) % classes for i in range(n_train, n_train + 3)]
-    assert ds.train_x.dtype == torch.uint8  # stored; inputs() scales and normalizes per batch
+    assert ds.train_x[-1, 1, 5, 9].item() == 200
     x = ds.inputs(ds.train_x)
+    assert x.dtype == torch.float32
     assert x[-1, 1, 5, 9].item() == pytest.approx((200 / 255 - mean[1]) / std[1], abs=1e-5)
-    for c in range(3):  # every other pixel is a normalized 0
-        assert x[0, c, 5, 9].item() == pytest.approx(-mean[c] / std[c], abs=1e-5)
-    assert (x[-1] != x[0]).sum().item() == 1
     # bit for bit the float32 values of converting the whole set at load time, as before
-    before = (
-        ds.train_x.float()
-        .div_(255.0)
-        .sub_(torch.tensor(mean).view(1, 3, 1, 1))
-        .div_(torch.tensor(std).view(1, 3, 1, 1))
-    )
+    before = torch.from_numpy(expected_train.astype(np.float32))
+    before.div_(255.0).sub_(torch.tensor(mean).view(1, 3, 1, 1)).div_(torch.tensor(std).view(1, 3, 1, 1))
     assert torch.equal(x, before)
+
+
+def test_cifar_is_found_under_the_data_root_env_var(tmp_path, monkeypatch):
+    write_cifar(tmp_path, "cifar100")
+    monkeypatch.setenv("SPLITLAB_DATA", str(tmp_path))
+    assert len(load_dataset("cifar100").train_y) == 2
 
 
 @pytest.mark.parametrize("name", ["cifar10", "cifar100"])
 def test_cifar_missing_file_is_named(tmp_path, name):
-    folder = write_cifar(tmp_path, name)
+    folder, _ = write_cifar(tmp_path, name)
     victim = folder / CIFAR[name][2]
     victim.unlink()
     with pytest.raises(UserError) as excinfo:
         load_dataset(name, data_dir=tmp_path)
     msg = one_line_error(excinfo)
-    assert str(victim) in msg and "data_dir=DIR" in msg
+    assert str(victim) in msg and "binary version" in msg and "data_dir=DIR" in msg
 
 
 def test_cifar_without_any_dir_says_how_to_get_it():
-    with pytest.raises(UserError, match="python version.*data_dir=DIR"):
+    with pytest.raises(UserError) as excinfo:
         load_dataset("cifar10")
+    msg = one_line_error(excinfo)
+    assert "looked nowhere" in msg and "binary version" in msg and "data_dir=DIR" in msg
+    assert "cifar-10-batches-bin/" in msg and "data_batch_1.bin" in msg and "test_batch.bin" in msg
 
 
-def test_cifar_corrupt_pickle_is_a_user_error(tmp_path):
-    folder = write_cifar(tmp_path, "cifar10")
-    (folder / "test_batch").write_bytes(b"not a pickle")
-    with pytest.raises(UserError, match="test_batch"):
-        load_dataset("cifar10", data_dir=folder)
+@pytest.mark.parametrize("name", ["cifar10", "cifar100"])
+@pytest.mark.parametrize("point_at", ["folder", "parent"])
+def test_cifar_python_version_is_refused_unread(tmp_path, name, point_at):
+    folder_name, files = CIFAR_PICKLED[name]
+    folder = tmp_path / folder_name
+    folder.mkdir()
+    for file in files:  # protocol-2 pickles as in the real archive, written here and never loaded
+        (folder / file).write_bytes(pickle.dumps({b"data": [], b"labels": []}, protocol=2))
+    with pytest.raises(UserError) as excinfo:
+        load_dataset(name, data_dir=folder if point_at == "folder" else tmp_path)
+    msg = one_line_error(excinfo)
+    assert str(folder) in msg and "pickle files that splitlab will not load" in msg
+    assert all(f in msg for f in files) and "binary version" in msg and CIFAR[name][0] in msg
+
+
+def test_cifar_binary_version_is_used_when_the_python_version_is_there_too(tmp_path):
+    (tmp_path / "cifar-100-python").mkdir()
+    for file in ("train", "test"):
+        (tmp_path / "cifar-100-python" / file).write_bytes(pickle.dumps({}, protocol=2))
+    folder, _ = write_cifar(tmp_path, "cifar100")
+    assert dict(name="cifar100", available=True, where=str(folder)) in dataset_availability(tmp_path)
+    assert len(load_dataset("cifar100", data_dir=tmp_path).test_y) == 3
+
+
+@pytest.mark.parametrize(
+    "name, file, corrupt, expected",
+    [
+        ("cifar10", "test_batch.bin", lambda raw: raw[:-1], "has 9218 bytes, not a whole number of 3073-byte"),
+        ("cifar10", "data_batch_2.bin", lambda raw: raw + b"\0", "has 6147 bytes"),
+        ("cifar10", "data_batch_5.bin", lambda raw: b"", "has 0 bytes"),
+        ("cifar100", "train.bin", lambda raw: raw[:4611], "has 4611 bytes, not a whole number of 3074-byte"),
+        ("cifar100", "test.bin", lambda raw: raw[:-1], "has 9221 bytes"),
+        ("cifar10", "data_batch_3.bin", lambda raw: b"\x0a" + raw[1:], "has label 10 in record 0; labels are 0..9"),
+        ("cifar10", "test_batch.bin", lambda raw: raw[:6146] + b"\xff" + raw[6147:], "label 255 in record 2"),
+        (
+            "cifar100",
+            "test.bin",
+            lambda raw: raw[:3075] + b"\x64" + raw[3076:],
+            "label 100 in record 1; labels are 0..99",
+        ),
+        (
+            "cifar100",
+            "train.bin",
+            lambda raw: b"\x14" + raw[1:],
+            "coarse label 20 in record 0; coarse labels are 0..19",
+        ),
+    ],
+    ids=[
+        "truncated",
+        "extra-byte",
+        "empty",
+        "cifar100-half-a-record",
+        "cifar100-one-byte-short",
+        "label-10",
+        "label-255-last-record",
+        "fine-label-100",
+        "coarse-label-20",
+    ],
+)
+def test_bad_cifar_file_is_a_one_line_error_naming_it(tmp_path, name, file, corrupt, expected):
+    folder, _ = write_cifar(tmp_path, name)
+    path = folder / file
+    path.write_bytes(corrupt(path.read_bytes()))
+    with pytest.raises(UserError) as excinfo:
+        load_dataset(name, data_dir=folder)
+    msg = one_line_error(excinfo)
+    assert str(path) in msg and expected in msg
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,7 +386,7 @@ def test_loading_twice_is_cached():
 
 
 def test_availability_reports_found_missing_and_registry_only_datasets(tmp_path, monkeypatch):
-    folder = write_cifar(tmp_path, "cifar10")
+    folder, _ = write_cifar(tmp_path, "cifar10")
 
     def broken(data_dir, seed):
         raise UserError("toy needs toy.bin")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import gzip
 import os
-import pickle
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from splitlab.lazy import torch
 
 #: Where the Debian package `dataset-fashion-mnist` puts its files.
 FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
-#: Environment variable naming a data root (`$SPLITLAB_DATA/fashion_mnist`, `.../cifar-10-batches-py`).
+#: Environment variable naming a data root (`$SPLITLAB_DATA/fashion_mnist`, `.../cifar-10-batches-bin`).
 DATA_ENV = "SPLITLAB_DATA"
 
 _FASHION_FILES = FASHION_MNIST_FILES
@@ -196,7 +195,8 @@ def _read_fashion_mnist(folder: Path) -> tuple[torch.Tensor, ...]:
     """Parse once per folder, so loads with different seeds share the same tensors."""
     out = []
     for images_name, labels_name in (_FASHION_FILES[:2], _FASHION_FILES[2:]):
-        images_path, labels_path = _existing(folder, images_name), _existing(folder, labels_name)
+        # _find_fashion_mnist saw both; a file removed since then is a read error naming it
+        images_path, labels_path = (_existing(folder, n) or folder / n for n in (images_name, labels_name))
         images, labels = read_idx(images_path, 3), read_idx(labels_path, 1)
         if len(images) != len(labels):
             raise UserError(f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} labels")
@@ -222,56 +222,103 @@ def _load_fashion_mnist(data_dir: Path | None, seed: int) -> Dataset:
 
 
 # ---------------------------------------------------------------------------------------------
-# CIFAR-10 / CIFAR-100 (python version: pickled dicts)
+# CIFAR-10 / CIFAR-100 (binary version: fixed-size records of label byte(s) + 3072 pixel bytes)
 
 
 @dataclass(frozen=True)
 class _CifarFormat:
-    folder: str
+    folder: str  # the folder the binary-version archive unpacks to
     train_files: tuple[str, ...]
     test_file: str
-    label_key: bytes
+    label_bytes: int  # label bytes before the pixels of each record
+    label_index: int  # which of them is the label used (CIFAR-100: the fine one)
     num_classes: int
     title: str
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    pickle_folder: str  # the python version (pickled), which is refused
+    pickle_files: tuple[str, ...]
 
+    @property
+    def record_size(self) -> int:
+        return self.label_bytes + _CIFAR_PIXELS
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return (*self.train_files, self.test_file)
+
+
+_CIFAR_PIXELS = 3 * 32 * 32  # 1024 R, 1024 G, 1024 B bytes, each a row-major 32x32 plane
+_CIFAR100_COARSE_CLASSES = 20
 
 _CIFAR = {
     "cifar10": _CifarFormat(
-        "cifar-10-batches-py",
-        tuple(f"data_batch_{i}" for i in range(1, 6)),
-        "test_batch",
-        b"labels",
+        "cifar-10-batches-bin",
+        tuple(f"data_batch_{i}.bin" for i in range(1, 6)),
+        "test_batch.bin",
+        1,
+        0,
         10,
         "CIFAR-10",
         (0.4914, 0.4822, 0.4465),
         (0.2470, 0.2435, 0.2616),
+        "cifar-10-batches-py",
+        (*(f"data_batch_{i}" for i in range(1, 6)), "test_batch"),
     ),
     "cifar100": _CifarFormat(
-        "cifar-100-python",
-        ("train",),
-        "test",
-        b"fine_labels",
+        "cifar-100-binary",
+        ("train.bin",),
+        "test.bin",
+        2,  # coarse label, fine label
+        1,
         100,
         "CIFAR-100",
         (0.5071, 0.4865, 0.4409),
         (0.2673, 0.2564, 0.2762),
+        "cifar-100-python",
+        ("train", "test"),
     ),
 }
+
+
+def _starts_like_a_pickle(path: Path) -> bool:
+    """Whether `path` starts with the pickle PROTO opcode; only that byte is read, nothing unpickled."""
+    try:
+        with path.open("rb") as f:
+            return f.read(1) == b"\x80"
+    except OSError:
+        return False
+
+
+def _pickled_cifar(fmt: _CifarFormat, roots: list[Path]) -> Path | None:
+    """A folder holding the python version's files, recognized by their names and first byte."""
+    for folder in (c for r in roots for c in (r, r / fmt.pickle_folder)):
+        if all(_starts_like_a_pickle(folder / f) for f in fmt.pickle_files):
+            return folder
+    return None
 
 
 def _find_cifar(name: str, data_dir: Path | None) -> Path:
     """data_dir may be the unpacked folder itself or its parent."""
     fmt = _CIFAR[name]
-    files = (*fmt.train_files, fmt.test_file)
-    candidates = [c for r in _roots(data_dir) for c in (r, r / fmt.folder)]
+    roots = _roots(data_dir)
+    candidates = [c for r in roots for c in (r, r / fmt.folder)]
     missing = {}
     for folder in candidates:
-        missing[folder] = [f for f in files if not (folder / f).is_file()]
+        missing[folder] = [f for f in fmt.files if not (folder / f).is_file()]
         if not missing[folder]:
             return folder
-    how = f"download the {fmt.title} python version from {_CIFAR_URL}, unpack it into DIR and pass data_dir=DIR"
+    pickled = _pickled_cifar(fmt, roots)
+    if pickled is not None:
+        raise UserError(
+            f"{name}: {pickled} holds the {fmt.title} python version ({', '.join(fmt.pickle_files)}), which are "
+            f"pickle files that splitlab will not load; get the {fmt.title} binary version from {_CIFAR_URL} "
+            f"({fmt.folder}/ with {', '.join(fmt.files)}) and pass data_dir=DIR"
+        )
+    how = (
+        f"download the {fmt.title} binary version from {_CIFAR_URL}, unpack it into DIR and pass data_dir=DIR "
+        f"(it needs {fmt.folder}/ with {', '.join(fmt.files)})"
+    )
     if not candidates:
         raise UserError(f"{name} files not found; looked {_looked_in(candidates)}; {how}")
     closest = min(candidates, key=lambda c: len(missing[c]))
@@ -280,21 +327,30 @@ def _find_cifar(name: str, data_dir: Path | None) -> Path:
     )
 
 
-def _read_cifar_batch(path: Path, fmt: _CifarFormat) -> tuple[np.ndarray, np.ndarray]:
+def _read_cifar_file(path: Path, fmt: _CifarFormat) -> tuple[np.ndarray, np.ndarray]:
+    """One binary-version file -> (pixels (N, 3072) uint8, labels (N,) int64), validated."""
     try:
-        with path.open("rb") as f:
-            batch = pickle.load(f, encoding="bytes")
-        data = np.asarray(batch[b"data"], dtype=np.uint8)
-        labels = np.asarray(batch[fmt.label_key], dtype=np.int64)
-    except Exception as e:  # a corrupt pickle can raise almost anything
-        raise UserError(f"cannot read {fmt.title} batch {path}: {type(e).__name__}: {e}") from None
-    if data.ndim != 2 or data.shape[1] != 3072 or labels.shape != (len(data),):
+        raw = np.fromfile(path, dtype=np.uint8)
+    except OSError as e:
+        raise UserError(f"cannot read {fmt.title} file {path}: {e}") from None
+    if len(raw) == 0 or len(raw) % fmt.record_size:
         raise UserError(
-            f"{fmt.title} batch {path} has data {data.shape} and labels {labels.shape}; expected (N, 3072) and (N,)"
+            f"{fmt.title} file {path} has {len(raw)} bytes, not a whole number of {fmt.record_size}-byte records "
+            f"({fmt.label_bytes} label byte(s) + {_CIFAR_PIXELS} pixel bytes); it is truncated, corrupt or not "
+            f"the {fmt.title} binary version"
         )
-    if len(labels) and (labels.min() < 0 or labels.max() >= fmt.num_classes):
-        raise UserError(f"{path} has a label outside 0..{fmt.num_classes - 1}")
-    return data, labels
+    records = raw.reshape(-1, fmt.record_size)
+    label_ranges = [(fmt.label_index, fmt.num_classes, "label")]
+    if fmt.label_bytes == 2:
+        label_ranges.append((0, _CIFAR100_COARSE_CLASSES, "coarse label"))
+    for column, classes, what in label_ranges:
+        bad = np.flatnonzero(records[:, column] >= classes)
+        if len(bad):
+            raise UserError(
+                f"{fmt.title} file {path} has {what} {records[bad[0], column]} in record {bad[0]}; "
+                f"{what}s are 0..{classes - 1} (corrupt or not the {fmt.title} binary version)"
+            )
+    return records[:, fmt.label_bytes :], records[:, fmt.label_index].astype(np.int64)
 
 
 @functools.cache
@@ -303,9 +359,9 @@ def _read_cifar(name: str, folder: Path) -> tuple[torch.Tensor, ...]:
     fmt = _CIFAR[name]
     out = []
     for files in (fmt.train_files, (fmt.test_file,)):
-        batches = [_read_cifar_batch(folder / f, fmt) for f in files]
-        data = np.concatenate([b[0] for b in batches]).reshape(-1, 3, 32, 32)
-        out += [torch.from_numpy(data), torch.from_numpy(np.concatenate([b[1] for b in batches]))]  # x uint8
+        parts = [_read_cifar_file(folder / f, fmt) for f in files]
+        data = np.concatenate([p[0] for p in parts]).reshape(-1, 3, 32, 32)  # a contiguous copy
+        out += [torch.from_numpy(data), torch.from_numpy(np.concatenate([p[1] for p in parts]))]  # x uint8
     return tuple(out)
 
 
