@@ -7,8 +7,8 @@ batches splitlab draws (the same client order and sample indices, read from the 
 before timing), trained with bare `nn.Module`s and `torch.optim.Adam`. splitlab and the loop
 alternate, `--repeats` times, and medians are compared:
 
-  round loop   splitlab's summary `wall_seconds` (the time inside `train_round`) vs the loop's
-  end to end   `splitlab.engine.run` (build, rounds, per-round checkpoint, evaluation, files) vs
+  round loop   splitlab's summary `wall_seconds` (the time inside `run_round`) vs the loop's
+  end to end   `splitlab.engine.run` (build, rounds, checkpoints every `checkpoint_every` s, evaluation, files) vs
                the loop plus building its models and one test evaluation
 
 The dataset is parsed once before timing for both (splitlab caches it per process).
@@ -69,32 +69,33 @@ def workload(algorithm: str, args: argparse.Namespace, out: str) -> dict:
 
 
 def schedule(config: dict) -> tuple[torch.Tensor, torch.Tensor, list[list[tuple[int, torch.Tensor]]]]:
-    """The run's samples (float32, all prepared) and per round the (client, sample indices) of every
-    batch in splitlab's order, taken from the built experiment."""
+    """The run's samples (float32, all prepared, client after client) and per round the (client,
+    sample indices) of every batch in splitlab's order, taken from the built experiment's roles."""
+    from splitlab.algorithms.base import STREAM_ORDER
     from splitlab.engine import build
+    from splitlab.roles import STREAM_BATCHES
 
     experiment = build(config)
-    ctx, data = experiment.algorithm.ctx, experiment.data
-    clients = experiment.clients
+    nodes, blueprint = experiment.roles.clients, experiment.blueprint
+    offsets = np.cumsum([0] + [node.num_samples for node in nodes])
     plan = []
     for rnd in range(config["rounds"]):
-        order = [int(k) for k in ctx.rng(rnd, 2, 0).permutation(len(clients))]  # STREAM_ORDER, step 0
+        order = [int(k) for k in blueprint.rng(rnd, STREAM_ORDER, 0).permutation(len(nodes))]  # step 0
         plan.append(
             [
                 (
                     k,
-                    clients[k].indices[
-                        torch.as_tensor(
-                            ctx.rng(rnd, 1, clients[k].id, 0).permutation(clients[k].num_samples)[
-                                : config["batch_size"]
-                            ]
-                        )
-                    ],
+                    torch.as_tensor(
+                        offsets[k]
+                        + blueprint.rng(rnd, STREAM_BATCHES, nodes[k].id, 0).permutation(nodes[k].num_samples)[
+                            : config["batch_size"]
+                        ]
+                    ),
                 )
                 for k in order
             ]
-        )  # STREAM_BATCHES, epoch 0: the first batch of the permutation
-    return data.train_x[torch.arange(len(data.train_x))], data.train_y.clone(), plan
+        )  # epoch 0: the first batch of the client's permutation
+    return torch.cat([node.inputs(node.x) for node in nodes]), torch.cat([node.y for node in nodes]), plan
 
 
 def adam(module: nn.Module) -> torch.optim.Adam:

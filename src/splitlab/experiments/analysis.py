@@ -64,7 +64,8 @@ def _result_row(run: RunData, target: float | None, config_cols: list[str]) -> d
     row["final_f1"] = pick("final_f1", last.get("test_f1"))
     row["final_mcc"] = pick("final_mcc", last.get("test_mcc"))
     row["total_bytes"] = pick("total_bytes", last.get("comm_bytes"))
-    total_gib = num(row["total_bytes"]) / GIB if num(row["total_bytes"]) is not None else None
+    total_bytes = num(row["total_bytes"])
+    total_gib = total_bytes / GIB if total_bytes is not None else None
     row["total_gib"] = pick("total_gib", last.get("comm_gib", total_gib))
     row["wall_seconds"] = pick("wall_seconds", last.get("wall_seconds"))
     row["stopped_by"] = s.get("stopped_by")
@@ -118,9 +119,9 @@ class Analysis:
         from_file = (self.snapshot.get("report") or {}).get("target_accuracy")
         if from_file is not None:
             return check_target(from_file, "report.target_accuracy"), "from the sweep file"
-        bests = [num(r.summary.get("best_accuracy")) for r in self.finished if r.summary]
-        bests += [num(m.get("test_accuracy")) for r in self.finished for m in r.metrics]
-        bests = [b for b in bests if b is not None]
+        found = [num(r.summary.get("best_accuracy")) for r in self.finished if r.summary]
+        found += [num(m.get("test_accuracy")) for r in self.finished for m in r.metrics]
+        bests = [b for b in found if b is not None]
         if not bests or max(bests) <= 0:
             return None, "no finished runs"
         value = math.floor(DEFAULT_TARGET_FRACTION * max(bests) * 100 + 1e-9) / 100
@@ -176,7 +177,7 @@ class Analysis:
 
         def combos(keys: list[str]) -> list[tuple]:
             present = {label_of(c, keys) for c in group_configs.values()}
-            ordered = [()]
+            ordered: list[tuple] = [()]
             for _i, k in enumerate(keys):
                 vals = self.values_in_order(k, [c.get(k) for c in group_configs.values()])
                 ordered = [t + (hashable(v),) for t in ordered for v in vals]

@@ -245,8 +245,7 @@ def _resolve(config: dict) -> dict:
     """The fully validated config with every default, as a flat dict; raises UserError."""
     from splitlab.config import resolve_config
 
-    resolved = resolve_config(config)
-    return resolved.as_dict() if hasattr(resolved, "as_dict") else dict(resolved)
+    return resolve_config(config).as_dict()
 
 
 @dataclass

@@ -218,8 +218,8 @@ def plot_vs_cut(an: Analysis, path: Path) -> Path:
             g = an.cells.get((row, col))
             if g is None:
                 continue
-            accs = [num(r.get("final_accuracy")) for r in an.group_rows(g)]
-            accs = [100 * a for a in accs if a is not None]
+            finals = [num(r.get("final_accuracy")) for r in an.group_rows(g)]
+            accs = [100 * a for a in finals if a is not None]
             if not accs:
                 continue
             cut = an.group_runs(g)[0].config.get("cut")
@@ -317,8 +317,10 @@ def plot_partitions(an: Analysis, path: Path) -> Path | None:
 
     fig, axes = _figure(len(parts), width=6.0, height=3.6, max_cols=2)
     for ax, (title, run) in zip(axes, parts):
-        counts = np.asarray(run.partition.get("counts") or [[0]], dtype=float)
+        partition = run.partition or {}  # never empty: _partitions keeps only runs with a partition
+        counts = np.asarray(partition.get("counts") or [[0]], dtype=float)
         k, c = counts.shape
+        colors: list[str | tuple[float, float, float, float]]
         if c <= 10:
             colors = [f"C{i}" for i in range(c)]
         else:

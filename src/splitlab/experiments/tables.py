@@ -97,19 +97,18 @@ def _metric_table(
                 grid.setdefault(row, {})[col] = _Cell("not reached" if partial_ok else "–", None, len(rows))
                 continue
             text, rank = _format_cell(got, decimals, scale, as_bytes)
-            if len(got) < len(values):
+            complete = len(got) == len(values)
+            if not complete:
                 text += f" ({len(got)}/{len(values)} reached)" if partial_ok else f" ({len(got)} of {len(values)})"
-                rank = None  # not comparable with cells where every seed counts
-            grid.setdefault(row, {})[col] = _Cell(text, rank, len(got))
+            # a cell where some seeds did not count is not ranked: not comparable with complete cells
+            grid.setdefault(row, {})[col] = _Cell(text, rank if complete else None, len(got))
 
     ns = Counter(c.n for cols in grid.values() for c in cols.values())
     common_n = ns.most_common(1)[0][0] if ns else 0
     marks: dict[tuple, dict[tuple, str]] = {}
     for col in an.col_tuples:
-        ranked = sorted(
-            {c[col].rank_value for c in grid.values() if col in c and c[col].rank_value is not None},
-            reverse=higher_is_better,
-        )
+        ranks = [c[col].rank_value for c in grid.values() if col in c]
+        ranked = sorted({r for r in ranks if r is not None}, reverse=higher_is_better)
         for row, cols in grid.items():
             cell = cols.get(col)
             if cell is None or cell.rank_value is None:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from splitlab.errors import UserError
-from splitlab.models.staged import output_shape, split
+from splitlab.models.staged import StagedModel, output_shape, split
 from splitlab.models.zoo import BasicBlock, Bottleneck
 
 AuxKind = Literal["linear", "half", "stage", "full"]
@@ -38,7 +38,7 @@ AUX_KINDS: tuple[str, ...] = ("linear", "half", "stage", "full")
 
 def build_aux(
     kind: str,
-    model: nn.Sequential,
+    model: StagedModel,
     cut: int,
     input_shape: tuple[int, ...],
     seed: int = 0,
@@ -67,7 +67,7 @@ def build_aux(
 
 
 def smashed_shape(
-    model: nn.Sequential, cut: int, input_shape: tuple[int, ...], dtype: torch.dtype = torch.float32
+    model: StagedModel, cut: int, input_shape: tuple[int, ...], dtype: torch.dtype = torch.float32
 ) -> tuple[int, ...]:
     """Shape of one sample's cut-layer activations (a dry run of the client part, on the CPU)."""
     return output_shape(split(model, cut)[0], input_shape, dtype)
@@ -75,12 +75,12 @@ def smashed_shape(
 
 def _halved(stages: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     residual = [
-        name
+        (name, stage)
         for name, stage in stages
         if isinstance(stage, nn.Sequential) and all(isinstance(b, (BasicBlock, Bottleneck)) for b in stage)
     ]
-    if residual and len(residual) == len(stages):
-        return [(name, stage[: math.ceil(len(stage) / 2)]) for name, stage in stages]
+    if residual and len(residual) == len(stages):  # every stage is a run of residual blocks
+        return [(name, stage[: math.ceil(len(stage) / 2)]) for name, stage in residual]
     return stages[: math.ceil(len(stages) / 2)]
 
 

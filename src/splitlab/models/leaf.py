@@ -66,7 +66,9 @@ def celeba_cnn(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
     """LEAF's CelebA CNN: 4 x (conv3x3 32, batch norm, max-pool, ReLU), fc; cuts 1..4 after each
     conv block, the paper's is 2. (ReLU and max-pool commute, so the zoo's block order is the same
     function.) 84x84 inputs give 32x5x5 = 800 features, as in the paper's Table 10."""
-    convs = OrderedDict(conv1=nn.Sequential(ImageBytes(), _block(input_shape[0], 32, pool=True)))
+    convs: OrderedDict[str, nn.Module] = OrderedDict(
+        conv1=nn.Sequential(ImageBytes(), _block(input_shape[0], 32, pool=True))
+    )
     for i in range(2, 5):
         convs[f"conv{i}"] = _block(32, 32, pool=True)
     features = _flat_size(output_shape(nn.Sequential(convs), input_shape))

@@ -45,7 +45,7 @@ def _conv_block(
 
 def cnn(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
     """LEAF's FEMNIST CNN: conv32-pool-conv64-pool-fc2048-fc; cuts 1..3."""
-    convs = OrderedDict(
+    convs: OrderedDict[str, nn.Module] = OrderedDict(
         conv1=_conv_block(input_shape[0], 32, 5, pool=True),
         conv2=_conv_block(32, 64, 5, pool=True),
     )
@@ -66,7 +66,7 @@ def splitgp_cnn(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
     for 28x28 inputs and 10 classes: |phi| = 387,840 (conv1-4), |theta| = 3,480,330 (conv5 + fc),
     and the exit head at cut 4 (flatten + fc 2304 -> 10) has |h| = 23,050.
     """
-    convs = OrderedDict(
+    convs: OrderedDict[str, nn.Module] = OrderedDict(
         conv1=_conv_block(input_shape[0], 32, 3, pool=False),
         conv2=_conv_block(32, 64, 3, pool=True),
         conv3=_conv_block(64, 128, 3, pool=True),
@@ -89,15 +89,15 @@ def vgg11(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
 
     Pooling rounds up so that five halvings still leave a pixel for 28x28 inputs.
     """
-    widths = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]
+    widths: list[int | str] = [64, "M", 128, "M", 256, 256, "M", 512, 512, "M", 512, 512, "M"]  # "M": max-pool
     stages: OrderedDict[str, nn.Module] = OrderedDict()
     c_in = input_shape[0]
     for i, width in enumerate(widths):
-        if width == "M":
+        if isinstance(width, str):  # "M", the pool that ends the previous block
             continue
         pool = i + 1 < len(widths) and widths[i + 1] == "M"
-        stages[f"conv{len(stages) + 1}"] = _conv_block(c_in, int(width), 3, pool=pool, batch_norm=True, ceil_pool=True)
-        c_in = int(width)
+        stages[f"conv{len(stages) + 1}"] = _conv_block(c_in, width, 3, pool=pool, batch_norm=True, ceil_pool=True)
+        c_in = width
     stages["classifier"] = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(512, num_classes))
     return StagedModel(stages)
 

@@ -362,7 +362,7 @@ def _views(
 
 
 def _splitgp_outputs(
-    experiment: Experiment, views: list[tuple[np.ndarray, int]], x: torch.Tensor, y: torch.Tensor
+    experiment: Experiment, views: list[tuple[np.ndarray, int]], x: torch.Tensor | Prepared, y: torch.Tensor
 ) -> list[ClientOutputs]:
     """Both exits on every client's whole view: the client runs `infer` on it (its features stay
     there for the rows' gating), and its gate with E_th = -inf sends all of them to the server."""
