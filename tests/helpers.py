@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from splitlab import codec
-from splitlab.engine import STREAM_SAMPLING, Experiment, build, restore, role_states, sample_clients
+from splitlab.algorithms.base import Algorithm
+from splitlab.engine import STREAM_SAMPLING, Experiment, build, restore, role_states, run, sample_clients
 from splitlab.roles import ClientNode, random_stream
 
 QUICK = dict(
@@ -77,3 +79,18 @@ def personal_weights(experiment: Experiment) -> dict[int, dict[str, torch.Tensor
         for node in experiment.roles.clients
         if "client_model" in node.models
     }
+
+
+def crash_before_round(crash_round: int, config: dict, monkeypatch) -> None:
+    """Run `config` until it is interrupted (as by Ctrl-C) at the start of round `crash_round`."""
+    original = Algorithm.run_round
+
+    def crash(self, rnd, clients):
+        if rnd == crash_round:
+            raise KeyboardInterrupt
+        return original(self, rnd, clients)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Algorithm, "run_round", crash)
+        with pytest.raises(KeyboardInterrupt):
+            run(config, progress=False)

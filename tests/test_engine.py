@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import global_weights, quick, train
+from helpers import crash_before_round, global_weights, quick, train
 from splitlab import codec
 from splitlab.algorithms.sfl_v2 import SFLV2
 from splitlab.engine import CHECKPOINT, run
@@ -92,21 +92,6 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypat
         run({**config, "out": str(tmp_path / "cut")}, progress=False)
     run({**config, "out": str(tmp_path / "cut"), "resume": True}, progress=False)
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
-
-
-def crash_before_round(crash_round: int, config: dict, monkeypatch) -> None:
-    """Run `config` until it is interrupted at the start of round `crash_round`."""
-    original = SFLV2.train_round
-
-    def crash(self, rnd, clients):
-        if rnd == crash_round:
-            raise KeyboardInterrupt
-        return original(self, rnd, clients)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(SFLV2, "train_round", crash)
-        with pytest.raises(KeyboardInterrupt):
-            run(config, progress=False)
 
 
 def assert_same_run(a: Path, b: Path) -> None:

@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from helpers import global_weights, personal_weights, quick, train
+from helpers import crash_before_round, global_weights, personal_weights, quick, train
 from splitlab import codec
 from splitlab.algorithms import algorithm_names, algorithms
 from splitlab.algorithms.base import Algorithm
@@ -124,17 +124,7 @@ def test_only_plain_data_is_encoded():
 @pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b"", lambda b: b"garbage" * 10])
 def test_resume_refuses_a_damaged_checkpoint_in_one_line(tmp_path, monkeypatch, damage):
     config = quick(algorithm="sfl_v2", rounds=3, checkpoint_every=0, out=str(tmp_path))
-    original = Algorithm.run_round
-
-    def crash(self, rnd, clients):
-        if rnd == 2:
-            raise KeyboardInterrupt
-        return original(self, rnd, clients)
-
-    monkeypatch.setattr(Algorithm, "run_round", crash)
-    with pytest.raises(KeyboardInterrupt):
-        run(config, progress=False)
-    monkeypatch.undo()
+    crash_before_round(2, config, monkeypatch)
     path = tmp_path / CHECKPOINT
     path.write_bytes(damage(path.read_bytes()))
     with pytest.raises(UserError, match="cannot resume from .*checkpoint is unreadable.*overwrite=true") as error:

@@ -16,8 +16,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import client_model, global_weights, max_abs_difference, node, quick, server_model, sync_model, train
-from splitlab.algorithms import get_algorithm
+from helpers import (
+    client_model,
+    crash_before_round,
+    global_weights,
+    max_abs_difference,
+    node,
+    quick,
+    server_model,
+    sync_model,
+    train,
+)
 from splitlab.algorithms.fsl_sage import cut_gradient
 from splitlab.channel import GIB
 from splitlab.engine import build, run
@@ -166,18 +175,7 @@ def test_interrupted_run_resumes_bit_for_bit(tmp_path, monkeypatch, algorithm):
         algorithm=algorithm, rounds=3, partition="dirichlet:0.5", checkpoint_every=0, **SAGE.get(algorithm, {})
     )
     run({**config, "out": str(tmp_path / "whole")}, progress=False)
-    cls = get_algorithm(algorithm)
-    original = cls.train_round
-
-    def crash_in_round_2(self, rnd, clients):
-        if rnd == 2:
-            raise KeyboardInterrupt
-        return original(self, rnd, clients)
-
-    monkeypatch.setattr(cls, "train_round", crash_in_round_2)
-    with pytest.raises(KeyboardInterrupt):
-        run({**config, "out": str(tmp_path / "cut")}, progress=False)
-    monkeypatch.undo()
+    crash_before_round(2, {**config, "out": str(tmp_path / "cut")}, monkeypatch)
     run({**config, "out": str(tmp_path / "cut"), "resume": True}, progress=False)
     rows = [
         [
