@@ -177,7 +177,7 @@ def test_flags_anywhere_among_pairs_and_one_line_per_round_without_terminal(tmp_
 
 
 def test_algorithms_table_shows_whole_first_sentences_and_yaml_defaults(capsys):
-    from splitlab.cli import first_sentence
+    from splitlab.catalog import first_sentence
 
     assert (
         first_sentence("FedAvg (McMahan et al. 2017): each client trains. More.")
@@ -195,9 +195,10 @@ def test_a_run_is_repeated_from_its_config_yaml_into_a_new_out(tmp_path):
     assert first["final_accuracy"] == second["final_accuracy"]
 
 
-def test_datasets_table_does_not_import_torch():
+@pytest.mark.parametrize("command", ["datasets", "models", "algorithms"])
+def test_listing_tables_do_not_import_torch(command):
     probe = (
-        "import sys; from splitlab.cli import main; main(['datasets']); "
+        f"import sys; from splitlab.cli import main; main(['{command}']); "
         "print('torch' in sys.modules, 'sklearn' in sys.modules)"
     )
     done = subprocess.run(
@@ -205,3 +206,10 @@ def test_datasets_table_does_not_import_torch():
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1] == "False False"
+
+
+def test_the_catalog_of_models_and_algorithms_is_up_to_date():
+    """catalog.json is what the live registries give; regenerate it with `python -m splitlab.catalog`."""
+    from splitlab import catalog
+
+    assert catalog.load() == catalog.generate(), "run: python -m splitlab.catalog"

@@ -64,50 +64,23 @@ def _cmd_download(args: argparse.Namespace) -> int:
 
 
 def _cmd_models(args: argparse.Namespace) -> int:
-    from splitlab.models import MODELS, build_model
+    from splitlab import catalog
 
     table = Table("model", "valid cuts", "parameters (28x28x1 input, 10 classes)")
-    for name in sorted(MODELS):
-        try:
-            model, note = build_model(name, (1, 28, 28), 10), ""
-        except UserError:  # lstm takes token sequences: shown for LEAF Shakespeare's shape
-            model, note = build_model(name, (80,), 80), " (80 tokens in, 80 classes)"
-        table.add_row(
-            name, ", ".join(map(str, model.valid_cuts)), f"{sum(p.numel() for p in model.parameters()):,}{note}"
-        )
+    for row in catalog.load()["models"]:
+        table.add_row(*row)
     console.print(table)
     return 0
 
 
 def _cmd_algorithms(args: argparse.Namespace) -> int:
-    from splitlab.algorithms import algorithms
+    from splitlab import catalog
 
     table = Table("algorithm", "own keys (defaults)", "description")
-    for name, cls in sorted(algorithms().items()):
-        own = ", ".join(f"{k}={_yaml_scalar(f.default)}" for k, f in cls.Params.model_fields.items())
-        paragraph = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
-        table.add_row(name, own or "-", first_sentence(" ".join(paragraph.split())))
+    for row in catalog.load()["algorithms"]:
+        table.add_row(*row)
     console.print(table)
     return 0
-
-
-def _yaml_scalar(value: object) -> str:
-    """A default as it is written in a config file (None -> null, True -> true)."""
-    import yaml
-
-    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
-
-
-def first_sentence(text: str) -> str:
-    """Up to the first full stop that ends a sentence (not "et al." or "e.g." or one inside brackets)."""
-    depth = 0
-    for i, char in enumerate(text):
-        depth += {"(": 1, ")": -1}.get(char, 0)
-        if char == "." and depth == 0 and (i + 1 == len(text) or text[i + 1] == " "):
-            word = text[:i].rsplit(" ", 1)[-1]
-            if word not in ("al", "e.g", "i.e", "cf", "etc", "vs") and not word[-1:].isdigit():
-                return text[: i + 1]
-    return text
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
