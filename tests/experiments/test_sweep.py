@@ -337,3 +337,13 @@ def test_parallel_failure_does_not_stop_the_others(tmp_path: Path):
     assert list(info.value.failures) == ["cut=9"]
     assert (tmp_path / "o" / "cut=1" / "summary.json").exists()
     assert "cut" in (tmp_path / "o" / "cut=9" / "error.txt").read_text()
+
+
+def test_a_second_sweep_into_the_same_directory_is_refused(tmp_path: Path):
+    """The sweep directory is locked for the sweep's duration (each run's directory is too)."""
+    from splitlab import rundir
+
+    path, out = write_sweep(tmp_path, TINY), tmp_path / "busy"
+    with rundir.locked(out), pytest.raises(UserError, match=r"out '.*busy' is in use by PID \d+ on host"):
+        run_sweep(path, out=out, progress=False)
+    assert not any(out.iterdir())  # refused before any run started

@@ -23,6 +23,7 @@ from typing import Any
 
 import yaml
 
+from splitlab import rundir
 from splitlab.errors import UserError
 from splitlab.experiments.grid import (
     GridPoint,
@@ -184,6 +185,11 @@ def run_sweep(
     runs = expand_points(spec, where, sweep_dir)
     _check_existing(runs, sweep_dir)
 
+    with rundir.locked(sweep_dir):  # a second sweep into the same directory is refused, naming the holder
+        return _run_points(spec, where, sweep_dir, runs, jobs, progress)
+
+
+def _run_points(spec: dict, where: str, sweep_dir: Path, runs: list, jobs: int, progress: bool) -> Path:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     _write_snapshot(sweep_dir, spec, where, runs)
     # seed-major order, so that an interrupted sweep has every configuration's first seeds
