@@ -125,19 +125,19 @@ def clear(path: Path) -> None:
     remove_temp_files(path)
 
 
-def stored_config(path: Path) -> dict:
-    """The settings a run in `path` was started with; UserError if config.yaml is missing or unusable."""
+def stored_config(path: Path, action: str = "resume", advice: str = "use overwrite=true to start over") -> dict:
+    """The settings a run in `path` was started with; UserError (saying what could not be done:
+    `action`, and what to do: `advice`) if config.yaml is missing or unusable."""
     from splitlab.config import load_config_file, resolve_config
 
     file = path / "config.yaml"
-    advice = "use overwrite=true to start over"
     if not file.is_file():
-        raise UserError(f"cannot resume {str(path)!r}: its config.yaml is missing; {advice}")
+        raise UserError(f"cannot {action} {str(path)!r}: its config.yaml is missing; {advice}")
     try:
         stored = load_config_file(file)
         if not stored:
             raise UserError("it is empty")
         resolve_config(stored)
     except UserError as err:
-        raise UserError(f"cannot resume {str(path)!r}: config.yaml is unusable ({err}); {advice}") from None
+        raise UserError(f"cannot {action} {str(path)!r}: config.yaml is unusable ({err}); {advice}") from None
     return stored

@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from splitlab import rundir
 from splitlab.algorithms.splitgp import SplitGP, entropy, to_server
 from splitlab.config import parse_test_split
 from splitlab.data import load_dataset
@@ -232,16 +232,6 @@ def _deployed(
 
 
 # --- running it on a finished run -------------------------------------------------------------------
-def _read_config(path: Path) -> dict:
-    try:
-        raw = yaml.safe_load((path / "config.yaml").read_text())
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
-        raise UserError(f"cannot read {str(path / 'config.yaml')!r}: {_first_line(error)}") from None
-    if not isinstance(raw, dict):
-        raise UserError(f"{str(path / 'config.yaml')!r} is not a run's configuration (a mapping of keys)")
-    return raw
-
-
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
 
@@ -291,7 +281,8 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
     path = Path(run_dir)
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
-    experiment = build({**_read_config(path), "device": device, "out": str(path)})
+    stored = rundir.stored_config(path, "evaluate", "point evaluate at the directory of a finished run")
+    experiment = build({**stored, "device": device, "out": str(path)})
     algorithm = experiment.algorithm
     parts = global_states(experiment)  # every evaluated run has one global model (SplitGP: phi, theta)
     if isinstance(algorithm, SplitGP):
