@@ -72,11 +72,18 @@ class Blueprint:
 
     def initial(self, slot: str) -> nn.Module:
         """A new module for `slot` with its initial weights (built once, then copied)."""
+        return copy.deepcopy(self._initial_module(slot))
+
+    def initial_state(self, slot: str) -> dict[str, torch.Tensor]:
+        """`slot`'s initial weights, read-only: no copy is made."""
+        return self._initial_module(slot).state_dict()
+
+    def _initial_module(self, slot: str) -> nn.Module:
         if slot not in self._initial:
             if slot not in self.builders:
                 raise KeyError(f"no model is defined for slot {slot!r}; defined: {', '.join(self.builders)}")
             self._initial[slot] = self.builders[slot](self)
-        return copy.deepcopy(self._initial[slot])
+        return self._initial[slot]
 
     def rng(self, rnd: int, stream: int, *keys: int) -> np.random.Generator:
         return random_stream(self.config.seed, rnd, stream, *keys)
@@ -236,7 +243,7 @@ class Role(Generic[ParamsT]):
     def snapshot(self, slot: str) -> State:
         """`slot`'s weights, for the engine to evaluate (the initial ones if never filled)."""
         module = self.models.get(slot)
-        return (module if module is not None else self.blueprint.initial(slot)).state_dict()
+        return module.state_dict() if module is not None else self.blueprint.initial_state(slot)
 
     @verb(up="checkpoint")
     def state_dict(self) -> State:
