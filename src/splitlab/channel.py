@@ -29,8 +29,6 @@ KINDS: dict[str, str] = {
     "checkpoint": "telemetry",  # a role's state, saved or restored by the engine
 }
 
-GIB = 2**30
-
 #: Ledger conventions: the message kinds each one leaves uncounted. `splitlab` (the default)
 #: counts every byte that crosses. `fsl_sage` reproduces the FSL-SAGE authors' code
 #: (srijith1996/FSL-SAGE), which does not count labels; its other rules (smashed data and cut

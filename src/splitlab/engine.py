@@ -35,8 +35,8 @@ from torch import nn
 from splitlab import codec, rundir
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
-from splitlab.channel import GIB, Ledger
-from splitlab.comm import format_bytes, to_target
+from splitlab.channel import Ledger
+from splitlab.comm import GIB, format_bytes, to_target
 from splitlab.config import (
     RUN_CONTROL_KEYS,
     ResolvedConfig,

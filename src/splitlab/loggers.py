@@ -9,8 +9,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
-from splitlab.channel import GIB
-from splitlab.comm import format_bytes
+from splitlab.comm import GIB, format_bytes
 from splitlab.errors import UserError
 
 SCALARS = ("test_accuracy", "test_loss", "test_f1", "test_mcc", "train_loss", "comm_gib")

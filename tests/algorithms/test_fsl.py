@@ -28,7 +28,7 @@ from helpers import (
     train,
 )
 from splitlab.algorithms.fsl_sage import cut_gradient
-from splitlab.channel import GIB
+from splitlab.comm import GIB
 from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.io import read_jsonl
