@@ -221,15 +221,17 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     samples and the metrics are computed on all of them pooled (accuracy and loss are then the
     test-size-weighted means of the per-client values). On the global test set, algorithms with
     personal client models get the unweighted mean over clients of each client's model's metrics."""
-    data, algorithm = experiment.data, experiment.algorithm
+    data, algorithm, batch = experiment.data, experiment.algorithm, experiment.blueprint.inference_batch
     if experiment.client_test is not None:
         held = [(k, x, y) for k, (x, y) in enumerate(experiment.client_test) if len(y)]
-        logits = torch.cat([logits_in_batches(experiment.assemble(algorithm.personal_model(k)), x) for k, x, _ in held])
+        logits = torch.cat(
+            [logits_in_batches(experiment.assemble(algorithm.personal_model(k)), x, batch) for k, x, _ in held]
+        )
         return classification_metrics(logits, torch.cat([y for _, _, y in held]))
     if algorithm.personal_models:
         per_client = [
             classification_metrics(
-                logits_in_batches(experiment.assemble(algorithm.personal_model(c.id)), data.test_x), data.test_y
+                logits_in_batches(experiment.assemble(algorithm.personal_model(c.id)), data.test_x, batch), data.test_y
             )
             for c in experiment.clients
         ]
@@ -237,7 +239,7 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     model = algorithm.global_model()
     if model is None:
         raise NotImplementedError(f"{algorithm.name} has no global model and no personal models")
-    return classification_metrics(logits_in_batches(experiment.assemble(model), data.test_x), data.test_y)
+    return classification_metrics(logits_in_batches(experiment.assemble(model), data.test_x, batch), data.test_y)
 
 
 class _RunDirectory:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 @torch.no_grad()
 def logits_in_batches(
-    predict: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int = 1024
+    predict: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, batch_size: int
 ) -> torch.Tensor:
     return torch.cat([predict(x[i : i + batch_size]) for i in range(0, len(x), batch_size)])
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import itertools
 import math
 import time
@@ -32,7 +33,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from splitlab.config import RunConfig
-from splitlab.models import StagedModel, build_model, split
+from splitlab.models import StagedModel, build_model, largest_activation_bytes, split
 from splitlab.streams import register_stream
 from splitlab.transport import KEYED, verb
 
@@ -45,6 +46,10 @@ ParamsT = TypeVar("ParamsT", bound=BaseModel)
 def random_stream(seed: int, rnd: int, stream: int, *keys: int) -> np.random.Generator:
     """A random stream that depends only on (seed, round, purpose, keys): resumable by design."""
     return np.random.default_rng([seed, rnd, stream, *keys])
+
+
+INFERENCE_BUDGET = 256 * 2**20
+"""Bytes of the largest layer output one inference batch may hold."""
 
 
 @dataclass
@@ -66,6 +71,16 @@ class Blueprint:
     def new_model(self) -> StagedModel:
         """The initial global model: every call returns the same weights (seeded by `seed`)."""
         return build_model(self.config.model, self.input_shape, self.num_classes, seed=self.config.seed).to(self.device)
+
+    @functools.cached_property
+    def inference_batch(self) -> int:
+        """Samples per inference batch: as many as keep the largest layer output within
+        INFERENCE_BUDGET (a power of two, 16 to 4096), so that a deep model on large images does not
+        exhaust memory and a small one is not run in slivers."""
+        model = build_model(self.config.model, self.input_shape, self.num_classes, seed=self.config.seed)
+        per_sample = largest_activation_bytes(model, self.input_shape, self.input_dtype)
+        fitting = max(16, min(4096, INFERENCE_BUDGET // per_sample))
+        return 1 << (fitting.bit_length() - 1)
 
     def new_split(self) -> tuple[nn.Sequential, nn.Sequential]:
         return split(self.new_model(), self.config.cut)

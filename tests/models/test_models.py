@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from splitlab.errors import UserError
-from splitlab.models import build_model, model_names, split
+from splitlab.config import NoParams, RunConfig
+from splitlab.models import build_model, largest_activation_bytes, model_names, split
+from splitlab.roles import INFERENCE_BUDGET, Blueprint
 
 SHAPES = {
     "mlp": (1, 8, 8),
@@ -62,3 +64,17 @@ def test_cut_outside_the_range_is_a_user_error(cut):
 def test_unknown_model_lists_the_available_ones():
     with pytest.raises(UserError, match="unknown model 'nope'; available: " + ", ".join(model_names())):
         build_model("nope", (1, 8, 8), 10)
+
+
+def test_largest_activation_is_the_biggest_layer_output_per_sample():
+    # LEAF CNN: conv1's 32 channels at 28x28 (before pooling); ResNet-18 at 64x64: the stem's 64 channels
+    assert largest_activation_bytes(build_model("cnn", (1, 28, 28), 10, seed=0), (1, 28, 28)) == 32 * 28 * 28 * 4
+    assert largest_activation_bytes(build_model("resnet18", (3, 64, 64), 10, seed=0), (3, 64, 64)) == 64 * 64 * 64 * 4
+
+
+@pytest.mark.parametrize(("model", "shape", "batch"), [("cnn", (1, 28, 28), 2048), ("resnet18", (3, 64, 64), 256)])
+def test_inference_batches_keep_the_largest_activation_within_the_budget(model, shape, batch):
+    config = RunConfig(algorithm="fedavg", dataset="fashion_mnist", model=model, cut=1)
+    blueprint = Blueprint(config, NoParams(), torch.device("cpu"), shape, 10, torch.float32)
+    assert blueprint.inference_batch == batch  # the largest power of two within INFERENCE_BUDGET
+    assert batch * largest_activation_bytes(build_model(model, shape, 10, seed=0), shape) <= INFERENCE_BUDGET

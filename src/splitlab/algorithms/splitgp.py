@@ -145,7 +145,7 @@ class SplitGPClient(ClientNode[SplitGPParams]):
         the simulation's doing, not traffic). The features stay here for `route`."""
         phi, h = self.model("client_model"), self.model("aux_model")
         with inference(phi, h):
-            features = logits_in_batches(phi, x)
+            features = logits_in_batches(phi, x, self.blueprint.inference_batch)
             logits = h(features)
         self._inferred = features, logits
         return logits
@@ -170,7 +170,7 @@ class SplitGPServer(TrainingServer[SplitGPParams]):
         """theta's logits on the features clients routed to the server at inference."""
         theta = self.model("server_model")
         with inference(theta):
-            return logits_in_batches(theta, smashed)
+            return logits_in_batches(theta, smashed, self.blueprint.inference_batch)
 
 
 class SplitGP(Algorithm[SplitGPParams]):

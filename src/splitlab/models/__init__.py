@@ -6,7 +6,7 @@ import torch
 
 from splitlab.errors import UserError
 from splitlab.models.leaf import LEAF_MODELS
-from splitlab.models.staged import StagedModel, output_shape, split
+from splitlab.models.staged import StagedModel, largest_activation_bytes, output_shape, split
 from splitlab.models.zoo import MODELS
 
 MODELS.update(LEAF_MODELS)  # lstm, celeba_cnn, resnet9 (models/leaf.py builds on the zoo's blocks)
@@ -28,4 +28,4 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed:
             raise UserError(f"model {name!r} does not fit inputs of shape {tuple(input_shape)}: {err}") from None
 
 
-__all__ = ["MODELS", "StagedModel", "build_model", "model_names", "output_shape", "split"]
+__all__ = ["MODELS", "StagedModel", "build_model", "largest_activation_bytes", "model_names", "output_shape", "split"]

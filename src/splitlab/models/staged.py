@@ -7,6 +7,7 @@ what lets an algorithm hand back one global model under the unsplit names.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 
 import torch
@@ -52,3 +53,21 @@ def output_shape(module: nn.Module, input_shape: tuple[int, ...], dtype=torch.fl
         out = module(torch.zeros((2, *input_shape), dtype=dtype))
         module.train(was_training)
     return tuple(out.shape[1:])
+
+
+def largest_activation_bytes(module: nn.Module, input_shape: tuple[int, ...], dtype=torch.float32) -> int:
+    """Bytes per sample of the largest output of any layer (the input included), by a dry run:
+    what sizes an inference batch, since a layer's output is the most a forward pass holds at once."""
+    sizes = [math.prod(input_shape) * dtype.itemsize]
+
+    def record(_module: nn.Module, _inputs: object, output: object) -> None:
+        if isinstance(output, torch.Tensor):
+            sizes.append(output[0].numel() * output.element_size())
+
+    hooks = [m.register_forward_hook(record) for m in module.modules()]
+    try:
+        output_shape(module, input_shape, dtype)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return max(sizes)

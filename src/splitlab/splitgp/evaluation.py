@@ -437,7 +437,9 @@ def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
             add(name, [_deployed(experiment, test, rho, t) for rho, t in zip(rhos, thresholds)], thresholds)
     else:
         states = global_states(experiment)
-        global_logits = logits_in_batches(experiment.assemble(states), data.test_x)
+        global_logits = logits_in_batches(
+            experiment.assemble(states), data.test_x, experiment.blueprint.inference_batch
+        )
         results = [
             _accuracy([ClientOutputs(data.test_y[i], n, None, global_logits[i]) for i, n in test_views], rho, None)
             for rho in rhos
@@ -447,7 +449,12 @@ def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
             models = _finetuned(experiment, states, train, settings.finetune_rounds)
             with torch.no_grad():
                 outputs = [
-                    ClientOutputs(data.test_y[i], n, None, logits_in_batches(model, data.test_x[i]))
+                    ClientOutputs(
+                        data.test_y[i],
+                        n,
+                        None,
+                        logits_in_batches(model, data.test_x[i], experiment.blueprint.inference_batch),
+                    )
                     for model, (i, n) in zip(models, test_views)
                 ]
             add("personalized", [_accuracy(outputs, rho, None) for rho in rhos], [None] * len(rhos))
