@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from splitlab.errors import UserError
 from splitlab.config import NoParams, RunConfig
+from splitlab.errors import UserError
 from splitlab.models import build_model, largest_activation_bytes, model_names, split
 from splitlab.roles import INFERENCE_BUDGET, Blueprint
 
