@@ -76,7 +76,8 @@ class RunConfig(BaseModel):
     checkpoint_every: float = Field(
         60.0,
         ge=0,
-        description="seconds between checkpoints (0: after every round); a resumed run replays from the last one",
+        description="seconds between checkpoints (0: after every round; never sooner than 50x the last snapshot's "
+        "in-loop time); a resumed run replays from the last one",
     )
     resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
     overwrite: bool = Field(False, description="replace a finished or partial run in `out`")

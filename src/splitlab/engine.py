@@ -315,18 +315,25 @@ def restore(experiment: Experiment, state: dict[str, Any]) -> None:
     ledger.envelope_bytes = int(state["ledger"]["envelope_bytes"])
 
 
+SNAPSHOT_SHARE = 0.02
+"""The most of a run's time that taking checkpoint snapshots may hold up training (checkpoint_every > 0)."""
+
+
 class _Checkpointer:
     """Snapshots of every role's state, encoded in the loop and written to disk in the background.
 
     Encoding copies the tensors, so training goes on while the bytes are written; one write at a
     time, and a snapshot waits for the previous write. A snapshot is taken when `every` seconds
-    have passed since the last one (0: after every round)."""
+    have passed since the last one (0: after every round), and never sooner than its in-loop cost
+    allows: a snapshot that held the loop for s seconds is followed by at least s / SNAPSHOT_SHARE
+    seconds of training, so large states (FSL-SAGE's aux models and buffers) cost the same share."""
 
     def __init__(self, experiment: Experiment) -> None:
         self.experiment = experiment
         self.path = experiment.out / CHECKPOINT
         self.every = experiment.config.run.checkpoint_every
         self._last = time.monotonic()
+        self._interval = self.every
         self._writer: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -350,13 +357,16 @@ class _Checkpointer:
         return state["loop"]
 
     def maybe_save(self, loop: dict[str, Any], force: bool = False) -> None:
-        if not force and time.monotonic() - self._last < self.every:
+        if not force and time.monotonic() - self._last < self._interval:
             return
+        started = time.monotonic()
         data = codec.encode({"loop": loop, **role_states(self.experiment)})
         self.wait()
         self._writer = threading.Thread(target=self._write, args=(data,), daemon=True)
         self._writer.start()
         self._last = time.monotonic()
+        if self.every:
+            self._interval = max(self.every, (self._last - started) / SNAPSHOT_SHARE)
 
     def _write(self, data: bytes) -> None:
         try:
