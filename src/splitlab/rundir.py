@@ -35,6 +35,8 @@ WRITTEN = (
     "clients.safetensors",
     "evaluation.json",
     "tensorboard",
+    "record",
+    "attack.json",
 )
 
 
