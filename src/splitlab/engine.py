@@ -55,6 +55,7 @@ from splitlab.io import (
 from splitlab.loggers import check_logger, make_logger, round_line
 from splitlab.metrics import classification_metrics, logits_in_batches
 from splitlab.models import split
+from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.record import Recorder
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
 from splitlab.runfiles import CHECKPOINT, LEGACY_CHECKPOINT, RUN_FILES
@@ -522,6 +523,7 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         "stopped_by": state["stopped_by"],
         "target_accuracy": cfg.target_accuracy,
         **dict(zip(("rounds_to_target", "gib_to_target"), to_target(rows, cfg.target_accuracy))),
+        **privacy_summary(cfg),
     }
     model = experiment.algorithm.global_model()
     if model is not None:

@@ -410,7 +410,7 @@ class TrainingServer(Role[ParamsT]):
         configured) and the loss."""
         smashed = decode(smashed).requires_grad_()
         reply = self.learn(smashed, labels, slot)
-        return {"cut_grad": self.blueprint.defense.encode(cast(torch.Tensor, smashed.grad)), **reply}
+        return {"cut_grad": self.blueprint.defense.send_gradient(cast(torch.Tensor, smashed.grad)), **reply}
 
     @verb()
     def learn(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:

@@ -37,6 +37,7 @@ WRITTEN = (
     "tensorboard",
     "record",
     "attack.json",
+    "attack_inversion.png",
 )
 
 

@@ -108,7 +108,9 @@ def test_malformed_cut_layer_messages_are_refused(message):
 def test_every_algorithm_trains_with_every_defense_through_bytes(algorithm):
     """Compressed messages survive the serialized transport, and every algorithm that sends smashed
     data applies the defenses; personal and global models come out finite."""
-    config = quick(algorithm=algorithm, defense="clip:5+noise:0.1+nopeek:0.1+topk:0.5+quantize:int8", rounds=1)
+    config = quick(
+        algorithm=algorithm, defense="clip:5+noise:0.1+gradnoise:0.1+nopeek:0.1+topk:0.5+quantize:int8", rounds=1
+    )
     experiment = train(1, transport="serialized", **config)
     states = (
         personal_weights(experiment).values() if experiment.algorithm.personal_models else [global_weights(experiment)]

@@ -8,6 +8,9 @@ layer's tensors are compressed on the wire.
 - `noise:S`: Gaussian noise added to each released activation, standard deviation S * C with
   `clip:C`, S without clipping. With both, every release is a Gaussian mechanism (see
   splitlab.privacy.accounting);
+- `gradnoise:S`: isotropic Gaussian noise on each sample's cut gradient, added by the training
+  server before the gradient goes down, with expected norm S times the batch's largest gradient
+  norm (the "iso" protection of Li et al. 2022 against label inference from cut gradients);
 - `nopeek:A`: NoPeek (Vepakomma et al. 2020): A * distance correlation between the client's
   inputs and its smashed data is added to the client's objective;
 - `quantize:int8` (per-sample scale, symmetric) or `quantize:fp16`, and `topk:F` (each sample
@@ -31,6 +34,7 @@ from splitlab.errors import UserError
 ITEMS = {
     "clip": "clip:<max L2 norm > 0>",
     "noise": "noise:<sigma >= 0>",
+    "gradnoise": "gradnoise:<scale >= 0>",
     "nopeek": "nopeek:<alpha >= 0>",
     "quantize": "quantize:int8|fp16",
     "topk": "topk:<fraction in (0, 1]>",
@@ -48,6 +52,7 @@ class Defense:
 
     clip: float | None = None
     noise: float = 0.0
+    gradnoise: float = 0.0
     nopeek: float = 0.0
     quantize: str | None = None
     topk: float | None = None
@@ -74,6 +79,15 @@ class Defense:
         if self.nopeek == 0:
             return None
         return self.nopeek * distance_correlation(inputs.flatten(1).float(), smashed.flatten(1))
+
+    # --- at the training server, before a cut gradient goes down ---------------------------
+    def send_gradient(self, grad: torch.Tensor) -> torch.Tensor | dict[str, Any]:
+        """The cut gradient as sent: with `gradnoise`, noise from torch's random state (which the
+        engine seeds by round), then encoded."""
+        if self.gradnoise > 0:
+            largest = grad.flatten(1).norm(dim=1).max()
+            grad = grad + torch.randn_like(grad) * (self.gradnoise * largest / math.sqrt(grad[0].numel()))
+        return self.encode(grad)
 
     # --- on the wire, both directions ---------------------------------------------------------
     def encode(self, tensor: torch.Tensor) -> torch.Tensor | dict[str, Any]:
@@ -191,6 +205,7 @@ def _argument(name: str, arg: str, value: str) -> float | str:
     valid = {
         "clip": 0 < number < math.inf,
         "noise": 0 <= number < math.inf,
+        "gradnoise": 0 <= number < math.inf,
         "nopeek": 0 <= number < math.inf,
         "topk": 0 < number <= 1,
     }[name]
