@@ -206,6 +206,16 @@ def _cmd_attack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_advise(args: argparse.Namespace) -> int:
+    from splitlab.config import parse_overrides
+    from splitlab.privacy.advise import advise
+
+    result = advise(parse_overrides(args.overrides))
+    print(result["markdown"])
+    console.print(f"written to {result['out']}: advise.md, advise.json, advise.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitlab", description="Split learning and split federated learning.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -270,6 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
     attack.add_argument("dir")
     attack.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     attack.set_defaults(handler=_cmd_attack)
+
+    advise = commands.add_parser(
+        "advise",
+        help="every cut of a model side by side: client cost, bytes, latency, leakage, accuracy",
+        description="Keys: dataset model algorithm defense clients rounds train_subset test_subset batch_size lr "
+        "seed device aux targets epochs client_power server_power rate beta out; see docs/privacy.md.",
+    )
+    advise.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    advise.set_defaults(handler=_cmd_advise)
     return parser
 
 
