@@ -137,3 +137,9 @@ def test_bad_defense_values_are_refused_in_one_line(tmp_path, capsys, value, mes
     assert not (tmp_path / "x").exists()
     with pytest.raises(UserError):
         parse_defense(value)
+
+
+def test_nopeek_joins_the_client_objective():
+    plain = global_weights(train(1, **quick(algorithm="sfl_v2")))
+    nopeek = global_weights(train(1, **quick(algorithm="sfl_v2", defense="nopeek:10")))
+    assert not torch.equal(plain["fc1.1.weight"], nopeek["fc1.1.weight"])  # the client part's gradient changed

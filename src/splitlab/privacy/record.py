@@ -28,7 +28,8 @@ class Recorder:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self._sent: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._batches: list[dict[str, torch.Tensor]] = []
+        self._awaiting: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # the latest batch per key
         self._count = 0
 
     def sent(self, client_id: int, key: int, inputs: torch.Tensor, smashed: torch.Tensor, labels: torch.Tensor) -> None:
@@ -37,23 +38,24 @@ class Recorder:
         if take <= 0:
             return
         self._count += take
-        self._sent[client_id, key] = {
+        self._awaiting[client_id, key] = {
             "inputs": inputs[:take].detach().float(),
             "smashed": smashed[:take].detach(),
             "labels": labels[:take],
             "clients": torch.full((take,), client_id, dtype=torch.int64),
         }
+        self._batches.append(self._awaiting[client_id, key])
 
     def received(self, client_id: int, key: int, cut_grad: torch.Tensor) -> None:
         """The cut gradient of a recorded batch (a (1, ...) gradient is broadcast)."""
-        batch = self._sent.get((client_id, key))
+        batch = self._awaiting.pop((client_id, key), None)
         if batch is not None:
             take, grad = len(batch["labels"]), cut_grad.detach()
             batch["cut_grad"] = grad.expand(take, *grad.shape[1:]) if len(grad) == 1 else grad[:take]
 
     def flush(self, run_dir: Path, rnd: int) -> None:
         """Write the round's record (nothing if nothing was sent) and start the next round empty."""
-        batches, self._sent, self._count = list(self._sent.values()), {}, 0
+        batches, self._batches, self._awaiting, self._count = self._batches, [], {}, 0
         if not batches:
             return
         names = set.intersection(*(set(b) for b in batches))  # cut_grad only if every batch got one
