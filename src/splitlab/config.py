@@ -80,8 +80,8 @@ class RunConfig(BaseModel):
     )
     defense: str = Field(
         "none",
-        description="defenses at the cut, +-joined: clip:<C> noise:<sigma> nopeek:<alpha> quantize:int8|fp16 "
-        "topk:<fraction>; none = no defense (docs/privacy.md)",
+        description="defenses at the cut, +-joined: clip:<C> noise:<sigma> gradnoise:<scale> nopeek:<alpha> "
+        "quantize:int8|fp16 topk:<fraction>; none = no defense (docs/privacy.md)",
     )
     record: int = Field(
         0, ge=0, description="record what the server saw at the cut, up to N samples per round, for attacks"

@@ -330,7 +330,7 @@ class ClientNode(Role[ParamsT]):
         defense = self.blueprint.defense
         defended = defense.protect(smashed, self._noise_generator(smashed.device))
         wire = defense.encode(defended)
-        if self.blueprint.recorder is not None:
+        if self.blueprint.recorder is not None:  # a release without a step awaits no gradient: a key no step has
             self.blueprint.recorder.sent(self.id, -1 - self._releases if step is None else step, x, decode(wire), y)
         self._releases += 1
         return defended, {"smashed": wire, "labels": y}

@@ -80,6 +80,14 @@ def test_label_leak_is_refused_where_no_cut_gradient_is_sent(tmp_path, capsys):
     assert "sends no cut gradients" in capsys.readouterr().err
 
 
+def test_attack_is_refused_where_there_is_no_global_split_model(tmp_path, capsys):
+    for algorithm, message in (("psl", "personal client parts"), ("fedavg", "no cut to attack")):
+        out = tmp_path / algorithm
+        run({**quick(algorithm=algorithm, rounds=1), "out": str(out)}, progress=False)
+        assert main(["attack", str(out), "attack=inversion"]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_epsilon_is_reported_where_clip_and_noise_apply(tmp_path):
     summary = run({**quick(defense="clip:1+noise:2", rounds=1), "out": str(tmp_path / "dp")}, progress=False)
     assert summary["privacy"]["epsilon"] == pytest.approx(epsilon(1.0, 1))

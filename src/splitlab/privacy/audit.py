@@ -21,6 +21,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from splitlab import rundir
+from splitlab.algorithms import get_algorithm
+from splitlab.config import RunConfig
 from splitlab.errors import UserError
 from splitlab.io import write_json, write_png
 from splitlab.privacy import attacks
@@ -50,6 +53,12 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
 
     settings = parse_settings(AttackSettings, raw)
     path = Path(run_dir)
+    algorithm = rundir.stored_config(path, "attack", "point attack at a finished run's directory").get("algorithm")
+    if get_algorithm(algorithm or RunConfig().algorithm).personal_models:
+        raise UserError(
+            f"{str(path)!r} is a {algorithm} run: its clients keep personal client parts, "
+            f"and attack needs a run with one global split model (weights.safetensors)"
+        )
     experiment = load_run(path, settings.device)
     states = global_states(experiment)
     if len(states) != 2:
