@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from helpers import global_weights, personal_weights, quick, train
+from helpers import global_weights, personal_weights, quick, straight_and_resumed, train
 from splitlab.algorithms import algorithm_names
 from splitlab.cli import main
 from splitlab.errors import UserError
@@ -35,6 +35,19 @@ def test_noise_is_seeded_and_changes_training():
     plain = global_weights(train(1, **quick(algorithm="sfl_v2")))
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert not all(torch.equal(first[k], plain[k]) for k in first)
+
+
+@pytest.mark.parametrize("algorithm", ["sfl_v2", "cycle_sfl"])
+def test_defended_runs_are_bit_identical_through_either_transport(algorithm):
+    """gradnoise draws from torch's random state, which the engine seeds every round: seeded here."""
+    config = quick(algorithm=algorithm, defense="clip:5+noise:0.3+gradnoise:0.5+topk:0.5+quantize:int8")
+    torch.manual_seed(0)
+    direct = train(2, **config)
+    torch.manual_seed(0)
+    serialized = train(2, transport="serialized", **config)
+    a, b = global_weights(direct), global_weights(serialized)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
 
 
 # Batches of the quick config: 300 samples over 3 clients -> 100 each, batches of 32, 32, 32, 4.
@@ -143,3 +156,9 @@ def test_nopeek_joins_the_client_objective():
     plain = global_weights(train(1, **quick(algorithm="sfl_v2")))
     nopeek = global_weights(train(1, **quick(algorithm="sfl_v2", defense="nopeek:10")))
     assert not torch.equal(plain["fc1.1.weight"], nopeek["fc1.1.weight"])  # the client part's gradient changed
+
+
+def test_a_defended_run_resumes_bit_for_bit():
+    straight, resumed = straight_and_resumed(3, **quick(algorithm="sfl_v2", defense="clip:5+noise:0.3+gradnoise:0.5"))
+    a, b = global_weights(straight), global_weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
