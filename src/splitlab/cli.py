@@ -1,4 +1,4 @@
-"""`splitlab run | sweep | report | evaluate | latency | datasets | models`.
+"""`splitlab run | sweep | report | evaluate | latency | attack | advise | datasets | models`.
 
 A user mistake prints one line, `error: ...`, and exits with code 2; anything else is a bug and
 keeps its traceback.
@@ -43,6 +43,15 @@ def _print_summary(summary: dict, raw: dict) -> None:
     for kind, nbytes in sorted(summary["comm_bytes_by_kind"].items()):
         table.add_row(f"  {kind}", format_bytes(nbytes))
     table.add_row("training time", f"{summary['wall_seconds']:.1f} s")
+    privacy = summary.get("privacy")
+    if privacy is not None:
+        guarantee = (
+            f"({privacy['epsilon']:.3g}, {privacy['delta']:g})-DP per sample's smashed data, "
+            f"{privacy['releases_per_sample']} releases (not labels or weights; docs/privacy.md)"
+            if privacy["epsilon"] is not None
+            else privacy["why"]
+        )
+        table.add_row("privacy", guarantee)
     console.print(table)
 
 
@@ -177,6 +186,36 @@ def _cmd_latency(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_attack(args: argparse.Namespace) -> int:
+    from splitlab.config import parse_overrides
+    from splitlab.privacy.audit import attack_run
+
+    result = attack_run(args.dir, parse_overrides(args.overrides))
+    table = Table(show_header=False, title=f"{result['attack']} on {result['targets']} (defense {result['defense']})")
+    if result["attack"] == "inversion":
+        table.add_row("SSIM / PSNR", f"{result['ssim']:.3f} / {result['psnr']:.2f} dB")
+        baseline = result["baseline"]
+        table.add_row("floor: mean image", f"{baseline['ssim']:.3f} / {baseline['psnr']:.2f} dB")
+    else:
+        table.add_row("norm attack AUC", f"{result['norm_auc']:.3f}")
+        table.add_row("direction attack AUC", f"{result['direction_auc']:.3f}")
+        for rnd, row in result.get("by_round", {}).items():
+            table.add_row(f"  round {rnd} (norm / direction)", f"{row['norm_auc']:.3f} / {row['direction_auc']:.3f}")
+    console.print(table)
+    console.print(f"written to {args.dir}/attack.json")
+    return 0
+
+
+def _cmd_advise(args: argparse.Namespace) -> int:
+    from splitlab.config import parse_overrides
+    from splitlab.privacy.advise import advise
+
+    result = advise(parse_overrides(args.overrides))
+    print(result["markdown"])
+    console.print(f"written to {result['out']}: advise.md, advise.json, advise.png")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitlab", description="Split learning and split federated learning.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -232,6 +271,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     latency.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     latency.set_defaults(handler=_cmd_latency)
+
+    attack = commands.add_parser(
+        "attack",
+        help="a curious training server's attack on a finished run (inversion | label_leak)",
+        description="Keys: attack=inversion|label_leak round aux targets epochs device seed; see docs/privacy.md.",
+    )
+    attack.add_argument("dir")
+    attack.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    attack.set_defaults(handler=_cmd_attack)
+
+    advise = commands.add_parser(
+        "advise",
+        help="every cut of a model side by side: client cost, bytes, latency, leakage, accuracy",
+        description="Keys: dataset model algorithm defense clients rounds train_subset test_subset batch_size lr "
+        "seed device aux targets epochs client_power server_power rate beta out; see docs/privacy.md.",
+    )
+    advise.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    advise.set_defaults(handler=_cmd_advise)
     return parser
 
 

@@ -79,6 +79,14 @@ class RunConfig(BaseModel):
         description="seconds between checkpoints (0: after every round; never sooner than 50x the last snapshot's "
         "in-loop time); a resumed run replays from the last one",
     )
+    defense: str = Field(
+        "none",
+        description="defenses at the cut, +-joined: clip:<C> noise:<sigma> gradnoise:<scale> nopeek:<alpha> "
+        "quantize:int8|fp16 topk:<fraction>; none = no defense (docs/privacy.md)",
+    )
+    record: int = Field(
+        0, ge=0, description="record what the server saw at the cut, up to N samples per round, for attacks"
+    )
     resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
     overwrite: bool = Field(False, description="replace a finished or partial run in `out`")
 
@@ -88,6 +96,14 @@ class RunConfig(BaseModel):
         from splitlab.data import parse_partition_scheme
 
         parse_partition_scheme(value)
+        return value
+
+    @field_validator("defense")
+    @classmethod
+    def _check_defense(cls, value: str) -> str:
+        from splitlab.privacy.defenses import parse_defense
+
+        parse_defense(value)
         return value
 
     @field_validator("test_split")

@@ -55,6 +55,8 @@ from splitlab.io import (
 from splitlab.loggers import check_logger, make_logger, round_line
 from splitlab.metrics import classification_metrics, logits_in_batches
 from splitlab.models import split
+from splitlab.privacy.accounting import privacy_summary
+from splitlab.privacy.record import Recorder
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
 from splitlab.runfiles import CHECKPOINT, LEGACY_CHECKPOINT, RUN_FILES
 from splitlab.streams import register_stream
@@ -176,6 +178,7 @@ def build(raw: Mapping[str, Any]) -> Experiment:
         data.num_classes,
         data.inputs(data.train_x[:1]).dtype,
         builders=algorithm_class.models,
+        recorder=Recorder(run.record) if run.record else None,
     )
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
     # Each node holds only its own samples, as stored (uint8 images are prepared batch by batch).
@@ -434,6 +437,8 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
             )
             started = time.perf_counter()
             algorithm.run_round(rnd, clients)
+            if experiment.blueprint.recorder is not None:
+                experiment.blueprint.recorder.flush(out, rnd)
             train_loss = algorithm.pop_train_loss()
             _check_finite(train_loss, "training loss", rnd + 1)
             compute_seconds = experiment.blueprint.pop_seconds()
@@ -530,6 +535,7 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         "stopped_by": state["stopped_by"],
         "target_accuracy": cfg.target_accuracy,
         **dict(zip(("rounds_to_target", "gib_to_target"), to_target(rows, cfg.target_accuracy))),
+        **privacy_summary(cfg),
     }
     model = experiment.algorithm.global_model()
     if model is not None:

@@ -48,6 +48,11 @@ def write_text(path: Path, text: str) -> None:
     _atomic(path, lambda tmp: Path(tmp).write_text(text))
 
 
+def write_png(path: Path, figure: Any) -> None:
+    """A matplotlib figure as a PNG."""
+    _atomic(path, lambda tmp: figure.savefig(tmp, format="png", dpi=90, bbox_inches="tight"))
+
+
 def write_json(path: Path, obj: Any) -> None:
     write_text(path, json.dumps(obj, indent=2, allow_nan=False) + "\n")
 

@@ -34,10 +34,14 @@ from torch import nn
 
 from splitlab.config import RunConfig
 from splitlab.models import StagedModel, build_model, largest_activation_bytes, split
+from splitlab.privacy import defenses
+from splitlab.privacy.defenses import Defense, decode, parse_defense
+from splitlab.privacy.record import Recorder
 from splitlab.streams import register_stream
 from splitlab.transport import KEYED, verb
 
 STREAM_BATCHES = register_stream("batches", 1)
+STREAM_NOISE = register_stream("privacy.noise", 6)
 
 State = dict[str, Any]
 ParamsT = TypeVar("ParamsT", bound=BaseModel)
@@ -65,8 +69,15 @@ class Blueprint:
     #: slot -> how its initial model is built (the algorithm's `models` table)
     builders: Mapping[str, Callable[[Blueprint], nn.Module]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    #: `record=`: where clients note what crosses the cut (one process only); None when not recording
+    recorder: Recorder | None = None
     _initial: dict[str, nn.Module] = field(default_factory=dict)
     _pools: dict[str, list[nn.Module]] = field(default_factory=dict)
+
+    @functools.cached_property
+    def defense(self) -> Defense:
+        """The `defense=` every client applies at the cut (and both sides' wire compression)."""
+        return parse_defense(self.config.defense)
 
     def new_model(self) -> StagedModel:
         """The initial global model: every call returns the same weights (seeded by `seed`)."""
@@ -294,6 +305,7 @@ class ClientNode(Role[ParamsT]):
         self.prepare = prepare
         self.stash: dict[int, Any] = {}
         self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
+        self.round, self._releases = 0, 0
 
     @property
     def num_samples(self) -> int:
@@ -321,6 +333,35 @@ class ClientNode(Role[ParamsT]):
     @verb()
     def begin_round(self, rnd: int) -> None:
         self._batches = self.batches(rnd)
+        self.round, self._releases = rnd, 0
+
+    def release(
+        self, x: torch.Tensor, y: torch.Tensor, smashed: torch.Tensor, step: int | None = None
+    ) -> tuple[torch.Tensor, State]:
+        """Smashed data on its way out, with the client's defenses (splitlab.privacy.defenses)
+        applied: the defended tensor (which the cut gradient will reach) and the message for the
+        server, compressed as configured. Without a defense: `smashed` and its detached self."""
+        defense = self.blueprint.defense
+        defended = defense.protect(smashed, self._noise_generator(smashed.device))
+        wire = defense.encode(defended)
+        if self.blueprint.recorder is not None:  # a release without a step awaits no gradient: a key no step has
+            self.blueprint.recorder.sent(self.id, -1 - self._releases if step is None else step, x, decode(wire), y)
+        self._releases += 1
+        return defended, {"smashed": wire, "labels": y}
+
+    def _noise_generator(self, device: torch.device) -> torch.Generator | None:
+        """The release's own noise stream, keyed by (seed, round, client, release): resumable."""
+        if self.blueprint.defense.noise == 0:
+            return None
+        seed = self.blueprint.rng(self.round, STREAM_NOISE, self.id, self._releases).integers(2**63)
+        return torch.Generator(device).manual_seed(int(seed))
+
+    def receive(self, step: int, cut_grad: Any) -> torch.Tensor:
+        """The cut gradient of `step` from its wire form."""
+        grad = decode(cut_grad)
+        if self.blueprint.recorder is not None:
+            self.blueprint.recorder.received(self.id, step, grad)
+        return grad
 
     @verb(down="{0}_down")
     def load(self, slot: str, state: State) -> None:
@@ -337,15 +378,18 @@ class ClientNode(Role[ParamsT]):
         x, y = self.next_batch()
         with self.blueprint.timed("client"):
             smashed = self.model("client_model")(x)
-        self.stash[step] = smashed
-        return {"smashed": smashed.detach(), "labels": y}
+            defended, message = self.release(x, y, smashed, step)
+            self.stash[step] = defended, self.blueprint.defense.penalty(x, smashed)
+        return message
 
     @verb(down="cut_grad")
-    def backward(self, step: int, cut_grad: torch.Tensor) -> None:
-        """Back-propagate the cut gradient of `step` (one vector is broadcast over the batch) and step."""
-        smashed = self.stash.pop(step)
+    def backward(self, step: int, cut_grad: Any) -> None:
+        """Back-propagate the cut gradient of `step` (one vector is broadcast over the batch) and
+        NoPeek's penalty, if any, and step."""
+        defended, penalty = self.stash.pop(step)
+        grad = self.receive(step, cut_grad).expand_as(defended)
         with self.blueprint.timed("client"):
-            self.step("client_model", lambda: smashed.backward(cut_grad.expand_as(smashed)))
+            self.step("client_model", lambda: defenses.backward((defended, grad), (penalty, None)))
 
     @verb(up=KEYED)
     def local_step(self) -> State:
@@ -375,15 +419,17 @@ class TrainingServer(Role[ParamsT]):
         return value
 
     @verb()
-    def train_step(self, smashed: torch.Tensor, labels: torch.Tensor, slot: str = "server_model") -> State:
-        """One server step on received smashed data; returns the cut gradient and the loss."""
-        smashed.requires_grad_()
+    def train_step(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:
+        """One server step on received smashed data; returns the cut gradient (compressed as
+        configured) and the loss."""
+        smashed = decode(smashed).requires_grad_()
         reply = self.learn(smashed, labels, slot)
-        return {"cut_grad": smashed.grad, **reply}
+        return {"cut_grad": self.blueprint.defense.send_gradient(cast(torch.Tensor, smashed.grad)), **reply}
 
     @verb()
-    def learn(self, smashed: torch.Tensor, labels: torch.Tensor, slot: str = "server_model") -> State:
+    def learn(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:
         """One server step on received smashed data; nothing goes back but the loss."""
+        smashed = decode(smashed)
         with self.blueprint.timed("server"):
             value = loss(self.model(slot)(smashed), labels)
             self.step(slot, self.objective(value).backward)

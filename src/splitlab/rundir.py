@@ -35,6 +35,9 @@ WRITTEN = (
     "clients.safetensors",
     "evaluation.json",
     "tensorboard",
+    "record",
+    "attack.json",
+    "attack_inversion.png",
 )
 
 

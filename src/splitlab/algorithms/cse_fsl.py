@@ -24,6 +24,7 @@ from torch import nn
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.models.aux import AuxKind, build_aux
+from splitlab.privacy import defenses
 from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, loss
 from splitlab.transport import KEYED, verb
 
@@ -83,10 +84,10 @@ class CSEFSLClient(ClientNode[CSEFSLParams]):
             client, aux = self.optimizer("client_model"), self.optimizer("aux_model")
             client.zero_grad(set_to_none=True)
             aux.zero_grad(set_to_none=True)
-            value.backward()
+            defenses.backward((value, None), (self.blueprint.defense.penalty(x, smashed), None))
             client.step()
             aux.step()
-        return {"smashed": smashed.detach(), "labels": y} if send else {}
+        return self.release(x, y, smashed.detach())[1] if send else {}
 
 
 class CSEFSL(AuxiliaryFSL, Algorithm[CSEFSLParams]):

@@ -30,6 +30,7 @@ from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.algorithms.psl import PersonalClients
 from splitlab.algorithms.sglr import ServerWithOwnLR, SGLRParams, average_cut_grads, averaged_clients
 from splitlab.algorithms.sl import Relay
+from splitlab.privacy.defenses import decode
 from splitlab.roles import State, loss
 from splitlab.streams import register_stream
 from splitlab.transport import verb
@@ -61,10 +62,12 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
     ) -> State:
         """The server task on the pooled features, then each client's cut gradient from the frozen,
         updated server (averaged over the clients in `averaged`, as SGLR)."""
+        features = [decode(z) for z in features]
         losses = self.train_pooled(rnd, features, labels, sizes, first_client)
         with self.blueprint.timed("server"):
             grads = [self.frozen_cut_grad(z, y) for z, y in zip(features, labels)]
-        return {"cut_grads": average_cut_grads(grads, sizes, set(averaged)), "losses": losses}
+        cut_grads = average_cut_grads(grads, sizes, set(averaged))
+        return {"cut_grads": [self.blueprint.defense.send_gradient(g) for g in cut_grads], "losses": losses}
 
     def train_pooled(
         self, rnd: int, features: list[torch.Tensor], labels: list[torch.Tensor], sizes: list[int], first_client: int

@@ -35,6 +35,8 @@ from torch import nn
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.algorithms.cse_fsl import AuxiliaryFSL, CSEFSLParams
+from splitlab.privacy import defenses
+from splitlab.privacy.defenses import decode
 from splitlab.roles import ClientNode, State, TrainingServer, loss
 from splitlab.streams import register_stream
 from splitlab.transport import KEYED, verb
@@ -106,8 +108,9 @@ class SageClient(ClientNode[FSLSAGEParams]):
         with self.blueprint.timed("client"):
             smashed = self.model("client_model")(x)
             estimate = cut_gradient(self.model("aux_model"), smashed, y)
-            self.step("client_model", lambda: smashed.backward(estimate))
-        return {"smashed": smashed.detach(), "labels": y} if send else {}
+            penalty = self.blueprint.defense.penalty(x, smashed)
+            self.step("client_model", lambda: defenses.backward((smashed, estimate), (penalty, None)))
+        return self.release(x, y, smashed.detach())[1] if send else {}
 
 
 class SageServer(TrainingServer[FSLSAGEParams]):
@@ -120,7 +123,8 @@ class SageServer(TrainingServer[FSLSAGEParams]):
         self._aligning: nn.Module | None = None  # working copy of the aux model being aligned
 
     @verb()
-    def learn_from(self, client_id: int, smashed: torch.Tensor, labels: torch.Tensor) -> State:
+    def learn_from(self, client_id: int, smashed: Any, labels: torch.Tensor) -> State:
+        smashed = decode(smashed)
         reply = self.learn(smashed, labels)
         if client_id not in self.buffers:
             self.buffers[client_id] = AlignmentBuffer(self.params.align_buffer_size, smashed[:0].detach(), labels[:0])

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.algorithms.psl import PersonalClients
+from splitlab.privacy.defenses import decode
 from splitlab.roles import ParamsT, State, TrainingServer, loss
 from splitlab.streams import register_stream
 from splitlab.transport import verb
@@ -79,14 +80,14 @@ class SGLRServer(ServerWithOwnLR[SGLRParams]):
         averaged: list[int],
     ) -> State:
         """One server step on sum_k alpha_k loss_k; each client's cut gradient (averaged over a subset)."""
-        for z in smashed:
-            z.requires_grad_()
+        smashed = [decode(z).requires_grad_() for z in smashed]
         model = self.model("server_model")
         with self.blueprint.timed("server"):
             total = torch.stack([alpha * loss(model(z), y) for alpha, z, y in zip(alphas, smashed, labels)]).sum()
             self.step("server_model", total.backward)
             grads = [typing.cast(torch.Tensor, z.grad) / alpha for z, alpha in zip(smashed, alphas)]  # d(own loss)/dz
-        return {"cut_grads": average_cut_grads(grads, sizes, set(averaged)), "loss": total.detach()}
+        cut_grads = average_cut_grads(grads, sizes, set(averaged))
+        return {"cut_grads": [self.blueprint.defense.send_gradient(g) for g in cut_grads], "loss": total.detach()}
 
 
 class SGLR(PersonalClients, Algorithm[SGLRParams]):

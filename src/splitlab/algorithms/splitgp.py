@@ -35,6 +35,7 @@ from torch import nn
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.metrics import logits_in_batches
 from splitlab.models import output_shape
+from splitlab.privacy import defenses
 from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, ModelAverage, State, TrainingServer, loss
 from splitlab.transport import KEYED, verb
 
@@ -117,19 +118,21 @@ class SplitGPClient(ClientNode[SplitGPParams]):
         with self.blueprint.timed("client"):
             smashed = self.model("client_model")(x)
             client_loss = loss(self.model("aux_model")(smashed), y)
-        self.stash[step] = smashed, client_loss
-        return {"smashed": smashed.detach(), "labels": y, "loss": client_loss.detach()}
+            defended, message = self.release(x, y, smashed, step)
+            self.stash[step] = defended, client_loss, self.blueprint.defense.penalty(x, smashed)
+        return {**message, "loss": client_loss.detach()}
 
     @verb(down="cut_grad")
-    def backward(self, step: int, cut_grad: torch.Tensor) -> None:
+    def backward(self, step: int, cut_grad: Any) -> None:
         """A step on gamma * l_C plus the server's (already (1 - gamma)-scaled) cut gradient."""
-        smashed, client_loss = self.stash.pop(step)
+        smashed, client_loss, penalty = self.stash.pop(step)
+        cut_grad = self.receive(step, cut_grad)
         gamma = self.params.gamma
         optimizers = self.optimizer("client_model"), self.optimizer("aux_model")
         with self.blueprint.timed("client"):
             for optimizer in optimizers:
                 optimizer.zero_grad(set_to_none=True)
-            torch.autograd.backward([gamma * client_loss, smashed], [None, cut_grad])
+            defenses.backward((gamma * client_loss, None), (smashed, cut_grad), (penalty, None))
             for optimizer in optimizers:
                 optimizer.step()
 

@@ -1,0 +1,187 @@
+"""`splitlab advise dataset=... model=...`: every cut of a model side by side, to pick one with
+the trade-off in view: what the client holds and computes, what crosses the cut, SplitGP's
+latency model, what a curious server recovers after a short training, and that training's accuracy.
+
+Each cut gets a short probe run (OUT/cut<c>, a normal run directory) and both attacks against its
+final model (splitlab.privacy.audit). OUT gets advise.md (the table), advise.json and advise.png.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from splitlab.channel import payload_bytes
+from splitlab.errors import UserError
+from splitlab.io import write_json, write_png, write_text
+from splitlab.models import build_model, output_shape, split
+
+
+class AdviseSettings(BaseModel):
+    """The `splitlab advise` keys: the probe runs' settings, then the latency model's."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    dataset: str = "fashion_mnist"
+    data_dir: str | None = None
+    model: str = "cnn"
+    algorithm: str = "sfl_v2"
+    defense: str = "none"
+    clients: int = Field(4, ge=1)
+    rounds: int = Field(2, ge=1)
+    train_subset: int | None = Field(2000, ge=1)
+    test_subset: int | None = Field(1500, ge=1)
+    batch_size: int = Field(64, ge=1)
+    lr: float = Field(1e-3, gt=0)
+    seed: int = Field(0, ge=0)
+    device: Literal["cpu", "cuda", "auto"] = "cpu"
+    aux: int = Field(1000, ge=10, description="the attacker's auxiliary samples (test split)")
+    targets: int = Field(300, ge=10, description="held-out samples attacked")
+    epochs: int = Field(20, ge=1, description="decoder training epochs")
+    client_power: float = Field(20, gt=0, description="P_C (SplitGP's latency model)")
+    server_power: float = Field(100, gt=0, description="P_S")
+    rate: float = Field(1, gt=0, description="R, uplink rate")
+    beta: float = Field(0.1, ge=0, le=1, description="fraction of samples sent to the server")
+    out: str | None = Field(None, description="default runs/advise_<dataset>_<model>")
+
+
+def client_flops(client: nn.Module, input_shape: tuple[int, ...]) -> int:
+    """FLOPs (2 x multiply-adds) of the client part's convolutions and linear layers for one sample
+    (activations, pooling and normalisation are not counted: they are a small share). The dry run
+    calls every layer once, on a batch, and each layer counts one sample's output."""
+    total = 0
+
+    def count(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        nonlocal total
+        if isinstance(module, nn.Conv2d):
+            per_output = module.in_channels // module.groups * math.prod(module.kernel_size)
+            total += 2 * per_output * output[0].numel()
+        elif isinstance(module, nn.Linear):
+            total += 2 * module.in_features * module.out_features
+        elif isinstance(module, (nn.LSTM, nn.Embedding)):
+            raise UserError(f"FLOPs of {type(module).__name__} are not counted; advise covers conv and linear models")
+
+    handles = [m.register_forward_hook(count) for m in client.modules()]
+    try:
+        output_shape(client, input_shape)  # a dry run of two samples
+    finally:
+        for handle in handles:
+            handle.remove()
+    return total
+
+
+def cut_costs(settings: AdviseSettings, input_shape: tuple[int, ...], num_classes: int) -> list[dict[str, Any]]:
+    """Per valid cut: client parameters and FLOPs, bytes per sample up and down (as the defense
+    sends them), and SplitGP's per-sample latency (Table I)."""
+    from splitlab.privacy.defenses import parse_defense
+    from splitlab.splitgp.latency import split_sizes, table_one
+
+    defense = parse_defense(settings.defense)
+    model = build_model(settings.model, input_shape, num_classes, seed=settings.seed)
+    rows = []
+    for cut in model.valid_cuts:
+        client, _ = split(model, cut)
+        cut_shape = output_shape(client, input_shape)
+        batch = torch.randn(64, *cut_shape)
+        sizes = split_sizes(settings.model, cut, input_shape, num_classes)
+        latency = table_one(sizes, settings.client_power, settings.server_power, settings.rate, settings.beta)
+        rows.append(
+            {
+                "cut": cut,
+                "client_parameters": sum(p.numel() for p in client.parameters()),
+                "client_flops": client_flops(client, input_shape),
+                "up_bytes": payload_bytes(defense.encode(batch)) / 64 + 8,  # smashed data + an int64 label
+                "down_bytes": payload_bytes(defense.encode(batch)) / 64,
+                "splitgp_latency": latency["splitgp"]["latency"],
+            }
+        )
+    return rows
+
+
+def advise(raw: dict) -> dict[str, Any]:
+    """Probe every cut; write OUT/advise.md, advise.json, advise.png; return the rows."""
+    from splitlab.data import load_dataset
+    from splitlab.engine import run
+    from splitlab.privacy.audit import attack_run
+    from splitlab.splitgp import parse_settings
+
+    settings = parse_settings(AdviseSettings, raw)
+    out = Path(settings.out or f"runs/advise_{settings.dataset}_{settings.model}")
+    data = load_dataset(settings.dataset, settings.data_dir, settings.seed)
+    rows = cut_costs(settings, data.input_shape, data.num_classes)
+    probe = settings.model_dump(
+        include={"dataset", "data_dir", "model", "algorithm", "defense", "clients", "rounds", "train_subset"}
+        | {"test_subset", "batch_size", "lr", "seed", "device"}
+    )
+    attack = {"aux": settings.aux, "targets": settings.targets, "epochs": settings.epochs, "seed": settings.seed}
+    for row in rows:
+        run_dir = out / f"cut{row['cut']}"
+        summary = run({**probe, "cut": row["cut"], "out": str(run_dir), "overwrite": True}, progress=False)
+        inversion = attack_run(run_dir, {**attack, "attack": "inversion", "device": settings.device})
+        leak = attack_run(run_dir, {**attack, "attack": "label_leak", "device": settings.device})
+        row.update(
+            accuracy=summary["final_accuracy"],
+            ssim=inversion["ssim"],
+            psnr=inversion["psnr"],
+            direction_auc=leak["direction_auc"],
+            norm_auc=leak["norm_auc"],
+        )
+    result = {"settings": settings.model_dump(), "rows": rows}
+    table = markdown(settings, rows)
+    write_json(out / "advise.json", result)
+    write_text(out / "advise.md", table)
+    _plot(out / "advise.png", settings, rows)
+    return {**result, "out": str(out), "markdown": table}
+
+
+COLUMNS = (
+    ("cut", "cut", "{}"),
+    ("client_parameters", "client params", "{:,}"),
+    ("client_flops", "client FLOPs/sample", "{:,}"),
+    ("up_bytes", "bytes up/sample", "{:,.0f}"),
+    ("down_bytes", "bytes down/sample", "{:,.0f}"),
+    ("splitgp_latency", "SplitGP latency/sample", "{:,.4g}"),
+    ("ssim", "inversion SSIM", "{:.3f}"),
+    ("psnr", "inversion PSNR (dB)", "{:.2f}"),
+    ("direction_auc", "label leak AUC (direction)", "{:.3f}"),
+    ("norm_auc", "label leak AUC (norm)", "{:.3f}"),
+    ("accuracy", "probe accuracy", "{:.2%}"),
+)
+
+
+def markdown(settings: AdviseSettings, rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"# Cuts of {settings.model} on {settings.dataset}\n\n"
+        f"Probe: {settings.algorithm}, {settings.rounds} rounds, {settings.clients} clients, "
+        f"train_subset={settings.train_subset}, defense={settings.defense}, seed={settings.seed}. "
+        f"Latency: SplitGP's model (Table I) with P_C={settings.client_power:g}, P_S={settings.server_power:g}, "
+        f"R={settings.rate:g}, beta={settings.beta:g}. Attacks against the final model "
+        f"(docs/privacy.md): lower SSIM/PSNR and AUC nearer 0.5 leak less.\n\n"
+    )
+    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(fmt.format(row[key]) for key, _, fmt in COLUMNS) + " |" for row in rows]
+    return head + "\n".join(lines) + "\n"
+
+
+def _plot(file: Path, settings: AdviseSettings, rows: list[dict[str, Any]]) -> None:
+    """Per cut: client FLOPs and bytes up (relative to the largest), inversion SSIM, direction AUC, accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cuts = [row["cut"] for row in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key, label in (("client_flops", "client FLOPs (rel.)"), ("up_bytes", "bytes up (rel.)")):
+        top = max(row[key] for row in rows) or 1
+        ax.plot(cuts, [row[key] / top for row in rows], "--o", label=label)
+    for key, label in (("ssim", "inversion SSIM"), ("direction_auc", "label leak AUC"), ("accuracy", "accuracy")):
+        ax.plot(cuts, [row[key] for row in rows], "-s", label=label)
+    ax.set(xlabel="cut", xticks=cuts, ylim=(0, 1.05), title=f"{settings.model} on {settings.dataset}")
+    ax.legend(fontsize=7)
+    write_png(file, fig)
+    plt.close(fig)

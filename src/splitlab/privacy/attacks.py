@@ -1,0 +1,147 @@
+"""Attacks by an honest-but-curious training server on what it receives at the cut.
+
+- Input reconstruction (`inversion`; the learning-based model inversion of He et al. 2019, "Model
+  inversion attacks against collaborative inference"): the server trains a decoder from smashed
+  data back to inputs on auxiliary data it holds, then applies it to the smashed data it received.
+  Assumed: the server holds auxiliary samples from the clients' distribution (here: the dataset's
+  test split, disjoint from every client's training samples) and the client part's weights (the
+  final global client part of the run: in split federated learning the sync server averages it,
+  and a training server that is, or colludes with, the sync server has it), and it knows the
+  defense configuration, which it applies to its auxiliary data (Kerckhoffs). Scored by SSIM and
+  PSNR (torchmetrics) against the true inputs, which only the experimenter has.
+- Label inference from cut gradients (`label_leak`; Li et al. 2022, "Label Leakage and Protection
+  in Two-party Split Learning"): the norm attack scores each sample by its gradient's norm, the
+  direction attack by its gradient's cosine similarity to the gradient of one sample of known
+  label per class. Reported as one-vs-rest ROC AUC (scikit-learn), averaged over classes: 0.5 is
+  chance, 1.0 perfect separation. In the algorithms here the labels travel with the smashed data,
+  so the figure measures what the gradient channel alone reveals (to an observer of the downlink,
+  or to a server in a split without label sharing), not a secret the server lacks.
+"""
+
+from __future__ import annotations
+
+import typing
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitlab.privacy.defenses import Defense, decode
+
+DECODER_WIDTH = 512
+PSNR_CAP = 100.0  # dB; an exact reconstruction's PSNR is infinite, which JSON cannot hold
+
+
+def label_leak(cut_grad: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """Norm and direction attacks of Li et al. 2022 on per-sample cut gradients (mean one-vs-rest AUC)."""
+    from sklearn.metrics import roc_auc_score
+
+    grads = cut_grad.detach().flatten(1).double().cpu()
+    y = labels.cpu().numpy()
+    norms = grads.norm(dim=1).numpy()
+    unit = F.normalize(grads, dim=1)
+    norm_aucs, direction_aucs = [], []
+    for c in np.unique(y):
+        positive = y == c
+        if positive.sum() < 2 or positive.all():  # the known sample and one more, and some other class
+            continue
+        norm_aucs.append(roc_auc_score(positive, norms))
+        reference = int(np.flatnonzero(positive)[0])  # the one sample of class c the attacker knows
+        others = np.arange(len(y)) != reference
+        cosine = (unit @ unit[reference]).numpy()
+        direction_aucs.append(roc_auc_score(positive[others], cosine[others]))
+    if not norm_aucs:
+        raise ValueError("label inference needs two samples of one class and one of another")
+    return {
+        "norm_auc": float(np.mean(norm_aucs)),
+        "direction_auc": float(np.mean(direction_aucs)),
+        "samples": len(y),
+    }
+
+
+def defended_smashed(client: nn.Module, x: torch.Tensor, defense: Defense, seed: int) -> torch.Tensor:
+    """What the server receives for inputs `x`: the client part's output, defended and through the wire."""
+    generator = torch.Generator(x.device).manual_seed(seed)
+    with torch.no_grad():
+        return torch.cat([decode(defense.encode(defense.protect(client(b), generator))) for b in x.split(256)])
+
+
+def cut_gradients(
+    client: nn.Module, server: nn.Module, x: torch.Tensor, y: torch.Tensor, defense: Defense, batch_size: int, seed: int
+) -> torch.Tensor:
+    """The cut gradients the server would send for (x, y) (mean loss over each batch), as decoded."""
+    grads = []
+    smashed = defended_smashed(client, x, defense, seed)
+    for z, labels in zip(smashed.split(batch_size), y.split(batch_size)):
+        z = z.detach().requires_grad_()
+        (grad,) = torch.autograd.grad(F.cross_entropy(server(z), labels), z)
+        grads.append(decode(defense.send_gradient(grad)))
+    return torch.cat(grads)
+
+
+def train_decoder(smashed: torch.Tensor, inputs: torch.Tensor, epochs: int, seed: int) -> nn.Module:
+    """An MLP from flattened smashed data to flattened inputs, fit by MSE on the server's auxiliary pairs."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        d_in, d_out = smashed[0].numel(), inputs[0].numel()
+        decoder = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(d_in, DECODER_WIDTH),
+            nn.ReLU(),
+            nn.Linear(DECODER_WIDTH, DECODER_WIDTH),
+            nn.ReLU(),
+            nn.Linear(DECODER_WIDTH, d_out),
+        ).to(smashed.device)
+        optimizer = torch.optim.Adam(decoder.parameters(), lr=1e-3, foreach=True)
+        target = inputs.flatten(1)
+        for _ in range(epochs):
+            for idx in torch.randperm(len(smashed), device=smashed.device).split(64):
+                optimizer.zero_grad(set_to_none=True)
+                F.mse_loss(decoder(smashed[idx]), target[idx]).backward()
+                optimizer.step()
+    return decoder.eval()
+
+
+def image_scores(reconstructed: torch.Tensor, target: torch.Tensor, data_range: float) -> dict[str, float]:
+    """SSIM and PSNR (torchmetrics) of reconstructed images against the true ones (N, C, H, W)."""
+    from torchmetrics.functional.image import peak_signal_noise_ratio, structural_similarity_index_measure
+
+    side = min(target.shape[-2:])
+    kernel = min(11, side if side % 2 else side - 1)  # SSIM's window must fit the image (digits: 8x8)
+    reconstructed = reconstructed.clamp(target.min(), target.max())  # pixels outside the range are no help
+    ssim = structural_similarity_index_measure(reconstructed, target, data_range=data_range, kernel_size=kernel)
+    psnr = peak_signal_noise_ratio(reconstructed, target, data_range=data_range)
+    return {"ssim": float(typing.cast(torch.Tensor, ssim)), "psnr": min(float(psnr), PSNR_CAP)}
+
+
+def inversion(
+    client: nn.Module,
+    defense: Defense,
+    aux_inputs: torch.Tensor,
+    target_smashed: torch.Tensor,
+    target_inputs: torch.Tensor,
+    epochs: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Train a decoder on the server's auxiliary data and reconstruct the target inputs from the
+    smashed data the server received; SSIM/PSNR of the reconstructions and, as the floor any
+    attack should beat, of the auxiliary data's mean image."""
+    if target_inputs.dim() != 4:
+        raise ValueError(
+            f"input reconstruction needs images (N, C, H, W), not inputs of shape {tuple(target_inputs.shape)}"
+        )
+    aux_smashed = defended_smashed(client, aux_inputs, defense, seed + 1)
+    decoder = train_decoder(aux_smashed, aux_inputs, epochs, seed)
+    with torch.no_grad():
+        reconstructed = torch.cat([decoder(z) for z in target_smashed.split(256)]).view_as(target_inputs)
+    data_range = float(target_inputs.max() - target_inputs.min())
+    mean_image = aux_inputs.mean(0, keepdim=True).expand_as(target_inputs)
+    return {
+        **image_scores(reconstructed, target_inputs, data_range),
+        "baseline": image_scores(mean_image, target_inputs, data_range),
+        "samples": len(target_inputs),
+        "aux_samples": len(aux_inputs),
+        "reconstructed": reconstructed[:16].cpu(),
+    }

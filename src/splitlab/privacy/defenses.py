@@ -1,0 +1,214 @@
+"""Defenses at the cut: what a client does to its smashed data before it leaves, and how the cut
+layer's tensors are compressed on the wire.
+
+`defense=` is `none` or `+`-joined items:
+
+- `clip:C`: each sample's activations scaled to L2 norm at most C (differentiable, the client
+  back-propagates through it);
+- `noise:S`: Gaussian noise added to each released activation, standard deviation S * C with
+  `clip:C`, S without clipping. With both, every release is a Gaussian mechanism (see
+  splitlab.privacy.accounting);
+- `gradnoise:S`: isotropic Gaussian noise on each sample's cut gradient, added by the training
+  server before the gradient goes down, with expected norm S times the batch's largest gradient
+  norm (the "iso" protection of Li et al. 2022 against label inference from cut gradients);
+- `nopeek:A`: NoPeek (Vepakomma et al. 2020): A * distance correlation between the client's
+  inputs and its smashed data is added to the client's objective;
+- `quantize:int8` (per-sample scale, symmetric) or `quantize:fp16`, and `topk:F` (each sample
+  keeps its ceil(F * d) largest-magnitude entries): compression of both smashed data (up) and cut
+  gradients (down). The compressed form is what travels through the verbs, so the ledger counts
+  what is really sent; the receiver decodes it (`decode`), checking every tensor it is given.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from splitlab.errors import UserError
+
+#: `defense=` items and what each expects, for the one-line refusal
+ITEMS = {
+    "clip": "clip:<max L2 norm > 0>",
+    "noise": "noise:<sigma >= 0>",
+    "gradnoise": "gradnoise:<scale >= 0>",
+    "nopeek": "nopeek:<alpha >= 0>",
+    "quantize": "quantize:int8|fp16",
+    "topk": "topk:<fraction in (0, 1]>",
+}
+FP16_MAX = torch.finfo(torch.float16).max
+#: relative error of fp16 for normal values (10 stored mantissa bits, round to nearest) ...
+FP16_RELATIVE_ERROR = 2.0**-11
+#: ... and the absolute error below its normal range (half the smallest subnormal step)
+FP16_ABSOLUTE_ERROR = 2.0**-25
+
+
+@dataclass(frozen=True)
+class Defense:
+    """A parsed `defense=`; the default is no defense, under which every method is the identity."""
+
+    clip: float | None = None
+    noise: float = 0.0
+    gradnoise: float = 0.0
+    nopeek: float = 0.0
+    quantize: str | None = None
+    topk: float | None = None
+
+    @property
+    def noise_std(self) -> float:
+        return self.noise * (self.clip if self.clip is not None else 1.0)
+
+    # --- at the client, before smashed data leaves -------------------------------------------
+    def protect(self, smashed: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """Clip each sample's activations and add noise; differentiable (the cut gradient is
+        applied to this tensor). Without clip and noise, `smashed` itself."""
+        if self.clip is not None:
+            norms = smashed.flatten(1).norm(dim=1).clamp_min(1e-12)
+            factor = (self.clip / norms).clamp(max=1.0)
+            smashed = smashed * factor.view(-1, *([1] * (smashed.dim() - 1)))
+        if self.noise > 0:
+            noise = torch.randn(smashed.shape, generator=generator, device=smashed.device, dtype=smashed.dtype)
+            smashed = smashed + self.noise_std * noise
+        return smashed
+
+    def penalty(self, inputs: torch.Tensor, smashed: torch.Tensor) -> torch.Tensor | None:
+        """NoPeek's term of the client's objective (None without NoPeek)."""
+        if self.nopeek == 0:
+            return None
+        return self.nopeek * distance_correlation(inputs.flatten(1).float(), smashed.flatten(1))
+
+    # --- at the training server, before a cut gradient goes down ---------------------------
+    def send_gradient(self, grad: torch.Tensor) -> torch.Tensor | dict[str, Any]:
+        """The cut gradient as sent: with `gradnoise`, noise from torch's random state (which the
+        engine seeds by round), then encoded."""
+        if self.gradnoise > 0:
+            largest = grad.flatten(1).norm(dim=1).max()
+            grad = grad + torch.randn_like(grad) * (self.gradnoise * largest / math.sqrt(grad[0].numel()))
+        return self.encode(grad)
+
+    # --- on the wire, both directions ---------------------------------------------------------
+    def encode(self, tensor: torch.Tensor) -> torch.Tensor | dict[str, Any]:
+        """`tensor` (a batch) as sent: top-k entries per sample and/or quantized values."""
+        tensor = tensor.detach()
+        if self.topk is None:
+            return self._quantized(tensor)
+        flat = tensor.flatten(1)
+        k = math.ceil(self.topk * flat.shape[1])
+        indices = flat.abs().topk(k, dim=1, sorted=False).indices
+        return {
+            "values": self._quantized(flat.gather(1, indices)),
+            "indices": indices.to(torch.int32),
+            "shape": torch.tensor(tensor.shape, dtype=torch.int32),
+        }
+
+    def _quantized(self, tensor: torch.Tensor) -> torch.Tensor | dict[str, torch.Tensor]:
+        if self.quantize == "fp16":
+            return {"fp16": tensor.clamp(-FP16_MAX, FP16_MAX).half()}
+        if self.quantize == "int8":
+            scale = tensor.flatten(1).abs().amax(dim=1).float() / 127
+            safe = scale.clamp_min(torch.finfo(torch.float32).tiny).view(-1, *([1] * (tensor.dim() - 1)))
+            return {"int8": (tensor / safe).round().clamp(-127, 127).to(torch.int8), "scale": scale}
+        return tensor
+
+
+def decode(message: Any) -> torch.Tensor:
+    """A received cut-layer tensor from its wire form (a plain tensor is returned as it is).
+
+    Every part of a compressed form is checked (structure, dtypes, shapes, index range, finite
+    scales) before use: the message comes from the other side of the network."""
+    if isinstance(message, torch.Tensor):  # sent as it is: no defense compresses this direction
+        if not message.is_floating_point():
+            raise ValueError(f"a cut-layer tensor must be floating point, not {message.dtype}")
+        return message
+    if not isinstance(message, Mapping):
+        raise ValueError(f"a cut-layer message must be a tensor or a dict, not {type(message).__name__}")
+    keys = set(message)
+    if keys == {"fp16"}:
+        return _finite(_typed(message, "fp16", torch.float16).float())
+    if keys == {"int8", "scale"}:
+        values, scale = _typed(message, "int8", torch.int8), _typed(message, "scale", torch.float32)
+        if values.dim() < 1 or scale.shape != values.shape[:1]:
+            raise ValueError(f"int8 values of shape {tuple(values.shape)} with scales of shape {tuple(scale.shape)}")
+        return values.float() * _finite(scale).view(-1, *([1] * (values.dim() - 1)))
+    if keys == {"values", "indices", "shape"}:
+        values, indices = decode(message["values"]), _typed(message, "indices", torch.int32)
+        shape = [int(n) for n in _typed(message, "shape", torch.int32)]
+        if len(shape) < 1 or min(shape) < 0 or values.shape != indices.shape or values.dim() != 2:
+            raise ValueError("top-k values and indices disagree in shape, or the shape is invalid")
+        width = math.prod(shape[1:])
+        if values.shape[0] != shape[0] or (indices.numel() and (indices.min() < 0 or indices.max() >= width)):
+            raise ValueError(f"top-k indices out of range for shape {shape}")
+        dense = torch.zeros(shape[0], width, dtype=values.dtype, device=values.device)
+        return dense.scatter(1, indices.long(), values).view(shape)
+    raise ValueError(f"unknown cut-layer message with keys {sorted(keys)}")
+
+
+def _typed(message: Mapping, key: str, dtype: torch.dtype) -> torch.Tensor:
+    value = message[key]
+    if not isinstance(value, torch.Tensor) or value.dtype != dtype:
+        raise ValueError(f"cut-layer message field {key!r} must be a {dtype} tensor")
+    return value
+
+
+def _finite(tensor: torch.Tensor) -> torch.Tensor:
+    if not bool(torch.isfinite(tensor).all()):
+        raise ValueError("a compressed cut-layer tensor holds values that are not finite")
+    return tensor
+
+
+def backward(*pairs: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+    """Back-propagate the client's objective: (tensor, gradient) pairs, gradient None for a loss;
+    a pair whose tensor is None (no NoPeek penalty) is left out."""
+    kept = [(tensor, grad) for tensor, grad in pairs if tensor is not None]
+    torch.autograd.backward([tensor for tensor, _ in kept], [grad for _, grad in kept])
+
+
+def distance_correlation(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    """Sample distance correlation of two batches (rows are samples): 0 iff independent, in the limit."""
+
+    def centered(a: torch.Tensor) -> torch.Tensor:
+        d = torch.cdist(a, a)
+        return d - d.mean(0, keepdim=True) - d.mean(1, keepdim=True) + d.mean()
+
+    a, b = centered(x), centered(z)
+    dcov2_xz, dcov2_xx, dcov2_zz = (a * b).mean(), (a * a).mean(), (b * b).mean()
+    return (dcov2_xz.clamp_min(0) / (dcov2_xx * dcov2_zz).sqrt().clamp_min(1e-12)).clamp_min(1e-12).sqrt()
+
+
+def parse_defense(value: str) -> Defense:
+    """`none` or `+`-joined items (clip:C, noise:S, nopeek:A, quantize:int8|fp16, topk:F)."""
+    if value == "none":
+        return Defense()
+    settings: dict[str, Any] = {}
+    allowed = "none or +-joined " + ", ".join(ITEMS.values())
+    for item in value.split("+"):
+        name, _, arg = item.partition(":")
+        if name not in ITEMS or name in settings:
+            reason = "given twice" if name in settings else "unknown"
+            raise UserError(f"invalid defense {value!r}: {reason} item {item!r}; expected {allowed}")
+        settings[name] = _argument(name, arg, value)
+    return Defense(**settings)
+
+
+def _argument(name: str, arg: str, value: str) -> float | str:
+    if name == "quantize":
+        if arg not in ("int8", "fp16"):
+            raise UserError(f"invalid defense {value!r}: expected {ITEMS[name]}")
+        return arg
+    try:
+        number = float(arg)
+    except ValueError:
+        number = math.nan
+    valid = {
+        "clip": 0 < number < math.inf,
+        "noise": 0 <= number < math.inf,
+        "gradnoise": 0 <= number < math.inf,
+        "nopeek": 0 <= number < math.inf,
+        "topk": 0 < number <= 1,
+    }[name]
+    if not valid:
+        raise UserError(f"invalid defense {value!r}: expected {ITEMS[name]}")
+    return number

@@ -1,0 +1,62 @@
+"""`record=N`: what the training server saw at the cut, kept for attacks after the run.
+
+In each round, the first N samples whose smashed data reaches the server are recorded as the
+server decoded them (`smashed`), with their labels and, where the algorithm sends one, the cut
+gradient the server sent back (`cut_grad`, as the client decoded it). The inputs the smashed data
+came from (`inputs`) are recorded too, by the experimenter and for scoring only: the server never
+sees them. One safetensors file per round, `record/round_<r>.safetensors` (a resumed run rewrites
+the rounds it replays). Recording happens where the client and the server live in one process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from splitlab.io import save_safetensors
+
+RECORD_DIR = "record"
+
+
+def round_file(run_dir: Path, rnd: int) -> Path:
+    return Path(run_dir) / RECORD_DIR / f"round_{rnd:04d}.safetensors"
+
+
+class Recorder:
+    """Collects one round's cut-layer traffic (up to `limit` samples); `flush` writes it."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._batches: list[dict[str, torch.Tensor]] = []
+        self._awaiting: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # the latest batch per key
+        self._count = 0
+
+    def sent(self, client_id: int, key: int, inputs: torch.Tensor, smashed: torch.Tensor, labels: torch.Tensor) -> None:
+        """A batch of smashed data as the server decodes it, under (client, key) for its gradient."""
+        take = min(len(labels), self.limit - self._count)
+        if take <= 0:
+            return
+        self._count += take
+        self._awaiting[client_id, key] = {
+            "inputs": inputs[:take].detach().float(),
+            "smashed": smashed[:take].detach(),
+            "labels": labels[:take],
+            "clients": torch.full((take,), client_id, dtype=torch.int64),
+        }
+        self._batches.append(self._awaiting[client_id, key])
+
+    def received(self, client_id: int, key: int, cut_grad: torch.Tensor) -> None:
+        """The cut gradient of a recorded batch (a (1, ...) gradient is broadcast)."""
+        batch = self._awaiting.pop((client_id, key), None)
+        if batch is not None:
+            take, grad = len(batch["labels"]), cut_grad.detach()
+            batch["cut_grad"] = grad.expand(take, *grad.shape[1:]) if len(grad) == 1 else grad[:take]
+
+    def flush(self, run_dir: Path, rnd: int) -> None:
+        """Write the round's record (nothing if nothing was sent) and start the next round empty."""
+        batches, self._batches, self._awaiting, self._count = self._batches, [], {}, 0
+        if not batches:
+            return
+        names = set.intersection(*(set(b) for b in batches))  # cut_grad only if every batch got one
+        save_safetensors(round_file(run_dir, rnd), {n: torch.cat([b[n] for b in batches]) for n in sorted(names)})

@@ -1,0 +1,98 @@
+"""Attacks of a curious server: what they recover falls with depth and defenses; record= and the
+`attack` command; the privacy accounting in the summary."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import quick, train
+from splitlab.cli import main
+from splitlab.engine import run
+from splitlab.privacy import attacks
+from splitlab.privacy.accounting import epsilon
+from splitlab.privacy.defenses import parse_defense
+
+
+def digits_attacks(cut: int, defense: str) -> tuple[dict, dict]:
+    """Two rounds of SplitFed-v2 on digits, then both attacks against the final model: the server's
+    auxiliary data is 200 test samples, the targets the other 160."""
+    experiment = train(2, dataset="digits", model="cnn", cut=cut, clients=2, device="cpu", defense=defense)
+    client, server = experiment.assemble(experiment.algorithm.global_model())
+    x, y, d = experiment.data.test_x, experiment.data.test_y, parse_defense(defense)
+    aux, targets, labels = x[:200], x[200:], y[200:]
+    inversion = attacks.inversion(client, d, aux, attacks.defended_smashed(client, targets, d, 1), targets, 20, 0)
+    leak = attacks.label_leak(attacks.cut_gradients(client, server, targets, labels, d, 32, 0), labels)
+    return inversion, leak
+
+
+def test_reconstruction_falls_with_depth_and_noise_and_label_leak_falls_with_gradient_noise():
+    shallow, leak = digits_attacks(1, "none")
+    deep, _ = digits_attacks(3, "none")
+    noised, _ = digits_attacks(1, "noise:2")
+    _, protected = digits_attacks(1, "gradnoise:1")
+    assert shallow["ssim"] > shallow["baseline"]["ssim"] + 0.3  # the attack works at a shallow cut
+    assert shallow["ssim"] > deep["ssim"] and shallow["psnr"] > deep["psnr"]
+    assert shallow["ssim"] > noised["ssim"] + 0.2 and shallow["psnr"] > noised["psnr"]
+    assert leak["direction_auc"] > 0.9 and protected["direction_auc"] < 0.7
+
+
+def test_label_leak_scores_separate_classes_by_gradient_direction():
+    torch.manual_seed(0)
+    labels = torch.arange(40) % 4
+    directions = torch.eye(4, 16)[labels]
+    aligned = attacks.label_leak(directions * torch.rand(40, 1) + 0.01 * torch.randn(40, 16), labels)
+    assert aligned["direction_auc"] == 1.0
+    assert 0.3 < attacks.label_leak(torch.randn(40, 16), labels)["direction_auc"] < 0.7
+
+
+def test_record_and_the_attack_command(tmp_path, capsys):
+    out = tmp_path / "run"
+    run({**quick(algorithm="sfl_v2", record=50, defense="quantize:int8"), "out": str(out)}, progress=False)
+    record = load_file(out / "record" / "round_0001.safetensors")
+    assert set(record) == {"inputs", "smashed", "labels", "clients", "cut_grad"}
+    assert len(record["labels"]) == 50 and record["smashed"].shape == record["cut_grad"].shape == (50, 200)
+    assert record["smashed"].dtype == torch.float32 and record["inputs"].shape == (50, 1, 8, 8)
+    assert main(["attack", str(out), "attack=label_leak"]) == 0
+    assert main(["attack", str(out), "attack=inversion", "epochs=1", "aux=100"]) == 0
+    results = json.loads((out / "attack.json").read_text())
+    assert set(results["label_leak"]["by_round"]) == {"0", "1"} and results["inversion"]["samples"] == 50
+    assert (out / "attack_inversion.png").is_file()
+    capsys.readouterr()
+    for args, message in [
+        (["attack=blur"], "invalid value 'blur' for attack"),
+        (["attack=inversion", "round=7"], "round 7 was not recorded"),
+        (["attack=inversion", "bogus=1"], "unknown key 'bogus'"),
+    ]:
+        assert main(["attack", str(out), *args]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err
+
+
+def test_label_leak_is_refused_where_no_cut_gradient_is_sent(tmp_path, capsys):
+    out = tmp_path / "cse"
+    run({**quick(algorithm="cse_fsl", record=20, rounds=1), "out": str(out)}, progress=False)
+    assert "cut_grad" not in load_file(out / "record" / "round_0000.safetensors")
+    assert main(["attack", str(out), "attack=label_leak"]) == 2
+    assert "sends no cut gradients" in capsys.readouterr().err
+
+
+def test_attack_is_refused_where_there_is_no_global_split_model(tmp_path, capsys):
+    for algorithm, message in (("psl", "personal client parts"), ("fedavg", "no cut to attack")):
+        out = tmp_path / algorithm
+        run({**quick(algorithm=algorithm, rounds=1), "out": str(out)}, progress=False)
+        assert main(["attack", str(out), "attack=inversion"]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_epsilon_is_reported_where_clip_and_noise_apply(tmp_path):
+    summary = run({**quick(defense="clip:1+noise:2", rounds=1), "out": str(tmp_path / "dp")}, progress=False)
+    assert summary["privacy"]["epsilon"] == pytest.approx(epsilon(1.0, 1))
+    assert summary["privacy"]["releases_per_sample"] == 1
+    assert epsilon(1.0, 10) > epsilon(1.0, 1) > epsilon(2.0, 1)
+    noise_only = run({**quick(defense="noise:2", rounds=1), "out": str(tmp_path / "noise")}, progress=False)
+    assert noise_only["privacy"]["epsilon"] is None
+    assert "privacy" not in run({**quick(rounds=1), "out": str(tmp_path / "plain")}, progress=False)
