@@ -13,3 +13,9 @@ class NonFiniteLoss(UserError):
     """Training diverged (a NaN or infinite loss): the run stops there, its files hold only finite rounds."""
 
     exit_code = 3
+
+
+class RoundFailed(UserError):
+    """Fewer clients than `min_clients` finished a networked round: the run stops at its last checkpoint."""
+
+    exit_code = 4
