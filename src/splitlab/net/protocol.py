@@ -32,9 +32,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 PROTOCOL_VERSION = 1
 METHOD = "/splitlab.net.Node/Connect"
 
-HELLO, WELCOME, CALL, RESULT, ERROR, HEARTBEAT, BYE = range(1, 8)
-KIND_NAMES = {HELLO: "HELLO", WELCOME: "WELCOME", CALL: "CALL", RESULT: "RESULT", ERROR: "ERROR"}
-KIND_NAMES.update({HEARTBEAT: "HEARTBEAT", BYE: "BYE"})
+INVALID, HELLO, WELCOME, CALL, RESULT, ERROR, HEARTBEAT, BYE = range(8)  # INVALID: never sent (see Hub._parse)
 
 _FIELDS = [
     ("version", descriptor_pb2.FieldDescriptorProto.TYPE_UINT32),

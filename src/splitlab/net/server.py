@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 import torch
+from google.protobuf.message import DecodeError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from splitlab import codec
@@ -50,7 +51,7 @@ class ServerSettings(BaseModel):
     min_clients: int = Field(1, ge=1, description="fewest clients that must finish a round, or the run stops")
     call_timeout: float = Field(120.0, gt=0, description="seconds a client has to answer one call")
     heartbeat: float = Field(2.0, gt=0, description="seconds between a client's heartbeats; 3 missed: dropped")
-    join_timeout: float = Field(300.0, gt=0, description="seconds to wait for a client's first connection")
+    join_timeout: float = Field(300.0, gt=0, description="seconds from the start for every client's first connection")
     rejoin_wait: float = Field(5.0, ge=0, description="seconds a round waits for a sampled client that is away")
     max_message_mib: int = Field(1024, ge=1, description="largest message accepted, in MiB")
 
@@ -108,6 +109,7 @@ class Hub:
         self.ledger: Ledger | None = None
         self._unaccounted_wire = 0
         self._server: grpc.Server | None = None
+        self._join_deadline = 0.0
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -121,7 +123,7 @@ class Hub:
                 )
             },
         )
-        options = [*protocol.grpc_options(self.max_bytes), ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+        options = [*protocol.grpc_options(2 * self.max_bytes), ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
         self._server = grpc.server(ThreadPoolExecutor(max_workers=64), handlers=[handler], options=options)
         try:
             port = self._server.add_secure_port(self.settings.listen, credentials)
@@ -130,6 +132,7 @@ class Hub:
         if port == 0:
             raise UserError(f"cannot listen on listen={self.settings.listen!r}: not HOST:PORT, or the port is taken")
         self._server.start()
+        self._join_deadline = time.monotonic() + self.settings.join_timeout
         log(f"listening on {self.settings.listen} (mutual TLS, run {self.run_id})")
 
     def expect(self, client_id: int, ledger: Ledger) -> None:
@@ -164,8 +167,16 @@ class Hub:
         return data
 
     def _parse(self, data: bytes) -> Any:
+        """The envelope in `data`, or an INVALID one saying why not (a raised error would end the
+        stream without a reason; gRPC itself refuses what is over twice the limit)."""
         self._count_wire(len(data))
-        return protocol.Envelope.FromString(data)
+        if len(data) > self.max_bytes:
+            why = f"a message of {len(data)} bytes, over max_message_mib={self.settings.max_message_mib}"
+            return protocol.envelope(protocol.INVALID, error=why)
+        try:
+            return protocol.Envelope.FromString(data)
+        except DecodeError:
+            return protocol.envelope(protocol.INVALID, error=f"{len(data)} bytes that are not a protobuf Envelope")
 
     # --- a client's stream ---------------------------------------------------------------------
     def _connect(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
@@ -174,8 +185,8 @@ class Hub:
         common_name = names[0].decode() if names else None
         try:
             hello = next(requests)
-        except Exception as error:  # the stream broke before HELLO (too large, not protobuf, gone)
-            log(f"refused {peer}: {_first_line(error)}")
+        except Exception as error:  # the stream broke before HELLO (far too large, or gone)
+            log(f"refused {peer}: its stream broke before HELLO ({_first_line(error)})")
             return
         try:
             session = self._admit(hello, common_name, peer)
@@ -192,6 +203,8 @@ class Hub:
             self._leave(session, "its stream ended")
 
     def _admit(self, hello: Any, common_name: str | None, peer: str) -> Session:
+        if hello.kind == protocol.INVALID:
+            raise Refused(hello.error)
         if hello.kind != protocol.HELLO:
             raise Refused(f"expected HELLO, got message kind {hello.kind}")
         if hello.version != protocol.PROTOCOL_VERSION:
@@ -218,7 +231,9 @@ class Hub:
         try:
             for message in requests:
                 session.last_seen = time.monotonic()
-                if message.version != protocol.PROTOCOL_VERSION or message.run_id != self.run_id:
+                if message.kind == protocol.INVALID:
+                    self.drop(session, message.error)
+                elif message.version != protocol.PROTOCOL_VERSION or message.run_id != self.run_id:
                     self.drop(session, f"message of protocol {message.version}, run {message.run_id!r}")
                 elif message.kind in (protocol.RESULT, protocol.ERROR):
                     session.replies.put(message)
@@ -244,12 +259,15 @@ class Hub:
     def session(self, client_id: int) -> Session:
         """The client's live session, waiting for it to connect (join_timeout the first time,
         rejoin_wait after); ClientDropped if it does not."""
-        wait = self.settings.rejoin_wait if client_id in self._joined else self.settings.join_timeout
+        wait = self.settings.rejoin_wait
+        if client_id not in self._joined:  # every client has until join_timeout after the start
+            wait = max(wait, self._join_deadline - time.monotonic())
         with self._changed:
             self._changed.wait_for(lambda: self._live(client_id), timeout=wait)
             session = self._sessions.get(client_id)
         if session is None or not session.alive:
-            raise ClientDropped(client_id, f"not connected (waited {wait:g} s)")
+            log(f"client {client_id} is not connected (waited {wait:.3g} s): left out of this round")
+            raise ClientDropped(client_id, "not connected")
         return session
 
     def _live(self, client_id: int) -> bool:
@@ -287,14 +305,14 @@ class Hub:
         session = self._sessions.get(client_id)
         log(f"refused the result of {verb} from client {client_id}: {reason}")
         if session is not None:
-            self.drop(session, "it sent a refused message")
+            session.close(f"its {verb} result was refused")
 
 
 def _first_line(error: BaseException) -> str:
-    if isinstance(error, grpc.RpcError):
-        code, details = getattr(error, "code", lambda: None)(), getattr(error, "details", lambda: "")()
-        return f"{code}: {details}"[:300]
-    return (str(error).splitlines() or [type(error).__name__])[0][:300]
+    code = getattr(error, "code", None)
+    if callable(code) and code() is not None:
+        return f"{code()}: {error.details()}"[:300]  # type: ignore[attr-defined]
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
 
 
 class RemoteProxy(Proxy):
