@@ -123,7 +123,8 @@ class Hub:
                 )
             },
         )
-        options = [*protocol.grpc_options(2 * self.max_bytes), ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+        grpc_limit = min(2 * self.max_bytes, 2**31 - 1)  # up to 2x: refused by _parse, with the reason
+        options = [*protocol.grpc_options(grpc_limit), ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
         self._server = grpc.server(ThreadPoolExecutor(max_workers=64), handlers=[handler], options=options)
         try:
             port = self._server.add_secure_port(self.settings.listen, credentials)
