@@ -24,9 +24,9 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 class Server:
     """`splitlab server` in a subprocess, its log in a file."""
 
-    def __init__(self, tmp: Path, config: dict, **keys: Any) -> None:
-        self.address = f"127.0.0.1:{_free_port()}"
-        self.certs, self.log = tmp / "certs", tmp / "server.log"
+    def __init__(self, tmp: Path, config: dict, address: str | None = None, **keys: Any) -> None:
+        self.address = address or f"127.0.0.1:{_free_port()}"
+        self.certs, self.log = tmp / "certs", tmp / f"server-{self.address.rsplit(':')[1]}-{time.time_ns()}.log"
         items = {**config, **keys, "listen": self.address, "certs": self.certs}
         self.process = subprocess.Popen(
             [*SPLITLAB, "server", *(f"{k}={v}" for k, v in items.items()), "--no-progress"],
