@@ -484,7 +484,13 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
                 experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING)
             )
             started = time.perf_counter()
-            algorithm.run_round(rnd, clients)
+            try:
+                algorithm.run_round(rnd, clients)
+            except ClientDropped as dropped:  # in a step of the algorithm's own, which cannot go on without it
+                raise RoundFailed(
+                    f"round {rnd + 1}: {dropped} in a step {cfg.algorithm} cannot finish without it; "
+                    f"restart the client and add resume=true"
+                ) from None
             _check_enough_finished(experiment, clients, rnd + 1)
             state.setdefault("dropped", []).extend([rnd + 1, k] for k in sorted(algorithm.dropped))
             train_loss = algorithm.pop_train_loss()
