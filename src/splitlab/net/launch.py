@@ -63,12 +63,14 @@ def launch(raw: Mapping[str, Any], server_keys: Mapping[str, Any], settings: Lau
         )
         for k in range(clients)
     ]
+    code = 1
     try:
         code = server.wait()
     finally:
-        for node in nodes:
+        for node in nodes:  # told BYE by a server that ran; left retrying by one that failed to start
             try:
-                node.wait(timeout=30)
+                node.wait(timeout=30 if code in (0, 4) else 0.1)
             except subprocess.TimeoutExpired:
                 node.kill()
+                node.wait()
     return code

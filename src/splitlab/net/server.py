@@ -79,6 +79,7 @@ class Session:
         self.outgoing: queue.Queue[Any] = queue.Queue()
         self.replies: queue.Queue[Any] = queue.Queue()
         self.last_seen = time.monotonic()
+        self.awaited: int | None = None  # the sequence number of the call waiting for a reply
         self.alive = True
         self.reason = ""
 
@@ -110,6 +111,7 @@ class Hub:
         self._unaccounted_wire = 0
         self._server: grpc.Server | None = None
         self._join_deadline = 0.0
+        self._closing = False
 
     # --- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,7 +148,9 @@ class Hub:
     def close(self) -> None:
         """The run is over (or failed): BYE to every client, then stop."""
         with self._changed:
+            self._closing = True
             sessions = list(self._sessions.values())
+            self._changed.notify_all()
         for session in sessions:
             session.outgoing.put(protocol.envelope(protocol.BYE, self.run_id))
             session.close("the run is over")
@@ -212,7 +216,10 @@ class Hub:
             raise Refused(f"protocol version {hello.version}; this server speaks {protocol.PROTOCOL_VERSION}")
         client_id = hello.client_id
         with self._changed:
-            self._changed.wait_for(lambda: self._expected is not None, timeout=self.settings.join_timeout)
+            ready = lambda: self._expected is not None or self._closing
+            self._changed.wait_for(ready, timeout=self.settings.join_timeout)
+            if self._closing:
+                raise Refused("the server is shutting down")
             expected = self._expected or set()
             if client_id not in expected:
                 raise Refused(f"client_id={client_id} is not a client of this run (0 to {len(expected) - 1})")
@@ -236,8 +243,10 @@ class Hub:
                     self.drop(session, message.error)
                 elif message.version != protocol.PROTOCOL_VERSION or message.run_id != self.run_id:
                     self.drop(session, f"message of protocol {message.version}, run {message.run_id!r}")
-                elif message.kind in (protocol.RESULT, protocol.ERROR):
+                elif message.kind in (protocol.RESULT, protocol.ERROR) and message.seq == session.awaited:
                     session.replies.put(message)
+                elif message.kind in (protocol.RESULT, protocol.ERROR):
+                    self.drop(session, f"a reply to call {message.seq}, which is not the call waiting")
                 elif message.kind != protocol.HEARTBEAT:
                     self.drop(session, f"unexpected message kind {message.kind}")
         except Exception as error:  # too large, not protobuf, connection lost
@@ -279,6 +288,7 @@ class Hub:
         """Send a CALL and wait for its RESULT; ClientDropped if the client errs, leaves or is late."""
         session = self.session(client_id)
         seq = next(self._seq)
+        session.awaited = seq
         session.outgoing.put(protocol.envelope(protocol.CALL, self.run_id, seq=seq, verb=verb, payload=payload))
         settings = self.settings
         deadline = time.monotonic() + settings.call_timeout
@@ -294,8 +304,8 @@ class Hub:
                 continue
             if reply is None:
                 raise ClientDropped(client_id, session.reason)
-            if reply.seq != seq:
-                self.drop(session, f"reply to call {reply.seq} while call {seq} ({verb}) was waiting")
+            if reply.seq != seq:  # a second reply to an earlier call
+                self.drop(session, f"a reply to call {reply.seq} while call {seq} ({verb}) was waiting")
             elif reply.kind == protocol.ERROR:
                 self.drop(session, f"its {verb} failed: {reply.error}")
             else:
