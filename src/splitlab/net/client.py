@@ -62,7 +62,7 @@ def run_client(settings: ClientSettings) -> int:
     options: list[tuple[str, Any]] = protocol.grpc_options(settings.max_message_mib * MIB)
     if settings.server_name:
         options.append(("grpc.ssl_target_name_override", settings.server_name))
-    last_contact = time.monotonic()
+    last_contact, last_error = time.monotonic(), ""
     while True:
         with grpc.secure_channel(settings.connect, credentials, options=options) as channel:
             connect = channel.stream_stream(
@@ -79,6 +79,9 @@ def run_client(settings: ClientSettings) -> int:
             except grpc.RpcError as error:
                 if error.code() == grpc.StatusCode.PERMISSION_DENIED:
                     raise UserError(f"the server refused client {settings.client_id}: {error.details()}") from None
+                if error.details() != last_error:  # once per kind of failure, not once per retry
+                    last_error = error.details()
+                    log(settings.client_id, f"cannot reach {settings.connect} ({last_error}); retrying")
         if time.monotonic() - last_contact > settings.retry_seconds:
             log(settings.client_id, f"no server at {settings.connect} for {settings.retry_seconds:g} s; giving up")
             return 1
@@ -101,6 +104,10 @@ def _session(settings: ClientSettings, connect: Any) -> bool:
     run_id = ""
     try:
         for message in replies:
+            if message.version != protocol.PROTOCOL_VERSION:
+                raise UserError(
+                    f"the server speaks protocol {message.version}, this client {protocol.PROTOCOL_VERSION}"
+                )
             if message.kind == protocol.BYE:
                 raise _Finished
             if message.kind == protocol.WELCOME:
@@ -112,10 +119,9 @@ def _session(settings: ClientSettings, connect: Any) -> bool:
             elif message.kind == protocol.CALL and node is not None and message.run_id == run_id:
                 outgoing.put(_answer(node, message, run_id))
     except grpc.RpcError as error:
-        if error.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT):
+        if not welcomed:
             raise
-        if welcomed:
-            log(settings.client_id, f"connection lost ({error.code()}); reconnecting")
+        log(settings.client_id, f"connection lost ({error.code()}); reconnecting")
     finally:
         stop.set()
         outgoing.put(None)

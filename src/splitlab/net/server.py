@@ -101,6 +101,7 @@ class Hub:
         self.run_id = uuid.uuid4().hex
         self.max_bytes = settings.max_message_mib * MIB
         self._welcome = codec.encode({"config": client_config, "heartbeat": settings.heartbeat})
+        self._clients = client_config["clients"]  # K, or "all" (known once the dataset is read)
         self._sessions: dict[int, Session] = {}
         self._joined: set[int] = set()  # ids that connected at least once
         self._expected: set[int] | None = None
@@ -127,7 +128,9 @@ class Hub:
         )
         grpc_limit = min(2 * self.max_bytes, 2**31 - 1)  # up to 2x: refused by _parse, with the reason
         options = [*protocol.grpc_options(grpc_limit), ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=64), handlers=[handler], options=options)
+        clients = self._clients
+        workers = ThreadPoolExecutor(max_workers=16 + (clients if isinstance(clients, int) else 4096))  # one per stream
+        self._server = grpc.server(workers, handlers=[handler], options=options)
         try:
             port = self._server.add_secure_port(self.settings.listen, credentials)
         except RuntimeError:
