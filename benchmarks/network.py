@@ -3,13 +3,16 @@ mutual TLS) against the same rounds in process (`splitlab run`'s direct transpor
 
 Workload (issue 10): Fashion-MNIST, CNN cut 1, 3 clients, batch 32, SplitFed v2. The training
 rounds alone are timed (`run_round`: no evaluation, no checkpoints), after one warm-up round,
-with one torch thread in every process; the two variants alternate `--repeats` times so that
-noise from other processes hurts both alike, and medians are compared. Also measured: the
+with one torch thread in every process, all processes pinned to one CPU (`--cpu`): the
+networked variant's processes take turns (each call waits for its reply), so on an idle machine
+both use one core at a time, and pinning keeps it so on a busy one, where several processes
+would otherwise get a larger share of the machine than one. The two variants alternate
+`--repeats` times so that noise from other processes hurts both alike; medians are compared. Also measured: the
 network's per-batch round trip (one `split_step`: smashed data up, server step, cut gradient
 down), the round trip of an empty call, and the bytes of every protobuf message against the
 ledger's count of the tensors that cross.
 
-    .venv/bin/python benchmarks/network.py [--rounds 3] [--repeats 3] [--train-subset 3000]
+    .venv/bin/python benchmarks/network.py [--rounds 3] [--repeats 3] [--train-subset 3000] [--cpu 0]
 """
 
 from __future__ import annotations
@@ -107,7 +110,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--train-subset", type=int, default=3000)
+    parser.add_argument("--cpu", type=int, default=0, help="the CPU every process is pinned to")
     args = parser.parse_args()
+    os.sched_setaffinity(0, {args.cpu})  # inherited by the client processes
     import torch
 
     torch.set_num_threads(1)
