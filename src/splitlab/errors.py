@@ -16,6 +16,7 @@ class NonFiniteLoss(UserError):
 
 
 class RoundFailed(UserError):
-    """Fewer clients than `min_clients` finished a networked round: the run stops at its last checkpoint."""
+    """A networked round could not finish (fewer than `min_clients` did, or a client dropped in a step
+    its algorithm cannot skip): the run stops at its last checkpoint."""
 
     exit_code = 4

@@ -15,6 +15,8 @@ Transports:
   (splitlab.codec) and decoded on the other side, as a network would; the encoded sizes are the
   ledger's `envelope_bytes`. Same results, bit for bit, which proves no algorithm shares
   objects across the boundary.
+- `network` (splitlab.net.server): client nodes in other processes, reached over gRPC; a client
+  that leaves raises `ClientDropped`.
 """
 
 from __future__ import annotations
