@@ -17,7 +17,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -484,13 +484,8 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
                 experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING)
             )
             started = time.perf_counter()
-            try:
+            with _needs_the_client(cfg.algorithm, rnd + 1):
                 algorithm.run_round(rnd, clients)
-            except ClientDropped as dropped:  # in a step of the algorithm's own, which cannot go on without it
-                raise RoundFailed(
-                    f"round {rnd + 1}: {dropped} in a step {cfg.algorithm} cannot finish without it; "
-                    f"restart the client and add resume=true"
-                ) from None
             _check_enough_finished(experiment, clients, rnd + 1)
             state.setdefault("dropped", []).extend([rnd + 1, k] for k in sorted(algorithm.dropped))
             train_loss = algorithm.pop_train_loss()
@@ -502,7 +497,8 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
             if over_budget:
                 state["stopped_by"] = "comm_budget"
             if state["round"] % cfg.eval_every == 0 or state["round"] == cfg.rounds or over_budget:
-                state["metrics"].append(_metrics_row(experiment, state, train_loss, compute_seconds))
+                with _needs_the_client(cfg.algorithm, rnd + 1):  # personal models are fetched from clients
+                    state["metrics"].append(_metrics_row(experiment, state, train_loss, compute_seconds))
                 _check_finite(state["metrics"][-1]["test_loss"], "test loss", state["round"])
                 write_jsonl(out / "metrics.jsonl", state["metrics"])
                 logger.log(state["metrics"][-1])
@@ -521,6 +517,19 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
     summary = _finish(experiment, state)
     checkpoints.remove()
     return summary
+
+
+@contextlib.contextmanager
+def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
+    """A client dropped out of a step that cannot go on without it (an algorithm's own step, not
+    a shared one; the evaluation of its personal model): the run stops with one line."""
+    try:
+        yield
+    except ClientDropped as dropped:
+        raise RoundFailed(
+            f"round {round_number}: {dropped}, in a step {algorithm} cannot finish without it; "
+            f"restart the client and add resume=true"
+        ) from None
 
 
 def _check_finite(loss: float | None, what: str, round_number: int) -> None:

@@ -9,12 +9,14 @@ import re
 import signal
 import threading
 
+import pytest
 import torch
 from processes import NONE, Rogue, credentials
 from safetensors.torch import load_file
 
 from helpers import quick
 from splitlab.engine import run
+from splitlab.errors import RoundFailed
 from splitlab.net.certs import make_certs
 from splitlab.roles import ClientNode, ModelAverage
 from splitlab.transport import ClientDropped, Transport
@@ -88,3 +90,10 @@ def test_an_average_missing_a_contribution_is_renormalised_over_the_others():
     average.add(b, 0.6)  # the third client (0.2) dropped out
     average.incomplete = True
     assert torch.allclose(average.result(a)["w"], torch.tensor([2.5, 5.0]))
+
+
+def test_a_dropout_in_a_step_the_algorithm_cannot_skip_stops_the_run_in_one_line(tmp_path):
+    LeavesAtFirstForward.left = False  # CycleSL's own `cycle` needs every client's batch
+    config = quick(algorithm="cycle_sfl", clients=3, rounds=1, out=str(tmp_path / "run"))
+    with pytest.raises(RoundFailed, match="round 1: client 2 dropped: left, in a step cycle_sfl cannot finish"):
+        run(config, progress=False, transport=LeavesAtFirstForward)
