@@ -59,6 +59,7 @@ class Ledger:
     def __init__(self, convention: str = "splitlab") -> None:
         self.bytes_by_kind: dict[str, int] = {}
         self.envelope_bytes = 0
+        self.wire_bytes = 0  # over a network: every protobuf message sent or received (splitlab.net)
         self.uncounted = LEDGER_CONVENTIONS[convention]
 
     def add(self, kind: str, nbytes: int) -> None:

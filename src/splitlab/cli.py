@@ -1,4 +1,5 @@
-"""`splitlab run | sweep | report | evaluate | latency | attack | advise | datasets | models`.
+"""The `splitlab` command line: run | sweep | report | evaluate | latency | attack | advise | datasets |
+models | algorithms | certs | server | client | launch.
 
 A user mistake prints one line, `error: ...`, and exits with code 2; anything else is a bug and
 keeps its traceback.
@@ -20,14 +21,71 @@ console = Console()
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from splitlab.config import load_config_file, parse_overrides
     from splitlab.engine import run
 
-    raw = load_config_file(args.config) if args.config else {}
-    raw.update(parse_overrides(args.overrides))
+    raw = _run_config(args)
     summary = run(raw, progress=not args.no_progress)
     _print_summary(summary, raw)
     return 0
+
+
+def _run_config(args: argparse.Namespace) -> dict:
+    from splitlab.config import load_config_file, parse_overrides
+
+    raw = load_config_file(args.config) if args.config else {}
+    raw.update(parse_overrides(args.overrides))
+    return raw
+
+
+def _cmd_certs(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from splitlab.config import parse_overrides
+    from splitlab.net.certs import make_certs
+
+    keys = parse_overrides(args.overrides)
+    unknown = sorted(set(keys) - {"out", "clients", "hosts"})
+    if unknown:
+        raise UserError(f"unknown key {unknown[0]!r} for certs; allowed: clients, hosts, out")
+    clients = keys.get("clients", 1)
+    if isinstance(clients, bool) or not isinstance(clients, int):
+        raise UserError(f"invalid value {clients!r} for clients: expected a whole number of clients")
+    hosts = [h for h in str(keys.get("hosts") or "").split(",") if h]
+    written = make_certs(Path(str(keys.get("out", "certs"))), clients, hosts)
+    console.print(f"written to {written[0].parent}: {', '.join(p.stem for p in written)} (.pem and .key)")
+    return 0
+
+
+def _cmd_server(args: argparse.Namespace) -> int:
+    from splitlab.net.server import ServerSettings, serve, split_settings
+
+    settings, raw = split_settings(_run_config(args), ServerSettings)
+    summary = serve(raw, settings, progress=not args.no_progress)  # type: ignore[arg-type]
+    _print_summary(summary, raw)
+    return 0
+
+
+def _cmd_client(args: argparse.Namespace) -> int:
+    from splitlab.config import parse_overrides
+    from splitlab.net.client import ClientSettings, run_client
+    from splitlab.net.server import split_settings
+
+    settings, rest = split_settings(parse_overrides(args.overrides), ClientSettings)
+    if rest:
+        raise UserError(
+            f"unknown key {sorted(rest)[0]!r} for client; allowed: {', '.join(ClientSettings.model_fields)}"
+        )
+    return run_client(settings)  # type: ignore[arg-type]
+
+
+def _cmd_launch(args: argparse.Namespace) -> int:
+    from splitlab.net.launch import LaunchSettings, launch
+    from splitlab.net.server import ServerSettings, split_settings
+
+    settings, raw = split_settings(_run_config(args), LaunchSettings)
+    server_keys, raw = split_settings(raw, ServerSettings)
+    given = {k: v for k, v in server_keys.model_dump(exclude_defaults=True).items() if k not in ("listen", "certs")}
+    return launch(raw, given, settings, progress=not args.no_progress)  # type: ignore[arg-type]
 
 
 def _print_summary(summary: dict, raw: dict) -> None:
@@ -230,6 +288,35 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     run.set_defaults(handler=_cmd_run)
+
+    networked = {
+        "server": "run a configuration as the server of a networked deployment (clients connect over gRPC)",
+        "launch": "a server and its clients as processes on this machine (loopback, mutual TLS)",
+    }
+    for name, help_text in networked.items():
+        command = commands.add_parser(
+            name, help=help_text, description=f"{help_text}; the keys of `run` plus those in docs/deployment.md."
+        )
+        command.add_argument("--config", help="YAML file of KEY: VALUE settings; KEY=VALUE arguments override it")
+        command.add_argument("--no-progress", action="store_true", help="no progress bar")
+        command.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+        command.set_defaults(handler=_cmd_server if name == "server" else _cmd_launch)
+    client = commands.add_parser(
+        "client",
+        help="one client node of a networked run: connect=HOST:PORT client_id=K certs=DIR [data_dir=...]",
+        description="Keys: connect client_id certs data_dir device threads server_name retry_seconds "
+        "max_message_mib; see docs/deployment.md.",
+    )
+    client.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    client.set_defaults(handler=_cmd_client)
+    certs = commands.add_parser(
+        "certs",
+        help="a development CA, server and client certificates: out=DIR clients=K [hosts=a,b]",
+        description="Keys: out (default certs), clients (default 1), hosts (names or addresses the "
+        "server certificate is also valid for, besides localhost and 127.0.0.1).",
+    )
+    certs.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    certs.set_defaults(handler=_cmd_certs)
 
     commands.add_parser("datasets", help="list datasets and whether their files are here").set_defaults(
         handler=_cmd_datasets

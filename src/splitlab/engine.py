@@ -17,7 +17,7 @@ import math
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +44,7 @@ from splitlab.config import (
     resolve_config,
 )
 from splitlab.data import Dataset, load_dataset, partition, partition_report
-from splitlab.errors import NonFiniteLoss, UserError
+from splitlab.errors import NonFiniteLoss, RoundFailed, UserError
 from splitlab.io import (
     save_safetensors,
     write_bytes,
@@ -60,7 +60,7 @@ from splitlab.privacy.record import Recorder
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
 from splitlab.runfiles import CHECKPOINT, LEGACY_CHECKPOINT, RUN_FILES
 from splitlab.streams import register_stream
-from splitlab.transport import TRANSPORTS, Transport
+from splitlab.transport import TRANSPORTS, ClientDropped, Transport
 
 STREAM_SAMPLING = register_stream("sampling", 0)
 
@@ -154,13 +154,30 @@ def _hold_out(indices: list[np.ndarray], fraction: float, seed: int) -> tuple[li
     return train, test
 
 
-def build(raw: Mapping[str, Any]) -> Experiment:
-    """Validate the config and build data, roles, transport and algorithm; UserError on bad input."""
-    config = resolve_config(raw)
+@dataclasses.dataclass
+class _Plan:
+    """What the server and every client node derive alike from the config: data, partition, blueprint."""
+
+    config: ResolvedConfig
+    data: Dataset
+    owners: list[np.ndarray]  # the samples of each client node
+    client_test: list[tuple[torch.Tensor, torch.Tensor]] | None
+    partition_report: dict
+    algorithm_class: type[Algorithm]
+    blueprint: Blueprint
+
+    def node(self, client_id: int) -> ClientNode:
+        """Client node `client_id`, holding only its own samples, as stored (uint8 images are
+        prepared batch by batch)."""
+        data, idx, device = self.data, self.owners[client_id], self.blueprint.device
+        return self.algorithm_class.Client(
+            self.blueprint, client_id, data.train_x[idx].to(device), data.train_y[idx].to(device), data.prepare
+        )
+
+
+def _plan(config: ResolvedConfig) -> _Plan:
     run = config.run
-    rundir.check_out_dir(config.out_dir)
     device = resolve_device(run.device)
-    check_logger(run.logger)
     data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
     indices = _client_indices(config, data)
     held_out = parse_test_split(run.test_split)
@@ -181,21 +198,50 @@ def build(raw: Mapping[str, Any]) -> Experiment:
         recorder=Recorder(run.record) if run.record else None,
     )
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
-    # Each node holds only its own samples, as stored (uint8 images are prepared batch by batch).
-    nodes = [
-        algorithm_class.Client(blueprint, k, data.train_x[idx].to(device), data.train_y[idx].to(device), data.prepare)
-        for k, idx in enumerate(algorithm_class.data_owners(indices))
-    ]
+    owners = algorithm_class.data_owners(indices)
+    return _Plan(config, data, owners, client_test, report, algorithm_class, blueprint)
+
+
+def client_node(raw: Mapping[str, Any], client_id: int) -> ClientNode:
+    """Client node `client_id` of the run `raw` configures, built in this process (a networked
+    client): the same samples, batches and initial weights as the node `build` would make."""
+    plan = _plan(resolve_config(raw))
+    if not 0 <= client_id < len(plan.owners):
+        raise UserError(f"client_id={client_id} is not a client of this run; allowed: 0 to {len(plan.owners) - 1}")
+    return plan.node(client_id)
+
+
+def client_count(raw: Mapping[str, Any]) -> int:
+    """How many client nodes the run `raw` configures (the partition's clients; centralized: one)."""
+    return len(_plan(resolve_config(raw)).owners)
+
+
+def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Transport] | None = None) -> Experiment:
+    """Validate the config and build data, roles, transport and algorithm; UserError on bad input.
+    `transport` makes the transport (default: the config's); one with `remote` clients (a network)
+    reaches client nodes built elsewhere, and none is built here."""
+    config = resolve_config(raw)
+    run = config.run
+    rundir.check_out_dir(config.out_dir)
+    check_logger(run.logger)
+    plan = _plan(config)
+    data, blueprint, algorithm_class, device = plan.data, plan.blueprint, plan.algorithm_class, plan.blueprint.device
+    transport_ = (transport or TRANSPORTS[run.transport])(Ledger(run.ledger), device)
+    clients = [ClientInfo(k, len(idx)) for k, idx in enumerate(plan.owners)]
+    if transport_.remote:
+        nodes: list[ClientNode] = []
+        client_proxies = {c.id: transport_.connect_remote(c.id, algorithm_class.Client, blueprint) for c in clients}
+    else:
+        nodes = [plan.node(c.id) for c in clients]
+        client_proxies = {node.id: transport_.connect(node, counted=True) for node in nodes}
     roles = Roles(nodes, algorithm_class.Server(blueprint), algorithm_class.Sync(blueprint))
-    transport = TRANSPORTS[run.transport](Ledger(run.ledger), device)
-    clients = [ClientInfo(node.id, node.num_samples) for node in nodes]
     context = Context(
         run,
         config.params,
         clients,
-        {node.id: transport.connect(node, counted=True) for node in nodes},
-        transport.connect(roles.server, counted=False),
-        transport.connect(roles.sync, counted=False),
+        client_proxies,
+        transport_.connect(roles.server, counted=False),
+        transport_.connect(roles.sync, counted=False),
     )
     algorithm = algorithm_class(context)
     test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
@@ -208,7 +254,9 @@ def build(raw: Mapping[str, Any]) -> Experiment:
         test_y=data.test_y[test].to(device),
         prepare=None,
     )  # the test set, prepared once
-    return Experiment(config, data, clients, algorithm, report, roles, blueprint, transport, client_test)
+    return Experiment(
+        config, data, clients, algorithm, plan.partition_report, roles, blueprint, transport_, plan.client_test
+    )
 
 
 def sample_clients(clients: list[ClientInfo], participation: float, rng: np.random.Generator) -> list[ClientInfo]:
@@ -271,9 +319,16 @@ class _RunDirectory:
         rundir.clear(self.path)
 
 
-def run(config: Mapping[str, Any], *, resume: bool | None = None, progress: bool = True) -> dict[str, Any]:
-    """Run (or resume) one experiment; returns the summary that is also written to summary.json."""
-    experiment = build(config)
+def run(
+    config: Mapping[str, Any],
+    *,
+    resume: bool | None = None,
+    progress: bool = True,
+    transport: Callable[[Ledger, torch.device], Transport] | None = None,
+) -> dict[str, Any]:
+    """Run (or resume) one experiment; returns the summary that is also written to summary.json.
+    `transport`: as for `build` (splitlab.net's server passes its network transport)."""
+    experiment = build(config, transport)
     run_config = experiment.config.run
     resume = run_config.resume if resume is None else resume
     directory = _RunDirectory(experiment)
@@ -296,13 +351,20 @@ def run(config: Mapping[str, Any], *, resume: bool | None = None, progress: bool
 def role_states(experiment: Experiment) -> dict[str, Any]:
     """Every role's state that outlives a round (fetched through the transport), and the ledger's."""
     algorithm, ledger = experiment.algorithm, experiment.ledger
-    clients = {c.id: algorithm.client(c.id).state_dict() for c in experiment.clients}
+    clients = {}
+    for c in experiment.clients:
+        with contextlib.suppress(ClientDropped):  # a client that left keeps no state the run needs
+            clients[c.id] = algorithm.client(c.id).state_dict()
     return {
         "algorithm": algorithm.state_dict(),
         "server": algorithm.server.state_dict(),
         "sync": algorithm.sync.state_dict(),
         "clients": {k: state for k, state in clients.items() if state["models"]},
-        "ledger": {"bytes_by_kind": ledger.state_dict(), "envelope_bytes": ledger.envelope_bytes},
+        "ledger": {
+            "bytes_by_kind": ledger.state_dict(),
+            "envelope_bytes": ledger.envelope_bytes,
+            "wire_bytes": ledger.wire_bytes,
+        },
     }
 
 
@@ -316,6 +378,7 @@ def restore(experiment: Experiment, state: dict[str, Any]) -> None:
         algorithm.client(client_id).load_state_dict(client_state)
     ledger.bytes_by_kind = dict(state["ledger"]["bytes_by_kind"])
     ledger.envelope_bytes = int(state["ledger"]["envelope_bytes"])
+    ledger.wire_bytes = int(state["ledger"].get("wire_bytes", 0))
 
 
 SNAPSHOT_SHARE = 0.02
@@ -436,9 +499,12 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
                 experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING)
             )
             started = time.perf_counter()
-            algorithm.run_round(rnd, clients)
+            with _needs_the_client(cfg.algorithm, rnd + 1):
+                algorithm.run_round(rnd, clients)
+            _check_enough_finished(experiment, clients, rnd + 1)
             if experiment.blueprint.recorder is not None:
                 experiment.blueprint.recorder.flush(out, rnd)
+            state.setdefault("dropped", []).extend([rnd + 1, k] for k in sorted(algorithm.dropped))
             train_loss = algorithm.pop_train_loss()
             _check_finite(train_loss, "training loss", rnd + 1)
             compute_seconds = experiment.blueprint.pop_seconds()
@@ -448,7 +514,8 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
             if over_budget:
                 state["stopped_by"] = "comm_budget"
             if state["round"] % cfg.eval_every == 0 or state["round"] == cfg.rounds or over_budget:
-                state["metrics"].append(_metrics_row(experiment, state, train_loss, compute_seconds))
+                with _needs_the_client(cfg.algorithm, rnd + 1):  # personal models are fetched from clients
+                    state["metrics"].append(_metrics_row(experiment, state, train_loss, compute_seconds))
                 _check_finite(state["metrics"][-1]["test_loss"], "test loss", state["round"])
                 write_jsonl(out / "metrics.jsonl", state["metrics"])
                 logger.log(state["metrics"][-1])
@@ -467,6 +534,19 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
     summary = _finish(experiment, state)
     checkpoints.remove()
     return summary
+
+
+@contextlib.contextmanager
+def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
+    """A client dropped out of a step that cannot go on without it (an algorithm's own step, not
+    a shared one; the evaluation of its personal model): the run stops with one line."""
+    try:
+        yield
+    except ClientDropped as dropped:
+        raise RoundFailed(
+            f"round {round_number}: {dropped}, in a step {algorithm} cannot finish without it; "
+            f"restart the client and add resume=true"
+        ) from None
 
 
 def _check_finite(loss: float | None, what: str, round_number: int) -> None:
@@ -499,12 +579,36 @@ def _metrics_row(
         **_envelope(experiment),
         "wall_seconds": state["wall_seconds"],
         "round_compute_seconds": compute_seconds,
+        **_dropouts(experiment, state),
     }
 
 
 def _envelope(experiment: Experiment) -> dict[str, int]:
-    """The serialized transport's encoded bytes (every message, server-side ones included)."""
-    return {"envelope_bytes": experiment.ledger.envelope_bytes} if experiment.transport.name != "direct" else {}
+    """The serialized transport's encoded bytes (every message, server-side ones included); over a
+    network, also the bytes of every protobuf message sent or received (`wire_bytes`)."""
+    ledger, transport = experiment.ledger, experiment.transport
+    figures = {"envelope_bytes": ledger.envelope_bytes} if transport.name != "direct" else {}
+    return {**figures, "wire_bytes": ledger.wire_bytes} if transport.remote else figures
+
+
+def _dropouts(experiment: Experiment, state: dict) -> dict[str, Any]:
+    """Over a network: the clients that dropped out since the last row, as [round, client id] pairs."""
+    if not experiment.transport.remote:
+        return {}
+    dropped, state["dropped"] = state.get("dropped", []), []
+    return {"dropped_clients": dropped}
+
+
+def _check_enough_finished(experiment: Experiment, clients: list[ClientInfo], round_number: int) -> None:
+    """Fewer than `min_clients` (or all sampled, if fewer) finished the round: the run stops there."""
+    dropped = experiment.algorithm.dropped
+    needed = min(experiment.transport.min_clients, len(clients))
+    if len(clients) - len(dropped) < needed:
+        raise RoundFailed(
+            f"round {round_number}: only {len(clients) - len(dropped)} of {len(clients)} clients finished "
+            f"(dropped: {', '.join(map(str, sorted(dropped)))}), fewer than min_clients={needed}; "
+            f"restart the clients and add resume=true"
+        )
 
 
 def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:

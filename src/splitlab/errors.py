@@ -13,3 +13,10 @@ class NonFiniteLoss(UserError):
     """Training diverged (a NaN or infinite loss): the run stops there, its files hold only finite rounds."""
 
     exit_code = 3
+
+
+class RoundFailed(UserError):
+    """A networked round could not finish (fewer than `min_clients` did, or a client dropped in a step
+    its algorithm cannot skip): the run stops at its last checkpoint."""
+
+    exit_code = 4

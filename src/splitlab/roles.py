@@ -188,22 +188,27 @@ class ModelAverage:
 
     def __init__(self) -> None:
         self._sum: dict[str, torch.Tensor] | None = None
+        self._weight = 0.0  # sum of the alphas added
+        self.incomplete = False  # a contribution will not come: renormalise over those added
 
     def add(self, state: Mapping[str, torch.Tensor], alpha: float) -> None:
+        self._weight += alpha
         if self._sum is None:
             self._sum = {k: _as_float(v) * alpha for k, v in state.items()}
         else:
             for k, v in state.items():
                 self._sum[k].add_(_as_float(v), alpha=alpha)
 
+    @property
+    def empty(self) -> bool:
+        return self._sum is None
+
     def result(self, like: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The average, cast back to the dtypes of `like` (usually the global model's state)."""
         if self._sum is None:
             raise RuntimeError("no model was added to the average")
-        return {
-            k: (self._sum[k].round() if not v.is_floating_point() else self._sum[k]).to(v.dtype)
-            for k, v in like.items()
-        }
+        total = {k: v / self._weight for k, v in self._sum.items()} if self.incomplete else self._sum
+        return {k: (total[k].round() if not v.is_floating_point() else total[k]).to(v.dtype) for k, v in like.items()}
 
 
 def _as_float(t: torch.Tensor) -> torch.Tensor:
@@ -477,7 +482,15 @@ class SyncServer(Role[ParamsT]):
         self._averages.setdefault(slot, ModelAverage()).add(state, alpha)
 
     @verb()
+    def missing(self, slot: str) -> None:
+        """A client that dropped out will not add its `slot`: the average is renormalised over the
+        weights of those that did (nobody did: the global model stays as it was)."""
+        self._averages.setdefault(slot, ModelAverage()).incomplete = True
+
+    @verb()
     def average(self, slot: str) -> None:
         """`slot` becomes the average of what was added since the last call."""
-        model = self.model(slot)
-        model.load_state_dict(self._averages.pop(slot).result(model.state_dict()))
+        model, average = self.model(slot), self._averages.pop(slot)
+        if average.incomplete and average.empty:
+            return
+        model.load_state_dict(average.result(model.state_dict()))

@@ -15,6 +15,8 @@ Transports:
   (splitlab.codec) and decoded on the other side, as a network would; the encoded sizes are the
   ledger's `envelope_bytes`. Same results, bit for bit, which proves no algorithm shares
   objects across the boundary.
+- `network` (splitlab.net.server): client nodes in other processes, reached over gRPC; a client
+  that leaves raises `ClientDropped`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -33,6 +35,15 @@ KEYED = "<result keys>"
 COUNTED_BY_SENDER = "<counted by the sending client's verb>"  # client to client (vanilla SL's relay)
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ClientDropped(RuntimeError):
+    """A client left: it disconnected or missed a deadline (a network transport). The algorithm's
+    shared steps skip it for the rest of the round (splitlab.algorithms.base)."""
+
+    def __init__(self, client_id: int, reason: str) -> None:
+        super().__init__(f"client {client_id} dropped: {reason}")
+        self.client_id = client_id
 
 
 @dataclass(frozen=True)
@@ -72,12 +83,20 @@ class Transport:
     """Delivers verb calls to roles and counts, in the ledger, the tensors that reach or leave a client."""
 
     name = "direct"
+    #: client nodes live in other processes, reached by id (`connect_remote`); they may drop out
+    remote: ClassVar[bool] = False
+    #: the fewest clients that must finish a round (only a transport whose clients can drop sets it)
+    min_clients = 1
 
     def __init__(self, ledger: Ledger, device: torch.device) -> None:
         self.ledger, self.device = ledger, device
 
     def connect(self, role: object, counted: bool) -> Proxy:
         return Proxy(self, role, counted)
+
+    def connect_remote(self, client_id: int, role_class: type, blueprint: Any) -> Proxy:
+        """A proxy to client `client_id`, a `role_class` node built in another process."""
+        raise NotImplementedError(f"the {self.name} transport reaches only roles in this process")
 
     def call(self, method: Callable[..., Any], spec: VerbSpec, counted: bool, *args: Any, **kwargs: Any) -> Any:
         if counted:

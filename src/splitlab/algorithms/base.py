@@ -31,7 +31,7 @@ from splitlab.roles import (
     random_stream,
 )
 from splitlab.streams import register_stream
-from splitlab.transport import Proxy
+from splitlab.transport import ClientDropped, Proxy
 
 STREAM_ORDER = register_stream("order", 2)
 
@@ -105,6 +105,8 @@ class Algorithm(Generic[ParamsT]):
         self.sync = ctx.sync
         self._loss_sum: torch.Tensor | float = 0.0
         self._loss_count = 0
+        #: clients that dropped out of the current round (over a network); the shared steps skip them
+        self.dropped: set[int] = set()
 
     @staticmethod
     def data_owners(indices: list[np.ndarray]) -> list[np.ndarray]:
@@ -142,34 +144,58 @@ class Algorithm(Generic[ParamsT]):
 
     # --- the round, as the engine runs it ---------------------------------------------------
     def run_round(self, rnd: int, clients: list[ClientInfo]) -> None:
+        self.dropped = set()
         for client in clients:
-            self.client(client.id).begin_round(rnd)
+            self.unless_dropped(client.id, "begin_round", rnd)
         self.train_round(rnd, clients)
         for client in clients:
-            self.client(client.id).end_round()
+            self.unless_dropped(client.id, "end_round")
         self.server.end_round()
 
     # --- shared steps ------------------------------------------------------------------------
+    def unless_dropped(self, client_id: int, verb: str, *args: Any) -> Any:
+        """Client `client_id`'s `verb(*args)`, unless the client dropped out of the round (None).
+        A client that leaves (splitlab.transport.ClientDropped) is skipped for the rest of the round."""
+        if client_id in self.dropped:
+            return None
+        try:
+            return getattr(self.client(client_id), verb)(*args)
+        except ClientDropped:
+            self.dropped.add(client_id)
+            return None
+
     def split_step(self, client_id: int, step: int, server_slot: str = "server_model") -> None:
         """One split-learning step: smashed data up, server step, cut-layer gradient down, client step."""
-        client = self.client(client_id)
-        sent = client.forward(step)
+        sent = self.unless_dropped(client_id, "forward", step)
+        if sent is None:
+            return
         reply = self.server.train_step(sent["smashed"], sent["labels"], server_slot)
-        client.backward(step, reply["cut_grad"])
+        self.unless_dropped(client_id, "backward", step, reply["cut_grad"])
         self.track(reply["loss"])
+
+    def local_step(self, client_id: int) -> None:
+        """One ordinary local step of the client's whole model (FedAvg)."""
+        reply = self.unless_dropped(client_id, "local_step")
+        if reply is not None:
+            self.track(reply["loss"])
 
     def download(self, client_id: int, slot: str = "client_model") -> None:
         """The sync server's global `slot` to the client (counted as `<slot>_down`)."""
-        self.client(client_id).load(slot, self.sync.model_state(slot))
+        if client_id not in self.dropped:
+            self.unless_dropped(client_id, "load", slot, self.sync.model_state(slot))
 
     def contribute(self, client_id: int, alpha: float, slots: tuple[str, ...] = ("client_model",)) -> None:
         """The client is done for the round: its `slots` go up to the sync server (counted as
         `<slot>_up`) into the running averages with weight alpha, and its working copies go back
-        to the pool (so that clients processed one after another need one copy at a time)."""
-        client = self.client(client_id)
+        to the pool (so that clients processed one after another need one copy at a time). A
+        client that dropped out adds nothing: the averages are renormalised over those that did."""
         for slot in slots:
-            self.sync.add(slot, client.upload(slot), alpha)
-        client.end_round()
+            state = self.unless_dropped(client_id, "upload", slot)
+            if state is None:
+                self.sync.missing(slot)
+            else:
+                self.sync.add(slot, state, alpha)
+        self.unless_dropped(client_id, "end_round")
 
     def federated_average(self, clients: list[ClientInfo], slot: str = "client_model") -> None:
         """Every client's `slot` averaged by the sync server with weights |D_k|."""

@@ -17,7 +17,7 @@ class FedAvg(Algorithm[NoParams]):
         for client, alpha in zip(clients, self.ctx.weights(clients)):
             self.download(client.id)
             for _ in range(self.ctx.local_steps(client)):
-                self.track(self.client(client.id).local_step()["loss"])
+                self.local_step(client.id)
             self.contribute(client.id, alpha)
         self.sync.average("client_model")
 

@@ -1,0 +1,160 @@
+"""`splitlab client`: one client node, answering the server's verb calls over gRPC.
+
+The client connects (mutual TLS, its own certificate), says HELLO with its id, and builds its
+node from the config the server sends back and its own data: the named dataset read from its
+`data_dir`, of which it keeps only its partition. It then answers every CALL with the verb's
+result and sends a heartbeat every few seconds. When the stream breaks (the server restarts, the
+network fails, the server dropped it), it connects again and builds a fresh node; BYE ends it.
+"""
+
+from __future__ import annotations
+
+import queue
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from splitlab import codec
+from splitlab.errors import UserError
+from splitlab.net import protocol
+from splitlab.net.certs import client_name, read_pair
+from splitlab.net.checks import Refused, check_finite
+from splitlab.roles import ClientNode
+
+MIB = 1 << 20
+
+
+class ClientSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    connect: str = Field("127.0.0.1:7070", description="the server's HOST:PORT")
+    client_id: int = Field(0, ge=0, description="this client's id (its certificate must be client-<id>'s)")
+    certs: Path = Field(Path("certs"), description="directory of ca.pem, client-<id>.pem and client-<id>.key")
+    data_dir: str | None = Field(None, description="where this client's dataset files are (default: the run's)")
+    device: str = Field("cpu", description="cpu | cuda")
+    threads: int | None = Field(None, ge=1, description="torch threads (default: torch's)")
+    server_name: str | None = Field(None, description="name in the server's certificate, if not the host")
+    retry_seconds: float = Field(120.0, ge=0, description="how long to keep trying to (re)connect")
+    max_message_mib: int = Field(1024, ge=1, description="largest message accepted, in MiB")
+
+
+def log(client_id: int, line: str) -> None:
+    print(f"splitlab client {client_id}: {line}", file=sys.stderr, flush=True)
+
+
+class _Finished(Exception):
+    """The server said BYE."""
+
+
+def run_client(settings: ClientSettings) -> int:
+    """Serve the run until the server says BYE (0), refuses this client (2), or stays away (1)."""
+    if settings.threads:
+        torch.set_num_threads(settings.threads)
+    ca, cert, key = read_pair(settings.certs, client_name(settings.client_id))
+    credentials = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+    options: list[tuple[str, Any]] = protocol.grpc_options(settings.max_message_mib * MIB)
+    if settings.server_name:
+        options.append(("grpc.ssl_target_name_override", settings.server_name))
+    last_contact, last_error = time.monotonic(), ""
+    while True:
+        with grpc.secure_channel(settings.connect, credentials, options=options) as channel:
+            connect = channel.stream_stream(
+                protocol.METHOD,
+                request_serializer=lambda m: m.SerializeToString(),
+                response_deserializer=protocol.Envelope.FromString,
+            )
+            try:
+                if _session(settings, connect):
+                    last_contact = time.monotonic()
+            except _Finished:
+                log(settings.client_id, "the run is over")
+                return 0
+            except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    raise UserError(f"the server refused client {settings.client_id}: {error.details()}") from None
+                if error.details() != last_error:  # once per kind of failure, not once per retry
+                    last_error = error.details()
+                    log(settings.client_id, f"cannot reach {settings.connect} ({last_error}); retrying")
+        if time.monotonic() - last_contact > settings.retry_seconds:
+            log(settings.client_id, f"no server at {settings.connect} for {settings.retry_seconds:g} s; giving up")
+            return 1
+        time.sleep(0.5)
+
+
+def _session(settings: ClientSettings, connect: Any) -> bool:
+    """One connection, until its stream ends; whether the server welcomed this client."""
+    outgoing: queue.Queue[Any] = queue.Queue()
+    stop = threading.Event()
+
+    def requests() -> Iterator[Any]:
+        while (message := outgoing.get()) is not None:
+            yield message
+
+    outgoing.put(protocol.envelope(protocol.HELLO, client_id=settings.client_id))
+    replies = connect(requests())
+    welcomed = False
+    node: ClientNode | None = None
+    run_id = ""
+    try:
+        for message in replies:
+            if message.version != protocol.PROTOCOL_VERSION:
+                raise UserError(
+                    f"the server speaks protocol {message.version}, this client {protocol.PROTOCOL_VERSION}"
+                )
+            if message.kind == protocol.BYE:
+                raise _Finished
+            if message.kind == protocol.WELCOME:
+                welcomed, run_id = True, message.run_id
+                welcome = codec.decode(bytes(message.payload))
+                _heartbeats(outgoing, run_id, float(welcome["heartbeat"]), stop)
+                node = _build_node(settings, welcome["config"])
+                log(settings.client_id, f"joined run {run_id} ({node.num_samples} samples)")
+            elif message.kind == protocol.CALL and node is not None and message.run_id == run_id:
+                outgoing.put(_answer(node, message, run_id))
+    except grpc.RpcError as error:
+        if not welcomed:
+            raise
+        log(settings.client_id, f"connection lost ({error.code()}); reconnecting")
+    finally:
+        stop.set()
+        outgoing.put(None)
+    return welcomed
+
+
+def _heartbeats(outgoing: queue.Queue, run_id: str, every: float, stop: threading.Event) -> None:
+    def beat() -> None:
+        while not stop.wait(every):
+            outgoing.put(protocol.envelope(protocol.HEARTBEAT, run_id))
+
+    threading.Thread(target=beat, daemon=True).start()
+
+
+def _build_node(settings: ClientSettings, config: dict[str, Any]) -> ClientNode:
+    from splitlab.engine import client_node
+
+    own = {"device": settings.device, **({"data_dir": settings.data_dir} if settings.data_dir else {})}
+    return client_node({**config, **own}, settings.client_id)
+
+
+def _answer(node: ClientNode, message: Any, run_id: str) -> Any:
+    """The RESULT of a CALL, or an ERROR saying in one line why there is none."""
+    try:
+        if not hasattr(getattr(type(node), message.verb, None), "__verb__"):
+            raise Refused(f"{message.verb!r} is not a verb of {type(node).__name__}")
+        method = getattr(node, message.verb)
+        request = codec.decode(bytes(message.payload), node.blueprint.device)
+        if not isinstance(request, dict) or set(request) != {"args", "kwargs"}:
+            raise Refused("a call holds exactly args and kwargs")
+        check_finite(request)
+        result = method(*request["args"], **request["kwargs"])
+        return protocol.envelope(protocol.RESULT, run_id, seq=message.seq, payload=codec.encode(result))
+    except Exception as error:  # the server drops this client and it starts afresh
+        line = (str(error).splitlines() or [type(error).__name__])[0][:300]
+        return protocol.envelope(protocol.ERROR, run_id, seq=message.seq, error=f"{type(error).__name__}: {line}")

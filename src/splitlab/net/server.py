@@ -1,0 +1,404 @@
+"""`splitlab server`: the engine, with the client nodes in other processes, reached over gRPC.
+
+The server runs exactly what `splitlab run` runs (orchestration, training and sync servers,
+evaluation, checkpoints, metrics); only the calls to client nodes go through `NetworkTransport`:
+each becomes a CALL down the client's stream (splitlab.net.protocol), whose RESULT is decoded,
+checked (splitlab.net.checks) and counted in the ledger as in-process. `Hub` owns the gRPC
+server and one `Session` per connected client: mutual TLS, a client's id taken from its
+certificate, one connection per id. A client that disconnects, misses a deadline or its
+heartbeats, or sends anything the checks refuse, is dropped (one log line) and reported to the
+algorithm as `ClientDropped`; it may connect again and is then used from the next round on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+from google.protobuf.message import DecodeError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from splitlab import codec
+from splitlab.channel import Ledger
+from splitlab.config import RUN_CONTROL_KEYS, resolve_config
+from splitlab.errors import UserError
+from splitlab.net import protocol
+from splitlab.net.certs import SERVER, client_name, read_pair
+from splitlab.net.checks import Checks, Refused
+from splitlab.roles import Blueprint
+from splitlab.transport import ClientDropped, Proxy, Transport, VerbSpec
+
+MIB = 1 << 20
+
+
+class ServerSettings(BaseModel):
+    """The server's own keys (not the run's: they are not stored in config.yaml)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    listen: str = Field("127.0.0.1:7070", description="HOST:PORT to listen on (0.0.0.0:PORT: every interface)")
+    certs: Path = Field(Path("certs"), description="directory of ca.pem, server.pem and server.key")
+    min_clients: int = Field(1, ge=1, description="fewest clients that must finish a round, or the run stops")
+    call_timeout: float = Field(120.0, gt=0, description="seconds a client has to answer one call")
+    heartbeat: float = Field(2.0, gt=0, description="seconds between a client's heartbeats; 3 missed: dropped")
+    join_timeout: float = Field(300.0, gt=0, description="seconds from the start for every client's first connection")
+    rejoin_wait: float = Field(5.0, ge=0, description="seconds a round waits for a sampled client that is away")
+    max_message_mib: int = Field(1024, ge=1, description="largest message accepted, in MiB")
+
+
+def split_settings(raw: Mapping[str, Any], settings_class: type[BaseModel]) -> tuple[BaseModel, dict[str, Any]]:
+    """(the command's own settings, the run's config) from one flat set of KEY=VALUE settings."""
+    own = {k: v for k, v in raw.items() if k in settings_class.model_fields}
+    try:
+        settings = settings_class(**own)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise UserError(f"invalid value {first.get('input')!r} for {first['loc'][0]}: {first['msg']}") from None
+    return settings, {k: v for k, v in raw.items() if k not in own}
+
+
+def log(line: str) -> None:
+    print(f"splitlab server: {line}", file=sys.stderr, flush=True)
+
+
+class Session:
+    """One client's connection: messages to send, replies received, and whether it is alive."""
+
+    def __init__(self, client_id: int, peer: str) -> None:
+        self.client_id, self.peer = client_id, peer
+        self.outgoing: queue.Queue[Any] = queue.Queue()
+        self.replies: queue.Queue[Any] = queue.Queue()
+        self.last_seen = time.monotonic()
+        self.awaited: int | None = None  # the sequence number of the call waiting for a reply
+        self.alive = True
+        self.reason = ""
+
+    def close(self, reason: str) -> bool:
+        """End the session (the first reason counts); whether it was alive."""
+        if not self.alive:
+            return False
+        self.alive, self.reason = False, reason
+        self.outgoing.put(None)
+        self.replies.put(None)
+        return True
+
+
+class Hub:
+    """The gRPC server and the client sessions; calls a client and waits for its reply."""
+
+    def __init__(self, settings: ServerSettings, client_config: dict[str, Any]) -> None:
+        self.settings = settings
+        self.run_id = uuid.uuid4().hex
+        self.max_bytes = settings.max_message_mib * MIB
+        self._welcome = codec.encode({"config": client_config, "heartbeat": settings.heartbeat})
+        self._clients = client_config["clients"]  # K, or "all" (known once the dataset is read)
+        self._sessions: dict[int, Session] = {}
+        self._joined: set[int] = set()  # ids that connected at least once
+        self._expected: set[int] | None = None
+        self._changed = threading.Condition()
+        self._seq = itertools.count(1)
+        self._wire_lock = threading.Lock()
+        self.ledger: Ledger | None = None
+        self._unaccounted_wire = 0
+        self._server: grpc.Server | None = None
+        self._join_deadline = 0.0
+        self._closing = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> None:
+        ca, cert, key = read_pair(self.settings.certs, SERVER)
+        credentials = grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True)
+        handler = grpc.method_handlers_generic_handler(
+            protocol.METHOD.split("/")[1],
+            {
+                protocol.METHOD.split("/")[2]: grpc.stream_stream_rpc_method_handler(
+                    self._connect, request_deserializer=self._parse, response_serializer=self._serialize
+                )
+            },
+        )
+        grpc_limit = min(2 * self.max_bytes, 2**31 - 1)  # up to 2x: refused by _parse, with the reason
+        options = [*protocol.grpc_options(grpc_limit), ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
+        clients = self._clients
+        workers = ThreadPoolExecutor(max_workers=16 + (clients if isinstance(clients, int) else 4096))  # one per stream
+        self._server = grpc.server(workers, handlers=[handler], options=options)
+        try:
+            port = self._server.add_secure_port(self.settings.listen, credentials)
+        except RuntimeError:
+            port = 0
+        if port == 0:
+            raise UserError(f"cannot listen on listen={self.settings.listen!r}: not HOST:PORT, or the port is taken")
+        self._server.start()
+        self._join_deadline = time.monotonic() + self.settings.join_timeout
+        log(f"listening on {self.settings.listen} (mutual TLS, run {self.run_id})")
+
+    def expect(self, client_id: int, ledger: Ledger) -> None:
+        """Client `client_id` belongs to the run (the transport says so as it is built)."""
+        with self._changed:
+            self._expected = (self._expected or set()) | {client_id}
+            self.ledger = ledger
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        """The run is over (or failed): BYE to every client, then stop."""
+        with self._changed:
+            self._closing = True
+            sessions = list(self._sessions.values())
+            self._changed.notify_all()
+        for session in sessions:
+            session.outgoing.put(protocol.envelope(protocol.BYE, self.run_id))
+            session.close("the run is over")
+        if self._server is not None:
+            self._server.stop(grace=5).wait()
+
+    # --- wire accounting -------------------------------------------------------------------------
+    def _count_wire(self, nbytes: int) -> None:
+        with self._wire_lock:
+            if self.ledger is None:
+                self._unaccounted_wire += nbytes
+            else:
+                self.ledger.wire_bytes += nbytes + self._unaccounted_wire
+                self._unaccounted_wire = 0
+
+    def _serialize(self, message: Any) -> bytes:
+        data = message.SerializeToString()
+        self._count_wire(len(data))
+        return data
+
+    def _parse(self, data: bytes) -> Any:
+        """The envelope in `data`, or an INVALID one saying why not (a raised error would end the
+        stream without a reason; gRPC itself refuses what is over twice the limit)."""
+        self._count_wire(len(data))
+        if len(data) > self.max_bytes:
+            why = f"a message of {len(data)} bytes, over max_message_mib={self.settings.max_message_mib}"
+            return protocol.envelope(protocol.INVALID, error=why)
+        try:
+            return protocol.Envelope.FromString(data)
+        except DecodeError:
+            return protocol.envelope(protocol.INVALID, error=f"{len(data)} bytes that are not a protobuf Envelope")
+
+    # --- a client's stream ---------------------------------------------------------------------
+    def _connect(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        peer = context.peer()
+        names = context.auth_context().get("x509_common_name", [])
+        common_name = names[0].decode() if names else None
+        try:
+            hello = next(requests)
+        except Exception as error:  # the stream broke before HELLO (far too large, or gone)
+            log(f"refused {peer}: its stream broke before HELLO ({_first_line(error)})")
+            return
+        try:
+            session = self._admit(hello, common_name, peer)
+        except Refused as refusal:
+            log(f"refused {peer}: {refusal}")
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(refusal))
+        log(f"client {session.client_id} connected from {peer}")
+        threading.Thread(target=self._read, args=(session, requests), daemon=True).start()
+        yield protocol.envelope(protocol.WELCOME, self.run_id, payload=self._welcome)
+        try:
+            while (message := session.outgoing.get()) is not None:
+                yield message
+        finally:
+            self._leave(session, "its stream ended")
+
+    def _admit(self, hello: Any, common_name: str | None, peer: str) -> Session:
+        if hello.kind == protocol.INVALID:
+            raise Refused(hello.error)
+        if hello.kind != protocol.HELLO:
+            raise Refused(f"expected HELLO, got message kind {hello.kind}")
+        if hello.version != protocol.PROTOCOL_VERSION:
+            raise Refused(f"protocol version {hello.version}; this server speaks {protocol.PROTOCOL_VERSION}")
+        client_id = hello.client_id
+        with self._changed:
+            ready = lambda: self._expected is not None or self._closing
+            self._changed.wait_for(ready, timeout=self.settings.join_timeout)
+            if self._closing:
+                raise Refused("the server is shutting down")
+            expected = self._expected or set()
+            if client_id not in expected:
+                raise Refused(f"client_id={client_id} is not a client of this run (0 to {len(expected) - 1})")
+            if common_name != client_name(client_id):
+                raise Refused(f"client_id={client_id}, but its certificate is {common_name!r}'s")
+            current = self._sessions.get(client_id)
+            if current is not None and current.alive:
+                raise Refused(f"client {client_id} is already connected (from {current.peer})")
+            session = Session(client_id, peer)
+            self._sessions[client_id] = session
+            self._joined.add(client_id)
+            self._changed.notify_all()
+        return session
+
+    def _read(self, session: Session, requests: Iterator[Any]) -> None:
+        """Replies and heartbeats from the client, until its stream ends."""
+        try:
+            for message in requests:
+                session.last_seen = time.monotonic()
+                if message.kind == protocol.INVALID:
+                    self.drop(session, message.error)
+                elif message.version != protocol.PROTOCOL_VERSION or message.run_id != self.run_id:
+                    self.drop(session, f"message of protocol {message.version}, run {message.run_id!r}")
+                elif message.kind in (protocol.RESULT, protocol.ERROR) and message.seq == session.awaited:
+                    session.replies.put(message)
+                elif message.kind in (protocol.RESULT, protocol.ERROR):
+                    self.drop(session, f"a reply to call {message.seq}, which is not the call waiting")
+                elif message.kind != protocol.HEARTBEAT:
+                    self.drop(session, f"unexpected message kind {message.kind}")
+        except Exception as error:  # too large, not protobuf, connection lost
+            self.drop(session, f"its stream failed ({_first_line(error)})")
+        self._leave(session, "it disconnected")
+
+    def _leave(self, session: Session, reason: str) -> None:
+        if session.close(reason):
+            log(f"client {session.client_id} left: {reason}")
+        with self._changed:
+            if self._sessions.get(session.client_id) is session:
+                del self._sessions[session.client_id]
+            self._changed.notify_all()
+
+    def drop(self, session: Session, reason: str) -> None:
+        if session.close(reason):
+            log(f"dropped client {session.client_id}: {reason}")
+
+    # --- calls ---------------------------------------------------------------------------------
+    def session(self, client_id: int) -> Session:
+        """The client's live session, waiting for it to connect (join_timeout the first time,
+        rejoin_wait after); ClientDropped if it does not."""
+        wait = self.settings.rejoin_wait
+        if client_id not in self._joined:  # every client has until join_timeout after the start
+            wait = max(wait, self._join_deadline - time.monotonic())
+        with self._changed:
+            self._changed.wait_for(lambda: self._live(client_id), timeout=wait)
+            session = self._sessions.get(client_id)
+        if session is None or not session.alive:
+            log(f"client {client_id} is not connected (waited {wait:.3g} s): left out of this round")
+            raise ClientDropped(client_id, "not connected")
+        return session
+
+    def _live(self, client_id: int) -> bool:
+        session = self._sessions.get(client_id)
+        return session is not None and session.alive
+
+    def call(self, client_id: int, verb: str, payload: bytes) -> bytes:
+        """Send a CALL and wait for its RESULT; ClientDropped if the client errs, leaves or is late."""
+        session = self.session(client_id)
+        seq = next(self._seq)
+        session.awaited = seq
+        session.outgoing.put(protocol.envelope(protocol.CALL, self.run_id, seq=seq, verb=verb, payload=payload))
+        settings = self.settings
+        deadline = time.monotonic() + settings.call_timeout
+        while True:
+            try:
+                reply = session.replies.get(timeout=settings.heartbeat)
+            except queue.Empty:
+                now = time.monotonic()
+                if now > deadline:
+                    self.drop(session, f"no reply to {verb} within call_timeout={settings.call_timeout:g} s")
+                elif now - session.last_seen > 3 * settings.heartbeat:
+                    self.drop(session, f"no heartbeat for {now - session.last_seen:.1f} s")
+                continue
+            if reply is None:
+                raise ClientDropped(client_id, session.reason)
+            if reply.seq != seq:  # a second reply to an earlier call
+                self.drop(session, f"a reply to call {reply.seq} while call {seq} ({verb}) was waiting")
+            elif reply.kind == protocol.ERROR:
+                self.drop(session, f"its {verb} failed: {reply.error}")
+            else:
+                return bytes(reply.payload)
+
+    def refuse(self, client_id: int, verb: str, reason: str) -> None:
+        """A result failed its checks: the client is dropped."""
+        session = self._sessions.get(client_id)
+        log(f"refused the result of {verb} from client {client_id}: {reason}")
+        if session is not None:
+            session.close(f"its {verb} result was refused")
+
+
+def _first_line(error: BaseException) -> str:
+    code = getattr(error, "code", None)
+    if callable(code) and code() is not None:
+        return f"{code()}: {error.details()}"[:300]  # type: ignore[attr-defined]
+    return f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
+
+
+class RemoteProxy(Proxy):
+    """A client node in another process, as the algorithm sees it: its verbs, nothing else."""
+
+    def __init__(self, transport: NetworkTransport, client_id: int, role_class: type) -> None:
+        super().__init__(transport, None, counted=True)
+        self._client_id, self._role_class = client_id, role_class
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        spec = getattr(getattr(self._role_class, name, None), "__verb__", None)
+        if spec is None:
+            raise AttributeError(
+                f"{self._role_class.__name__}.{name} is not a verb; roles are reached only through their verbs"
+            )
+        transport: NetworkTransport = self._transport  # type: ignore[assignment]
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return transport.remote_call(self._client_id, name, spec, *args, **kwargs)
+
+        setattr(self, name, call)
+        return call
+
+
+class NetworkTransport(Transport):
+    """Calls to client nodes go over the network; the training and sync servers are in this process."""
+
+    name = "network"
+    remote = True
+
+    def __init__(self, ledger: Ledger, device: torch.device, hub: Hub) -> None:
+        super().__init__(ledger, device)
+        self.hub = hub
+        self.min_clients = hub.settings.min_clients
+        self.checks: Checks | None = None
+
+    def connect_remote(self, client_id: int, role_class: type, blueprint: Blueprint) -> Proxy:
+        self.checks = self.checks or Checks(blueprint)
+        self.hub.expect(client_id, self.ledger)
+        return RemoteProxy(self, client_id, role_class)
+
+    def remote_call(self, client_id: int, verb: str, spec: VerbSpec, *args: Any, **kwargs: Any) -> Any:
+        self._count(spec.down, args, (args, kwargs))
+        request = codec.encode({"args": list(args), "kwargs": kwargs})
+        reply = self.hub.call(client_id, verb, request)
+        self.ledger.envelope_bytes += len(request) + len(reply)
+        try:
+            result = codec.decode(reply, self.device)
+            assert self.checks is not None
+            self.checks.result(verb, spec, args, result)
+        except (codec.MessageError, Refused) as refusal:
+            self.hub.refuse(client_id, verb, str(refusal))
+            raise ClientDropped(client_id, f"refused its {verb} result") from None
+        self._count(spec.up, args, result)
+        return result
+
+
+def client_config(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """What a client needs of the run's config to build its node: everything but how the server runs."""
+    return {k: v for k, v in resolve_config(raw).as_dict().items() if k not in RUN_CONTROL_KEYS}
+
+
+def serve(raw: Mapping[str, Any], settings: ServerSettings, progress: bool = True) -> dict[str, Any]:
+    """Run the experiment `raw` configures with its clients connecting over the network."""
+    from splitlab import engine
+
+    raw = {"checkpoint_every": 0, **raw}  # a networked server checkpoints every round unless told otherwise
+    hub = Hub(settings, client_config(raw))
+    hub.start()
+    try:
+        return engine.run(
+            raw, progress=progress, transport=lambda ledger, device: NetworkTransport(ledger, device, hub)
+        )
+    finally:
+        hub.close()

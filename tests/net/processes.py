@@ -1,0 +1,111 @@
+"""Processes of a networked run for the tests: a server, clients, and a client misbehaving by hand."""
+
+from __future__ import annotations
+
+import os
+import queue
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from splitlab import codec
+from splitlab.net import protocol
+from splitlab.net.launch import _free_port
+
+SPLITLAB = [sys.executable, "-m", "splitlab"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+class Server:
+    """`splitlab server` in a subprocess, its log in a file."""
+
+    def __init__(self, tmp: Path, config: dict, address: str | None = None, **keys: Any) -> None:
+        self.address = address or f"127.0.0.1:{_free_port()}"
+        self.certs, self.log = tmp / "certs", tmp / f"server-{self.address.rsplit(':')[1]}-{time.time_ns()}.log"
+        items = {**config, **keys, "listen": self.address, "certs": self.certs}
+        self.process = subprocess.Popen(
+            [*SPLITLAB, "server", *(f"{k}={v}" for k, v in items.items()), "--no-progress"],
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("w"),
+        )
+        self.wait_for_log("listening on")
+
+    def lines(self) -> list[str]:
+        return self.log.read_text().splitlines()
+
+    def wait_for_log(self, text: str, count: int = 1) -> None:
+        while sum(text in line for line in self.lines()) < count:
+            assert self.process.poll() is None, self.log.read_text()
+            time.sleep(0.1)
+
+    def client(self, client_id: int) -> subprocess.Popen:
+        return subprocess.Popen(
+            [*SPLITLAB, "client", f"connect={self.address}", f"client_id={client_id}", f"certs={self.certs}"],
+            env=ENV,
+            stderr=subprocess.DEVNULL,
+        )
+
+
+def credentials(certs: Path, name: str | None, own: Path | None = None) -> grpc.ChannelCredentials:
+    """Trusting the CA in `certs`, presenting `name`'s certificate (from `own`, default `certs`) or none."""
+    ca = (certs / "ca.pem").read_bytes()
+    if name is None:
+        return grpc.ssl_channel_credentials(root_certificates=ca)
+    own = own or certs
+    key, cert = (own / f"{name}.key").read_bytes(), (own / f"{name}.pem").read_bytes()
+    return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+
+
+class Rogue:
+    """A client speaking the protocol by hand: HELLO, then `answer(verb) -> result` to every CALL."""
+
+    def __init__(
+        self, address: str, creds: grpc.ChannelCredentials, client_id: int, hello_payload: bytes = b""
+    ) -> None:
+        self.channel = grpc.secure_channel(address, creds)
+        self.outgoing: queue.Queue = queue.Queue()
+        self.outgoing.put(protocol.envelope(protocol.HELLO, client_id=client_id, payload=hello_payload))
+        connect = self.channel.stream_stream(
+            protocol.METHOD,
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=protocol.Envelope.FromString,
+        )
+        self.replies = connect(self._requests())
+
+    def _requests(self) -> Iterator[Any]:
+        while (message := self.outgoing.get()) is not None:
+            yield message
+
+    def first_reply(self) -> Any:
+        """The server's first message (WELCOME), or the RpcError that refused this client."""
+        try:
+            return next(self.replies)
+        except grpc.RpcError as error:
+            return error
+        finally:
+            pass
+
+    def serve(self, answer: Callable[[str], bytes]) -> None:
+        """Answer calls until the server ends the stream."""
+        try:
+            for message in self.replies:
+                if message.kind == protocol.CALL:
+                    reply = protocol.envelope(
+                        protocol.RESULT, message.run_id, seq=message.seq, payload=answer(message.verb)
+                    )
+                    self.outgoing.put(reply)
+        except grpc.RpcError:
+            pass
+
+    def close(self) -> None:
+        self.outgoing.put(None)
+        self.channel.close()
+
+
+NONE = codec.encode(None)
