@@ -1,9 +1,10 @@
 """Running a sweep's grid (`splitlab.experiments.grid` reads and expands the file).
 
 Every point is expanded and validated before the first run starts. Runs go in parallel worker
-processes (`jobs`), or as Ray tasks over a cluster (`ray`, docs/ray.md); running a sweep again skips runs that have a `summary.json` and resumes the
-others from their checkpoint. A failed run leaves `error.txt` in its directory and its traceback
-in `failures.json`; the others go on, and `SweepFailed` is raised at the end.
+processes (`jobs`), or as Ray tasks over a cluster (`ray`, docs/ray.md); running a sweep again
+skips runs that have a `summary.json` and resumes the others from their checkpoint. A failed run
+leaves `error.txt` in its directory and its traceback in `failures.json`; the others go on, and
+`SweepFailed` is raised at the end.
 """
 
 from __future__ import annotations
