@@ -81,7 +81,7 @@ class Experiment:
     clients: list[ClientInfo]
     algorithm: Algorithm
     partition_report: dict
-    roles: Roles
+    roles: Roles | None  # None: the roles live in other processes (backend=ray)
     blueprint: Blueprint
     transport: Transport
     #: test_split=client: each client's held-out (x, y)
@@ -152,6 +152,31 @@ def _hold_out(indices: list[np.ndarray], fraction: float, seed: int) -> tuple[li
     return train, test
 
 
+def make_blueprint(config: ResolvedConfig, data: Dataset, device: torch.device) -> Blueprint:
+    """The run's blueprint, the same in every process that builds roles for it."""
+    run = config.run
+    return Blueprint(
+        run,
+        config.params,
+        device,
+        data.input_shape,
+        data.num_classes,
+        data.inputs(data.train_x[:1]).dtype,
+        builders=get_algorithm(run.algorithm).models,
+    )
+
+
+def client_nodes(blueprint: Blueprint, data: Dataset, owners: Mapping[int, np.ndarray]) -> list[ClientNode]:
+    """A node per data owner k holding only its samples `owners[k]`, as stored (uint8 images are
+    prepared batch by batch)."""
+    Client = get_algorithm(blueprint.config.algorithm).Client
+    device = blueprint.device
+    return [
+        Client(blueprint, k, data.train_x[idx].to(device), data.train_y[idx].to(device), data.prepare)
+        for k, idx in owners.items()
+    ]
+
+
 def build(raw: Mapping[str, Any]) -> Experiment:
     """Validate the config and build data, roles, transport and algorithm; UserError on bad input."""
     config = resolve_config(raw)
@@ -168,31 +193,35 @@ def build(raw: Mapping[str, Any]) -> Experiment:
         client_test = [(data.inputs(data.train_x[idx].to(device)), data.train_y[idx].to(device)) for idx in held]
     report = partition_report(data.train_y.numpy(), indices, data.num_classes)
     algorithm_class = get_algorithm(run.algorithm)
-    blueprint = Blueprint(
-        run,
-        config.params,
-        device,
-        data.input_shape,
-        data.num_classes,
-        data.inputs(data.train_x[:1]).dtype,
-        builders=algorithm_class.models,
-    )
+    blueprint = make_blueprint(config, data, device)
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
-    # Each node holds only its own samples, as stored (uint8 images are prepared batch by batch).
-    nodes = [
-        algorithm_class.Client(blueprint, k, data.train_x[idx].to(device), data.train_y[idx].to(device), data.prepare)
-        for k, idx in enumerate(algorithm_class.data_owners(indices))
-    ]
-    roles = Roles(nodes, algorithm_class.Server(blueprint), algorithm_class.Sync(blueprint))
-    transport = TRANSPORTS[run.transport](Ledger(run.ledger), device)
-    clients = [ClientInfo(node.id, node.num_samples) for node in nodes]
+    owners = dict(enumerate(algorithm_class.data_owners(indices)))
+    ledger = Ledger(run.ledger)
+    roles: Roles | None
+    transport: Transport
+    client_roles: Mapping[int, object]  # the roles, or stand-ins for roles in other processes
+    server: object
+    if run.backend == "ray":  # clients and training server in Ray actors (splitlab.ray_backend)
+        from splitlab import ray_backend
+
+        roles, transport = None, ray_backend.RayTransport(ledger, device)
+        client_roles, server = ray_backend.start_roles(config, owners, transport)
+        sync = algorithm_class.Sync(blueprint)
+        clients = [ClientInfo(k, len(idx)) for k, idx in owners.items()]
+    else:
+        roles = Roles(
+            client_nodes(blueprint, data, owners), algorithm_class.Server(blueprint), algorithm_class.Sync(blueprint)
+        )
+        transport = TRANSPORTS[run.transport](ledger, device)
+        client_roles, server, sync = {node.id: node for node in roles.clients}, roles.server, roles.sync
+        clients = [ClientInfo(node.id, node.num_samples) for node in roles.clients]
     context = Context(
         run,
         config.params,
         clients,
-        {node.id: transport.connect(node, counted=True) for node in nodes},
-        transport.connect(roles.server, counted=False),
-        transport.connect(roles.sync, counted=False),
+        {k: transport.connect(role, counted=True) for k, role in client_roles.items()},
+        transport.connect(server, counted=False),
+        transport.connect(sync, counted=False),
     )
     algorithm = algorithm_class(context)
     test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
@@ -269,6 +298,11 @@ class _RunDirectory:
 def run(config: Mapping[str, Any], *, resume: bool | None = None, progress: bool = True) -> dict[str, Any]:
     """Run (or resume) one experiment; returns the summary that is also written to summary.json."""
     experiment = build(config)
+    with contextlib.closing(experiment.transport):
+        return _run(experiment, resume, progress)
+
+
+def _run(experiment: Experiment, resume: bool | None, progress: bool) -> dict[str, Any]:
     run_config = experiment.config.run
     resume = run_config.resume if resume is None else resume
     directory = _RunDirectory(experiment)

@@ -382,7 +382,8 @@ def _finetuned(experiment: Experiment, states: list[State], train: TrainingSet, 
     client's own samples in its own batch order (its node's, or, where the run's nodes are not the
     partition's clients, as centralized, a node holding that client's samples)."""
     blueprint, cfg = experiment.blueprint, experiment.config.run
-    nodes = experiment.roles.clients if len(experiment.roles.clients) == len(train.owned) else None
+    roles = experiment.roles
+    nodes = roles.clients if roles is not None and len(roles.clients) == len(train.owned) else None
     models = []
     for client_id, own in enumerate(train.owned):
         node = (
