@@ -204,7 +204,7 @@ def build(raw: Mapping[str, Any]) -> Experiment:
     if run.backend == "ray":  # clients and training server in Ray actors (splitlab.ray_backend)
         from splitlab import ray_backend
 
-        roles, transport = None, ray_backend.RayTransport(ledger, device)
+        roles, transport = None, ray_backend.RayTransport(ledger, device, run.workers)
         client_roles, server = ray_backend.start_roles(config, owners, transport)
         sync = algorithm_class.Sync(blueprint)
         clients = [ClientInfo(k, len(idx)) for k, idx in owners.items()]
@@ -222,6 +222,7 @@ def build(raw: Mapping[str, Any]) -> Experiment:
         {k: transport.connect(role, counted=True) for k, role in client_roles.items()},
         transport.connect(server, counted=False),
         transport.connect(sync, counted=False),
+        transport.concurrency,
     )
     algorithm = algorithm_class(context)
     test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")

@@ -88,8 +88,9 @@ class RayTransport(SerializedTransport):
 
     name = "ray"
 
-    def __init__(self, ledger: Ledger, device: torch.device) -> None:
+    def __init__(self, ledger: Ledger, device: torch.device, workers: int) -> None:
         super().__init__(ledger, device)
+        self.concurrency = workers  # clients on different actors train at once
         self._lock = threading.Lock()  # the ledger's counts, when clients run concurrently
         self.hosts: list[Any] = []  # the actors, stopped by close()
 

@@ -74,6 +74,8 @@ class Transport:
     """Delivers verb calls to roles and counts, in the ledger, the tensors that reach or leave a client."""
 
     name = "direct"
+    #: how many clients may train at once (algorithms.base.Algorithm.for_each_client)
+    concurrency = 1
 
     def __init__(self, ledger: Ledger, device: torch.device) -> None:
         self.ledger, self.device = ledger, device
