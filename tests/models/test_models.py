@@ -62,3 +62,16 @@ def test_cut_outside_the_range_is_a_user_error(cut):
 def test_unknown_model_lists_the_available_ones():
     with pytest.raises(UserError, match="unknown model 'nope'; available: " + ", ".join(model_names())):
         build_model("nope", (1, 8, 8), 10)
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_training_draws_nothing_from_the_global_random_state(name):
+    """A train-mode forward (dropout would draw here) gives the same output whatever torch's global
+    seed: clients computed in other processes (backend=ray), in any order, match an in-process run."""
+    x = torch.randn(2, *SHAPES[name])
+    outputs = []
+    for seed in (0, 1):
+        model = build_model(name, SHAPES[name], 10, seed=1).train()
+        torch.manual_seed(seed)
+        outputs.append(model(x))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
