@@ -9,7 +9,6 @@ token into the directory and a task pinned to every node reads it back.
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 from types import ModuleType
@@ -28,15 +27,14 @@ def ray_module() -> ModuleType:
     return ray
 
 
-def connect(address: str | None) -> ModuleType:
-    """Ray, connected to `address` ("auto": the cluster this machine is part of, or a new local
-    one; "ray://host:port" or "host:port": that cluster), unless this process is already connected."""
+def connect(address: str) -> ModuleType:
+    """Ray, connected to `address` unless this process already is: "auto" is the cluster RAY_ADDRESS
+    names, else the one `ray start` started on this machine, else a new local Ray;
+    "ray://host:port" or "host:port" is that cluster."""
     ray = ray_module()
     if not ray.is_initialized():
         try:
-            if address == "auto" and "RAY_ADDRESS" not in os.environ:
-                address = None  # a local Ray when no cluster is running here
-            ray.init(address=address, include_dashboard=False, log_to_driver=False)
+            ray.init(address=None if address == "auto" else address, include_dashboard=False, log_to_driver=False)
         except ConnectionError as error:
             raise UserError(f"cannot connect to Ray at {address!r}: {str(error).splitlines()[0]}") from None
     return ray

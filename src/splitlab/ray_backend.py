@@ -12,6 +12,7 @@ client ids and verb names), between processes of a cluster the user started and 
 from __future__ import annotations
 
 import json
+import resource
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -50,6 +51,10 @@ class RoleHost:
         else:
             indices = {int(k): idx.numpy() for k, idx in codec.decode(owners).items()}
             self.roles = {node.id: node for node in engine.client_nodes(blueprint, data, indices)}
+
+    def peak_memory_mib(self) -> float:
+        """This actor's peak resident set size (benchmarks/ray_clients.py)."""
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
     def call(self, key: int | str, name: str, request: bytes) -> bytes:
         """Role `key`'s verb `name` on the decoded request; the result encoded. Only verbs are called."""

@@ -222,18 +222,17 @@ def run_sweep(
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise UserError(f"--jobs must be an integer >= 1, got {jobs!r}")
-    on_ray = None
-    if ray is not None:
-        on_ray = cluster.resources(cpus_per_run, gpus_per_run)
-        out = Path(out if out is not None else Path("runs") / load_sweep(path)[1]).absolute()
+    on_ray = None if ray is None else cluster.resources(cpus_per_run, gpus_per_run)
     spec, stem = load_sweep(path)
     where = stem if isinstance(path, Mapping) else str(path)
     sweep_dir = Path(out) if out is not None else Path("runs") / stem
+    if ray is not None:
+        sweep_dir = sweep_dir.absolute()  # the runs' `out`, the same path on every node
     runs = expand_points(spec, where, sweep_dir)
     _check_existing(runs, sweep_dir)
 
     with rundir.locked(sweep_dir):  # a second sweep into the same directory is refused, naming the holder
-        if on_ray is not None:
+        if ray is not None:
             cluster.connect(ray)
             cluster.check_shared_storage(sweep_dir)
         return _run_points(spec, where, sweep_dir, runs, jobs, progress, on_ray)

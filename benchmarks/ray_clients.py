@@ -1,0 +1,105 @@
+"""backend=ray against in-process: seconds per round, and each worker actor's peak memory in K.
+
+Speed: FedAvg and SFL-V1 on Fashion-MNIST with the CNN (cut 1), K=100 clients, 20 per round,
+in process and on a local Ray with `--workers` client actors (plus the training server's), side by
+side in one run; only the rounds are timed (not building the roles or starting the actors), and
+the final weights are checked to be bit-identical. Memory: the peak resident set size of every
+worker actor after one round with K=10 and with K=1000 clients on the same samples (each actor
+holds its clients' samples and one working copy per client training at once, so it should be
+flat in K).
+
+    .venv/bin/python benchmarks/ray_clients.py [--rounds 3] [--workers 2] [--samples 20000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import ray
+import torch
+
+from splitlab.engine import Experiment, build
+
+
+def config(algorithm: str, clients: int, args: argparse.Namespace, **overrides) -> dict:
+    return dict(
+        algorithm=algorithm,
+        dataset="fashion_mnist",
+        model="cnn",
+        cut=1,
+        clients=clients,
+        participation=20 / clients if clients >= 20 else 1.0,
+        train_subset=args.samples,
+        batch_size=64,
+        device="cpu",
+        seed=0,
+        **overrides,
+    )
+
+
+def timed_rounds(experiment: Experiment, rounds: int) -> float:
+    """Seconds per round, as the engine samples clients (rounds 0..rounds-1)."""
+    from splitlab.engine import STREAM_SAMPLING, random_stream, sample_clients
+
+    cfg = experiment.config.run
+    started = time.perf_counter()
+    for rnd in range(rounds):
+        clients = sample_clients(experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING))
+        experiment.algorithm.run_round(rnd, clients)
+    return (time.perf_counter() - started) / rounds
+
+
+def weights(experiment: Experiment) -> dict[str, torch.Tensor]:
+    return {name: t for state in experiment.algorithm.global_model() or [] for name, t in state.items()}
+
+
+def speed(args: argparse.Namespace) -> None:
+    print(f"K=100, 20 clients per round, {args.samples} samples, cnn cut 1, {args.rounds} rounds timed")
+    print(f"{'algorithm':10} {'in process':>12} {f'ray, {args.workers} workers':>16} {'speedup':>8}  identical")
+    for algorithm in ("fedavg", "sfl_v1"):
+        local = build(config(algorithm, 100, args))
+        local_seconds = timed_rounds(local, args.rounds)
+        remote = build(config(algorithm, 100, args, backend="ray", workers=args.workers))
+        remote.algorithm.client(0).snapshot("client_model")  # wait for the actors to be built
+        remote_seconds = timed_rounds(remote, args.rounds)
+        a, b = weights(local), weights(remote)
+        identical = all(torch.equal(a[k], b[k]) for k in a)
+        remote.transport.close()
+        print(
+            f"{algorithm:10} {local_seconds:10.2f} s {remote_seconds:14.2f} s "
+            f"{local_seconds / remote_seconds:7.2f}x  {identical}"
+        )
+
+
+def memory(args: argparse.Namespace) -> None:
+    print(f"\npeak RSS of each worker actor after one round, {args.samples} samples, fedavg and sfl_v1")
+    for algorithm in ("fedavg", "sfl_v1"):
+        peaks = {}
+        for clients in (10, 1000):
+            experiment = build(config(algorithm, clients, args, backend="ray", workers=args.workers))
+            timed_rounds(experiment, 1)
+            hosts = experiment.transport.hosts[: args.workers]  # the client workers (the server is last)
+            peaks[clients] = ray.get([host.peak_memory_mib.remote() for host in hosts])
+            experiment.transport.close()
+        print(
+            f"{algorithm:10} K=10: {' '.join(f'{m:.0f}' for m in peaks[10])} MiB   "
+            f"K=1000: {' '.join(f'{m:.0f}' for m in peaks[1000])} MiB   "
+            f"ratio {max(peaks[1000]) / max(peaks[10]):.2f}"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=20000)
+    args = parser.parse_args()
+    ray.init(num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False)
+    speed(args)
+    memory(args)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
