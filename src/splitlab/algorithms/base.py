@@ -10,6 +10,7 @@ evaluation, checkpoints and logging are the engine's.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import queue
 import threading
 import typing
 from collections.abc import Callable, Iterator
@@ -212,6 +213,38 @@ class Algorithm(Generic[ParamsT]):
                 fold(client, alpha)
                 if i + ahead < len(clients):
                     started.append(pool.submit(self._train_tracked, train, clients[i + ahead]))
+
+    def interleaved_steps(
+        self, rnd: int, clients: list[ClientInfo], step: Callable[[ClientInfo, int], State]
+    ) -> Iterator[tuple[ClientInfo, State]]:
+        """`step(client, i)` for every local step i of every client, whose steps depend on nothing
+        the server sends back; the results come in SplitFed-v2's interleaved order (`ctx.interleaved`).
+
+        In process each step is taken when its turn comes. Where clients run at once (backend=ray),
+        each client takes its steps one after another in a thread, ahead of the order, and its
+        results wait in the driver for their turn: what the server does with them, and in which
+        order, is the same."""
+        if self.ctx.concurrency <= 1:
+            for k, i in self.ctx.interleaved(rnd, clients):
+                yield clients[k], step(clients[k], i)
+            return
+        results: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in clients]
+
+        def take_steps(k: int) -> None:
+            try:
+                for i in range(self.ctx.local_steps(clients[k])):
+                    results[k].put(step(clients[k], i))
+            except BaseException as error:  # raised in the driver's thread when its turn comes
+                results[k].put(error)
+
+        with cf.ThreadPoolExecutor(self.ctx.concurrency) as pool:
+            for k in range(len(clients)):
+                pool.submit(take_steps, k)
+            for k, _ in self.ctx.interleaved(rnd, clients):
+                result = results[k].get()
+                if isinstance(result, BaseException):
+                    raise result
+                yield clients[k], result
 
     def _train_tracked(self, train: Callable[[ClientInfo], None], client: ClientInfo) -> list[torch.Tensor]:
         """`train(client)` in a worker thread; the losses it tracked, in order."""
