@@ -8,7 +8,7 @@ worker actor after one round with K=10 and with K=1000 clients on the same sampl
 holds its clients' samples and one working copy per client training at once, so it should be
 flat in K).
 
-    .venv/bin/python benchmarks/ray_clients.py [--rounds 3] [--workers 2] [--samples 20000]
+    .venv/bin/python benchmarks/ray_clients.py [--rounds 2] [--workers 2] [--samples 20000]
 """
 
 from __future__ import annotations
@@ -55,20 +55,31 @@ def weights(experiment: Experiment) -> dict[str, torch.Tensor]:
 
 
 def speed(args: argparse.Namespace) -> None:
+    """In process with torch's default threads and with one thread (what each actor uses, and the run
+    Ray's is bit-identical to: torch's CPU kernels split some sums by thread count)."""
+    threads = torch.get_num_threads()
     print(f"K=100, 20 clients per round, {args.samples} samples, cnn cut 1, {args.rounds} rounds timed")
-    print(f"{'algorithm':10} {'in process':>12} {f'ray, {args.workers} workers':>16} {'speedup':>8}  identical")
+    print(
+        f"{'algorithm':10} {f'in process, {threads} threads':>24} {'in process, 1 thread':>22} "
+        f"{f'ray, {args.workers} workers':>16} {'speedup':>16}  identical to 1 thread"
+    )
     for algorithm in ("fedavg", "sfl_v1"):
-        local = build(config(algorithm, 100, args))
-        local_seconds = timed_rounds(local, args.rounds)
+        seconds, results = {}, {}
+        for n in (threads, 1):
+            torch.set_num_threads(n)
+            local = build(config(algorithm, 100, args))
+            seconds[n] = timed_rounds(local, args.rounds)
+            results[n] = weights(local)
+        torch.set_num_threads(threads)
         remote = build(config(algorithm, 100, args, backend="ray", workers=args.workers))
         remote.algorithm.client(0).snapshot("client_model")  # wait for the actors to be built
-        remote_seconds = timed_rounds(remote, args.rounds)
-        a, b = weights(local), weights(remote)
-        identical = all(torch.equal(a[k], b[k]) for k in a)
+        ray_seconds = timed_rounds(remote, args.rounds)
+        a, b = results[1], weights(remote)
         remote.transport.close()
         print(
-            f"{algorithm:10} {local_seconds:10.2f} s {remote_seconds:14.2f} s "
-            f"{local_seconds / remote_seconds:7.2f}x  {identical}"
+            f"{algorithm:10} {seconds[threads]:22.2f} s {seconds[1]:20.2f} s {ray_seconds:14.2f} s "
+            f"{seconds[threads] / ray_seconds:6.2f}x / {seconds[1] / ray_seconds:4.2f}x  "
+            f"{all(torch.equal(a[k], b[k]) for k in a)}"
         )
 
 
@@ -91,7 +102,7 @@ def memory(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--samples", type=int, default=20000)
     args = parser.parse_args()
