@@ -3,7 +3,8 @@
 Speed: FedAvg and SFL-V1 on Fashion-MNIST with the CNN (cut 1), K=100 clients, 20 per round,
 in process and on a local Ray with `--workers` client actors (plus the training server's), side by
 side in one run; only the rounds are timed (not building the roles or starting the actors), and
-the final weights are checked to be bit-identical. Memory: the peak resident set size of every
+the final weights are checked to be bit-identical to the in-process run with one torch thread
+(as each actor has). Memory: the peak resident set size of every
 worker actor after one round with K=10 and with K=1000 clients on the same samples (each actor
 holds its clients' samples and one working copy per client training at once, so it should be
 flat in K).

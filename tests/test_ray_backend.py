@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 
 from helpers import crash_before_round, quick
 from splitlab.engine import run
@@ -18,9 +19,14 @@ TIMING = ("wall_seconds", "round_compute_seconds", "envelope_bytes")
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)  # 2 client workers + the server
+    """Ray with 2 client workers + the server; the in-process runs with one torch thread, as each
+    actor computes (torch's CPU kernels may split sums differently with more threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ray.init(num_cpus=3, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+    torch.set_num_threads(threads)
 
 
 def results(out: Path) -> tuple[list[dict], bytes]:
