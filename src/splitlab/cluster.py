@@ -99,3 +99,15 @@ def resources(cpus: Any, gpus: Any) -> dict[str, float]:
     if isinstance(gpus, bool) or not isinstance(gpus, (int, float)) or gpus < 0:
         raise UserError(f"--gpus-per-run must be a number >= 0, got {gpus!r}")
     return {"num_cpus": cpus, "num_gpus": float(gpus)}
+
+
+def check_fits(resources: dict[str, float]) -> None:
+    """UserError unless some alive Ray node has the CPUs and GPUs of one run (else Ray waits for ever)."""
+    cpus, gpus = resources["num_cpus"], resources["num_gpus"]
+    nodes = [node["Resources"] for node in ray_module().nodes() if node["Alive"]]
+    if not any(node.get("CPU", 0) >= cpus and node.get("GPU", 0) >= gpus for node in nodes):
+        raise UserError(
+            f"--cpus-per-run {cpus:g} --gpus-per-run {gpus:g} fits no Ray node (the largest has "
+            f"{max((n.get('CPU', 0) for n in nodes), default=0):g} CPUs and "
+            f"{max((n.get('GPU', 0) for n in nodes), default=0):g} GPUs)"
+        )

@@ -16,7 +16,7 @@ from test_sweep import BASE, numbers, write_sweep
 from splitlab import cluster
 from splitlab.engine import CHECKPOINT
 from splitlab.errors import UserError
-from splitlab.experiments import run_sweep, write_report
+from splitlab.experiments import run_sweep, sweep, write_report
 
 SPEC = {"base": {**BASE, "rounds": 8}, "axes": {"algorithm": ["sfl_v1", "sfl_v2"], "seed": [0, 1]}}
 
@@ -30,9 +30,13 @@ def local_ray():
 
 @pytest.fixture(scope="module")
 def jobs_reference(tmp_path_factory) -> tuple[Path, Path]:
+    """The sweep with --jobs 2, each run with one torch thread as the Ray tasks (--cpus-per-run 1),
+    on any machine: torch's CPU kernels may split sums differently with more threads."""
     tmp = tmp_path_factory.mktemp("ray_sweep")
     path = write_sweep(tmp, SPEC)
-    out = run_sweep(path, out=tmp / "jobs", jobs=2, progress=False)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sweep, "available_cpus", lambda: 2)
+        out = run_sweep(path, out=tmp / "jobs", jobs=2, progress=False)
     write_report(out)
     return path, out
 
@@ -86,6 +90,13 @@ def test_storage_a_node_does_not_see_is_refused(local_ray, tmp_path: Path, monke
     with pytest.raises(UserError, match=r"not on storage every Ray node shares \(Ray node\(s\) 10\.0\.0\.7"):
         run_sweep(path, out=tmp_path / "out", ray="auto", progress=False)
     assert not list((tmp_path / "out").glob("*=*"))
+
+
+def test_a_run_bigger_than_every_node_is_refused(local_ray, tmp_path: Path):
+    """Ray would wait for ever for a node with 3 CPUs; the sweep says so in one line instead."""
+    path = write_sweep(tmp_path, SPEC)
+    with pytest.raises(UserError, match=r"--cpus-per-run 3 --gpus-per-run 0 fits no Ray node \(the largest has 2 CPUs"):
+        run_sweep(path, out=tmp_path / "o", ray="auto", cpus_per_run=3)
 
 
 def test_bad_resources_are_refused(tmp_path: Path):

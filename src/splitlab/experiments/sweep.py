@@ -232,8 +232,9 @@ def run_sweep(
     _check_existing(runs, sweep_dir)
 
     with rundir.locked(sweep_dir):  # a second sweep into the same directory is refused, naming the holder
-        if ray is not None:
+        if ray is not None and on_ray is not None:
             cluster.connect(ray)
+            cluster.check_fits(on_ray)
             cluster.check_shared_storage(sweep_dir)
         return _run_points(spec, where, sweep_dir, runs, jobs, progress, on_ray)
 
