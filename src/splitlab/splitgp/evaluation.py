@@ -282,7 +282,7 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
     stored = rundir.stored_config(path, "evaluate", "point evaluate at the directory of a finished run")
-    experiment = build({**stored, "device": device, "out": str(path)})
+    experiment = build({**stored, "device": device, "out": str(path), "backend": "local"})  # in this process
     algorithm = experiment.algorithm
     parts = global_states(experiment)  # every evaluated run has one global model (SplitGP: phi, theta)
     if isinstance(algorithm, SplitGP):
