@@ -101,3 +101,11 @@ def test_listing_commands(capsys):
     for command, expected in [("datasets", "fashion_mnist"), ("models", "resnet18"), ("algorithms", "sfl_v1")]:
         code, stdout, _ = run_cli(capsys, command)
         assert code == 0 and expected in stdout
+
+
+def test_sweep_on_ray_refuses_bad_resources_in_one_line(tmp_path, capsys):
+    sweep = tmp_path / "s.yaml"
+    sweep.write_text("base: {dataset: synthetic, model: mlp}\naxes: {seed: [0, 1]}\n")
+    code, _, err = run_cli(capsys, "sweep", str(sweep), "--ray", "auto", "--gpus-per-run", "-0.5")
+    assert code == 2 and err.strip() == "error: --gpus-per-run must be a number >= 0, got -0.5"
+    assert not (tmp_path / "runs").exists()

@@ -154,7 +154,15 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from splitlab.experiments.sweep import SweepFailed, run_sweep
 
     try:
-        sweep_dir = run_sweep(args.file, out=args.out, jobs=args.jobs, progress=not args.no_progress)
+        sweep_dir = run_sweep(
+            args.file,
+            out=args.out,
+            jobs=args.jobs,
+            progress=not args.no_progress,
+            ray=args.ray,
+            cpus_per_run=args.cpus_per_run,
+            gpus_per_run=args.gpus_per_run,
+        )
     except SweepFailed as failed:
         print(f"error: {failed}", file=sys.stderr)
         return 1
@@ -332,6 +340,15 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("file")
     sweep.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     sweep.add_argument("--out", help="sweep directory (default runs/<file stem>)")
+    sweep.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        help="run every grid point as a Ray task: auto (local Ray or this cluster) or an address",
+    )
+    sweep.add_argument("--cpus-per-run", type=int, default=1, help="with --ray: CPUs (torch threads) per run")
+    sweep.add_argument(
+        "--gpus-per-run", type=float, default=0, help="with --ray: GPUs per run (0.5: two runs share one)"
+    )
     sweep.add_argument("--no-progress", action="store_true")
     sweep.set_defaults(handler=_cmd_sweep)
 

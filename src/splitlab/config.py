@@ -73,6 +73,12 @@ class RunConfig(BaseModel):
         description="how roles exchange messages: direct (in-process, zero-copy) | serialized "
         "(every message encoded to bytes and back, as over a network; same results)",
     )
+    backend: Literal["local", "ray"] = Field(
+        "local",
+        description="where roles live: local (this process) | ray (clients on `workers` Ray actors, the "
+        "training server on its own; every message as bytes; same results; docs/ray.md)",
+    )
+    workers: int = Field(2, ge=1, description="backend=ray: Ray actors holding the client nodes")
     checkpoint_every: float = Field(
         60.0,
         ge=0,
@@ -134,7 +140,17 @@ class NoParams(BaseModel):
 
 
 #: Keys that say how to run, not what to compute: they may differ between a run and its resume.
-RUN_CONTROL_KEYS = ("resume", "overwrite", "device", "out", "logger", "transport", "checkpoint_every")
+RUN_CONTROL_KEYS = (
+    "resume",
+    "overwrite",
+    "device",
+    "out",
+    "logger",
+    "transport",
+    "checkpoint_every",
+    "backend",
+    "workers",
+)
 
 
 @dataclass(frozen=True)

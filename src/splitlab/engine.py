@@ -83,7 +83,7 @@ class Experiment:
     clients: list[ClientInfo]
     algorithm: Algorithm
     partition_report: dict
-    roles: Roles
+    roles: Roles | None  # None: the roles live in other processes (backend=ray)
     blueprint: Blueprint
     transport: Transport
     #: test_split=client: each client's held-out (x, y)
@@ -154,6 +154,32 @@ def _hold_out(indices: list[np.ndarray], fraction: float, seed: int) -> tuple[li
     return train, test
 
 
+def make_blueprint(config: ResolvedConfig, data: Dataset, device: torch.device) -> Blueprint:
+    """The run's blueprint, the same in every process that builds roles for it."""
+    run = config.run
+    return Blueprint(
+        run,
+        config.params,
+        device,
+        data.input_shape,
+        data.num_classes,
+        data.inputs(data.train_x[:1]).dtype,
+        builders=get_algorithm(run.algorithm).models,
+        recorder=Recorder(run.record) if run.record else None,
+    )
+
+
+def client_nodes(blueprint: Blueprint, data: Dataset, owners: Mapping[int, np.ndarray]) -> list[ClientNode]:
+    """A node per data owner k holding only its samples `owners[k]`, as stored (uint8 images are
+    prepared batch by batch)."""
+    Client = get_algorithm(blueprint.config.algorithm).Client
+    device = blueprint.device
+    return [
+        Client(blueprint, k, data.train_x[idx].to(device), data.train_y[idx].to(device), data.prepare)
+        for k, idx in owners.items()
+    ]
+
+
 @dataclasses.dataclass
 class _Plan:
     """What the server and every client node derive alike from the config: data, partition, blueprint."""
@@ -167,12 +193,8 @@ class _Plan:
     blueprint: Blueprint
 
     def node(self, client_id: int) -> ClientNode:
-        """Client node `client_id`, holding only its own samples, as stored (uint8 images are
-        prepared batch by batch)."""
-        data, idx, device = self.data, self.owners[client_id], self.blueprint.device
-        return self.algorithm_class.Client(
-            self.blueprint, client_id, data.train_x[idx].to(device), data.train_y[idx].to(device), data.prepare
-        )
+        """Client node `client_id`, holding only its own samples."""
+        return client_nodes(self.blueprint, self.data, {client_id: self.owners[client_id]})[0]
 
 
 def _plan(config: ResolvedConfig) -> _Plan:
@@ -187,16 +209,7 @@ def _plan(config: ResolvedConfig) -> _Plan:
         client_test = [(data.inputs(data.train_x[idx].to(device)), data.train_y[idx].to(device)) for idx in held]
     report = partition_report(data.train_y.numpy(), indices, data.num_classes)
     algorithm_class = get_algorithm(run.algorithm)
-    blueprint = Blueprint(
-        run,
-        config.params,
-        device,
-        data.input_shape,
-        data.num_classes,
-        data.inputs(data.train_x[:1]).dtype,
-        builders=algorithm_class.models,
-        recorder=Recorder(run.record) if run.record else None,
-    )
+    blueprint = make_blueprint(config, data, device)
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
     owners = algorithm_class.data_owners(indices)
     return _Plan(config, data, owners, client_test, report, algorithm_class, blueprint)
@@ -219,29 +232,46 @@ def client_count(raw: Mapping[str, Any]) -> int:
 def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Transport] | None = None) -> Experiment:
     """Validate the config and build data, roles, transport and algorithm; UserError on bad input.
     `transport` makes the transport (default: the config's); one with `remote` clients (a network)
-    reaches client nodes built elsewhere, and none is built here."""
+    reaches client nodes built elsewhere, and none is built here. With backend=ray, client nodes
+    and the training server are built in Ray actors (splitlab.ray_backend)."""
     config = resolve_config(raw)
     run = config.run
     rundir.check_out_dir(config.out_dir)
     check_logger(run.logger)
+    if transport is not None and run.backend == "ray":
+        raise UserError("backend=ray runs clients on Ray actors; a networked server takes backend=local")
     plan = _plan(config)
     data, blueprint, algorithm_class, device = plan.data, plan.blueprint, plan.algorithm_class, plan.blueprint.device
-    transport_ = (transport or TRANSPORTS[run.transport])(Ledger(run.ledger), device)
+    ledger = Ledger(run.ledger)
     clients = [ClientInfo(k, len(idx)) for k, idx in enumerate(plan.owners)]
-    if transport_.remote:
-        nodes: list[ClientNode] = []
-        client_proxies = {c.id: transport_.connect_remote(c.id, algorithm_class.Client, blueprint) for c in clients}
+    roles: Roles | None = None
+    transport_: Transport
+    server: object
+    sync = algorithm_class.Sync(blueprint)
+    if run.backend == "ray":
+        from splitlab import ray_backend
+
+        transport_ = ray_backend.RayTransport(ledger, device, run.workers)
+        client_roles, server = ray_backend.start_roles(config, dict(enumerate(plan.owners)), transport_)
+        client_proxies = {k: transport_.connect(role, counted=True) for k, role in client_roles.items()}
     else:
-        nodes = [plan.node(c.id) for c in clients]
-        client_proxies = {node.id: transport_.connect(node, counted=True) for node in nodes}
-    roles = Roles(nodes, algorithm_class.Server(blueprint), algorithm_class.Sync(blueprint))
+        transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
+        if transport_.remote:
+            nodes: list[ClientNode] = []
+            client_proxies = {c.id: transport_.connect_remote(c.id, algorithm_class.Client, blueprint) for c in clients}
+        else:
+            nodes = [plan.node(c.id) for c in clients]
+            client_proxies = {node.id: transport_.connect(node, counted=True) for node in nodes}
+        roles = Roles(nodes, algorithm_class.Server(blueprint), sync)
+        server = roles.server
     context = Context(
         run,
         config.params,
         clients,
         client_proxies,
-        transport_.connect(roles.server, counted=False),
-        transport_.connect(roles.sync, counted=False),
+        transport_.connect(server, counted=False),
+        transport_.connect(sync, counted=False),
+        transport_.concurrency,
     )
     algorithm = algorithm_class(context)
     test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
@@ -329,6 +359,11 @@ def run(
     """Run (or resume) one experiment; returns the summary that is also written to summary.json.
     `transport`: as for `build` (splitlab.net's server passes its network transport)."""
     experiment = build(config, transport)
+    with contextlib.closing(experiment.transport):
+        return _run(experiment, resume, progress)
+
+
+def _run(experiment: Experiment, resume: bool | None, progress: bool) -> dict[str, Any]:
     run_config = experiment.config.run
     resume = run_config.resume if resume is None else resume
     directory = _RunDirectory(experiment)

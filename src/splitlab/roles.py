@@ -174,6 +174,16 @@ SPLIT_MODELS: dict[str, Callable[[Blueprint], nn.Module]] = {
 }
 
 
+def server_copy(client_id: int) -> str:
+    """The training server's slot for client `client_id`'s working copy of the server part."""
+    return f"server_copy@{client_id}"
+
+
+def pooled(slot: str) -> str:
+    """The slot whose model and pool a working copy uses: `server_copy@3` -> `server_copy`."""
+    return slot.partition("@")[0]
+
+
 def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits, labels)
 
@@ -248,12 +258,20 @@ class Role(Generic[ParamsT]):
         return self.optimizers[slot]
 
     def load_copy(self, slot: str, state: Mapping[str, torch.Tensor]) -> None:
-        """Make `slot` a working copy of `state` (or, a kept slot, hold `state`), with a fresh optimizer."""
+        """Make `slot` a working copy of `state` (or, a kept slot, hold `state`), with a fresh optimizer.
+        `<slot>@<key>` is one of several working copies of `<slot>` alive at once (one per client)."""
         if slot not in self.models and slot not in self.keeps:
-            self.models[slot] = self.blueprint.borrow(slot, lambda: self.blueprint.initial(slot))
+            kind = pooled(slot)
+            self.models[slot] = self.blueprint.borrow(kind, lambda: self.blueprint.initial(kind))
             self.scratch.add(slot)
         self.model(slot).load_state_dict(state)
         self.optimizers.pop(slot, None)
+
+    def return_copy(self, slot: str) -> None:
+        """Give the working copy in `slot` back to the pool now."""
+        self.blueprint.give_back(pooled(slot), self.models.pop(slot))
+        self.optimizers.pop(slot, None)
+        self.scratch.discard(slot)
 
     def step(self, slot: str, backward: Callable[[], None]) -> None:
         """One optimizer step of `slot` on the gradients `backward` computes."""
@@ -265,10 +283,8 @@ class Role(Generic[ParamsT]):
     @verb()
     def end_round(self) -> None:
         """Give the working copies back to the pool."""
-        for slot in self.scratch:
-            self.blueprint.give_back(slot, self.models.pop(slot))
-            self.optimizers.pop(slot, None)
-        self.scratch.clear()
+        for slot in list(self.scratch):
+            self.return_copy(slot)
 
     @verb(up="evaluation")
     def snapshot(self, slot: str) -> State:
@@ -447,15 +463,18 @@ class TrainingServer(Role[ParamsT]):
 
     # --- per-client copies of the server part (SplitFed v1, PSL, SplitGP) ----------------
     @verb()
-    def copy_server(self) -> None:
-        """Start a client's working copy `server_copy` of the server part, with a fresh optimizer."""
-        self.load_copy("server_copy", self.model("server_model").state_dict())
+    def copy_server(self, client_id: int) -> None:
+        """Start client `client_id`'s working copy `server_copy(client_id)` of the server part, with a
+        fresh optimizer (clients training at once each have their own)."""
+        self.load_copy(server_copy(client_id), self.model("server_model").state_dict())
 
     @verb()
-    def fold_copy(self, alpha: float) -> None:
-        """Add the working copy, weighted alpha, to the average of this round's copies."""
+    def fold_copy(self, client_id: int, alpha: float) -> None:
+        """Add the client's working copy, weighted alpha, to the average of this round's copies; the
+        copy goes back to the pool."""
         self._average = self._average or ModelAverage()
-        self._average.add(self.models["server_copy"].state_dict(), alpha)
+        self._average.add(self.models[server_copy(client_id)].state_dict(), alpha)
+        self.return_copy(server_copy(client_id))
 
     @verb()
     def average_copies(self) -> None:

@@ -65,14 +65,16 @@ def verb(down: str | None = None, up: str | None = None) -> Callable[[F], F]:
 class Proxy:
     """A role as the algorithm sees it: its verbs, called through the transport, nothing else."""
 
-    def __init__(self, transport: Transport, role: object, counted: bool) -> None:
+    def __init__(self, transport: Transport, role: object, counted: bool, role_class: type | None = None) -> None:
         self._transport, self._role, self._counted = transport, role, counted
+        #: the role's class, whose verbs the proxy exposes (a role in another process has a stand-in)
+        self._class = role_class or type(role)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        spec = getattr(getattr(type(self._role), name, None), "__verb__", None)
+        spec = getattr(getattr(self._class, name, None), "__verb__", None)
         if spec is None:
             raise AttributeError(
-                f"{type(self._role).__name__}.{name} is not a verb; roles are reached only through their verbs"
+                f"{self._class.__name__}.{name} is not a verb; roles are reached only through their verbs"
             )
         call = functools.partial(self._transport.call, getattr(self._role, name), spec, self._counted)
         setattr(self, name, call)  # looked up once per verb
@@ -87,6 +89,8 @@ class Transport:
     remote: ClassVar[bool] = False
     #: the fewest clients that must finish a round (only a transport whose clients can drop sets it)
     min_clients = 1
+    #: how many clients may train at once (algorithms.base.Algorithm.for_each_client)
+    concurrency = 1
 
     def __init__(self, ledger: Ledger, device: torch.device) -> None:
         self.ledger, self.device = ledger, device
@@ -97,6 +101,9 @@ class Transport:
     def connect_remote(self, client_id: int, role_class: type, blueprint: Any) -> Proxy:
         """A proxy to client `client_id`, a `role_class` node built in another process."""
         raise NotImplementedError(f"the {self.name} transport reaches only roles in this process")
+
+    def close(self) -> None:
+        """Let go of what the transport started (nothing, in process)."""
 
     def call(self, method: Callable[..., Any], spec: VerbSpec, counted: bool, *args: Any, **kwargs: Any) -> Any:
         if counted:

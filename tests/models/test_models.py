@@ -78,3 +78,16 @@ def test_inference_batches_keep_the_largest_activation_within_the_budget(model, 
     blueprint = Blueprint(config, NoParams(), torch.device("cpu"), shape, 10, torch.float32)
     assert blueprint.inference_batch == batch  # the largest power of two within INFERENCE_BUDGET
     assert batch * largest_activation_bytes(build_model(model, shape, 10, seed=0), shape) <= INFERENCE_BUDGET
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+def test_training_draws_nothing_from_the_global_random_state(name):
+    """A train-mode forward (dropout would draw here) gives the same output whatever torch's global
+    seed: clients computed in other processes (backend=ray), in any order, match an in-process run."""
+    x = torch.randn(2, *SHAPES[name])
+    outputs = []
+    for seed in (0, 1):
+        model = build_model(name, SHAPES[name], 10, seed=1).train()
+        torch.manual_seed(seed)
+        outputs.append(model(x))
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)

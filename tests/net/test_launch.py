@@ -17,9 +17,19 @@ def rows(out) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("algorithm", ["sfl_v2", "sfl_v1", "fedavg", "cycle_sfl", "fsl_sage"])
-def test_launch_is_bit_identical_to_run(tmp_path, algorithm):
-    config = quick(algorithm=algorithm, clients=2, train_subset=160, test_subset=100)
+@pytest.mark.parametrize(
+    ("algorithm", "defense"),
+    [
+        ("sfl_v2", "none"),
+        ("sfl_v1", "none"),
+        ("fedavg", "none"),
+        ("cycle_sfl", "none"),
+        ("fsl_sage", "none"),
+        ("sfl_v2", "clip:5+noise:0.1+topk:0.5+quantize:int8"),  # compressed forms pass the server's checks
+    ],
+)
+def test_launch_is_bit_identical_to_run(tmp_path, algorithm, defense):
+    config = quick(algorithm=algorithm, clients=2, train_subset=160, test_subset=100, defense=defense)
     if algorithm == "fsl_sage":
         config["align_interval"] = 1
     run({**config, "out": str(tmp_path / "run")}, progress=False)

@@ -9,6 +9,9 @@ evaluation, checkpoints and logging are the engine's.
 
 from __future__ import annotations
 
+import concurrent.futures as cf
+import queue
+import threading
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -54,6 +57,8 @@ class Context:
     client_proxies: dict[int, Proxy]
     server: Proxy
     sync: Proxy
+    #: how many clients may train at once (the transport's say: 1 in process, `workers` on Ray)
+    concurrency: int = 1
 
     def rng(self, rnd: int, stream: int, *keys: int) -> np.random.Generator:
         return random_stream(self.config.seed, rnd, stream, *keys)
@@ -107,6 +112,7 @@ class Algorithm(Generic[ParamsT]):
         self._loss_count = 0
         #: clients that dropped out of the current round (over a network); the shared steps skip them
         self.dropped: set[int] = set()
+        self._training = threading.local()  # a client's tracked losses while it trains in a thread
 
     @staticmethod
     def data_owners(indices: list[np.ndarray]) -> list[np.ndarray]:
@@ -203,7 +209,83 @@ class Algorithm(Generic[ParamsT]):
             self.contribute(client.id, alpha, (slot,))
         self.sync.average(slot)
 
+    def for_each_client(
+        self,
+        clients: list[ClientInfo],
+        train: Callable[[ClientInfo], None],
+        fold: Callable[[ClientInfo, float], None],
+    ) -> None:
+        """`train(client)` for every client, then `fold(client, alpha_k)` in client order (alpha_k:
+        the FedAvg weights), for clients that are independent within a round.
+
+        In process, clients go one after another (train, fold, next client): one working copy at
+        a time. Where the transport runs clients at once (backend=ray), up to `concurrency` train
+        in parallel threads; a client's fold waits for the folds of the clients before it, and the
+        losses its training tracked are counted then, so every sum is added in the same order:
+        the same results, bit for bit. At most 2 x `concurrency` clients are ahead of the folds,
+        so memory stays flat in K."""
+        alphas = self.ctx.weights(clients)
+        if self.ctx.concurrency <= 1:
+            for client, alpha in zip(clients, alphas):
+                train(client)
+                fold(client, alpha)
+            return
+        ahead = 2 * self.ctx.concurrency
+        with cf.ThreadPoolExecutor(self.ctx.concurrency) as pool:
+            started = [pool.submit(self._train_tracked, train, client) for client in clients[:ahead]]
+            for i, (client, alpha) in enumerate(zip(clients, alphas)):
+                for value in started[i].result():
+                    self.track(value)
+                fold(client, alpha)
+                if i + ahead < len(clients):
+                    started.append(pool.submit(self._train_tracked, train, clients[i + ahead]))
+
+    def interleaved_steps(
+        self, rnd: int, clients: list[ClientInfo], step: Callable[[ClientInfo, int], State]
+    ) -> Iterator[tuple[ClientInfo, State]]:
+        """`step(client, i)` for every local step i of every client, whose steps depend on nothing
+        the server sends back; the results come in SplitFed-v2's interleaved order (`ctx.interleaved`).
+
+        In process each step is taken when its turn comes. Where clients run at once (backend=ray),
+        each client takes its steps one after another in a thread, ahead of the order, and its
+        results wait in the driver for their turn: what the server does with them, and in which
+        order, is the same."""
+        if self.ctx.concurrency <= 1:
+            for k, i in self.ctx.interleaved(rnd, clients):
+                yield clients[k], step(clients[k], i)
+            return
+        results: list[queue.SimpleQueue] = [queue.SimpleQueue() for _ in clients]
+
+        def take_steps(k: int) -> None:
+            try:
+                for i in range(self.ctx.local_steps(clients[k])):
+                    results[k].put(step(clients[k], i))
+            except BaseException as error:  # raised in the driver's thread when its turn comes
+                results[k].put(error)
+
+        with cf.ThreadPoolExecutor(self.ctx.concurrency) as pool:
+            for k in range(len(clients)):
+                pool.submit(take_steps, k)
+            for k, _ in self.ctx.interleaved(rnd, clients):
+                result = results[k].get()
+                if isinstance(result, BaseException):
+                    raise result
+                yield clients[k], result
+
+    def _train_tracked(self, train: Callable[[ClientInfo], None], client: ClientInfo) -> list[torch.Tensor]:
+        """`train(client)` in a worker thread; the losses it tracked, in order."""
+        self._training.losses = []
+        try:
+            train(client)
+            return self._training.losses
+        finally:
+            del self._training.losses
+
     def track(self, loss: torch.Tensor) -> None:
+        losses = getattr(self._training, "losses", None)
+        if losses is not None:  # a client training in a thread: counted in client order by for_each_client
+            losses.append(loss)
+            return
         self._loss_sum = self._loss_sum + loss
         self._loss_count += 1
 

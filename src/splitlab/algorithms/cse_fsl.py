@@ -12,7 +12,8 @@ here; FSL-SAGE's server also keeps what it received). Clients take their local s
 as in SplitFed-v2's default schedule: at each local step the clients with batches left go in a
 fresh random order, which is the server's first-come-first-served order of the FSL-SAGE paper's
 Algorithm 3 (with q = 1 the server sees exactly SFL-V2's sequence of batches). Nothing the
-server does reaches a client within a round, so the order only matters to the server part.
+server does reaches a client within a round, so the order only matters to the server part, and
+clients take their steps in parallel where the backend can (`interleaved_steps`).
 """
 
 from __future__ import annotations
@@ -59,12 +60,14 @@ class AuxiliaryFSL(Algorithm):
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.start_round(clients)
-        for k, step in self.ctx.interleaved(rnd, clients):
-            client_id = clients[k].id
-            sent = self.client(client_id).local_aux_step(step % self.params.server_update_interval == 0)
+        for client, sent in self.interleaved_steps(rnd, clients, self.aux_step):
             if sent:  # smashed data and labels up, one server step; nothing goes back
-                self.track(self.server.learn_from(client_id, sent["smashed"], sent["labels"])["loss"])
+                self.track(self.server.learn_from(client.id, sent["smashed"], sent["labels"])["loss"])
         self.finish_round(rnd, clients)
+
+    def aux_step(self, client: ClientInfo, step: int) -> State:
+        """The client's step on its local loss; its smashed data and labels at every q-th step."""
+        return self.client(client.id).local_aux_step(step % self.params.server_update_interval == 0)
 
     def start_round(self, clients: list[ClientInfo]) -> None:
         raise NotImplementedError

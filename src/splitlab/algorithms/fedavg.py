@@ -8,18 +8,23 @@ from splitlab.roles import State, whole_model
 
 
 class FedAvg(Algorithm[NoParams]):
-    """Clients are processed one after another into a running average, so memory is flat in K."""
+    """Clients train independently (in parallel where the backend can) and are added into a running
+    average in client order, so memory is flat in K."""
 
     name = "fedavg"
     models = {"client_model": whole_model}
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        for client, alpha in zip(clients, self.ctx.weights(clients)):
-            self.download(client.id)
-            for _ in range(self.ctx.local_steps(client)):
-                self.local_step(client.id)
-            self.contribute(client.id, alpha)
+        self.for_each_client(clients, self.local_training, self.contribute_model)
         self.sync.average("client_model")
+
+    def local_training(self, client: ClientInfo) -> None:
+        self.download(client.id)
+        for _ in range(self.ctx.local_steps(client)):
+            self.local_step(client.id)
+
+    def contribute_model(self, client: ClientInfo, alpha: float) -> None:
+        self.contribute(client.id, alpha)
 
     def global_model(self) -> list[State]:
         return [self.sync.model_state("client_model")]

@@ -3,8 +3,8 @@
 Every client keeps its own client part (and its optimizer) for the whole run; there is no sync
 server. The training server pairs each sampled client with a copy of the server part, and at the
 end of the round averages the copies with weights |D_k| (inside the server: no communication).
-Clients are independent within a round, so they are processed one after another into a running
-average. With one client this is SFL-V1 with one client (tested).
+Clients are independent within a round, so they train in parallel where the backend can, and
+their copies are added into a running average in client order. With one client this is SFL-V1 with one client (tested).
 
 `PersonalClients` is the part shared with SGLR and the cycle versions of both: a client's part
 starts from the initial weights the first time it trains (so memory grows with the clients that
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.config import NoParams
-from splitlab.roles import ClientNode, State
+from splitlab.roles import ClientNode, State, server_copy
 
 
 class PersonalClient(ClientNode):
@@ -39,9 +39,13 @@ class PSL(PersonalClients, Algorithm[NoParams]):
     name = "psl"
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        for client, alpha in zip(clients, self.ctx.weights(clients)):
-            self.server.copy_server()
-            for step in range(self.ctx.local_steps(client)):
-                self.split_step(client.id, step, server_slot="server_copy")
-            self.server.fold_copy(alpha)
+        self.for_each_client(clients, self.local_training, self.fold)
         self.server.average_copies()
+
+    def local_training(self, client: ClientInfo) -> None:
+        self.server.copy_server(client.id)
+        for step in range(self.ctx.local_steps(client)):
+            self.split_step(client.id, step, server_slot=server_copy(client.id))
+
+    def fold(self, client: ClientInfo, alpha: float) -> None:
+        self.server.fold_copy(client.id, alpha)

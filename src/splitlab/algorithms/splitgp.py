@@ -36,7 +36,16 @@ from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.metrics import logits_in_batches
 from splitlab.models import output_shape
 from splitlab.privacy import defenses
-from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, ModelAverage, State, TrainingServer, loss
+from splitlab.roles import (
+    SPLIT_MODELS,
+    Blueprint,
+    ClientNode,
+    ModelAverage,
+    State,
+    TrainingServer,
+    loss,
+    server_copy,
+)
 from splitlab.transport import KEYED, verb
 
 
@@ -189,23 +198,27 @@ class SplitGP(Algorithm[SplitGPParams]):
             self.download(client.id, "aux_model")
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        gamma = self.params.gamma
-        for client, alpha in zip(clients, self.ctx.weights(clients)):
-            self.server.copy_server()
-            node = self.client(client.id)
-            for step in range(self.ctx.local_steps(client)):  # one step on F_k (eqs. 6-8)
-                sent = node.forward(step)
-                reply = self.server.train_step(sent["smashed"], sent["labels"], "server_copy")
-                node.backward(step, reply["cut_grad"])
-                self.track(gamma * sent["loss"] + (1 - gamma) * reply["loss"])
-            self.server.fold_copy(alpha)
-            self.contribute(client.id, alpha, ("client_model", "aux_model"))
+        self.for_each_client(clients, self.local_training, self.fold)
         self.server.average_copies()
         self.sync.average("client_model")
         self.sync.average("aux_model")
         for client in clients:
             for slot in ("client_model", "aux_model"):
                 self.client(client.id).mix(slot, self.sync.model_state(slot))
+
+    def local_training(self, client: ClientInfo) -> None:
+        gamma = self.params.gamma
+        self.server.copy_server(client.id)
+        node = self.client(client.id)
+        for step in range(self.ctx.local_steps(client)):  # one step on F_k (eqs. 6-8)
+            sent = node.forward(step)
+            reply = self.server.train_step(sent["smashed"], sent["labels"], server_copy(client.id))
+            node.backward(step, reply["cut_grad"])
+            self.track(gamma * sent["loss"] + (1 - gamma) * reply["loss"])
+
+    def fold(self, client: ClientInfo, alpha: float) -> None:
+        self.server.fold_copy(client.id, alpha)
+        self.contribute(client.id, alpha, ("client_model", "aux_model"))
 
     def client_weights(self) -> dict[str, torch.Tensor]:
         """phi_k and h_k of every client, as `client.<k>.<name>` and `exit.<k>.<name>`."""

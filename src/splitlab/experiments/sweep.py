@@ -1,9 +1,10 @@
 """Running a sweep's grid (`splitlab.experiments.grid` reads and expands the file).
 
 Every point is expanded and validated before the first run starts. Runs go in parallel worker
-processes (`jobs`); running a sweep again skips runs that have a `summary.json` and resumes the
-others from their checkpoint. A failed run leaves `error.txt` in its directory and its traceback
-in `failures.json`; the others go on, and `SweepFailed` is raised at the end.
+processes (`jobs`), or as Ray tasks over a cluster (`ray`, docs/ray.md); running a sweep again
+skips runs that have a `summary.json` and resumes the others from their checkpoint. A failed run
+leaves `error.txt` in its directory and its traceback in `failures.json`; the others go on, and
+`SweepFailed` is raised at the end.
 """
 
 from __future__ import annotations
@@ -16,14 +17,14 @@ import multiprocessing
 import os
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from splitlab import rundir
+from splitlab import cluster, rundir
 from splitlab.errors import UserError
 from splitlab.experiments.grid import (
     GridPoint,
@@ -59,6 +60,8 @@ FAILURES = "failures.json"  # name -> traceback of the runs that failed in the l
 
 ERROR_FILE = "error.txt"  # traceback of a failed run, inside its run directory
 
+
+RAY_RETRIES = 3  # times a Ray task is started again after its worker process died
 
 _RUN_CONTROL = ("out", "resume", "overwrite", "device")  # may differ between a run and its resume
 
@@ -150,6 +153,36 @@ def _run_in_worker(name: str, config: dict) -> tuple[str, dict | None, str | Non
         return name, None, traceback.format_exc(), time.perf_counter() - start
 
 
+def _run_on_ray_worker(name: str, config_json: str, threads: int) -> str:
+    """A sweep run as a Ray task: config in, summary out, both as JSON (nothing of splitlab's is pickled)."""
+    cluster.set_worker_threads(threads)
+    return json.dumps(_run_in_worker(name, json.loads(config_json)))
+
+
+def _run_on_ray(pending: list[tuple[str, dict]], resources: dict, finished: Callable[..., None]) -> None:
+    """Every pending run as a Ray task; a task whose worker process dies is started again (up to
+    `RAY_RETRIES` times) and resumes from its run's last checkpoint."""
+    ray = cluster.ray_module()
+    task = ray.remote(_run_on_ray_worker).options(max_retries=RAY_RETRIES, retry_exceptions=False, **resources)
+    threads = int(resources["num_cpus"])
+    futures = {task.remote(name, json.dumps(config), threads): name for name, config in pending}
+    try:
+        remaining = list(futures)
+        while remaining:
+            ready, remaining = ray.wait(remaining, num_returns=1)
+            name = futures[ready[0]]
+            try:
+                finished(*json.loads(ray.get(ready[0])))
+            except ray.exceptions.WorkerCrashedError:
+                finished(name, None, f"Ray worker died {RAY_RETRIES + 1} times (killed, or out of memory?)\n", 0.0)
+            except ray.exceptions.RayError:
+                finished(name, None, traceback.format_exc(), 0.0)
+    except BaseException:
+        for future in futures:
+            ray.cancel(future, force=True)
+        raise
+
+
 def _plural(n: int, word: str) -> str:
     return f"{n} {word}" + ("" if n == 1 else "s")
 
@@ -166,7 +199,13 @@ def _describe(summary: dict | None) -> str:
 
 
 def run_sweep(
-    path: str | os.PathLike | Mapping, out: str | os.PathLike | None = None, jobs: int = 1, progress: bool = True
+    path: str | os.PathLike | Mapping,
+    out: str | os.PathLike | None = None,
+    jobs: int = 1,
+    progress: bool = True,
+    ray: str | None = None,
+    cpus_per_run: int = 1,
+    gpus_per_run: float = 0,
 ) -> Path:
     """Run every grid point of a sweep file that has not finished; return the sweep directory.
 
@@ -176,20 +215,33 @@ def run_sweep(
     workers if fewer runs are left; then each gets more threads). A run that
     raises is recorded (`<run dir>/error.txt`, `<sweep dir>/failures.json`) and the others go
     on; at the end `SweepFailed` is raised if any failed.
+
+    With `ray` (an address, or "auto"), every run is a Ray task with `cpus_per_run` CPUs (its
+    torch threads) and `gpus_per_run` GPUs; a task whose worker dies is retried, and resumes from
+    its run's checkpoint. The sweep directory must be on storage every Ray node shares (checked).
     """
     if isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1:
         raise UserError(f"--jobs must be an integer >= 1, got {jobs!r}")
+    on_ray = None if ray is None else cluster.resources(cpus_per_run, gpus_per_run)
     spec, stem = load_sweep(path)
     where = stem if isinstance(path, Mapping) else str(path)
     sweep_dir = Path(out) if out is not None else Path("runs") / stem
+    if ray is not None:
+        sweep_dir = sweep_dir.absolute()  # the runs' `out`, the same path on every node
     runs = expand_points(spec, where, sweep_dir)
     _check_existing(runs, sweep_dir)
 
     with rundir.locked(sweep_dir):  # a second sweep into the same directory is refused, naming the holder
-        return _run_points(spec, where, sweep_dir, runs, jobs, progress)
+        if ray is not None and on_ray is not None:
+            cluster.connect(ray)
+            cluster.check_fits(on_ray)
+            cluster.check_shared_storage(sweep_dir)
+        return _run_points(spec, where, sweep_dir, runs, jobs, progress, on_ray)
 
 
-def _run_points(spec: dict, where: str, sweep_dir: Path, runs: list, jobs: int, progress: bool) -> Path:
+def _run_points(
+    spec: dict, where: str, sweep_dir: Path, runs: list, jobs: int, progress: bool, on_ray: dict | None
+) -> Path:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     _write_snapshot(sweep_dir, spec, where, runs)
     # seed-major order, so that an interrupted sweep has every configuration's first seeds
@@ -209,7 +261,8 @@ def _run_points(spec: dict, where: str, sweep_dir: Path, runs: list, jobs: int, 
         console.print(
             f"sweep {where}: {total} runs in {sweep_dir}"
             + (f", {skipped} already finished" if skipped else "")
-            + (f", {len(pending)} to run with {_plural(min(jobs, len(pending)), 'job')}" if pending else "")
+            + (f", {len(pending)} to run " if pending else "")
+            + (("on Ray" if on_ray else f"with {_plural(min(jobs, len(pending)), 'job')}") if pending else "")
         )
 
     failures: dict[str, str] = {}
@@ -236,7 +289,9 @@ def _run_points(spec: dict, where: str, sweep_dir: Path, runs: list, jobs: int, 
         (sweep_dir / name / ERROR_FILE).unlink(missing_ok=True)
 
     workers = min(jobs, len(pending))
-    if workers <= 1:
+    if on_ray is not None:
+        _run_on_ray(pending, on_ray, finished)
+    elif workers <= 1:
         for name, config in pending:
             start = time.perf_counter()
             try:

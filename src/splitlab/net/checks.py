@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from splitlab.privacy import defenses
 from splitlab.roles import Blueprint
 from splitlab.transport import KEYED, VerbSpec
 
@@ -125,6 +126,11 @@ class Checks:
 
 def _tensor(result: dict, key: str) -> torch.Tensor:
     value = result[key]
+    if isinstance(value, Mapping):  # a defense's compressed form (quantize, topk): checked, then expanded
+        try:
+            value = defenses.decode(value)
+        except ValueError as error:
+            raise Refused(f"{key}: {error}") from None
     if not isinstance(value, torch.Tensor):
         raise Refused(f"{key} is a {type(value).__name__}, expected a tensor")
     return value

@@ -282,7 +282,7 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
     stored = rundir.stored_config(path, "evaluate", "point evaluate at the directory of a finished run")
-    experiment = build({**stored, "device": device, "out": str(path)})
+    experiment = build({**stored, "device": device, "out": str(path), "backend": "local"})  # in this process
     algorithm = experiment.algorithm
     parts = global_states(experiment)  # every evaluated run has one global model (SplitGP: phi, theta)
     if isinstance(algorithm, SplitGP):
@@ -382,7 +382,8 @@ def _finetuned(experiment: Experiment, states: list[State], train: TrainingSet, 
     client's own samples in its own batch order (its node's, or, where the run's nodes are not the
     partition's clients, as centralized, a node holding that client's samples)."""
     blueprint, cfg = experiment.blueprint, experiment.config.run
-    nodes = experiment.roles.clients if len(experiment.roles.clients) == len(train.owned) else None
+    roles = experiment.roles
+    nodes = roles.clients if roles is not None and len(roles.clients) == len(train.owned) else None
     models = []
     for client_id, own in enumerate(train.owned):
         node = (

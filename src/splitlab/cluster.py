@@ -1,0 +1,113 @@
+"""Ray, for sweeps over a cluster and `backend=ray` runs: connecting, and shared storage.
+
+Ray is an optional extra (`pip install 'splitlab[ray]'`), imported only here and by the code
+that runs on it. Every node writes run directories and checkpoints itself, so the sweep or run
+directory must be on storage every node sees at the same path (NFS, a shared disk, or one
+machine). `check_shared_storage` proves it before anything runs: the driver writes a random
+token into the directory and a task pinned to every node reads it back.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from splitlab.errors import UserError
+
+PROBE = ".splitlab-storage-probe"  # written and removed by check_shared_storage
+
+
+def ray_module() -> ModuleType:
+    try:
+        import ray
+    except ImportError:
+        raise UserError("Ray is not installed; install it with: pip install 'splitlab[ray]'") from None
+    return ray
+
+
+def connect(address: str) -> ModuleType:
+    """Ray, connected to `address` unless this process already is: "auto" is the cluster RAY_ADDRESS
+    names, else the one `ray start` started on this machine, else a new local Ray;
+    "ray://host:port" or "host:port" is that cluster."""
+    ray = ray_module()
+    if not ray.is_initialized():
+        try:
+            ray.init(address=None if address == "auto" else address, include_dashboard=False, log_to_driver=False)
+        except ConnectionError as error:
+            raise UserError(f"cannot connect to Ray at {address!r}: {str(error).splitlines()[0]}") from None
+    return ray
+
+
+def set_worker_threads(threads: int) -> None:
+    """Torch threads in a Ray worker: a worker gets the CPUs it asked for, and no more."""
+    import contextlib
+
+    import torch
+
+    torch.set_num_threads(threads)
+    with contextlib.suppress(RuntimeError):  # already set, or parallel work already started
+        torch.set_num_interop_threads(1)
+
+
+def _reads_token(path: str, token: str) -> bool:
+    try:
+        return Path(path).read_text() == token
+    except OSError:
+        return False
+
+
+def nodes_not_seeing(path: Path, token: str) -> list[str]:
+    """The addresses of the alive Ray nodes on which `path` does not hold `token`."""
+    ray = ray_module()
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_cpus=0)(_reads_token)
+    nodes = [node for node in ray.nodes() if node["Alive"]]
+    seen = ray.get(
+        [
+            probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
+                str(path), token
+            )
+            for node in nodes
+        ]
+    )
+    return [node["NodeManagerAddress"] for node, ok in zip(nodes, seen) if not ok]
+
+
+def check_shared_storage(directory: Path) -> None:
+    """UserError unless every Ray node sees `directory` (an absolute path) as this process does."""
+    directory.mkdir(parents=True, exist_ok=True)
+    probe, token = directory / PROBE, secrets.token_hex(16)
+    probe.write_text(token)
+    try:
+        blind = nodes_not_seeing(probe, token)
+    finally:
+        probe.unlink(missing_ok=True)
+    if blind:
+        raise UserError(
+            f"{str(directory)!r} is not on storage every Ray node shares (Ray node(s) {', '.join(blind)} "
+            f"do not see it): put the run or sweep directory on a shared file system mounted at the same path"
+        )
+
+
+def resources(cpus: Any, gpus: Any) -> dict[str, float]:
+    """Ray resources of one run, checked: whole CPUs >= 1, GPUs >= 0 (fractions share a GPU)."""
+    if isinstance(cpus, bool) or not isinstance(cpus, int) or cpus < 1:
+        raise UserError(f"--cpus-per-run must be an integer >= 1, got {cpus!r}")
+    if isinstance(gpus, bool) or not isinstance(gpus, (int, float)) or gpus < 0:
+        raise UserError(f"--gpus-per-run must be a number >= 0, got {gpus!r}")
+    return {"num_cpus": cpus, "num_gpus": float(gpus)}
+
+
+def check_fits(resources: dict[str, float]) -> None:
+    """UserError unless some alive Ray node has the CPUs and GPUs of one run (else Ray waits for ever)."""
+    cpus, gpus = resources["num_cpus"], resources["num_gpus"]
+    nodes = [node["Resources"] for node in ray_module().nodes() if node["Alive"]]
+    if not any(node.get("CPU", 0) >= cpus and node.get("GPU", 0) >= gpus for node in nodes):
+        raise UserError(
+            f"--cpus-per-run {cpus:g} --gpus-per-run {gpus:g} fits no Ray node (the largest has "
+            f"{max((n.get('CPU', 0) for n in nodes), default=0):g} CPUs and "
+            f"{max((n.get('GPU', 0) for n in nodes), default=0):g} GPUs)"
+        )

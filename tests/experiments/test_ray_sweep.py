@@ -1,0 +1,107 @@
+"""Sweeps on a real local Ray (one per module, 2 CPUs): same numbers as `--jobs 2`, a killed worker's
+run is retried from its checkpoint, and run directories must be on storage every node sees."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from test_sweep import BASE, numbers, write_sweep
+
+from splitlab import cluster
+from splitlab.engine import CHECKPOINT
+from splitlab.errors import UserError
+from splitlab.experiments import run_sweep, sweep, write_report
+
+SPEC = {"base": {**BASE, "rounds": 8}, "axes": {"algorithm": ["sfl_v1", "sfl_v2"], "seed": [0, 1]}}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def jobs_reference(tmp_path_factory) -> tuple[Path, Path]:
+    """The sweep with --jobs 2, each run with one torch thread as the Ray tasks (--cpus-per-run 1),
+    on any machine: torch's CPU kernels may split sums differently with more threads."""
+    tmp = tmp_path_factory.mktemp("ray_sweep")
+    path = write_sweep(tmp, SPEC)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sweep, "available_cpus", lambda: 2)
+        out = run_sweep(path, out=tmp / "jobs", jobs=2, progress=False)
+    write_report(out)
+    return path, out
+
+
+def test_sweep_on_ray_gives_the_numbers_of_jobs(local_ray, jobs_reference, tmp_path: Path):
+    path, reference = jobs_reference
+    out = run_sweep(path, out=tmp_path / "ray", ray="auto", progress=False)
+    write_report(out)
+    assert numbers(out) == numbers(reference)
+
+
+def test_a_killed_worker_s_run_is_retried_from_its_checkpoint(local_ray, jobs_reference, tmp_path: Path):
+    """SIGKILL the Ray worker process of a run that has checkpointed but not finished (its PID is in
+    the run directory's lock file): Ray starts the task again, the run resumes, and every number
+    ends as in the uninterrupted sweep."""
+    path, reference = jobs_reference
+    out = tmp_path / "killed"
+    sweep = threading.Thread(target=run_sweep, args=(path,), kwargs={"out": out, "ray": "auto", "progress": False})
+    sweep.start()
+    killed = None
+    while killed is None and sweep.is_alive():
+        for run in out.glob("*/"):
+            lock = run / ".lock"
+            if (run / CHECKPOINT).exists() and not (run / "summary.json").exists() and lock.exists():
+                holder = lock.read_text().split()
+                if holder[:1] == ["PID"]:
+                    os.kill(int(holder[1]), signal.SIGKILL)
+                    killed = run.name
+                    break
+        time.sleep(0.005)
+    sweep.join()
+    assert killed is not None, "no run was caught between its first checkpoint and its end"
+    assert all((run / "summary.json").exists() for run in out.glob("*=*"))
+    write_report(out)
+    assert numbers(out) == numbers(reference)
+
+
+def test_storage_a_node_does_not_see_is_refused(local_ray, tmp_path: Path, monkeypatch):
+    """Locally every node sees the directory; a node that reads another token at the same path (as a
+    machine with its own disk would) is named in a one-line refusal, before any run starts."""
+    probe = tmp_path / "probe"
+    probe.write_text("this machine's token")
+    assert cluster.nodes_not_seeing(probe, "this machine's token") == []
+    elsewhere = cluster.nodes_not_seeing(probe, "another machine's token")
+    assert elsewhere == [node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]]
+    cluster.check_shared_storage(tmp_path / "shared")  # local Ray: shared
+    assert not (tmp_path / "shared" / cluster.PROBE).exists()
+
+    monkeypatch.setattr(cluster, "nodes_not_seeing", lambda path, token: ["10.0.0.7"])
+    path = write_sweep(tmp_path, SPEC)
+    with pytest.raises(UserError, match=r"not on storage every Ray node shares \(Ray node\(s\) 10\.0\.0\.7"):
+        run_sweep(path, out=tmp_path / "out", ray="auto", progress=False)
+    assert not list((tmp_path / "out").glob("*=*"))
+
+
+def test_a_run_bigger_than_every_node_is_refused(local_ray, tmp_path: Path):
+    """Ray would wait for ever for a node with 3 CPUs; the sweep says so in one line instead."""
+    path = write_sweep(tmp_path, SPEC)
+    with pytest.raises(UserError, match=r"--cpus-per-run 3 --gpus-per-run 0 fits no Ray node \(the largest has 2 CPUs"):
+        run_sweep(path, out=tmp_path / "o", ray="auto", cpus_per_run=3)
+
+
+def test_bad_resources_are_refused(tmp_path: Path):
+    path = write_sweep(tmp_path, SPEC)
+    with pytest.raises(UserError, match="--cpus-per-run must be an integer >= 1, got 0"):
+        run_sweep(path, out=tmp_path / "o", ray="auto", cpus_per_run=0)
+    with pytest.raises(UserError, match="--gpus-per-run must be a number >= 0, got -1"):
+        run_sweep(path, out=tmp_path / "o", ray="auto", gpus_per_run=-1)
