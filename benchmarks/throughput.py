@@ -11,13 +11,16 @@ alternate, `--repeats` times, and medians are compared:
   end to end   `splitlab.engine.run` (build, rounds, checkpoints every `checkpoint_every` s, evaluation, files) vs
                the loop plus building its models and one test evaluation
 
-The dataset is parsed once before timing for both (splitlab caches it per process).
+The dataset is parsed once before timing for both (splitlab caches it per process). Both sides run
+with the allocator setting of every process the `splitlab` command starts (`splitlab.process`:
+glibc keeps freed memory for reuse instead of page-faulting it in again), so the ratio measures
+splitlab's own work; `--malloc default` runs both with glibc's own thresholds.
 
 Peak RSS (`--rss`): one round of sfl_v2 over a 12k-sample Fashion-MNIST run with 8 clients, a whole
 local epoch each, vs the plain loop over the same-sized data held as float32, each in a fresh
 process (`ru_maxrss`, as benchmarks/memory.py measures it). Issue 14 asks for <= 1.2x.
 
-    .venv/bin/python benchmarks/throughput.py [--rounds 30] [--repeats 3] [--threads 1] [--rss]
+    .venv/bin/python benchmarks/throughput.py [--rounds 30] [--repeats 3] [--threads 1] [--rss] [--malloc reuse|default]
 """
 
 from __future__ import annotations
@@ -313,8 +316,12 @@ def throughput(args: argparse.Namespace) -> None:
 # --- peak RSS -------------------------------------------------------------------------------------
 
 
-def rss_child(kind: str, samples: int, threads: int) -> None:
+def rss_child(kind: str, samples: int, threads: int, malloc: str) -> None:
     torch.set_num_threads(threads)
+    if malloc == "reuse":
+        from splitlab.process import reuse_freed_memory
+
+        reuse_freed_memory()
     if kind == "splitlab":
         from splitlab.engine import run
 
@@ -381,7 +388,7 @@ def rss_child(kind: str, samples: int, threads: int) -> None:
 def peak_rss(args: argparse.Namespace) -> None:
     def measure(kind: str) -> float:
         out = subprocess.run(
-            [sys.executable, __file__, "--child", kind, str(args.rss_samples), str(args.threads)],
+            [sys.executable, __file__, "--child", kind, str(args.rss_samples), str(args.threads), args.malloc],
             capture_output=True,
             text=True,
             check=True,
@@ -401,7 +408,7 @@ def peak_rss(args: argparse.Namespace) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        rss_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        rss_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
@@ -410,10 +417,21 @@ def main() -> None:
     parser.add_argument("--rss-samples", type=int, default=12000)
     parser.add_argument("--threads", type=int, default=1, help="torch threads, fixed for both sides")
     parser.add_argument("--algorithms", nargs="+", default=list(ALGORITHMS), choices=ALGORITHMS)
+    parser.add_argument(
+        "--malloc",
+        choices=("reuse", "default"),
+        default="reuse",
+        help="reuse: glibc keeps freed memory, as in every process the splitlab command starts "
+        "(splitlab.process; both sides alike); default: glibc's own thresholds",
+    )
     parser.add_argument("--rss", action="store_true", help="also measure peak RSS")
     parser.add_argument("--rss-only", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.malloc == "reuse":
+        from splitlab.process import reuse_freed_memory
+
+        reuse_freed_memory()
     # RSS first: a child's ru_maxrss starts at this process's size when it forks, so it is measured
     # while this one is still small (after the throughput runs it is ~2 GB and hides both figures).
     if args.rss or args.rss_only:

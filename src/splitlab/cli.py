@@ -16,6 +16,7 @@ from rich.table import Table
 
 from splitlab.comm import format_bytes
 from splitlab.errors import UserError
+from splitlab.process import reuse_freed_memory
 
 console = Console()
 
@@ -397,6 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    reuse_freed_memory()  # this process is splitlab's: keep freed tensors' memory for reuse (splitlab.process)
     parser = build_parser()
     # Flags may come anywhere among KEY=VALUE pairs: argparse stops the pairs at the first flag.
     args, rest = parser.parse_known_args(argv)

@@ -40,17 +40,6 @@ def connect(address: str) -> ModuleType:
     return ray
 
 
-def set_worker_threads(threads: int) -> None:
-    """Torch threads in a Ray worker: a worker gets the CPUs it asked for, and no more."""
-    import contextlib
-
-    import torch
-
-    torch.set_num_threads(threads)
-    with contextlib.suppress(RuntimeError):  # already set, or parallel work already started
-        torch.set_num_interop_threads(1)
-
-
 def _reads_token(path: str, token: str) -> bool:
     try:
         return Path(path).read_text() == token

@@ -24,6 +24,7 @@ from splitlab import cluster, codec
 from splitlab.channel import Ledger
 from splitlab.config import ResolvedConfig, resolve_config
 from splitlab.errors import UserError
+from splitlab.process import set_worker_threads
 from splitlab.roles import Role
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
 
@@ -39,7 +40,7 @@ class RoleHost:
         from splitlab.algorithms import get_algorithm
         from splitlab.data import load_dataset
 
-        cluster.set_worker_threads(1)
+        set_worker_threads(1)
         config = resolve_config(json.loads(config_json))
         run = config.run
         self.device = engine.resolve_device(run.device)

@@ -10,7 +10,6 @@ leaves `error.txt` in its directory and its traceback in `failures.json`; the ot
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import json
 import logging
 import multiprocessing
@@ -35,6 +34,7 @@ from splitlab.experiments.grid import (
     run_name,
 )
 from splitlab.io import write_text
+from splitlab.process import set_worker_threads
 
 __all__ = [
     "ERROR_FILE",
@@ -136,14 +136,6 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def _init_worker(threads: int) -> None:
-    import torch
-
-    torch.set_num_threads(threads)
-    with contextlib.suppress(RuntimeError):  # already set, or parallel work already started
-        torch.set_num_interop_threads(1)
-
-
 def _run_in_worker(name: str, config: dict) -> tuple[str, dict | None, str | None, float]:
     start = time.perf_counter()
     try:
@@ -155,7 +147,7 @@ def _run_in_worker(name: str, config: dict) -> tuple[str, dict | None, str | Non
 
 def _run_on_ray_worker(name: str, config_json: str, threads: int) -> str:
     """A sweep run as a Ray task: config in, summary out, both as JSON (nothing of splitlab's is pickled)."""
-    cluster.set_worker_threads(threads)
+    set_worker_threads(threads)
     return json.dumps(_run_in_worker(name, json.loads(config_json)))
 
 
@@ -303,7 +295,7 @@ def _run_points(
         threads = max(1, available_cpus() // workers)
         ctx = multiprocessing.get_context("spawn")
         pool = cf.ProcessPoolExecutor(
-            max_workers=workers, mp_context=ctx, initializer=_init_worker, initargs=(threads,)
+            max_workers=workers, mp_context=ctx, initializer=set_worker_threads, initargs=(threads,)
         )
         try:
             futures = {pool.submit(_run_in_worker, n, c): n for n, c in pending}
