@@ -247,3 +247,23 @@ def test_aux_errors_are_one_line_user_errors():
         build_aux("linear", grid, 1, (1, 8, 8))
     with pytest.raises(UserError, match="lazy_until"):
         build(quick(algorithm="fsl_sage", lazy_until=-1))
+
+
+def test_alignment_buffer_grows_then_overwrites_the_oldest_pair():
+    """Pair n (in the order received) sits in slot n while the buffer grows, then in slot n mod
+    capacity: every slot holds the latest pair sent to it, and the state holds only filled slots."""
+    from splitlab.algorithms.fsl_sage import AlignmentBuffer
+
+    buffer = AlignmentBuffer(7, torch.zeros(0, 2), torch.zeros(0, dtype=torch.int64))
+    sent = 0
+    for chunk in (3, 1, 2, 5, 6, 4):
+        numbers = torch.arange(sent, sent + chunk)
+        buffer.add(numbers[:, None].float().repeat(1, 2), numbers)
+        sent += chunk
+        expected = [max(n for n in range(sent) if n % 7 == slot) for slot in range(min(sent, 7))]
+        assert buffer.labels.tolist() == expected and buffer.received == sent
+        assert buffer.smashed[:, 1].tolist() == expected
+        state = buffer.state_dict()
+        assert len(state["labels"]) == len(state["smashed"]) == min(sent, 7)
+    buffer.add(torch.zeros(9, 2), torch.arange(100, 109))  # more than it holds: the last 7 stay
+    assert sorted(buffer.labels.tolist()) == list(range(102, 109))

@@ -72,25 +72,46 @@ def cut_gradient(
 
 
 class AlignmentBuffer:
-    """The latest `capacity` (smashed, label) pairs one client sent: grows to `capacity`, then a
-    ring, the oldest overwritten first."""
+    """The latest `capacity` (smashed, label) pairs one client sent: grows to `capacity` (its room
+    doubling, so that a pair is copied a bounded number of times), then a ring, the oldest
+    overwritten first."""
 
     def __init__(self, capacity: int, smashed: torch.Tensor, labels: torch.Tensor, received: int = 0) -> None:
-        self.capacity, self.smashed, self.labels, self.received = capacity, smashed, labels, received
+        self.capacity, self.received, self.size = capacity, received, len(labels)
+        self._smashed, self._labels = smashed, labels  # room for more than `size` pairs
+
+    @property
+    def smashed(self) -> torch.Tensor:
+        return self._smashed[: self.size]
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self._labels[: self.size]
 
     def add(self, smashed: torch.Tensor, labels: torch.Tensor) -> None:
         smashed, labels = smashed[-self.capacity :], labels[-self.capacity :]
-        grow = min(self.capacity - len(self.labels), len(labels))
+        grow = min(self.capacity - self.size, len(labels))
         if grow:
-            self.smashed = torch.cat([self.smashed, smashed[:grow]])
-            self.labels = torch.cat([self.labels, labels[:grow]])
+            self._make_room(self.size + grow)
+            self._smashed[self.size : self.size + grow] = smashed[:grow]
+            self._labels[self.size : self.size + grow] = labels[:grow]
+            self.size += grow
             self.received += grow
             smashed, labels = smashed[grow:], labels[grow:]
         if len(labels):
             slots = (self.received + torch.arange(len(labels), device=labels.device)) % self.capacity
-            self.smashed[slots] = smashed
-            self.labels[slots] = labels
+            self._smashed[slots] = smashed
+            self._labels[slots] = labels
             self.received += len(labels)
+
+    def _make_room(self, size: int) -> None:
+        if size <= len(self._labels):
+            return
+        room = min(self.capacity, max(size, 2 * len(self._labels)))
+        smashed = self._smashed.new_empty((room, *self._smashed.shape[1:]))
+        labels = self._labels.new_empty(room)
+        smashed[: self.size], labels[: self.size] = self.smashed, self.labels
+        self._smashed, self._labels = smashed, labels
 
     def state_dict(self) -> State:
         return {"smashed": self.smashed, "labels": self.labels, "received": self.received}
@@ -120,7 +141,6 @@ class SageServer(TrainingServer[FSLSAGEParams]):
         super().__init__(*args)
         self.buffers: dict[int, AlignmentBuffer] = {}
         self.aux_models: dict[int, nn.Module] = {}
-        self._aligning: nn.Module | None = None  # working copy of the aux model being aligned
 
     @verb()
     def learn_from(self, client_id: int, smashed: Any, labels: torch.Tensor) -> State:
@@ -146,10 +166,7 @@ class SageServer(TrainingServer[FSLSAGEParams]):
         smashed, labels = buffer.smashed, buffer.labels
         with self.blueprint.timed("alignment"):
             target = self.buffer_gradients(self.model("server_model"), smashed, labels)
-            if self._aligning is None:
-                self._aligning = self.blueprint.initial("aux_model")
-            aux = self._aligning
-            aux.load_state_dict(self.aux_model(client_id).state_dict())
+            aux = self.aux_model(client_id)
             optimizer = torch.optim.Adam(aux.parameters(), lr=params.align_lr, foreach=True)
             for epoch in range(params.align_epochs):
                 order = self.blueprint.rng(rnd, STREAM_ALIGNMENT, client_id, epoch).permutation(len(labels))
@@ -159,7 +176,6 @@ class SageServer(TrainingServer[FSLSAGEParams]):
                     optimizer.zero_grad(set_to_none=True)
                     value.backward()
                     optimizer.step()
-        self.aux_model(client_id).load_state_dict(aux.state_dict())
         return aux.state_dict()
 
     def buffer_gradients(self, model: nn.Module, smashed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
