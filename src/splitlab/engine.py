@@ -274,6 +274,7 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         transport_.concurrency,
     )
     algorithm = algorithm_class(context)
+    transport_.on_rejoin = algorithm.rejoined
     test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
     data = dataclasses.replace(
         data,
@@ -386,15 +387,11 @@ def _run(experiment: Experiment, resume: bool | None, progress: bool) -> dict[st
 def role_states(experiment: Experiment) -> dict[str, Any]:
     """Every role's state that outlives a round (fetched through the transport), and the ledger's."""
     algorithm, ledger = experiment.algorithm, experiment.ledger
-    clients = {}
-    for c in experiment.clients:
-        with contextlib.suppress(ClientDropped):  # a client that left keeps no state the run needs
-            clients[c.id] = algorithm.client(c.id).state_dict()
     return {
         "algorithm": algorithm.state_dict(),
         "server": algorithm.server.state_dict(),
         "sync": algorithm.sync.state_dict(),
-        "clients": {k: state for k, state in clients.items() if state["models"]},
+        "clients": algorithm.client_states(),
         "ledger": {
             "bytes_by_kind": ledger.state_dict(),
             "envelope_bytes": ledger.envelope_bytes,
@@ -409,8 +406,7 @@ def restore(experiment: Experiment, state: dict[str, Any]) -> None:
     algorithm.load_state_dict(state["algorithm"])
     algorithm.server.load_state_dict(state["server"])
     algorithm.sync.load_state_dict(state["sync"])
-    for client_id, client_state in state["clients"].items():
-        algorithm.client(client_id).load_state_dict(client_state)
+    algorithm.load_client_states(state["clients"])
     ledger.bytes_by_kind = dict(state["ledger"]["bytes_by_kind"])
     ledger.envelope_bytes = int(state["ledger"]["envelope_bytes"])
     ledger.wire_bytes = int(state["ledger"].get("wire_bytes", 0))
