@@ -305,10 +305,8 @@ class Algorithm(Generic[ParamsT]):
         transport whose clients can drop out delivers copies; in process nobody rejoins)."""
         for client in self.ctx.clients:
             with contextlib.suppress(ClientDropped):
-                state = self.client(client.id).state_dict()
-                if state["models"]:  # a client that keeps nothing across rounds has nothing to give back
-                    self._kept[client.id] = state
-        return dict(self._kept)
+                self._kept[client.id] = self.client(client.id).state_dict()
+        return {k: state for k, state in self._kept.items() if state["models"]}
 
     def load_client_states(self, states: dict[int, State]) -> None:
         """A resumed run: every client gets its checkpointed state back."""
@@ -320,8 +318,9 @@ class Algorithm(Generic[ParamsT]):
         """A client that dropped out is back as a fresh node: it gets its kept slots as last
         checkpointed (counted as `kept_state_down`), so that it goes on where it was, not from the
         initial weights. The transport calls this before anything else reaches the new node."""
-        if client_id in self._kept:
-            self.client(client_id).rejoin(self._kept[client_id])
+        state = self._kept.get(client_id)
+        if state is not None and state["models"]:  # a client that keeps nothing has nothing to get back
+            self.client(client_id).rejoin(state)
 
     def _train_tracked(self, train: Callable[[ClientInfo], None], client: ClientInfo) -> list[torch.Tensor]:
         """`train(client)` in a worker thread; the losses it tracked, in order."""
