@@ -165,7 +165,8 @@ def test_a_client_that_drops_mid_round_and_rejoins_trains_on_from_its_kept_state
         "never": SerializedTransport,
     }
     for name, transport in runs.items():
-        run(config(algorithm, rounds=3, checkpoint_every=0, out=str(tmp_path / name)), progress=False, transport=transport)
+        cfg = config(algorithm, rounds=3, checkpoint_every=0, out=str(tmp_path / name))
+        run(cfg, progress=False, transport=transport)
     mid_round, before, never = (rows(tmp_path / name) for name in runs)
     assert evaluated(mid_round) == evaluated(before)
     assert evaluated(mid_round)[0] == evaluated(never)[0] and evaluated(mid_round)[1] != evaluated(never)[1]
