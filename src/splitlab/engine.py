@@ -569,8 +569,8 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
-    """A client dropped out of a step that cannot go on without it (an algorithm's own step, not
-    a shared one; the evaluation of its personal model): the run stops with one line."""
+    """A client dropped out of a step that cannot go on without it (vanilla SL's relay, the
+    evaluation of its personal model, SplitGP's final per-client weights): the run stops with one line."""
     try:
         yield
     except ClientDropped as dropped:
@@ -676,7 +676,8 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
     if model is not None:
         weights = {name: t for state in model for name, t in state.items()}
         save_safetensors(out / "weights.safetensors", weights)
-    client_weights = experiment.algorithm.client_weights()
+    with _needs_the_client(cfg.algorithm, state["round"]):  # SplitGP's are fetched from the clients
+        client_weights = experiment.algorithm.client_weights()
     if client_weights is not None:
         save_safetensors(out / "clients.safetensors", client_weights)
     write_json(out / "summary.json", summary)

@@ -7,7 +7,8 @@ checked (splitlab.net.checks) and counted in the ledger as in-process. `Hub` own
 server and one `Session` per connected client: mutual TLS, a client's id taken from its
 certificate, one connection per id. A client that disconnects, misses a deadline or its
 heartbeats, or sends anything the checks refuse, is dropped (one log line) and reported to the
-algorithm as `ClientDropped`; it may connect again and is then used from the next round on.
+algorithm as `ClientDropped`; it may connect again and is then used from the next round on, its
+new node first given its kept state (`NetworkTransport.on_rejoin`).
 """
 
 from __future__ import annotations
