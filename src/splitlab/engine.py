@@ -569,8 +569,8 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
-    """A client dropped out of a step that cannot go on without it (vanilla SL's relay, the
-    evaluation of its personal model, SplitGP's final per-client weights): the run stops with one line."""
+    """A client dropped out of a step that cannot go on without it (the evaluation of its personal
+    model, SplitGP's final per-client weights): the run stops with one line."""
     try:
         yield
     except ClientDropped as dropped:
@@ -634,9 +634,10 @@ def _check_enough_finished(experiment: Experiment, clients: list[ClientInfo], ro
     """Fewer than `min_clients` (or all sampled, if fewer) finished the round: the run stops there."""
     dropped = experiment.algorithm.dropped
     needed = min(experiment.transport.min_clients, len(clients))
-    if len(clients) - len(dropped) < needed:
+    finished = sum(c.id not in dropped for c in clients)  # (vanilla SL's holder may be of an earlier round)
+    if finished < needed:
         raise RoundFailed(
-            f"round {round_number}: only {len(clients) - len(dropped)} of {len(clients)} clients finished "
+            f"round {round_number}: only {finished} of {len(clients)} clients finished "
             f"(dropped: {', '.join(map(str, sorted(dropped)))}), fewer than min_clients={needed}; "
             f"restart the clients and add resume=true"
         )

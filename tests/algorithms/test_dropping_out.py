@@ -14,12 +14,13 @@ from safetensors.torch import load_file
 from helpers import DropsOut, quick
 from splitlab.algorithms import get_algorithm
 from splitlab.engine import build, role_states, run
-from splitlab.errors import RoundFailed
 from splitlab.roles import ModelAverage, TrainingServer, server_copy
 from splitlab.transport import SerializedTransport
 
-#: every algorithm that skips a client dropping out of its own steps (sl and cycle_ssl cannot: below)
+#: every algorithm: a client that drops out is skipped for the rest of the round
 SKIPPING = [
+    "sl",
+    "cycle_ssl",
     "fedavg",
     "sfl_v1",
     "sfl_v2",
@@ -33,7 +34,7 @@ SKIPPING = [
     "cycle_sfl",
 ]
 #: whose round does not depend on the order clients take their steps in (not SplitFed-v2's interleaving)
-ORDER_FREE = {"fedavg", "sfl_v1", "psl", "sglr", "splitgp", "cycle_psl", "cycle_sglr", "cycle_sfl"}
+ORDER_FREE = {"sl", "cycle_ssl", "fedavg", "sfl_v1", "psl", "sglr", "splitgp", "cycle_psl", "cycle_sglr", "cycle_sfl"}
 #: every client's cut gradients averaged: the subset does not depend on how many clients were sampled
 SETTINGS = {"sglr": {"average_fraction": 1.0}, "cycle_sglr": {"average_fraction": 1.0}}
 SMASHED_BATCH = 32 * 200 * 4  # one batch of the MLP's cut-1 activations, float32
@@ -189,9 +190,18 @@ def test_a_client_that_drops_mid_round_and_rejoins_trains_on_from_its_kept_state
 
 
 @pytest.mark.parametrize("algorithm", ["sl", "cycle_ssl"])
-def test_a_relay_whose_holder_drops_out_stops_in_one_line(tmp_path, algorithm):
-    """Vanilla SL's one client part lives on the client that holds it: a holder that drops out
-    takes it away, and the run stops (exit code 4) at its last checkpoint."""
-    cfg = config(algorithm, rounds=1, out=str(tmp_path / "run"))
-    with pytest.raises(RoundFailed, match=f"round 1: client 0 dropped: left, in a step {algorithm} cannot finish"):
-        run(cfg, progress=False, transport=DropsOut.at_call(client=0, verbs=("hand_over",)))
+@pytest.mark.parametrize("client", [1, 2])
+def test_a_holder_that_drops_out_takes_its_turn_with_it(tmp_path, algorithm, client):
+    """Vanilla SL's one client part lives on the client holding it. Client 1 (2) drops out at the
+    start of its turn, holding the part: client 2 (client 0 in the next round, and the evaluation)
+    goes on from the part as the server relayed it to the dropped client, which the server sends
+    (client_model_down): the models are those of the run where it dropped out before its turn."""
+    runs = {"holding": DropsOut.TRAINING, "before": ("begin_round",)}
+    for name, verbs in runs.items():
+        cfg = config(algorithm, rounds=2, checkpoint_every=0, out=str(tmp_path / name))
+        run(cfg, progress=False, transport=DropsOut.at_call(client=client, verbs=verbs))
+    holding, before = (load_file(tmp_path / name / "weights.safetensors") for name in runs)
+    assert holding.keys() == before.keys() and all(torch.equal(holding[k], before[k]) for k in before)
+    part = build(config(algorithm)).blueprint.initial_state("client_model").values()
+    sent = rows(tmp_path / "holding")[-1]["comm_bytes_by_kind"]["client_model_down"]
+    assert sent == sum(t.numel() * t.element_size() for t in part)  # once
