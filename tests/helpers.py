@@ -9,6 +9,7 @@ from splitlab import codec
 from splitlab.algorithms.base import Algorithm
 from splitlab.engine import STREAM_SAMPLING, Experiment, build, restore, role_states, run, sample_clients
 from splitlab.roles import ClientNode, random_stream
+from splitlab.transport import ClientDropped, SerializedTransport
 
 QUICK = dict(
     dataset="synthetic", model="mlp", clients=3, rounds=2, batch_size=32, device="cpu", train_subset=300, seed=0
@@ -94,3 +95,39 @@ def crash_before_round(crash_round: int, config: dict, monkeypatch) -> None:
         patch.setattr(Algorithm, "run_round", crash)
         with pytest.raises(KeyboardInterrupt):
             run(config, progress=False)
+
+
+class DropsOut(SerializedTransport):
+    """In process, what a network does when a client's process dies: client `client` leaves at its
+    `at`-th call of one of `verbs` in round `round` (ClientDropped), its node is lost (rebuilt
+    fresh, as the `splitlab client` that reconnects builds one), and it is back for the next call,
+    which the transport first announces (`on_rejoin`) as the network transport does. Calls are
+    serialized, so what the orchestrator keeps of a client is a copy, as over a network."""
+
+    TRAINING = ("forward", "local_step", "local_aux_step")
+
+    def __init__(self, ledger, device, client=2, round=0, at=1, verbs=TRAINING) -> None:
+        super().__init__(ledger, device)
+        self.client, self.round, self.at, self.verbs = client, round, at, verbs
+        self.current, self.calls, self.gone = -1, 0, False
+
+    @classmethod
+    def at_call(cls, **where):
+        """The transport factory `build` and `run` take."""
+        return lambda ledger, device: cls(ledger, device, **where)
+
+    def call(self, method, spec, counted, *args, **kwargs):
+        node = getattr(method, "__self__", None)
+        if isinstance(node, ClientNode) and node.id == self.client:
+            if self.gone:
+                self.gone = False
+                self.on_rejoin(node.id)
+            if method.__name__ == "begin_round":
+                self.current = args[0]
+            if self.current == self.round and method.__name__ in self.verbs:
+                self.calls += 1
+                if self.calls == self.at:
+                    self.gone = True
+                    node.__init__(node.blueprint, node.id, node.x, node.y, node.prepare)  # a fresh node
+                    raise ClientDropped(node.id, "left")
+        return super().call(method, spec, counted, *args, **kwargs)

@@ -22,6 +22,7 @@ KINDS: dict[str, str] = {
     "client_model_relay": "peer",  # vanilla SL: client model handed to the next client
     "aux_model_down": "down",  # auxiliary heads / models (CSE-FSL, FSL-SAGE, SplitGP)
     "aux_model_up": "up",
+    "kept_state_down": "down",  # a client's kept slots given back when it rejoins after dropping out
     # Telemetry: what the simulation reads from roles and a deployment would not send, or not
     # as training traffic. Never counted.
     "loss": "telemetry",  # a training loss, for the round's mean train loss

@@ -274,6 +274,7 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         transport_.concurrency,
     )
     algorithm = algorithm_class(context)
+    transport_.on_rejoin = algorithm.rejoined
     test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
     data = dataclasses.replace(
         data,
@@ -386,15 +387,11 @@ def _run(experiment: Experiment, resume: bool | None, progress: bool) -> dict[st
 def role_states(experiment: Experiment) -> dict[str, Any]:
     """Every role's state that outlives a round (fetched through the transport), and the ledger's."""
     algorithm, ledger = experiment.algorithm, experiment.ledger
-    clients = {}
-    for c in experiment.clients:
-        with contextlib.suppress(ClientDropped):  # a client that left keeps no state the run needs
-            clients[c.id] = algorithm.client(c.id).state_dict()
     return {
         "algorithm": algorithm.state_dict(),
         "server": algorithm.server.state_dict(),
         "sync": algorithm.sync.state_dict(),
-        "clients": {k: state for k, state in clients.items() if state["models"]},
+        "clients": algorithm.client_states(),
         "ledger": {
             "bytes_by_kind": ledger.state_dict(),
             "envelope_bytes": ledger.envelope_bytes,
@@ -409,8 +406,7 @@ def restore(experiment: Experiment, state: dict[str, Any]) -> None:
     algorithm.load_state_dict(state["algorithm"])
     algorithm.server.load_state_dict(state["server"])
     algorithm.sync.load_state_dict(state["sync"])
-    for client_id, client_state in state["clients"].items():
-        algorithm.client(client_id).load_state_dict(client_state)
+    algorithm.load_client_states(state["clients"])
     ledger.bytes_by_kind = dict(state["ledger"]["bytes_by_kind"])
     ledger.envelope_bytes = int(state["ledger"]["envelope_bytes"])
     ledger.wire_bytes = int(state["ledger"].get("wire_bytes", 0))
@@ -573,8 +569,8 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
-    """A client dropped out of a step that cannot go on without it (an algorithm's own step, not
-    a shared one; the evaluation of its personal model): the run stops with one line."""
+    """A client dropped out of a step that cannot go on without it (the evaluation of its personal
+    model, SplitGP's final per-client weights): the run stops with one line."""
     try:
         yield
     except ClientDropped as dropped:
@@ -638,9 +634,10 @@ def _check_enough_finished(experiment: Experiment, clients: list[ClientInfo], ro
     """Fewer than `min_clients` (or all sampled, if fewer) finished the round: the run stops there."""
     dropped = experiment.algorithm.dropped
     needed = min(experiment.transport.min_clients, len(clients))
-    if len(clients) - len(dropped) < needed:
+    finished = sum(c.id not in dropped for c in clients)  # (vanilla SL's holder may be of an earlier round)
+    if finished < needed:
         raise RoundFailed(
-            f"round {round_number}: only {len(clients) - len(dropped)} of {len(clients)} clients finished "
+            f"round {round_number}: only {finished} of {len(clients)} clients finished "
             f"(dropped: {', '.join(map(str, sorted(dropped)))}), fewer than min_clients={needed}; "
             f"restart the clients and add resume=true"
         )
@@ -680,7 +677,8 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
     if model is not None:
         weights = {name: t for state in model for name, t in state.items()}
         save_safetensors(out / "weights.safetensors", weights)
-    client_weights = experiment.algorithm.client_weights()
+    with _needs_the_client(cfg.algorithm, state["round"]):  # SplitGP's are fetched from the clients
+        client_weights = experiment.algorithm.client_weights()
     if client_weights is not None:
         save_safetensors(out / "clients.safetensors", client_weights)
     write_json(out / "summary.json", summary)

@@ -389,6 +389,12 @@ class ClientNode(Role[ParamsT]):
         """Receive a model into `slot` (a working copy with a fresh optimizer)."""
         self.load_copy(slot, state)
 
+    @verb(down="kept_state_down")
+    def rejoin(self, state: State) -> None:
+        """Back after dropping out, as a fresh node: its kept slots and their optimizers as the
+        server last checkpointed them (`state_dict`), so it trains on where it was."""
+        self.load_state_dict(state)
+
     @verb(up="{0}_up")
     def upload(self, slot: str) -> State:
         return self.model(slot).state_dict()
@@ -477,9 +483,19 @@ class TrainingServer(Role[ParamsT]):
         self.return_copy(server_copy(client_id))
 
     @verb()
+    def drop_copy(self, client_id: int) -> None:
+        """Client `client_id` dropped out: its working copy goes back to the pool unused, and the
+        average of the round's copies is renormalised over the copies of those that finished."""
+        self._average = self._average or ModelAverage()
+        self._average.incomplete = True
+        if server_copy(client_id) in self.models:
+            self.return_copy(server_copy(client_id))
+
+    @verb()
     def average_copies(self) -> None:
-        """The server part becomes the average of the round's copies (no traffic: one server)."""
-        if self._average is not None:
+        """The server part becomes the average of the round's copies (no traffic: one server); if
+        every client dropped out, it stays as it was."""
+        if self._average is not None and not self._average.empty:
             server = self.model("server_model")
             server.load_state_dict(self._average.result(server.state_dict()))
         self._average = None

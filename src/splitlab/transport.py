@@ -94,6 +94,10 @@ class Transport:
 
     def __init__(self, ledger: Ledger, device: torch.device) -> None:
         self.ledger, self.device = ledger, device
+        #: called with a client's id before the first call to its node after it dropped out and
+        #: connected again as a fresh node (a transport whose clients can drop calls it); the
+        #: engine gives the node its kept state back there (Algorithm.rejoined)
+        self.on_rejoin: Callable[[int], None] = lambda client_id: None
 
     def connect(self, role: object, counted: bool) -> Proxy:
         return Proxy(self, role, counted)

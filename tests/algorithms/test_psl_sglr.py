@@ -105,7 +105,7 @@ def test_sglr_bytes_per_round(fraction):
     ledger = experiment.ledger.state_dict()
     assert ledger["smashed"] == 2 * sum(sizes) * width
     assert ledger["labels"] == 2 * sum(sizes) * 8
-    chosen = averaged_clients(experiment.algorithm.ctx, 0, len(sizes), fraction)
+    chosen = averaged_clients(experiment.algorithm.ctx, 0, experiment.clients, fraction)
     assert len(chosen) == averaged
     expected = sum(steps[k] * width if k in chosen else 2 * sizes[k] * width for k in range(len(sizes)))
     assert ledger["cut_grad"] == expected

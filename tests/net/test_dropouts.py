@@ -9,30 +9,16 @@ import re
 import signal
 import threading
 
-import pytest
 import torch
 from processes import NONE, Rogue, credentials
 from safetensors.torch import load_file
 
-from helpers import quick
-from splitlab.engine import run
-from splitlab.errors import RoundFailed
+from helpers import DropsOut, quick
+from splitlab import codec
+from splitlab.engine import client_node, run
 from splitlab.net.certs import make_certs
-from splitlab.roles import ClientNode, ModelAverage
-from splitlab.transport import ClientDropped, Transport
-
-
-class LeavesAtFirstForward(Transport):
-    """In process: client 2 leaves at its first forward (as the silent client below does)."""
-
-    left = False
-
-    def call(self, method, spec, counted, *args, **kwargs):
-        role = getattr(method, "__self__", None)
-        if isinstance(role, ClientNode) and role.id == 2 and method.__name__ == "forward" and not self.left:
-            type(self).left = True
-            raise ClientDropped(2, "left")
-        return super().call(method, spec, counted, *args, **kwargs)
+from splitlab.net.client import _answer, _heartbeats
+from splitlab.roles import ModelAverage
 
 
 def test_a_silent_client_is_dropped_the_round_completes_and_it_rejoins(tmp_path, servers):
@@ -55,8 +41,7 @@ def test_a_silent_client_is_dropped_the_round_completes_and_it_rejoins(tmp_path,
     back = server.client(2)
     assert server.process.wait() == 0 and all(p.wait() == 0 for p in [*honest, back])
 
-    LeavesAtFirstForward.left = False
-    run({**config, "out": str(tmp_path / "local")}, progress=False, transport=LeavesAtFirstForward)
+    run({**config, "out": str(tmp_path / "local")}, progress=False, transport=DropsOut.at_call(at=1))
     net, local = (
         load_file(tmp_path / "net" / "weights.safetensors"),
         load_file(tmp_path / "local" / "weights.safetensors"),
@@ -92,8 +77,38 @@ def test_an_average_missing_a_contribution_is_renormalised_over_the_others():
     assert torch.allclose(average.result(a)["w"], torch.tensor([2.5, 5.0]))
 
 
-def test_a_dropout_in_a_step_the_algorithm_cannot_skip_stops_the_run_in_one_line(tmp_path):
-    LeavesAtFirstForward.left = False  # CycleSL's own `cycle` needs every client's batch
-    config = quick(algorithm="cycle_sfl", clients=3, rounds=1, out=str(tmp_path / "run"))
-    with pytest.raises(RoundFailed, match="round 1: client 2 dropped: left, in a step cycle_sfl cannot finish"):
-        run(config, progress=False, transport=LeavesAtFirstForward)
+def test_a_psl_client_that_leaves_mid_round_rejoins_with_its_own_client_part(tmp_path, servers):
+    """PSL over the network: client 2 (a real node, answering by hand) leaves at its second
+    forward of round 2, and a `splitlab client` process takes its place. The round completes
+    without it (its server copy left out), and the new node gets client 2's part as checkpointed
+    after round 1: the same metrics and ledger as in process (helpers.DropsOut)."""
+    config = quick(algorithm="psl", clients=3, rounds=3, train_subset=150, test_subset=50, checkpoint_every=0)
+    make_certs(tmp_path / "certs", 3, [])
+    server = servers({**config, "out": str(tmp_path / "net")}, rejoin_wait=60, join_timeout=60)
+    honest = [server.client(0), server.client(1)]
+    leaving = Rogue(server.address, credentials(tmp_path / "certs", "client-2"), 2)
+    welcome = leaving.first_reply()
+    settings = codec.decode(bytes(welcome.payload))
+    node, stop = client_node(settings["config"], 2), threading.Event()
+    _heartbeats(leaving.outgoing, welcome.run_id, settings["heartbeat"], stop)
+    rounds = forwards = 0
+    for message in leaving.replies:
+        rounds += message.verb == "begin_round"
+        forwards += rounds == 2 and message.verb == "forward"
+        if forwards == 2:
+            break  # gone, without a reply
+        leaving.outgoing.put(_answer(node, message, welcome.run_id))
+    stop.set()
+    leaving.close()
+    back = server.client(2)
+    assert server.process.wait() == 0 and all(p.wait() == 0 for p in [*honest, back])
+
+    run({**config, "out": str(tmp_path / "local")}, progress=False, transport=DropsOut.at_call(round=1, at=2))
+    net, local = (
+        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("net", "local")
+    )
+    assert [row["dropped_clients"] for row in net] == [[], [[2, 2]], []]
+    for key in ("test_accuracy", "test_loss", "test_f1", "test_mcc", "train_loss", "comm_bytes_by_kind"):
+        assert [row[key] for row in net] == [row[key] for row in local]
+    assert net[-1]["comm_bytes_by_kind"]["kept_state_down"] > 0

@@ -10,6 +10,7 @@ evaluation, checkpoints and logging are the engine's.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import queue
 import threading
 import typing
@@ -112,6 +113,8 @@ class Algorithm(Generic[ParamsT]):
         self._loss_count = 0
         #: clients that dropped out of the current round (over a network); the shared steps skip them
         self.dropped: set[int] = set()
+        #: each client's kept slots as last checkpointed (`client_states`): what it gets back when it rejoins
+        self._kept: dict[int, State] = {}
         self._training = threading.local()  # a client's tracked losses while it trains in a thread
 
     @staticmethod
@@ -170,6 +173,10 @@ class Algorithm(Generic[ParamsT]):
             self.dropped.add(client_id)
             return None
 
+    def finished(self, clients: list[ClientInfo]) -> list[ClientInfo]:
+        """The clients that have not dropped out of the round (so far)."""
+        return [client for client in clients if client.id not in self.dropped]
+
     def split_step(self, client_id: int, step: int, server_slot: str = "server_model") -> None:
         """One split-learning step: smashed data up, server step, cut-layer gradient down, client step."""
         sent = self.unless_dropped(client_id, "forward", step)
@@ -177,7 +184,17 @@ class Algorithm(Generic[ParamsT]):
             return
         reply = self.server.train_step(sent["smashed"], sent["labels"], server_slot)
         self.unless_dropped(client_id, "backward", step, reply["cut_grad"])
-        self.track(reply["loss"])
+        self.track(self.step_loss(sent, reply))
+
+    def step_loss(self, sent: State, reply: State) -> torch.Tensor:
+        """The training loss of a split step, from what the client sent and the server's reply."""
+        return reply["loss"]
+
+    def forwards(self, clients: list[ClientInfo], step: int) -> tuple[list[ClientInfo], list[State]]:
+        """Every client's `forward(step)` (smashed data and labels up): the clients that sent, and
+        what they sent; a client that dropped out is left out (the server works with the others)."""
+        sent = [(client, self.unless_dropped(client.id, "forward", step)) for client in clients]
+        return [c for c, message in sent if message is not None], [m for _, m in sent if m is not None]
 
     def local_step(self, client_id: int) -> None:
         """One ordinary local step of the client's whole model (FedAvg)."""
@@ -202,6 +219,15 @@ class Algorithm(Generic[ParamsT]):
             else:
                 self.sync.add(slot, state, alpha)
         self.unless_dropped(client_id, "end_round")
+
+    def fold_server_copy(self, client_id: int, alpha: float) -> None:
+        """The client's working copy of the server part into the round's average with weight alpha
+        (`server.fold_copy`); the copy of a client that dropped out is left out and freed, and the
+        average renormalised over the copies of those that finished."""
+        if client_id in self.dropped:
+            self.server.drop_copy(client_id)
+        else:
+            self.server.fold_copy(client_id, alpha)
 
     def federated_average(self, clients: list[ClientInfo], slot: str = "client_model") -> None:
         """Every client's `slot` averaged by the sync server with weights |D_k|."""
@@ -241,8 +267,8 @@ class Algorithm(Generic[ParamsT]):
                     started.append(pool.submit(self._train_tracked, train, clients[i + ahead]))
 
     def interleaved_steps(
-        self, rnd: int, clients: list[ClientInfo], step: Callable[[ClientInfo, int], State]
-    ) -> Iterator[tuple[ClientInfo, State]]:
+        self, rnd: int, clients: list[ClientInfo], step: Callable[[ClientInfo, int], State | None]
+    ) -> Iterator[tuple[ClientInfo, State | None]]:
         """`step(client, i)` for every local step i of every client, whose steps depend on nothing
         the server sends back; the results come in SplitFed-v2's interleaved order (`ctx.interleaved`).
 
@@ -271,6 +297,30 @@ class Algorithm(Generic[ParamsT]):
                 if isinstance(result, BaseException):
                     raise result
                 yield clients[k], result
+
+    # --- clients that drop out and come back (over a network) ----------------------------
+    def client_states(self) -> dict[int, State]:
+        """Every client's kept slots and optimizers (`state_dict`), for a checkpoint. A client that
+        is away is checkpointed as it was last seen, and gets that state back when it rejoins (a
+        transport whose clients can drop out delivers copies; in process nobody rejoins)."""
+        for client in self.ctx.clients:
+            with contextlib.suppress(ClientDropped):
+                self._kept[client.id] = self.client(client.id).state_dict()
+        return {k: state for k, state in self._kept.items() if state["models"]}
+
+    def load_client_states(self, states: dict[int, State]) -> None:
+        """A resumed run: every client gets its checkpointed state back."""
+        self._kept = dict(states)
+        for client_id, state in states.items():
+            self.client(client_id).load_state_dict(state)
+
+    def rejoined(self, client_id: int) -> None:
+        """A client that dropped out is back as a fresh node: it gets its kept slots as last
+        checkpointed (counted as `kept_state_down`), so that it goes on where it was, not from the
+        initial weights. The transport calls this before anything else reaches the new node."""
+        state = self._kept.get(client_id)
+        if state is not None and state["models"]:  # a client that keeps nothing has nothing to get back
+            self.client(client_id).rejoin(state)
 
     def _train_tracked(self, train: Callable[[ClientInfo], None], client: ClientInfo) -> list[torch.Tensor]:
         """`train(client)` in a worker thread; the losses it tracked, in order."""

@@ -65,9 +65,10 @@ class AuxiliaryFSL(Algorithm):
                 self.track(self.server.learn_from(client.id, sent["smashed"], sent["labels"])["loss"])
         self.finish_round(rnd, clients)
 
-    def aux_step(self, client: ClientInfo, step: int) -> State:
-        """The client's step on its local loss; its smashed data and labels at every q-th step."""
-        return self.client(client.id).local_aux_step(step % self.params.server_update_interval == 0)
+    def aux_step(self, client: ClientInfo, step: int) -> State | None:
+        """The client's step on its local loss; its smashed data and labels at every q-th step
+        (None: the client dropped out, and is skipped for the rest of the round)."""
+        return self.unless_dropped(client.id, "local_aux_step", step % self.params.server_update_interval == 0)
 
     def start_round(self, clients: list[ClientInfo]) -> None:
         raise NotImplementedError

@@ -100,19 +100,23 @@ class CycleSL(Algorithm):
     Server = CycleServer
 
     def cycle(self, rnd: int, clients: list[ClientInfo], averaged: Collection[int] = ()) -> None:
-        sent = [self.client(c.id).forward(0) for c in clients]  # ClientFP
+        """`averaged`: ids of the clients whose cut gradients are averaged. A client that drops
+        out is left out of the pooled features (and of what follows)."""
+        clients, sent = self.forwards(clients, 0)  # ClientFP
+        if not clients:
+            return
         reply = self.server.cycle(
             rnd,
             [s["smashed"] for s in sent],
             [s["labels"] for s in sent],
             [c.num_samples for c in clients],
             clients[0].id,  # server task,
-            sorted(averaged),
+            [i for i, c in enumerate(clients) if c.id in averaged],
         )  # ServerGrad
         for value in reply["losses"]:
             self.track(value)
         for client, grad in zip(clients, reply["cut_grads"]):  # ClientBP
-            self.client(client.id).backward(0, grad)
+            self.unless_dropped(client.id, "backward", 0, grad)
 
 
 class CyclePSL(CycleSL, PersonalClients, Algorithm[CycleParams]):
@@ -126,7 +130,7 @@ class CycleSGLR(CycleSL, PersonalClients, Algorithm[CycleSGLRParams]):
     name = "cycle_sglr"
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        self.cycle(rnd, clients, averaged_clients(self.ctx, rnd, len(clients), self.params.average_fraction))
+        self.cycle(rnd, clients, averaged_clients(self.ctx, rnd, clients, self.params.average_fraction))
 
 
 class CycleSFL(CycleSL, Algorithm[CycleParams]):

@@ -226,7 +226,7 @@ class FSLSAGE(AuxiliaryFSL, Algorithm[FSLSAGEParams]):
         self.federated_average(clients)
         lazy_until = self.params.lazy_until
         if rnd % self.params.align_interval == 0 and (lazy_until is None or rnd < lazy_until):
-            for client in clients:
+            for client in self.finished(clients):  # one that dropped out keeps the aux model it has
                 aligned = self.server.align(rnd, client.id)
                 if aligned is not None:
-                    self.client(client.id).load("aux_model", aligned)
+                    self.unless_dropped(client.id, "load", "aux_model", aligned)

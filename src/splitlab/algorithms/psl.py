@@ -48,4 +48,4 @@ class PSL(PersonalClients, Algorithm[NoParams]):
             self.split_step(client.id, step, server_slot=server_copy(client.id))
 
     def fold(self, client: ClientInfo, alpha: float) -> None:
-        self.server.fold_copy(client.id, alpha)
+        self.fold_server_copy(client.id, alpha)

@@ -45,11 +45,11 @@ class SGLRParams(BaseModel):
     )
 
 
-def averaged_clients(ctx: Context, rnd: int, count: int, fraction: float) -> set[int]:
-    """Positions (in the round's client list) of the int(fraction * count) clients whose cut
-    gradients are averaged this round; a seeded choice."""
-    chosen = ctx.rng(rnd, STREAM_SUBSET).choice(count, int(fraction * count), replace=False)
-    return {int(k) for k in chosen}
+def averaged_clients(ctx: Context, rnd: int, clients: list[ClientInfo], fraction: float) -> set[int]:
+    """Ids of the int(fraction * n) of the round's n clients whose cut gradients are averaged
+    this round; a seeded choice."""
+    chosen = ctx.rng(rnd, STREAM_SUBSET).choice(len(clients), int(fraction * len(clients)), replace=False)
+    return {clients[k].id for k in chosen}
 
 
 def average_cut_grads(grads: list[torch.Tensor], sizes: list[int], averaged: set[int]) -> list[torch.Tensor]:
@@ -95,21 +95,24 @@ class SGLR(PersonalClients, Algorithm[SGLRParams]):
     Server = SGLRServer
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        averaged = averaged_clients(self.ctx, rnd, len(clients), self.params.average_fraction)
+        averaged = averaged_clients(self.ctx, rnd, clients, self.params.average_fraction)
         steps = [self.ctx.local_steps(c) for c in clients]
         for step in range(max(steps)):
-            active = [k for k, n in enumerate(steps) if n > step]
-            self.lockstep(step, [clients[k] for k in active], {i for i, k in enumerate(active) if k in averaged})
+            self.lockstep(step, [c for c, n in zip(clients, steps) if n > step], averaged)
 
     def lockstep(self, step: int, clients: list[ClientInfo], averaged: set[int]) -> None:
-        sent = [self.client(c.id).forward(step) for c in clients]
+        """One step of the clients with batches left (those that dropped out are left out, the
+        loss weights renormalised over the others); `averaged`: ids of the averaging subset."""
+        clients, sent = self.forwards(clients, step)
+        if not clients:
+            return
         reply = self.server.lockstep(
             [s["smashed"] for s in sent],
             [s["labels"] for s in sent],
             self.ctx.weights(clients),
             [c.num_samples for c in clients],
-            sorted(averaged),
+            [i for i, c in enumerate(clients) if c.id in averaged],
         )
         for client, grad in zip(clients, reply["cut_grads"]):
-            self.client(client.id).backward(step, grad)
+            self.unless_dropped(client.id, "backward", step, grad)
         self.track(reply["loss"])

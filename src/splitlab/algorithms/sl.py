@@ -5,6 +5,10 @@ last (counted once, as `client_model_relay`), runs its local epochs with the sin
 and keeps the model until the next client asks. The client optimizer starts fresh with every
 round (optimizer state does not travel); the server's lives for the whole run. With one client
 this is centralized training at any cut (tested).
+
+The client part passes through the server on its way, and the server keeps it as it last relayed
+it: a holder that drops out takes its turn's training with it, and the next client goes on from
+that copy (before anyone has held it: the initial weights), sent by the server.
 """
 
 from __future__ import annotations
@@ -33,28 +37,54 @@ class RelayClient(ClientNode):
     def take_over(self, state: State) -> None:
         self.model("client_model").load_state_dict(state)
 
+    @verb(down="client_model_down")
+    def take_from_server(self, state: State) -> None:
+        """Take the client part from the server, as it relayed it to a holder that dropped out."""
+        self.take_over(state)
+
 
 class Relay(Algorithm):
     """One client part handed from client to client; shared with CycleSSL."""
 
     Client = RelayClient
     holder = -1  # id of the client holding the client part; -1 before anyone has it
+    relayed: State | None = None  # the client part as the server last relayed it (None: not yet)
+    lost = False  # the holder dropped out with the client part
+
+    def run_round(self, rnd: int, clients: list[ClientInfo]) -> None:
+        super().run_round(rnd, clients)
+        self.lost = self.lost or self.holder in self.dropped
 
     def hand_to(self, client_id: int) -> None:
-        """Give the client part to `client_id`; the first holder starts from the initial weights."""
-        if self.holder not in (-1, client_id):
-            self.client(client_id).take_over(self.client(self.holder).hand_over())
-        self.holder = client_id
+        """Give the client part to `client_id` (unless it dropped out); the first holder starts from
+        the initial weights. If the holder dropped out, the server sends the part as it relayed it."""
+        if client_id in self.dropped or (client_id == self.holder and not self.lost):
+            return
+        holder_has_it = self.holder != -1 and not (self.lost or self.holder in self.dropped)
+        handed = self.unless_dropped(self.holder, "hand_over") if holder_has_it else None
+        if handed is not None:
+            self.relayed = handed
+            self.unless_dropped(client_id, "take_over", handed)
+        elif self.holder != -1:
+            self.unless_dropped(client_id, "take_from_server", self.last_relayed())
+        self.holder, self.lost = client_id, False
+
+    def last_relayed(self) -> State:
+        """The client part as the server last relayed it (the initial weights before it ever did)."""
+        return self.relayed if self.relayed is not None else self.sync.model_state("client_model")
 
     def global_model(self) -> list[State]:
+        if self.lost:
+            return [self.last_relayed(), self.server.snapshot("server_model")]
         holder = self.client(max(self.holder, self.ctx.clients[0].id))
         return [holder.snapshot("client_model"), self.server.snapshot("server_model")]
 
     def state_dict(self) -> State:
-        return {"holder": self.holder}
+        return {"holder": self.holder, "lost": self.lost, "relayed": self.relayed or {}}
 
     def load_state_dict(self, state: State) -> None:
-        self.holder = int(state["holder"])
+        self.holder, self.lost = int(state["holder"]), bool(state.get("lost", False))
+        self.relayed = state.get("relayed") or None
 
 
 class SplitLearning(Relay, Algorithm[NoParams]):

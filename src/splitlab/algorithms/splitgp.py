@@ -204,21 +204,21 @@ class SplitGP(Algorithm[SplitGPParams]):
         self.sync.average("aux_model")
         for client in clients:
             for slot in ("client_model", "aux_model"):
-                self.client(client.id).mix(slot, self.sync.model_state(slot))
+                self.unless_dropped(client.id, "mix", slot, self.sync.model_state(slot))
 
     def local_training(self, client: ClientInfo) -> None:
-        gamma = self.params.gamma
         self.server.copy_server(client.id)
-        node = self.client(client.id)
         for step in range(self.ctx.local_steps(client)):  # one step on F_k (eqs. 6-8)
-            sent = node.forward(step)
-            reply = self.server.train_step(sent["smashed"], sent["labels"], server_copy(client.id))
-            node.backward(step, reply["cut_grad"])
-            self.track(gamma * sent["loss"] + (1 - gamma) * reply["loss"])
+            self.split_step(client.id, step, server_slot=server_copy(client.id))
+
+    def step_loss(self, sent: State, reply: State) -> torch.Tensor:
+        """F_k of the batch (eq. 5): the client exit's loss and the server's, weighted by gamma."""
+        gamma = self.params.gamma
+        return gamma * sent["loss"] + (1 - gamma) * reply["loss"]
 
     def fold(self, client: ClientInfo, alpha: float) -> None:
-        self.server.fold_copy(client.id, alpha)
         self.contribute(client.id, alpha, ("client_model", "aux_model"))
+        self.fold_server_copy(client.id, alpha)
 
     def client_weights(self) -> dict[str, torch.Tensor]:
         """phi_k and h_k of every client, as `client.<k>.<name>` and `exit.<k>.<name>`."""

@@ -7,7 +7,8 @@ checked (splitlab.net.checks) and counted in the ledger as in-process. `Hub` own
 server and one `Session` per connected client: mutual TLS, a client's id taken from its
 certificate, one connection per id. A client that disconnects, misses a deadline or its
 heartbeats, or sends anything the checks refuse, is dropped (one log line) and reported to the
-algorithm as `ClientDropped`; it may connect again and is then used from the next round on.
+algorithm as `ClientDropped`; it may connect again and is then used from the next round on, its
+new node first given its kept state (`NetworkTransport.on_rejoin`).
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class Session:
         self.awaited: int | None = None  # the sequence number of the call waiting for a reply
         self.alive = True
         self.reason = ""
+        self.rejoined = False  # a reconnection (a fresh node) that the run has not been told of yet
 
     def close(self, reason: str) -> bool:
         """End the session (the first reason counts); whether it was alive."""
@@ -232,6 +234,7 @@ class Hub:
             if current is not None and current.alive:
                 raise Refused(f"client {client_id} is already connected (from {current.peer})")
             session = Session(client_id, peer)
+            session.rejoined = client_id in self._joined
             self._sessions[client_id] = session
             self._joined.add(client_id)
             self._changed.notify_all()
@@ -282,6 +285,13 @@ class Hub:
             log(f"client {client_id} is not connected (waited {wait:.3g} s): left out of this round")
             raise ClientDropped(client_id, "not connected")
         return session
+
+    def rejoined(self, client_id: int) -> bool:
+        """Whether the client's session is a reconnection (its node is fresh) not asked about
+        before; waits for the client as a call does."""
+        session = self.session(client_id)
+        rejoined, session.rejoined = session.rejoined, False
+        return rejoined
 
     def _live(self, client_id: int) -> bool:
         session = self._sessions.get(client_id)
@@ -369,6 +379,8 @@ class NetworkTransport(Transport):
         return RemoteProxy(self, client_id, role_class)
 
     def remote_call(self, client_id: int, verb: str, spec: VerbSpec, *args: Any, **kwargs: Any) -> Any:
+        if self.hub.rejoined(client_id):
+            self.on_rejoin(client_id)
         self._count(spec.down, args, (args, kwargs))
         request = codec.encode({"args": list(args), "kwargs": kwargs})
         reply = self.hub.call(client_id, verb, request)
