@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+
+import numpy as np
 import pytest
 import torch
 
@@ -94,3 +97,9 @@ def crash_before_round(crash_round: int, config: dict, monkeypatch) -> None:
         patch.setattr(Algorithm, "run_round", crash)
         with pytest.raises(KeyboardInterrupt):
             run(config, progress=False)
+
+
+def idx_bytes(array: np.ndarray) -> bytes:
+    """`array` (uint8) as an IDX file, Fashion-MNIST's format."""
+    magic = 0x800 + array.ndim  # 0x08 = unsigned byte
+    return struct.pack(">I", magic) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()

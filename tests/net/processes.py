@@ -46,11 +46,14 @@ class Server:
             assert self.process.poll() is None, self.log.read_text()
             time.sleep(0.1)
 
-    def client(self, client_id: int) -> subprocess.Popen:
+    def client(self, client_id: int, stderr: Any = subprocess.DEVNULL, **keys: Any) -> subprocess.Popen:
+        """`splitlab client` for `client_id`, with `keys` (data=own, data_dir=...) of its own."""
+        own = [f"{k}={v}" for k, v in keys.items()]
         return subprocess.Popen(
-            [*SPLITLAB, "client", f"connect={self.address}", f"client_id={client_id}", f"certs={self.certs}"],
+            [*SPLITLAB, "client", f"connect={self.address}", f"client_id={client_id}", f"certs={self.certs}", *own],
             env=ENV,
-            stderr=subprocess.DEVNULL,
+            stderr=stderr,
+            text=True,
         )
 
 

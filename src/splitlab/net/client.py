@@ -124,7 +124,7 @@ def _session(settings: ClientSettings, connect: Any) -> bool:
                 node = _build_node(settings, welcome["config"])
                 report = codec.encode(data_report(node, settings.data))
                 outgoing.put(protocol.envelope(protocol.REPORT, run_id, payload=report))
-                log(settings.client_id, f"joined run {run_id} ({node.num_samples} samples)")
+                log(settings.client_id, f"joined run {run_id}; reported {node.num_samples} samples")
             elif message.kind == protocol.CALL and node is not None and message.run_id == run_id:
                 outgoing.put(_answer(node, message, run_id))
     except grpc.RpcError as error:
