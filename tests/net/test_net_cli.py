@@ -47,6 +47,7 @@ def test_certs_are_signed_by_the_ca_and_name_each_client(tmp_path):
         (["server", "listen=127.0.0.1:1", "min_clients=0"], "invalid value 0 for min_clients"),
         (["server", "listen=127.0.0.1:1", "rounds=0"], "invalid value 0 for rounds"),
         (["launch", "threads=0"], "invalid value 0 for threads"),
+        (["launch", "data=own"], "launch gives every client the run's data_dir; with data=own start each client"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(argv, message, capsys, tmp_path, monkeypatch):
