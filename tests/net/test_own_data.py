@@ -6,6 +6,7 @@ comes back to a resumed run with other samples."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -18,10 +19,11 @@ import torch
 from processes import Rogue, credentials
 from safetensors.torch import load_file
 
-from helpers import idx_bytes
+from helpers import idx_bytes, quick
 from splitlab.engine import build, client_node, run
 from splitlab.errors import UserError
 from splitlab.net.certs import make_certs
+from splitlab.net.checks import Checks, Refused
 from splitlab.runfiles import CHECKPOINT
 
 CONFIG = dict(dataset="fashion_mnist", model="mlp", clients=2, rounds=2, batch_size=32, device="cpu", seed=0)
@@ -154,3 +156,38 @@ def test_a_server_refuses_what_data_own_cannot_do(tmp_path, keys, message):
     config = {**CONFIG, "data": "own", "out": str(tmp_path / "run"), **keys}
     with pytest.raises(UserError, match=message):
         build(config, transport=lambda ledger, device: pytest.fail("built a transport"))
+
+
+@pytest.fixture(scope="module")
+def checks() -> Checks:
+    return Checks(build(quick(clients=2, train_subset=100)).blueprint)
+
+
+GOOD = {"data": "partition", "input_shape": [1, 8, 8], "class_counts": [1, 0, 2, 0, 0, 0, 0, 0, 0, 3]}
+
+
+@pytest.mark.parametrize(
+    ("change", "expected", "message"),
+    [
+        ({"samples": 6}, None, "a report holds exactly data, input_shape and class_counts"),
+        ({"data": "own"}, None, "the client was started with data='own'; this run has data=partition"),
+        ({"input_shape": [1, 8]}, None, "its samples have shape [1, 8]; synthetic samples have [1, 8, 8]"),
+        ({"input_shape": [1.0, 8, 8]}, None, "its samples have shape [1.0, 8, 8]"),
+        ({"class_counts": [1] * 11}, None, "expected 10 counts (labels 0 to 9)"),
+        ({"class_counts": [-1, 2] + [0] * 8}, None, "its class counts are [-1, 2,"),
+        ({"class_counts": [True] + [0] * 9}, None, "its class counts are [True,"),
+        ({"class_counts": [0] * 10}, None, "it holds no samples"),
+        (
+            {},
+            [1, 0, 2, 0, 0, 0, 0, 0, 1, 3],
+            "it holds 6 samples, [1, 0, 2, 0, 0, 0, 0, 0, 0, 3] by class; the run has 7",
+        ),
+    ],
+)
+def test_checks_refuse_reports_unlike_the_run(checks, change, expected, message):
+    with pytest.raises(Refused, match=re.escape(message)):
+        checks.report({**GOOD, **change}, expected)
+
+
+def test_checks_accept_a_report_that_fits(checks):
+    assert checks.report(GOOD, None) == checks.report(GOOD, GOOD["class_counts"]) == GOOD["class_counts"]

@@ -108,8 +108,10 @@ class Checks:
         if report["input_shape"] != shape or not _whole_numbers(report["input_shape"]):
             raise Refused(f"its samples have shape {report['input_shape']!r}; {config.dataset} samples have {shape}")
         counts = report["class_counts"]
-        if not _whole_numbers(counts) or len(counts) != classes or min(counts) < 0 or sum(counts) < 1:
+        if not _whole_numbers(counts) or len(counts) != classes or min(counts) < 0:
             raise Refused(f"its class counts are {counts!r}; expected {classes} counts (labels 0 to {classes - 1})")
+        if sum(counts) < 1:
+            raise Refused("it holds no samples")
         if expected is not None and counts != expected:
             raise Refused(
                 f"it holds {sum(counts)} samples, {counts} by class; the run has {sum(expected)} for it, {expected}"

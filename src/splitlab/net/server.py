@@ -5,9 +5,11 @@ evaluation, checkpoints, metrics); only the calls to client nodes go through `Ne
 each becomes a CALL down the client's stream (splitlab.net.protocol), whose RESULT is decoded,
 checked (splitlab.net.checks) and counted in the ledger as in-process. `Hub` owns the gRPC
 server and one `Session` per connected client: mutual TLS, a client's id taken from its
-certificate, one connection per id. A client that disconnects, misses a deadline or its
-heartbeats, or sends anything the checks refuse, is dropped (one log line) and reported to the
-algorithm as `ClientDropped`; it may connect again and is then used from the next round on.
+certificate, one connection per id, and a client is called only once its REPORT of the data
+it holds fits the run (with data=own, those reports are where the clients' sizes come from).
+A client that disconnects, misses a deadline or its heartbeats, or sends anything the checks
+refuse, is dropped (one log line) and reported to the algorithm as `ClientDropped`; it may
+connect again and is then used from the next round on.
 """
 
 from __future__ import annotations
