@@ -107,7 +107,8 @@ class Hub:
         self._welcome = codec.encode({"config": client_config, "heartbeat": settings.heartbeat})
         self._clients = client_config["clients"]  # K, or "all" (known once the dataset is read)
         self._sessions: dict[int, Session] = {}
-        self._joined: set[int] = set()  # ids that reported their data at least once
+        self._joined: set[int] = set()  # ids that connected at least once
+        self._reported: set[int] = set()  # ids whose data was accepted at least once
         self._expected: set[int] | None = None
         self._counts: dict[int, list[int]] = {}  # the class counts each client must report
         self._checks: Checks | None = None
@@ -162,8 +163,8 @@ class Hub:
         with self._changed:
             ids = sorted(self._expected or ())
             remaining = max(0.0, self._join_deadline - time.monotonic())
-            self._changed.wait_for(lambda: self._joined.issuperset(ids) or self._closing, timeout=remaining)
-            missing = [str(k) for k in ids if k not in self._joined]
+            self._changed.wait_for(lambda: self._reported.issuperset(ids) or self._closing, timeout=remaining)
+            missing = [str(k) for k in ids if k not in self._reported]
         if missing:
             raise UserError(
                 f"client(s) {', '.join(missing)} did not report their data within join_timeout="
@@ -258,6 +259,7 @@ class Hub:
                 raise Refused(f"client {client_id} is already connected (from {current.peer})")
             session = Session(client_id, peer)
             self._sessions[client_id] = session
+            self._joined.add(client_id)
             self._changed.notify_all()
         return session
 
@@ -275,7 +277,7 @@ class Hub:
         with self._changed:
             self._counts[client_id] = counts
             session.reported = True
-            self._joined.add(client_id)
+            self._reported.add(client_id)
             self._changed.notify_all()
         log(f"client {client_id} holds {sum(counts)} samples")
 
@@ -315,13 +317,17 @@ class Hub:
     # --- calls ---------------------------------------------------------------------------------
     def session(self, client_id: int) -> Session:
         """The client's live session, waiting for it to connect (join_timeout the first time,
-        rejoin_wait after); ClientDropped if it does not."""
+        rejoin_wait after) and to report its data (call_timeout, as for an answer: it may be
+        building its node); ClientDropped if it does not."""
         wait = self.settings.rejoin_wait
         if client_id not in self._joined:  # every client has until join_timeout after the start
             wait = max(wait, self._join_deadline - time.monotonic())
         with self._changed:
             self._changed.wait_for(lambda: self._live(client_id), timeout=wait)
             session = self._sessions.get(client_id)
+            if session is not None:
+                reported = lambda: session.reported or not session.alive
+                self._changed.wait_for(reported, timeout=self.settings.call_timeout)
         if session is None or not session.alive or not session.reported:
             log(f"client {client_id} is not connected (waited {wait:.3g} s): left out of this round")
             raise ClientDropped(client_id, "not connected")
@@ -329,7 +335,7 @@ class Hub:
 
     def _live(self, client_id: int) -> bool:
         session = self._sessions.get(client_id)
-        return session is not None and session.alive and session.reported
+        return session is not None and session.alive
 
     def call(self, client_id: int, verb: str, payload: bytes) -> bytes:
         """Send a CALL and wait for its RESULT; ClientDropped if the client errs, leaves or is late."""
