@@ -235,6 +235,7 @@ def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
     run = config.run
     refusals = {
         "clients": (run.clients == "all", "data=own needs clients=K, the number of clients that will report"),
+        "partition": (run.partition != "iid", "data=own: each client's samples are its own, not a partition's"),
         "train_subset": (run.train_subset is not None, "data=own: each client uses every sample in its data_dir"),
         "test_split": (run.test_split != "global", "data=own: the server evaluates on the dataset's test set"),
     }

@@ -27,6 +27,7 @@ from splitlab.net.checks import Checks, Refused
 from splitlab.runfiles import CHECKPOINT
 
 CONFIG = dict(dataset="fashion_mnist", model="mlp", clients=2, rounds=2, batch_size=32, device="cpu", seed=0)
+SKEWED = {"partition": "dirichlet:0.5"}  # how `run` splits the whole dataset: clients of unequal sizes
 
 
 def write_fashion(folder: Path, prefix: str, images: np.ndarray, labels: np.ndarray) -> Path:
@@ -44,12 +45,12 @@ def dataset(tmp_path) -> dict[str, Path]:
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 10, 160)
     images = rng.integers(0, 60, (160, 28, 28)) + (labels[:, None, None] * 19)  # some signal per class
-    whole = write_fashion(tmp_path / "whole", "train", images, labels)
+    whole = write_fashion(tmp_path / "whole", "train", images, labels)  # split by label skew: unequal sizes
     write_fashion(whole, "t10k", images[:40], labels[:40])
     write_fashion(tmp_path / "server", "t10k", images[:40], labels[:40])
     folders = {"whole": whole, "server": tmp_path / "server"}
     for k in range(2):
-        node = client_node({**CONFIG, "data_dir": str(whole)}, k)
+        node = client_node({**CONFIG, **SKEWED, "data_dir": str(whole)}, k)
         folders[f"client{k}"] = write_fashion(tmp_path / f"client-{k}", "train", node.x[:, 0].numpy(), node.y.numpy())
     return folders
 
@@ -112,8 +113,10 @@ def test_own_data_gives_what_run_gives_and_data_unlike_the_run_is_refused(tmp_pa
         ["refused client 0's data", "the client was started with data='partition'; this run has data=own"],
         ["refused client 1's data", "its samples have shape [1, 8, 8]; fashion_mnist samples have [1, 28, 28]"],
     ]
-    run_in_one_thread({**CONFIG, "data_dir": str(dataset["whole"]), "out": str(tmp_path / "run")})
+    run_in_one_thread({**CONFIG, **SKEWED, "data_dir": str(dataset["whole"]), "out": str(tmp_path / "run")})
     assert identical_runs(tmp_path / "run", out)
+    sizes = json.loads((out / "partition.json").read_text())["sizes"]
+    assert sum(sizes) == 160 and sizes[0] != sizes[1]  # FedAvg's weights |D_k| are the reported counts
 
 
 def test_a_resumed_own_data_run_refuses_a_client_with_other_samples(tmp_path, dataset, servers):
@@ -130,7 +133,7 @@ def test_a_resumed_own_data_run_refuses_a_client_with_other_samples(tmp_path, da
     clients[1].send_signal(signal.SIGKILL)
     assert first.process.wait() == -signal.SIGKILL and clients[1].wait() == -signal.SIGKILL
     second = servers(own, address=first.address, resume=True)
-    node = client_node({**CONFIG, "data_dir": str(dataset["whole"])}, 1)
+    node = client_node({**CONFIG, **SKEWED, "data_dir": str(dataset["whole"])}, 1)
     fewer = write_fashion(tmp_path / "fewer", "train", node.x[1:, 0].numpy(), node.y[1:].numpy())
     impostor = second.client(1, stderr=subprocess.PIPE, data="own", data_dir=fewer)
     assert impostor.wait() == 2
@@ -138,7 +141,7 @@ def test_a_resumed_own_data_run_refuses_a_client_with_other_samples(tmp_path, da
     assert line.startswith(f"error: the server refused client 1: its data: it holds {node.num_samples - 1} samples")
     back = second.client(1, data="own", data_dir=dataset["client1"])
     assert second.process.wait() == 0 and clients[0].wait() == 0 and back.wait() == 0
-    run_in_one_thread({**config, "data_dir": str(dataset["whole"]), "out": str(tmp_path / "run")})
+    run_in_one_thread({**config, **SKEWED, "data_dir": str(dataset["whole"]), "out": str(tmp_path / "run")})
     assert identical_runs(tmp_path / "run", out)
 
 
@@ -147,6 +150,7 @@ def test_a_resumed_own_data_run_refuses_a_client_with_other_samples(tmp_path, da
     [
         ({"clients": "all"}, "clients=all cannot be used with data=own"),
         ({"train_subset": 50}, "train_subset=50 cannot be used with data=own"),
+        ({"partition": "shards:2"}, "partition=shards:2 cannot be used with data=own"),
         ({"test_split": "client:0.2"}, "test_split=client:0.2 cannot be used with data=own"),
         ({"algorithm": "centralized"}, "algorithm=centralized pools the clients' samples in one node"),
         ({"dataset": "digits"}, "'digits' has no such files; allowed datasets: cifar10, cifar100, fashion_mnist"),
