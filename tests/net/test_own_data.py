@@ -45,7 +45,7 @@ def dataset(tmp_path) -> dict[str, Path]:
     rng = np.random.default_rng(0)
     labels = rng.integers(0, 10, 160)
     images = rng.integers(0, 60, (160, 28, 28)) + (labels[:, None, None] * 19)  # some signal per class
-    whole = write_fashion(tmp_path / "whole", "train", images, labels)  # split by label skew: unequal sizes
+    whole = write_fashion(tmp_path / "whole", "train", images, labels)
     write_fashion(whole, "t10k", images[:40], labels[:40])
     write_fashion(tmp_path / "server", "t10k", images[:40], labels[:40])
     folders = {"whole": whole, "server": tmp_path / "server"}
