@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import struct
+
+import numpy as np
 import pytest
 import torch
 
@@ -131,3 +134,9 @@ class DropsOut(SerializedTransport):
                     node.__init__(node.blueprint, node.id, node.x, node.y, node.prepare)  # a fresh node
                     raise ClientDropped(node.id, "left")
         return super().call(method, spec, counted, *args, **kwargs)
+
+
+def idx_bytes(array: np.ndarray) -> bytes:
+    """`array` (uint8) as an IDX file, Fashion-MNIST's format."""
+    magic = 0x800 + array.ndim  # 0x08 = unsigned byte
+    return struct.pack(">I", magic) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()

@@ -312,8 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
         command.set_defaults(handler=_cmd_server if name == "server" else _cmd_launch)
     client = commands.add_parser(
         "client",
-        help="one client node of a networked run: connect=HOST:PORT client_id=K certs=DIR [data_dir=...]",
-        description="Keys: connect client_id certs data_dir device threads server_name retry_seconds "
+        help="one client node of a networked run: connect=HOST:PORT client_id=K certs=DIR [data=own data_dir=DIR]",
+        description="Keys: connect client_id certs data_dir data device threads server_name retry_seconds "
         "max_message_mib; see docs/deployment.md.",
     )
     client.add_argument("overrides", nargs="*", metavar="KEY=VALUE")

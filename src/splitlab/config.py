@@ -28,6 +28,11 @@ class RunConfig(BaseModel):
     algorithm: str = "sfl_v2"
     dataset: str = "fashion_mnist"
     data_dir: str | None = Field(None, description="directory with the dataset's files, if not the default")
+    data: Literal["partition", "own"] = Field(
+        "partition",
+        description="partition: clients are a seeded partition of the dataset | own: each client brings the "
+        "training samples in its own data_dir (splitlab server only)",
+    )
     model: str = "cnn"
     cut: int = Field(1, description="cut layer, in the model's numbering (see `splitlab models`)")
     clients: int | Literal["all"] = Field(10, description="number of clients K; 'all' = one per natural user")

@@ -43,7 +43,7 @@ from splitlab.config import (
     parse_test_split,
     resolve_config,
 )
-from splitlab.data import Dataset, load_dataset, partition, partition_report
+from splitlab.data import Dataset, counts_report, load_dataset, load_split, partition, partition_report
 from splitlab.errors import NonFiniteLoss, RoundFailed, UserError
 from splitlab.io import (
     save_safetensors,
@@ -186,20 +186,34 @@ class _Plan:
 
     config: ResolvedConfig
     data: Dataset
-    owners: list[np.ndarray]  # the samples of each client node
+    owners: list[np.ndarray] | None  # the samples of each client node; None: the clients' own (data=own)
     client_test: list[tuple[torch.Tensor, torch.Tensor]] | None
-    partition_report: dict
+    partition_report: dict | None  # data=own: from the clients' reports
     algorithm_class: type[Algorithm]
     blueprint: Blueprint
 
+    @property
+    def client_count(self) -> int:
+        return len(self.owners) if self.owners is not None else int(self.config.run.clients)
+
     def node(self, client_id: int) -> ClientNode:
         """Client node `client_id`, holding only its own samples."""
+        assert self.owners is not None, "data=own: the client nodes hold their own samples, elsewhere"
         return client_nodes(self.blueprint, self.data, {client_id: self.owners[client_id]})[0]
+
+    def class_counts(self) -> list[list[int]] | None:
+        """How many samples of each class every client node holds (None: data=own, the clients say)."""
+        if self.owners is None:
+            return None
+        labels = self.data.train_y.numpy()
+        return [np.bincount(labels[idx], minlength=self.blueprint.num_classes).tolist() for idx in self.owners]
 
 
 def _plan(config: ResolvedConfig) -> _Plan:
     run = config.run
     device = resolve_device(run.device)
+    if run.data == "own":
+        return _own_data_plan(config, device)
     data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
     indices = _client_indices(config, data)
     held_out = parse_test_split(run.test_split)
@@ -215,18 +229,64 @@ def _plan(config: ResolvedConfig) -> _Plan:
     return _Plan(config, data, owners, client_test, report, algorithm_class, blueprint)
 
 
+def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
+    """A server whose clients bring their own samples (data=own): it reads the test set alone, and
+    learns what each client holds from its report (splitlab.net)."""
+    run = config.run
+    refusals = {
+        "clients": (run.clients == "all", "data=own needs clients=K, the number of clients that will report"),
+        "partition": (run.partition != "iid", "data=own: each client's samples are its own, not a partition's"),
+        "train_subset": (run.train_subset is not None, "data=own: each client uses every sample in its data_dir"),
+        "test_split": (run.test_split != "global", "data=own: the server evaluates on the dataset's test set"),
+    }
+    for key, (refused, why) in refusals.items():
+        if refused:
+            raise UserError(f"{key}={getattr(run, key)} cannot be used with data=own; {why}")
+    algorithm_class = get_algorithm(run.algorithm)
+    if len(algorithm_class.data_owners([np.arange(0)] * int(run.clients))) != run.clients:
+        raise UserError(f"algorithm={run.algorithm} pools the clients' samples in one node; data=own keeps them apart")
+    data = load_split(run.dataset, "test", run.data_dir)
+    blueprint = make_blueprint(config, data, device)
+    blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
+    return _Plan(config, data, None, None, None, algorithm_class, blueprint)
+
+
 def client_node(raw: Mapping[str, Any], client_id: int) -> ClientNode:
     """Client node `client_id` of the run `raw` configures, built in this process (a networked
-    client): the same samples, batches and initial weights as the node `build` would make."""
-    plan = _plan(resolve_config(raw))
-    if not 0 <= client_id < len(plan.owners):
-        raise UserError(f"client_id={client_id} is not a client of this run; allowed: 0 to {len(plan.owners) - 1}")
+    client): the same samples, batches and initial weights as the node `build` would make. With
+    data=own, its samples are every training sample in `data_dir` (the client's own)."""
+    config = resolve_config(raw)
+    run = config.run
+    if run.data == "own":
+        if run.clients != "all" and not 0 <= client_id < run.clients:
+            raise UserError(f"client_id={client_id} is not a client of this run; allowed: 0 to {run.clients - 1}")
+        data = load_split(run.dataset, "train", run.data_dir)
+        blueprint = make_blueprint(config, data, resolve_device(run.device))
+        return client_nodes(blueprint, data, {client_id: np.arange(len(data.train_y))})[0]
+    plan = _plan(config)
+    if not 0 <= client_id < plan.client_count:
+        raise UserError(f"client_id={client_id} is not a client of this run; allowed: 0 to {plan.client_count - 1}")
     return plan.node(client_id)
 
 
 def client_count(raw: Mapping[str, Any]) -> int:
     """How many client nodes the run `raw` configures (the partition's clients; centralized: one)."""
-    return len(_plan(resolve_config(raw)).owners)
+    return _plan(resolve_config(raw)).client_count
+
+
+def _stored_counts(config: ResolvedConfig) -> list[list[int]] | None:
+    """The class counts the clients of a data=own run reported when it began (its partition.json),
+    which they must report again when it is resumed; None for a run that starts."""
+    path = config.out_dir / "partition.json"
+    if not config.run.resume or not path.exists():
+        return None
+    try:
+        counts = json.loads(path.read_text())["counts"]
+        if len(counts) != config.run.clients or not all(isinstance(c, list) for c in counts):
+            raise ValueError(f"counts for {len(counts)} clients")
+    except (ValueError, KeyError, TypeError, OSError) as error:
+        raise UserError(f"cannot resume: {str(path)!r} does not hold the clients' class counts ({error})") from None
+    return counts
 
 
 def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Transport] | None = None) -> Experiment:
@@ -240,10 +300,13 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     check_logger(run.logger)
     if transport is not None and run.backend == "ray":
         raise UserError("backend=ray runs clients on Ray actors; a networked server takes backend=local")
+    if run.data == "own" and transport is None:
+        raise UserError("data=own: the clients bring their own samples to a server; run it with `splitlab server`")
     plan = _plan(config)
     data, blueprint, algorithm_class, device = plan.data, plan.blueprint, plan.algorithm_class, plan.blueprint.device
     ledger = Ledger(run.ledger)
-    clients = [ClientInfo(k, len(idx)) for k, idx in enumerate(plan.owners)]
+    counts = plan.class_counts()
+    report = plan.partition_report
     roles: Roles | None = None
     transport_: Transport
     server: object
@@ -252,18 +315,28 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         from splitlab import ray_backend
 
         transport_ = ray_backend.RayTransport(ledger, device, run.workers)
+        assert plan.owners is not None
         client_roles, server = ray_backend.start_roles(config, dict(enumerate(plan.owners)), transport_)
         client_proxies = {k: transport_.connect(role, counted=True) for k, role in client_roles.items()}
     else:
         transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
-        if transport_.remote:
+        if transport_.remote:  # each client must report the class counts it holds: the partition's, or a resumed run's
             nodes: list[ClientNode] = []
-            client_proxies = {c.id: transport_.connect_remote(c.id, algorithm_class.Client, blueprint) for c in clients}
+            expected = counts or _stored_counts(config)
+            client_proxies = {
+                k: transport_.connect_remote(k, algorithm_class.Client, blueprint, expected[k] if expected else None)
+                for k in range(plan.client_count)
+            }
+            if counts is None:  # data=own: what the clients hold is known once they have all reported
+                counts = transport_.reported_counts()
+                report = counts_report(counts, blueprint.num_classes)
         else:
-            nodes = [plan.node(c.id) for c in clients]
+            nodes = [plan.node(k) for k in range(plan.client_count)]
             client_proxies = {node.id: transport_.connect(node, counted=True) for node in nodes}
         roles = Roles(nodes, algorithm_class.Server(blueprint), sync)
         server = roles.server
+    assert counts is not None and report is not None
+    clients = [ClientInfo(k, sum(held)) for k, held in enumerate(counts)]
     context = Context(
         run,
         config.params,
@@ -285,9 +358,7 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         test_y=data.test_y[test].to(device),
         prepare=None,
     )  # the test set, prepared once
-    return Experiment(
-        config, data, clients, algorithm, plan.partition_report, roles, blueprint, transport_, plan.client_test
-    )
+    return Experiment(config, data, clients, algorithm, report, roles, blueprint, transport_, plan.client_test)
 
 
 def sample_clients(clients: list[ClientInfo], participation: float, rng: np.random.Generator) -> list[ClientInfo]:

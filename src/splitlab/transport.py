@@ -102,8 +102,15 @@ class Transport:
     def connect(self, role: object, counted: bool) -> Proxy:
         return Proxy(self, role, counted)
 
-    def connect_remote(self, client_id: int, role_class: type, blueprint: Any) -> Proxy:
-        """A proxy to client `client_id`, a `role_class` node built in another process."""
+    def connect_remote(
+        self, client_id: int, role_class: type, blueprint: Any, class_counts: list[int] | None = None
+    ) -> Proxy:
+        """A proxy to client `client_id`, a `role_class` node built in another process, which must
+        report holding `class_counts` samples of each class (None: whatever it holds, data=own)."""
+        raise NotImplementedError(f"the {self.name} transport reaches only roles in this process")
+
+    def reported_counts(self) -> list[list[int]]:
+        """The class counts every remote client reported, once all have (data=own)."""
         raise NotImplementedError(f"the {self.name} transport reaches only roles in this process")
 
     def close(self) -> None:

@@ -6,13 +6,13 @@ from __future__ import annotations
 import gzip
 import json
 import pickle
-import struct
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import idx_bytes
 from splitlab.data import (
     DATASETS,
     Dataset,
@@ -47,11 +47,6 @@ def one_line_error(excinfo) -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Fashion-MNIST / IDX
-
-
-def idx_bytes(array: np.ndarray) -> bytes:
-    magic = 0x800 + array.ndim  # 0x08 = unsigned byte
-    return struct.pack(">I", magic) + struct.pack(f">{array.ndim}I", *array.shape) + array.tobytes()
 
 
 def write_fashion(folder: Path, gz: bool = True) -> dict[str, np.ndarray]:

@@ -14,7 +14,9 @@ from typing import Any
 import grpc
 
 from splitlab import codec
+from splitlab.engine import client_node
 from splitlab.net import protocol
+from splitlab.net.checks import data_report
 from splitlab.net.launch import _free_port
 
 SPLITLAB = [sys.executable, "-m", "splitlab"]
@@ -44,11 +46,14 @@ class Server:
             assert self.process.poll() is None, self.log.read_text()
             time.sleep(0.1)
 
-    def client(self, client_id: int) -> subprocess.Popen:
+    def client(self, client_id: int, stderr: Any = subprocess.DEVNULL, **keys: Any) -> subprocess.Popen:
+        """`splitlab client` for `client_id`, with `keys` (data=own, data_dir=...) of its own."""
+        own = [f"{k}={v}" for k, v in keys.items()]
         return subprocess.Popen(
-            [*SPLITLAB, "client", f"connect={self.address}", f"client_id={client_id}", f"certs={self.certs}"],
+            [*SPLITLAB, "client", f"connect={self.address}", f"client_id={client_id}", f"certs={self.certs}", *own],
             env=ENV,
-            stderr=subprocess.DEVNULL,
+            stderr=stderr,
+            text=True,
         )
 
 
@@ -69,6 +74,7 @@ class Rogue:
         self, address: str, creds: grpc.ChannelCredentials, client_id: int, hello_payload: bytes = b""
     ) -> None:
         self.channel = grpc.secure_channel(address, creds)
+        self.client_id = client_id
         self.outgoing: queue.Queue = queue.Queue()
         self.outgoing.put(protocol.envelope(protocol.HELLO, client_id=client_id, payload=hello_payload))
         connect = self.channel.stream_stream(
@@ -82,14 +88,18 @@ class Rogue:
         while (message := self.outgoing.get()) is not None:
             yield message
 
-    def first_reply(self) -> Any:
-        """The server's first message (WELCOME), or the RpcError that refused this client."""
+    def first_reply(self, report: dict | None = None) -> Any:
+        """The server's first message (WELCOME), or the RpcError that refused this client. After a
+        WELCOME it REPORTs its data: `report`, or that of the node a client of the run builds."""
         try:
-            return next(self.replies)
+            reply = next(self.replies)
         except grpc.RpcError as error:
             return error
-        finally:
-            pass
+        if reply.kind == protocol.WELCOME:
+            config = codec.decode(bytes(reply.payload))["config"]
+            report = report or data_report(client_node(config, self.client_id), "partition")
+            self.outgoing.put(protocol.envelope(protocol.REPORT, reply.run_id, payload=codec.encode(report)))
+        return reply
 
     def serve(self, answer: Callable[[str], bytes]) -> None:
         """Answer calls until the server ends the stream."""

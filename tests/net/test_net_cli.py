@@ -37,9 +37,17 @@ def test_certs_are_signed_by_the_ca_and_name_each_client(tmp_path):
         ),
         (["client", "port=7070"], "unknown key 'port' for client"),
         (["client", "client_id=-1"], "invalid value -1 for client_id"),
+        (["client", "data=mine"], "invalid value 'mine' for data: Input should be 'partition' or 'own'"),
+        (["client", "data=own"], "data=own needs data_dir=DIR, the folder of this client's own files"),
+        (["run", "data=mine"], "invalid value 'mine' for data: Input should be 'partition' or 'own'"),
+        (
+            ["run", "data=own"],
+            "data=own: the clients bring their own samples to a server; run it with `splitlab server`",
+        ),
         (["server", "listen=127.0.0.1:1", "min_clients=0"], "invalid value 0 for min_clients"),
         (["server", "listen=127.0.0.1:1", "rounds=0"], "invalid value 0 for rounds"),
         (["launch", "threads=0"], "invalid value 0 for threads"),
+        (["launch", "data=own"], "launch gives every client the run's data_dir; with data=own start each client"),
     ],
 )
 def test_bad_settings_are_refused_in_one_line(argv, message, capsys, tmp_path, monkeypatch):

@@ -173,42 +173,39 @@ def parse_idx(raw: bytes, ndim: int, path: Path | str) -> np.ndarray:
     return np.frombuffer(raw, np.uint8, offset=header).reshape(dims)
 
 
-def _find_fashion_mnist(data_dir: Path | None) -> Path:
-    """First folder holding all four files: data_dir (or its fashion_mnist/ subfolder), else
+def _find_fashion_mnist(data_dir: Path | None, files: tuple[str, ...] = _FASHION_FILES) -> Path:
+    """First folder holding all `files`: data_dir (or its fashion_mnist/ subfolder), else
     $SPLITLAB_DATA/fashion_mnist, else the Debian package's folder."""
     candidates = [c for r in _roots(data_dir) for c in (r, r / "fashion_mnist", r / "fashion-mnist")]
     if data_dir is None:
         candidates += [FASHION_MNIST_SYSTEM_DIR, cache_dir() / "fashion_mnist"]
     for folder in candidates:
-        if all(_existing(folder, f) for f in _FASHION_FILES):
+        if all(_existing(folder, f) for f in files):
             return folder
     raise UserError(
         f"fashion_mnist files not found; looked in {_looked_in(candidates)}; get them with "
         f"'apt-get install dataset-fashion-mnist', 'splitlab download fashion_mnist' (online), "
         f"or pass data_dir=DIR holding "
-        f"{', '.join(_FASHION_FILES)} (gzipped or not)"
+        f"{', '.join(files)} (gzipped or not)"
     )
 
 
 @functools.cache
-def _read_fashion_mnist(folder: Path) -> tuple[torch.Tensor, ...]:
+def _read_fashion_split(folder: Path, images_name: str, labels_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Parse once per folder, so loads with different seeds share the same tensors."""
-    out = []
-    for images_name, labels_name in (_FASHION_FILES[:2], _FASHION_FILES[2:]):
-        # _find_fashion_mnist saw both; a file removed since then is a read error naming it
-        images_path, labels_path = (_existing(folder, n) or folder / n for n in (images_name, labels_name))
-        images, labels = read_idx(images_path, 3), read_idx(labels_path, 1)
-        if len(images) != len(labels):
-            raise UserError(f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} labels")
-        if labels.max(initial=0) > 9:
-            raise UserError(f"{labels_path} has label {labels.max()}; fashion_mnist labels are 0..9")
-        x = torch.from_numpy(images.copy()).unsqueeze(1)  # uint8; `prepare` scales and normalizes
-        out += [x, torch.from_numpy(labels.astype(np.int64))]
-    return tuple(out)
+    # _find_fashion_mnist saw both; a file removed since then is a read error naming it
+    images_path, labels_path = (_existing(folder, n) or folder / n for n in (images_name, labels_name))
+    images, labels = read_idx(images_path, 3), read_idx(labels_path, 1)
+    if len(images) != len(labels):
+        raise UserError(f"{images_path} has {len(images)} images but {labels_path} has {len(labels)} labels")
+    if labels.max(initial=0) > 9:
+        raise UserError(f"{labels_path} has label {labels.max()}; fashion_mnist labels are 0..9")
+    x = torch.from_numpy(images.copy()).unsqueeze(1)  # uint8; `prepare` scales and normalizes
+    return x, torch.from_numpy(labels.astype(np.int64))
 
 
-def _load_fashion_mnist(data_dir: Path | None, seed: int) -> Dataset:
-    train_x, train_y, test_x, test_y = _read_fashion_mnist(_find_fashion_mnist(data_dir))
+def _fashion_mnist(train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torch.Tensor]) -> Dataset:
+    (train_x, train_y), (test_x, test_y) = train, test
     return Dataset(
         "fashion_mnist",
         train_x,
@@ -219,6 +216,20 @@ def _load_fashion_mnist(data_dir: Path | None, seed: int) -> Dataset:
         tuple(train_x.shape[1:]),
         prepare=functools.partial(scale_and_normalize, mean=(_FASHION_MEAN,), std=(_FASHION_STD,)),
     )
+
+
+def _load_fashion_mnist(data_dir: Path | None, seed: int) -> Dataset:
+    folder = _find_fashion_mnist(data_dir)
+    return _fashion_mnist(
+        _read_fashion_split(folder, *_FASHION_FILES[:2]), _read_fashion_split(folder, *_FASHION_FILES[2:])
+    )
+
+
+def _load_fashion_mnist_split(data_dir: Path | None, split: str) -> Dataset:
+    files = _FASHION_FILES[:2] if split == "train" else _FASHION_FILES[2:]
+    samples = _read_fashion_split(_find_fashion_mnist(data_dir, files), *files)
+    none = tuple(t[:0] for t in samples)
+    return _fashion_mnist(samples, none) if split == "train" else _fashion_mnist(none, samples)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,14 +309,15 @@ def _pickled_cifar(fmt: _CifarFormat, roots: list[Path]) -> Path | None:
     return None
 
 
-def _find_cifar(name: str, data_dir: Path | None) -> Path:
-    """data_dir may be the unpacked folder itself or its parent."""
+def _find_cifar(name: str, data_dir: Path | None, files: tuple[str, ...] = ()) -> Path:
+    """The folder holding `files` (default: all of them); data_dir may be the unpacked folder itself or its parent."""
     fmt = _CIFAR[name]
+    files = files or fmt.files
     roots = _roots(data_dir)
     candidates = [c for r in roots for c in (r, r / fmt.folder)]
     missing = {}
     for folder in candidates:
-        missing[folder] = [f for f in fmt.files if not (folder / f).is_file()]
+        missing[folder] = [f for f in files if not (folder / f).is_file()]
         if not missing[folder]:
             return folder
     pickled = _pickled_cifar(fmt, roots)
@@ -354,31 +366,44 @@ def _read_cifar_file(path: Path, fmt: _CifarFormat) -> tuple[np.ndarray, np.ndar
 
 
 @functools.cache
-def _read_cifar(name: str, folder: Path) -> tuple[torch.Tensor, ...]:
+def _read_cifar_split(name: str, folder: Path, files: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     """Parse once per folder (uint8); rows are 1024 R, 1024 G, 1024 B bytes, each row-major 32x32."""
     fmt = _CIFAR[name]
-    out = []
-    for files in (fmt.train_files, (fmt.test_file,)):
-        parts = [_read_cifar_file(folder / f, fmt) for f in files]
-        data = np.concatenate([p[0] for p in parts]).reshape(-1, 3, 32, 32)  # a contiguous copy
-        out += [torch.from_numpy(data), torch.from_numpy(np.concatenate([p[1] for p in parts]))]  # x uint8
-    return tuple(out)
+    parts = [_read_cifar_file(folder / f, fmt) for f in files]
+    data = np.concatenate([p[0] for p in parts]).reshape(-1, 3, 32, 32)  # a contiguous copy
+    return torch.from_numpy(data), torch.from_numpy(np.concatenate([p[1] for p in parts]))  # x uint8
+
+
+def _cifar(name: str, train: tuple[torch.Tensor, torch.Tensor], test: tuple[torch.Tensor, torch.Tensor]) -> Dataset:
+    fmt = _CIFAR[name]
+    return Dataset(
+        name,
+        *train,
+        *test,
+        fmt.num_classes,
+        (3, 32, 32),
+        prepare=functools.partial(scale_and_normalize, mean=fmt.mean, std=fmt.std),
+    )
 
 
 def _cifar_loader(name: str) -> Callable[[Path | None, int], Dataset]:
     def load(data_dir: Path | None, seed: int) -> Dataset:
-        train_x, train_y, test_x, test_y = _read_cifar(name, _find_cifar(name, data_dir))
         fmt = _CIFAR[name]
-        return Dataset(
-            name,
-            train_x,
-            train_y,
-            test_x,
-            test_y,
-            fmt.num_classes,
-            (3, 32, 32),
-            prepare=functools.partial(scale_and_normalize, mean=fmt.mean, std=fmt.std),
+        folder = _find_cifar(name, data_dir)
+        return _cifar(
+            name, _read_cifar_split(name, folder, fmt.train_files), _read_cifar_split(name, folder, (fmt.test_file,))
         )
+
+    return load
+
+
+def _cifar_split_loader(name: str) -> Callable[[Path | None, str], Dataset]:
+    def load(data_dir: Path | None, split: str) -> Dataset:
+        fmt = _CIFAR[name]
+        files = fmt.train_files if split == "train" else (fmt.test_file,)
+        samples = _read_cifar_split(name, _find_cifar(name, data_dir, files), files)
+        none = tuple(t[:0] for t in samples)
+        return _cifar(name, samples, none) if split == "train" else _cifar(name, none, samples)
 
     return load
 
@@ -435,6 +460,15 @@ DATASETS: dict[str, Callable[[Path | None, int], Dataset]] = {
     "synthetic": _load_synthetic,
 }
 
+#: name -> loader(data_dir, "train" | "test") of one split alone, the other left empty: for datasets
+#: whose files keep the splits apart, so that a client can hold only its own training samples
+#: (data=own) and a server only the test set.
+SPLIT_LOADERS: dict[str, Callable[[Path | None, str], Dataset]] = {
+    "cifar10": _cifar_split_loader("cifar10"),
+    "cifar100": _cifar_split_loader("cifar100"),
+    "fashion_mnist": _load_fashion_mnist_split,
+}
+
 #: Optional: name -> locator(data_dir) returning where the data is (UserError if it is not
 #: there), so `dataset_availability` need not load big datasets. Without one, it tries a load.
 LOCATORS: dict[str, Callable[[Path | None], str]] = {
@@ -471,6 +505,18 @@ def load_dataset(name: str, data_dir: str | os.PathLike | None = None, seed: int
     """Load a registered dataset; repeated calls with the same arguments return the cached one."""
     _check_name(name)
     return _load_cached(name, _resolve(data_dir), seed, os.environ.get(DATA_ENV))
+
+
+def load_split(name: str, split: str, data_dir: str | os.PathLike | None = None) -> Dataset:
+    """The `split` ("train" or "test") of a dataset, read from its own files alone: all the
+    training samples in a client's data_dir (data=own), or a server's test set."""
+    _check_name(name)
+    if name not in SPLIT_LOADERS:
+        raise UserError(
+            f"data=own reads each client's own files in the dataset's format; {name!r} has no such files; "
+            f"allowed datasets: {', '.join(sorted(SPLIT_LOADERS))}"
+        )
+    return SPLIT_LOADERS[name](_resolve(data_dir), split)
 
 
 @functools.cache

@@ -108,9 +108,14 @@ def partition_report(labels: np.ndarray, parts: list[np.ndarray], num_classes: i
         if len(c) > num_classes:
             raise ValueError(f"label {len(c) - 1} is outside 0..{num_classes - 1}")
         counts.append([int(v) for v in c])
+    return counts_report(counts, num_classes)
+
+
+def counts_report(counts: list[list[int]], num_classes: int) -> dict:
+    """The report of clients holding `counts[k][c]` samples of class c (as the clients of data=own say)."""
     return {
-        "num_clients": len(parts),
+        "num_clients": len(counts),
         "num_classes": num_classes,
         "counts": counts,
-        "sizes": [int(len(p)) for p in parts],
+        "sizes": [sum(c) for c in counts],
     }

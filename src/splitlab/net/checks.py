@@ -5,7 +5,8 @@ smashed data is a tensor of the client part's output dtype and shape (B, *cut sh
 1 <= B <= batch_size, labels are int64 of shape (B,) within [0, classes), a loss is a scalar, a
 model (uploaded, relayed, snapshot or checkpointed) has exactly the slot's tensor names, shapes
 and dtypes, and a verb that declares no kind returns no tensor. Every floating tensor must be
-finite. A failed check is a `Refused` with one line saying what was wrong.
+finite. A client's REPORT of its data must fit the run (`Checks.report`). A failed check is a
+`Refused` with one line saying what was wrong.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 
 from splitlab.privacy import defenses
-from splitlab.roles import Blueprint
+from splitlab.roles import Blueprint, ClientNode
 from splitlab.transport import KEYED, VerbSpec
 
 
@@ -94,6 +95,29 @@ class Checks:
             if value.dim() != 0 or not value.is_floating_point():
                 raise Refused(f"loss is {_form(value)}, expected a floating-point scalar")
 
+    def report(self, report: Any, expected: list[int] | None) -> list[int]:
+        """The class counts of a client's REPORT (see `data_report`), if the run can use its data:
+        the run's data mode, the dataset's sample shape, one count per class, at least one sample,
+        and the counts the run has for the client (`expected`: its partition's, or what it
+        reported before), if any."""
+        config, shape, classes = self.blueprint.config, list(self.blueprint.input_shape), self.blueprint.num_classes
+        if not isinstance(report, dict) or set(report) != {"data", "input_shape", "class_counts"}:
+            raise Refused("a report holds exactly data, input_shape and class_counts")
+        if report["data"] != config.data:
+            raise Refused(f"the client was started with data={report['data']!r}; this run has data={config.data}")
+        if report["input_shape"] != shape or not _whole_numbers(report["input_shape"]):
+            raise Refused(f"its samples have shape {report['input_shape']!r}; {config.dataset} samples have {shape}")
+        counts = report["class_counts"]
+        if not _whole_numbers(counts) or len(counts) != classes or min(counts) < 0:
+            raise Refused(f"its class counts are {counts!r}; expected {classes} counts (labels 0 to {classes - 1})")
+        if sum(counts) < 1:
+            raise Refused("it holds no samples")
+        if expected is not None and counts != expected:
+            raise Refused(
+                f"it holds {sum(counts)} samples, {counts} by class; the run has {sum(expected)} for it, {expected}"
+            )
+        return counts
+
     def _model(self, slot: str, state: Any) -> None:
         expected = self.blueprint.initial_state(slot)
         if not isinstance(state, dict) or set(state) != set(expected):
@@ -134,6 +158,16 @@ def _tensor(result: dict, key: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise Refused(f"{key} is a {type(value).__name__}, expected a tensor")
     return value
+
+
+def _whole_numbers(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+
+
+def data_report(node: ClientNode, data: str) -> dict[str, Any]:
+    """What a client says of its samples once it has built its node (`data`: how it got them)."""
+    counts = torch.bincount(node.y.cpu(), minlength=node.blueprint.num_classes)
+    return {"data": data, "input_shape": list(node.x.shape[1:]), "class_counts": counts.tolist()}
 
 
 def _form(value: Any) -> str:

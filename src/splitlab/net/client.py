@@ -1,10 +1,12 @@
 """`splitlab client`: one client node, answering the server's verb calls over gRPC.
 
 The client connects (mutual TLS, its own certificate), says HELLO with its id, and builds its
-node from the config the server sends back and its own data: the named dataset read from its
-`data_dir`, of which it keeps only its partition. It then answers every CALL with the verb's
-result and sends a heartbeat every few seconds. When the stream breaks (the server restarts, the
-network fails, the server dropped it), it connects again and builds a fresh node; BYE ends it.
+node from the config the server sends back and its own data: every training sample in its
+`data_dir` (data=own), or the named dataset read from its `data_dir`, of which it keeps only its
+partition (data=partition). It reports what it holds (REPORT: samples per class, their shape),
+then answers every CALL with the verb's result and sends a heartbeat every few seconds. When
+the stream breaks (the server restarts, the network fails, the server dropped it), it connects
+again and builds a fresh node; BYE ends it; a refusal of its data stops it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import torch
@@ -25,7 +27,7 @@ from splitlab import codec
 from splitlab.errors import UserError
 from splitlab.net import protocol
 from splitlab.net.certs import client_name, read_pair
-from splitlab.net.checks import Refused, check_finite
+from splitlab.net.checks import Refused, check_finite, data_report
 from splitlab.roles import ClientNode
 
 MIB = 1 << 20
@@ -38,6 +40,9 @@ class ClientSettings(BaseModel):
     client_id: int = Field(0, ge=0, description="this client's id (its certificate must be client-<id>'s)")
     certs: Path = Field(Path("certs"), description="directory of ca.pem, client-<id>.pem and client-<id>.key")
     data_dir: str | None = Field(None, description="where this client's dataset files are (default: the run's)")
+    data: Literal["partition", "own"] = Field(
+        "partition", description="own: data_dir holds this client's own samples | partition: the whole dataset"
+    )
     device: str = Field("cpu", description="cpu | cuda")
     threads: int | None = Field(None, ge=1, description="torch threads (default: torch's)")
     server_name: str | None = Field(None, description="name in the server's certificate, if not the host")
@@ -55,6 +60,8 @@ class _Finished(Exception):
 
 def run_client(settings: ClientSettings) -> int:
     """Serve the run until the server says BYE (0), refuses this client (2), or stays away (1)."""
+    if settings.data == "own" and settings.data_dir is None:
+        raise UserError("data=own needs data_dir=DIR, the folder of this client's own files")
     if settings.threads:
         torch.set_num_threads(settings.threads)
     ca, cert, key = read_pair(settings.certs, client_name(settings.client_id))
@@ -115,11 +122,13 @@ def _session(settings: ClientSettings, connect: Any) -> bool:
                 welcome = codec.decode(bytes(message.payload))
                 _heartbeats(outgoing, run_id, float(welcome["heartbeat"]), stop)
                 node = _build_node(settings, welcome["config"])
-                log(settings.client_id, f"joined run {run_id} ({node.num_samples} samples)")
+                report = codec.encode(data_report(node, settings.data))
+                outgoing.put(protocol.envelope(protocol.REPORT, run_id, payload=report))
+                log(settings.client_id, f"joined run {run_id}; reported {node.num_samples} samples")
             elif message.kind == protocol.CALL and node is not None and message.run_id == run_id:
                 outgoing.put(_answer(node, message, run_id))
     except grpc.RpcError as error:
-        if not welcomed:
+        if not welcomed or error.code() == grpc.StatusCode.PERMISSION_DENIED:
             raise
         log(settings.client_id, f"connection lost ({error.code()}); reconnecting")
     finally:
@@ -139,7 +148,11 @@ def _heartbeats(outgoing: queue.Queue, run_id: str, every: float, stop: threadin
 def _build_node(settings: ClientSettings, config: dict[str, Any]) -> ClientNode:
     from splitlab.engine import client_node
 
-    own = {"device": settings.device, **({"data_dir": settings.data_dir} if settings.data_dir else {})}
+    own = {
+        "device": settings.device,
+        "data": settings.data,
+        **({"data_dir": settings.data_dir} if settings.data_dir else {}),
+    }
     return client_node({**config, **own}, settings.client_id)
 
 

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitlab.config import resolve_config
+from splitlab.errors import UserError
 from splitlab.net.certs import CA, make_certs
 
 
@@ -38,6 +39,11 @@ def launch(raw: Mapping[str, Any], server_keys: Mapping[str, Any], settings: Lau
     from splitlab.engine import client_count
 
     config = resolve_config(raw)
+    if config.run.data == "own":
+        raise UserError(
+            "launch gives every client the run's data_dir; with data=own start each client with its own: "
+            "splitlab client data=own data_dir=DIR ... (docs/deployment.md)"
+        )
     clients = client_count(raw)
     certs = config.out_dir / "certs"
     if not (certs / f"{CA}.pem").exists() or not (certs / f"client-{clients - 1}.pem").exists():

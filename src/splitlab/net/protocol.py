@@ -1,8 +1,10 @@
 """The wire protocol: one protobuf message, `Envelope`, on a bidirectional gRPC stream per client.
 
 The client opens the stream (`Node/Connect`) and says HELLO with its id; the server, having
-checked the id against the client's certificate, answers WELCOME with the run's config; from
-then on the server sends CALLs (a verb and its arguments) and the client answers each with a
+checked the id against the client's certificate, answers WELCOME with the run's config; the
+client builds its node and REPORTs what data it holds (how many samples of each class, their
+shape), which the server checks against the run before it uses the client; from then on the
+server sends CALLs (a verb and its arguments) and the client answers each with a
 RESULT (or an ERROR) of the same sequence number, and a HEARTBEAT every few seconds; BYE ends
 the run. Arguments and results are splitlab.codec messages (safetensors plus a strict JSON
 skeleton): nothing on the wire is ever unpickled. The envelope is defined here, in code, so
@@ -14,10 +16,10 @@ there is no generated module to keep in step with the protobuf runtime; as a .pr
       uint32 version = 1;   // PROTOCOL_VERSION
       string run_id = 2;    // the server's id for this run (every message after WELCOME)
       uint64 seq = 3;       // a CALL's number; its RESULT or ERROR carries the same
-      uint32 kind = 4;      // HELLO, WELCOME, CALL, RESULT, ERROR, HEARTBEAT, BYE
+      uint32 kind = 4;      // HELLO, WELCOME, CALL, RESULT, ERROR, HEARTBEAT, BYE, REPORT
       string verb = 5;      // CALL: the role method
       int64 client_id = 6;  // HELLO: who the client says it is
-      bytes payload = 7;    // WELCOME: the config; CALL: the arguments; RESULT: the result
+      bytes payload = 7;    // WELCOME: the config; CALL: the arguments; RESULT: the result; REPORT: the data
       string error = 8;     // ERROR: what went wrong, one line
     }
     service Node { rpc Connect(stream Envelope) returns (stream Envelope); }
@@ -29,10 +31,10 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: REPORT
 METHOD = "/splitlab.net.Node/Connect"
 
-INVALID, HELLO, WELCOME, CALL, RESULT, ERROR, HEARTBEAT, BYE = range(8)  # INVALID: never sent (see Hub._parse)
+INVALID, HELLO, WELCOME, CALL, RESULT, ERROR, HEARTBEAT, BYE, REPORT = range(9)  # INVALID: never sent (see Hub._parse)
 
 _FIELDS = [
     ("version", descriptor_pb2.FieldDescriptorProto.TYPE_UINT32),

@@ -5,10 +5,12 @@ evaluation, checkpoints, metrics); only the calls to client nodes go through `Ne
 each becomes a CALL down the client's stream (splitlab.net.protocol), whose RESULT is decoded,
 checked (splitlab.net.checks) and counted in the ledger as in-process. `Hub` owns the gRPC
 server and one `Session` per connected client: mutual TLS, a client's id taken from its
-certificate, one connection per id. A client that disconnects, misses a deadline or its
-heartbeats, or sends anything the checks refuse, is dropped (one log line) and reported to the
-algorithm as `ClientDropped`; it may connect again and is then used from the next round on, its
-new node first given its kept state (`NetworkTransport.on_rejoin`).
+certificate, one connection per id, and a client is called only once its REPORT of the data
+it holds fits the run (with data=own, those reports are where the clients' sizes come from).
+A client that disconnects, misses a deadline or its heartbeats, or sends anything the checks
+refuse, is dropped (one log line) and reported to the algorithm as `ClientDropped`; it may
+connect again and is then used from the next round on, its new node first given its kept state
+(`NetworkTransport.on_rejoin`).
 """
 
 from __future__ import annotations
@@ -82,8 +84,10 @@ class Session:
         self.last_seen = time.monotonic()
         self.awaited: int | None = None  # the sequence number of the call waiting for a reply
         self.alive = True
+        self.reported = False  # its REPORT was accepted: it may be called
         self.reason = ""
         self.rejoined = False  # a reconnection (a fresh node) that the run has not been told of yet
+        self.refusal = ""  # why its data was refused (its stream ends with that, and it stops)
 
     def close(self, reason: str) -> bool:
         """End the session (the first reason counts); whether it was alive."""
@@ -106,7 +110,10 @@ class Hub:
         self._clients = client_config["clients"]  # K, or "all" (known once the dataset is read)
         self._sessions: dict[int, Session] = {}
         self._joined: set[int] = set()  # ids that connected at least once
+        self._reported: set[int] = set()  # ids whose data was accepted at least once
         self._expected: set[int] | None = None
+        self._counts: dict[int, list[int]] = {}  # the class counts each client must report
+        self._checks: Checks | None = None
         self._changed = threading.Condition()
         self._seq = itertools.count(1)
         self._wire_lock = threading.Lock()
@@ -143,12 +150,29 @@ class Hub:
         self._join_deadline = time.monotonic() + self.settings.join_timeout
         log(f"listening on {self.settings.listen} (mutual TLS, run {self.run_id})")
 
-    def expect(self, client_id: int, ledger: Ledger) -> None:
-        """Client `client_id` belongs to the run (the transport says so as it is built)."""
+    def expect(self, client_id: int, ledger: Ledger, checks: Checks, class_counts: list[int] | None) -> None:
+        """Client `client_id` belongs to the run (the transport says so as it is built) and must
+        report holding `class_counts` (None: the counts it first reports, data=own)."""
         with self._changed:
             self._expected = (self._expected or set()) | {client_id}
-            self.ledger = ledger
+            self.ledger, self._checks = ledger, checks
+            if class_counts is not None:
+                self._counts[client_id] = class_counts
             self._changed.notify_all()
+
+    def reported_counts(self) -> list[list[int]]:
+        """Every client's class counts, once all have reported (data=own), waiting until join_timeout."""
+        with self._changed:
+            ids = sorted(self._expected or ())
+            remaining = max(0.0, self._join_deadline - time.monotonic())
+            self._changed.wait_for(lambda: self._reported.issuperset(ids) or self._closing, timeout=remaining)
+            missing = [str(k) for k in ids if k not in self._reported]
+        if missing:
+            raise UserError(
+                f"client(s) {', '.join(missing)} did not report their data within join_timeout="
+                f"{self.settings.join_timeout:g} s; with data=own the server needs every client's before round 1"
+            )
+        return [self._counts[k] for k in ids]
 
     def close(self) -> None:
         """The run is over (or failed): BYE to every client, then stop."""
@@ -209,6 +233,8 @@ class Hub:
         try:
             while (message := session.outgoing.get()) is not None:
                 yield message
+            if session.refusal:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, session.refusal)
         finally:
             self._leave(session, "its stream ended")
 
@@ -240,6 +266,24 @@ class Hub:
             self._changed.notify_all()
         return session
 
+    def _report(self, session: Session, message: Any) -> None:
+        """A client's REPORT of its data: checked, and the client may then be called; or refused."""
+        assert self._checks is not None  # set before any client is admitted
+        client_id = session.client_id
+        try:
+            counts = self._checks.report(codec.decode(bytes(message.payload)), self._counts.get(client_id))
+        except (codec.MessageError, Refused) as refusal:
+            log(f"refused client {client_id}'s data: {refusal}")
+            session.refusal = f"its data: {refusal}"
+            session.close(session.refusal)
+            return
+        with self._changed:
+            self._counts[client_id] = counts
+            session.reported = True
+            self._reported.add(client_id)
+            self._changed.notify_all()
+        log(f"client {client_id} holds {sum(counts)} samples")
+
     def _read(self, session: Session, requests: Iterator[Any]) -> None:
         """Replies and heartbeats from the client, until its stream ends."""
         try:
@@ -249,6 +293,8 @@ class Hub:
                     self.drop(session, message.error)
                 elif message.version != protocol.PROTOCOL_VERSION or message.run_id != self.run_id:
                     self.drop(session, f"message of protocol {message.version}, run {message.run_id!r}")
+                elif message.kind == protocol.REPORT and not session.reported:
+                    self._report(session, message)
                 elif message.kind in (protocol.RESULT, protocol.ERROR) and message.seq == session.awaited:
                     session.replies.put(message)
                 elif message.kind in (protocol.RESULT, protocol.ERROR):
@@ -274,14 +320,18 @@ class Hub:
     # --- calls ---------------------------------------------------------------------------------
     def session(self, client_id: int) -> Session:
         """The client's live session, waiting for it to connect (join_timeout the first time,
-        rejoin_wait after); ClientDropped if it does not."""
+        rejoin_wait after) and to report its data (call_timeout, as for an answer: it may be
+        building its node); ClientDropped if it does not."""
         wait = self.settings.rejoin_wait
         if client_id not in self._joined:  # every client has until join_timeout after the start
             wait = max(wait, self._join_deadline - time.monotonic())
         with self._changed:
             self._changed.wait_for(lambda: self._live(client_id), timeout=wait)
             session = self._sessions.get(client_id)
-        if session is None or not session.alive:
+            if session is not None:
+                reported = lambda: session.reported or not session.alive
+                self._changed.wait_for(reported, timeout=self.settings.call_timeout)
+        if session is None or not session.alive or not session.reported:
             log(f"client {client_id} is not connected (waited {wait:.3g} s): left out of this round")
             raise ClientDropped(client_id, "not connected")
         return session
@@ -373,10 +423,15 @@ class NetworkTransport(Transport):
         self.min_clients = hub.settings.min_clients
         self.checks: Checks | None = None
 
-    def connect_remote(self, client_id: int, role_class: type, blueprint: Blueprint) -> Proxy:
+    def connect_remote(
+        self, client_id: int, role_class: type, blueprint: Blueprint, class_counts: list[int] | None = None
+    ) -> Proxy:
         self.checks = self.checks or Checks(blueprint)
-        self.hub.expect(client_id, self.ledger)
+        self.hub.expect(client_id, self.ledger, self.checks, class_counts)
         return RemoteProxy(self, client_id, role_class)
+
+    def reported_counts(self) -> list[list[int]]:
+        return self.hub.reported_counts()
 
     def remote_call(self, client_id: int, verb: str, spec: VerbSpec, *args: Any, **kwargs: Any) -> Any:
         if self.hub.rejoined(client_id):

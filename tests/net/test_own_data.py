@@ -1,0 +1,197 @@
+"""data=own: each client process reads only its own Fashion-MNIST files and reports what it holds;
+the server reads only the test files. The run is bit for bit `splitlab run` on the same samples
+as a partition; a client whose data does not fit the run is refused in one line, also when it
+comes back to a resumed run with other samples."""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from processes import Rogue, credentials
+from safetensors.torch import load_file
+
+from helpers import idx_bytes, quick
+from splitlab.engine import build, client_node, run
+from splitlab.errors import UserError
+from splitlab.net.certs import make_certs
+from splitlab.net.checks import Checks, Refused
+from splitlab.runfiles import CHECKPOINT
+
+CONFIG = dict(dataset="fashion_mnist", model="mlp", clients=2, rounds=2, batch_size=32, device="cpu", seed=0)
+SKEWED = {"partition": "dirichlet:0.5"}  # how `run` splits the whole dataset: clients of unequal sizes
+
+
+def write_fashion(folder: Path, prefix: str, images: np.ndarray, labels: np.ndarray) -> Path:
+    """`prefix` ("train" or "t10k") images and labels as Fashion-MNIST's IDX files, uncompressed."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{prefix}-images-idx3-ubyte").write_bytes(idx_bytes(images.astype(np.uint8)))
+    (folder / f"{prefix}-labels-idx1-ubyte").write_bytes(idx_bytes(labels.astype(np.uint8)))
+    return folder
+
+
+@pytest.fixture
+def dataset(tmp_path) -> dict[str, Path]:
+    """A whole dataset (for `run`), its test files alone (the server's), and each client's
+    partition of it written as that client's own training files."""
+    rng = np.random.default_rng(0)
+    labels = rng.integers(0, 10, 160)
+    images = rng.integers(0, 60, (160, 28, 28)) + (labels[:, None, None] * 19)  # some signal per class
+    whole = write_fashion(tmp_path / "whole", "train", images, labels)
+    write_fashion(whole, "t10k", images[:40], labels[:40])
+    write_fashion(tmp_path / "server", "t10k", images[:40], labels[:40])
+    folders = {"whole": whole, "server": tmp_path / "server"}
+    for k in range(2):
+        node = client_node({**CONFIG, **SKEWED, "data_dir": str(whole)}, k)
+        folders[f"client{k}"] = write_fashion(tmp_path / f"client-{k}", "train", node.x[:, 0].numpy(), node.y.numpy())
+    return folders
+
+
+def run_in_one_thread(config: dict) -> None:
+    """`splitlab run`, with one torch thread like the processes (a matmul's sums in other orders
+    differ in the last bits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run(config, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def identical_runs(one: Path, other: Path) -> bool:
+    first, second = load_file(one / "weights.safetensors"), load_file(other / "weights.safetensors")
+    keys = ("test_accuracy", "test_loss", "test_f1", "train_loss", "comm_bytes_by_kind")
+    rows = [[json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] for out in (one, other)]
+    return (
+        first.keys() == second.keys()
+        and all(torch.equal(first[k], second[k]) for k in first)
+        and [[row[k] for k in keys] for row in rows[0]] == [[row[k] for k in keys] for row in rows[1]]
+        and json.loads((one / "partition.json").read_text()) == json.loads((other / "partition.json").read_text())
+    )
+
+
+def test_own_data_gives_what_run_gives_and_data_unlike_the_run_is_refused(tmp_path, dataset, servers):
+    make_certs(tmp_path / "certs", 2, [])
+    out = tmp_path / "net"
+    server = servers({**CONFIG, "data": "own", "data_dir": dataset["server"], "out": out}, join_timeout=120)
+    certs = tmp_path / "certs"
+    shape, counts = [1, 28, 28], [1] * 10
+    for report in (
+        {"data": "own", "input_shape": shape, "class_counts": [1] * 12},  # labels 10 and 11
+        {"data": "partition", "input_shape": shape, "class_counts": counts},
+    ):
+        rogue = Rogue(server.address, credentials(certs, "client-0"), 0)
+        assert rogue.first_reply(report).kind == 2  # WELCOME, then its report is refused
+        with pytest.raises(grpc.RpcError) as refusal:
+            next(rogue.replies)
+        assert refusal.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        rogue.close()
+    small = write_fashion(tmp_path / "small", "train", np.zeros((20, 8, 8)), np.arange(20) % 10)
+    wrong = server.client(1, stderr=subprocess.PIPE, data="own", data_dir=small)
+    assert wrong.wait() == 2
+    assert wrong.stderr.read().splitlines()[1:] == [  # after the line saying it reported 20 samples
+        "error: the server refused client 1: its data: its samples have shape [1, 8, 8]; "
+        "fashion_mnist samples have [1, 28, 28]"
+    ]
+    clients = [server.client(k, data="own", data_dir=dataset[f"client{k}"]) for k in range(2)]
+    assert server.process.wait() == 0 and all(client.wait() == 0 for client in clients)
+
+    refusals = [line for line in server.lines() if "refused" in line]
+    assert [line.split(": ", 2)[1:] for line in refusals] == [
+        [
+            "refused client 0's data",
+            "its class counts are [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]; expected 10 counts (labels 0 to 9)",
+        ],
+        ["refused client 0's data", "the client was started with data='partition'; this run has data=own"],
+        ["refused client 1's data", "its samples have shape [1, 8, 8]; fashion_mnist samples have [1, 28, 28]"],
+    ]
+    run_in_one_thread({**CONFIG, **SKEWED, "data_dir": str(dataset["whole"]), "out": str(tmp_path / "run")})
+    assert identical_runs(tmp_path / "run", out)
+    sizes = json.loads((out / "partition.json").read_text())["sizes"]
+    assert sum(sizes) == 160 and sizes[0] != sizes[1]  # FedAvg's weights |D_k| are the reported counts
+
+
+def test_a_resumed_own_data_run_refuses_a_client_with_other_samples(tmp_path, dataset, servers):
+    config = {**CONFIG, "rounds": 4}
+    make_certs(tmp_path / "certs", 2, [])
+    out = tmp_path / "net"
+    own = {**config, "data": "own", "data_dir": dataset["server"], "out": out}
+    first = servers(own)
+    clients = [first.client(k, data="own", data_dir=dataset[f"client{k}"]) for k in range(2)]
+    while not (out / CHECKPOINT).exists():
+        assert first.process.poll() is None
+        time.sleep(0.05)
+    first.process.send_signal(signal.SIGKILL)
+    clients[1].send_signal(signal.SIGKILL)
+    assert first.process.wait() == -signal.SIGKILL and clients[1].wait() == -signal.SIGKILL
+    second = servers(own, address=first.address, resume=True)
+    node = client_node({**CONFIG, **SKEWED, "data_dir": str(dataset["whole"])}, 1)
+    fewer = write_fashion(tmp_path / "fewer", "train", node.x[1:, 0].numpy(), node.y[1:].numpy())
+    impostor = second.client(1, stderr=subprocess.PIPE, data="own", data_dir=fewer)
+    assert impostor.wait() == 2
+    line = impostor.stderr.read().splitlines()[-1]
+    assert line.startswith(f"error: the server refused client 1: its data: it holds {node.num_samples - 1} samples")
+    back = second.client(1, data="own", data_dir=dataset["client1"])
+    assert second.process.wait() == 0 and clients[0].wait() == 0 and back.wait() == 0
+    run_in_one_thread({**config, **SKEWED, "data_dir": str(dataset["whole"]), "out": str(tmp_path / "run")})
+    assert identical_runs(tmp_path / "run", out)
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"clients": "all"}, "clients=all cannot be used with data=own"),
+        ({"train_subset": 50}, "train_subset=50 cannot be used with data=own"),
+        ({"partition": "shards:2"}, "partition=shards:2 cannot be used with data=own"),
+        ({"test_split": "client:0.2"}, "test_split=client:0.2 cannot be used with data=own"),
+        ({"algorithm": "centralized"}, "algorithm=centralized pools the clients' samples in one node"),
+        ({"dataset": "digits"}, "'digits' has no such files; allowed datasets: cifar10, cifar100, fashion_mnist"),
+    ],
+)
+def test_a_server_refuses_what_data_own_cannot_do(tmp_path, keys, message):
+    config = {**CONFIG, "data": "own", "out": str(tmp_path / "run"), **keys}
+    with pytest.raises(UserError, match=message):
+        build(config, transport=lambda ledger, device: pytest.fail("built a transport"))
+
+
+@pytest.fixture(scope="module")
+def checks() -> Checks:
+    return Checks(build(quick(clients=2, train_subset=100)).blueprint)
+
+
+GOOD = {"data": "partition", "input_shape": [1, 8, 8], "class_counts": [1, 0, 2, 0, 0, 0, 0, 0, 0, 3]}
+
+
+@pytest.mark.parametrize(
+    ("change", "expected", "message"),
+    [
+        ({"samples": 6}, None, "a report holds exactly data, input_shape and class_counts"),
+        ({"data": "own"}, None, "the client was started with data='own'; this run has data=partition"),
+        ({"input_shape": [1, 8]}, None, "its samples have shape [1, 8]; synthetic samples have [1, 8, 8]"),
+        ({"input_shape": [1.0, 8, 8]}, None, "its samples have shape [1.0, 8, 8]"),
+        ({"class_counts": [1] * 11}, None, "expected 10 counts (labels 0 to 9)"),
+        ({"class_counts": [-1, 2] + [0] * 8}, None, "its class counts are [-1, 2,"),
+        ({"class_counts": [True] + [0] * 9}, None, "its class counts are [True,"),
+        ({"class_counts": [0] * 10}, None, "it holds no samples"),
+        (
+            {},
+            [1, 0, 2, 0, 0, 0, 0, 0, 1, 3],
+            "it holds 6 samples, [1, 0, 2, 0, 0, 0, 0, 0, 0, 3] by class; the run has 7",
+        ),
+    ],
+)
+def test_checks_refuse_reports_unlike_the_run(checks, change, expected, message):
+    with pytest.raises(Refused, match=re.escape(message)):
+        checks.report({**GOOD, **change}, expected)
+
+
+def test_checks_accept_a_report_that_fits(checks):
+    assert checks.report(GOOD, None) == checks.report(GOOD, GOOD["class_counts"]) == GOOD["class_counts"]
