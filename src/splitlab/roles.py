@@ -52,8 +52,11 @@ def random_stream(seed: int, rnd: int, stream: int, *keys: int) -> np.random.Gen
     return np.random.default_rng([seed, rnd, stream, *keys])
 
 
-INFERENCE_BUDGET = 256 * 2**20
-"""Bytes of the largest layer output one inference batch may hold."""
+INFERENCE_BUDGET = {"cpu": 32 * 2**20, "cuda": 256 * 2**20}
+"""Bytes of the largest layer output one inference batch may hold, by device type (others: the
+CPU's). On a CPU, cache-sized batches run as fast as large ones (the LEAF CNN over 10k test
+images: 5.0 s in batches of 256, 6.7 s in batches of 2048) and keep evaluation from raising a
+run's peak memory (batches of 2048 added 457 MB to a 12k-sample Fashion-MNIST run)."""
 
 
 @dataclass
@@ -86,11 +89,12 @@ class Blueprint:
     @functools.cached_property
     def inference_batch(self) -> int:
         """Samples per inference batch: as many as keep the largest layer output within
-        INFERENCE_BUDGET (a power of two, 16 to 4096), so that a deep model on large images does not
-        exhaust memory and a small one is not run in slivers."""
+        the device's INFERENCE_BUDGET (a power of two, 16 to 4096), so that a deep model on large
+        images does not exhaust memory and a small one is not run in slivers."""
         model = build_model(self.config.model, self.input_shape, self.num_classes, seed=self.config.seed)
         per_sample = largest_activation_bytes(model, self.input_shape, self.input_dtype)
-        fitting = max(16, min(4096, INFERENCE_BUDGET // per_sample))
+        budget = INFERENCE_BUDGET.get(self.device.type, INFERENCE_BUDGET["cpu"])
+        fitting = max(16, min(4096, budget // per_sample))
         return 1 << (fitting.bit_length() - 1)
 
     def new_split(self) -> tuple[nn.Sequential, nn.Sequential]:
