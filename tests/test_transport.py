@@ -87,6 +87,22 @@ def test_codec_round_trips_nested_messages_exactly():
     assert torch.equal(back["shared"][1], torch.tensor([2.0, 3.0, 4.0, 5.0]))
 
 
+def test_a_snapshot_streamed_to_a_file_keeps_the_values_it_was_taken_with(tmp_path):
+    # checkpoints: copied in the loop, written in the background while training changes the tensors
+    from splitlab.io import write_safetensors
+
+    base = torch.arange(12.0)
+    weight = torch.arange(6.0).reshape(2, 3)
+    message = {"views": [base[:4], base[2:6]], "transposed": weight.t(), "step": torch.tensor(3)}
+    tensors, metadata = codec.flatten(message, copy=True)
+    base.add_(100.0), weight.mul_(-1.0), message["step"].add_(1)  # training goes on
+    write_safetensors(tmp_path / "snapshot", tensors, metadata)
+    back = codec.decode((tmp_path / "snapshot").read_bytes())
+    assert torch.equal(back["views"][0], torch.arange(4.0)) and torch.equal(back["views"][1], torch.arange(2.0, 6.0))
+    assert torch.equal(back["transposed"], torch.arange(6.0).reshape(2, 3).t()) and back["step"].item() == 3
+    assert (tmp_path / "snapshot").read_bytes() == codec.encode(codec.decode((tmp_path / "snapshot").read_bytes()))
+
+
 @pytest.mark.parametrize(
     "data",
     [

@@ -27,17 +27,28 @@ class MessageError(ValueError):
 
 
 def encode(message: Any) -> bytes:
+    tensors, metadata = flatten(message)
+    return save_tensors(tensors, metadata=metadata)
+
+
+def flatten(message: Any, copy: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of `message`'s safetensors buffer, for a writer that streams them
+    to a file (`io.write_safetensors`) instead of building the buffer in memory. With `copy`, every
+    tensor is a copy of its own, so that the caller may go on changing the message meanwhile."""
     tensors: dict[str, torch.Tensor] = {}
     seen: set[int] = set()
 
     def skeleton(value: Any) -> Any:
         if isinstance(value, torch.Tensor):
             name = str(len(tensors))
-            tensor = value.detach().to("cpu").contiguous()
-            storage = tensor.untyped_storage().data_ptr()
-            if storage in seen or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-                tensor = tensor.clone()  # safetensors refuses views and shared storage
-            seen.add(tensor.untyped_storage().data_ptr())
+            if copy:
+                tensor = value.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+            else:
+                tensor = value.detach().to("cpu").contiguous()
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() in seen or storage.nbytes() != tensor.numel() * tensor.element_size():
+                    tensor = tensor.clone()  # safetensors refuses views and shared storage
+                seen.add(tensor.untyped_storage().data_ptr())
             tensors[name] = tensor
             return {"$t": name}
         if isinstance(value, dict):
@@ -55,7 +66,7 @@ def encode(message: Any) -> bytes:
         raise TypeError(f"cannot encode a {type(value).__name__} in a message")
 
     nest = json.dumps(skeleton(message), allow_nan=False, separators=(",", ":"))
-    return save_tensors(tensors, metadata={_SKELETON: nest})
+    return tensors, {_SKELETON: nest}
 
 
 def _key(key: Any) -> Any:

@@ -66,10 +66,14 @@ def write_yaml(path: Path, obj: Any) -> None:
 
 
 def save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    write_safetensors(path, {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()})
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Streams CPU tensors, each contiguous with a storage of its own, from their memory to the file."""
     from safetensors.torch import save_file
 
-    cpu = {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()}
-    _atomic(path, lambda tmp: save_file(cpu, tmp))
+    _atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def read_jsonl(path: Path) -> list[dict]:
