@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 
 
 def child(algorithm: str, clients: int, samples: int, model: str) -> None:
     from splitlab.engine import build
+    from splitlab.process import peak_memory_mib
 
     experiment = build(
         dict(
@@ -34,7 +34,7 @@ def child(algorithm: str, clients: int, samples: int, model: str) -> None:
         )
     )
     experiment.algorithm.run_round(0, experiment.clients)
-    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"peak_rss_mib": peak_memory_mib()}))
 
 
 def measure(algorithm: str, clients: int, args: argparse.Namespace) -> float:

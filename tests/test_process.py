@@ -30,3 +30,23 @@ def test_freed_blocks_are_reused_without_page_faults() -> None:
     default, kept = map(int, out.split())
     assert default >= 10  # by default every allocation faults its pages in again (4 KiB or huge pages)
     assert kept * 20 <= default  # kept for reuse: next to nothing to fault in
+
+
+PEAK_CHILD = """
+import torch
+from splitlab.process import peak_memory_mib
+
+before = peak_memory_mib()
+block = torch.ones(200 << 18)  # 200 MiB, every page touched
+print(before, peak_memory_mib())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc")
+def test_a_child_reports_its_own_peak_memory_not_its_parents() -> None:
+    parent_block = bytearray(1 << 30)  # the parent holds 1 GiB, every page touched
+    parent_block[:: 1 << 12] = b"\1" * (len(parent_block) >> 12)
+    out = subprocess.run([sys.executable, "-c", PEAK_CHILD], capture_output=True, text=True, check=True).stdout
+    before, after = map(float, out.split())
+    assert before < 1000  # ru_maxrss would start at the parent's 1 GiB
+    assert after - before >= 190

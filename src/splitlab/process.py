@@ -1,4 +1,5 @@
-"""Process-wide settings of a process that trains: malloc that keeps freed memory, torch threads.
+"""Process-wide settings of a process that trains (malloc that keeps freed memory, torch threads),
+and its peak memory.
 
 Training allocates tensors of the same large sizes at every step (gradients, activations, Adam's
 moments, a checkpoint's bytes). glibc's malloc hands a freed block above its mmap threshold (at
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import resource
 import sys
+from pathlib import Path
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -33,6 +36,18 @@ def reuse_freed_memory() -> bool:
         return False
     mallopt = libc.mallopt
     return bool(mallopt(M_MMAP_THRESHOLD, KEEP_BLOCKS_UP_TO)) and bool(mallopt(M_TRIM_THRESHOLD, KEEP_BLOCKS_UP_TO))
+
+
+def peak_memory_mib() -> float:
+    """This process's peak resident set size, in MiB: Linux's VmHWM, which starts afresh at exec.
+    (`ru_maxrss` does not: a child started by a 2 GB process reports at least 2 GB.)"""
+    status = Path("/proc/self/status")
+    if status.exists():
+        for line in status.read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss / (2**20 if sys.platform == "darwin" else 1024)  # bytes on macOS, kB elsewhere
 
 
 def set_worker_threads(threads: int) -> None:

@@ -12,7 +12,6 @@ client ids and verb names), between processes of a cluster the user started and 
 from __future__ import annotations
 
 import json
-import resource
 import threading
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,7 +23,7 @@ from splitlab import cluster, codec
 from splitlab.channel import Ledger
 from splitlab.config import ResolvedConfig, resolve_config
 from splitlab.errors import UserError
-from splitlab.process import set_worker_threads
+from splitlab.process import peak_memory_mib, set_worker_threads
 from splitlab.roles import Role
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
 
@@ -55,7 +54,7 @@ class RoleHost:
 
     def peak_memory_mib(self) -> float:
         """This actor's peak resident set size (benchmarks/ray_clients.py)."""
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return peak_memory_mib()
 
     def call(self, key: int | str, name: str, request: bytes) -> bytes:
         """Role `key`'s verb `name` on the decoded request; the result encoded. Only verbs are called."""
