@@ -4,21 +4,24 @@ Throughput: Fashion-MNIST, 20 clients, one batch of 32 per client per round, LEA
 Adam, for sfl_v2, sfl_v1, fedavg, cycle_sfl and fsl_sage. The plain-torch loop is written here: the
 same model definitions (`splitlab.models`), the run's samples as one float32 tensor, and the very
 batches splitlab draws (the same client order and sample indices, read from the built experiment
-before timing), trained with bare `nn.Module`s and `torch.optim.Adam`. splitlab and the loop
-alternate, `--repeats` times, and medians are compared:
+before timing), trained with bare `nn.Module`s and `torch.optim.Adam`. Every run is a fresh
+process, as a `splitlab` command is (in one process the second run reused the heap pages the
+first had faulted in, which favoured whichever ran second); the two sides alternate, who goes
+first alternating too, `--repeats` times, and medians are compared:
 
   round loop   splitlab's summary `wall_seconds` (the time inside `run_round`) vs the loop's
   end to end   `splitlab.engine.run` (build, rounds, checkpoints every `checkpoint_every` s, evaluation, files) vs
                the loop plus building its models and one test evaluation
 
-The dataset is parsed once before timing for both (splitlab caches it per process). Both sides run
+The dataset parse and the schedule come first in both sides' processes, untimed. Both sides run
 with the allocator setting of every process the `splitlab` command starts (`splitlab.process`:
 glibc keeps freed memory for reuse instead of page-faulting it in again), so the ratio measures
 splitlab's own work; `--malloc default` runs both with glibc's own thresholds.
 
 Peak RSS (`--rss`): one round of sfl_v2 over a 12k-sample Fashion-MNIST run with 8 clients, a whole
 local epoch each, vs the plain loop over the same-sized data held as float32, each in a fresh
-process (`ru_maxrss`, as benchmarks/memory.py measures it). Issue 14 asks for <= 1.2x.
+process (`splitlab.process.peak_memory_mib`: Linux's VmHWM, as benchmarks/memory.py measures
+it). Issue 14 asks for <= 1.2x.
 
     .venv/bin/python benchmarks/throughput.py [--rounds 30] [--repeats 3] [--threads 1] [--rss] [--malloc reuse|default]
 """
@@ -28,8 +31,8 @@ from __future__ import annotations
 import argparse
 import copy
 import gzip
+import importlib
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -286,42 +289,77 @@ def splitlab_run(config: dict) -> tuple[float, float]:
     return summary["wall_seconds"], time.perf_counter() - started
 
 
-def throughput(args: argparse.Namespace) -> None:
+def timed_run(side: str, algorithm: str, args: argparse.Namespace) -> tuple[float, float]:
+    """One side's (round-loop, end-to-end) seconds; the dataset parse and the schedule come first,
+    untimed, alike for both sides."""
     from splitlab.data import load_dataset
 
-    full = load_dataset("fashion_mnist")  # parsed once, outside every timing
-    test_x, test_y = full.inputs(full.test_x), full.test_y
+    full = load_dataset("fashion_mnist")
+    with tempfile.TemporaryDirectory() as tmp:
+        config = workload(algorithm, args, str(Path(tmp) / algorithm))
+        x, y, plan = schedule(config)
+        if side == "splitlab":
+            return splitlab_run(config)
+        return plain_run(algorithm, x, y, plan, full.inputs(full.test_x), full.test_y)
+
+
+def throughput(args: argparse.Namespace) -> None:
     print(
         f"Fashion-MNIST ({args.samples} samples), 20 clients x 1 batch of 32 per round, cnn cut 2, Adam, "
-        f"{args.rounds} rounds, torch threads {torch.get_num_threads()}, median of {args.repeats} "
-        f"interleaved runs; ratio = plain-torch seconds / splitlab seconds (1.0 = as fast)"
+        f"{args.rounds} rounds, torch threads {args.threads}, median of {args.repeats} runs per side, "
+        f"each in a fresh process, alternating; ratio = plain-torch seconds / splitlab seconds (1.0 = as fast)"
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        for algorithm in args.algorithms:
-            config = workload(algorithm, args, str(Path(tmp) / algorithm))
-            x, y, plan = schedule(config)
-            ours, plain = [], []
-            for _ in range(args.repeats):
-                ours.append(splitlab_run(config))
-                plain.append(plain_run(algorithm, x, y, plan, test_x, test_y))
-            loop = statistics.median(p[0] for p in plain) / statistics.median(o[0] for o in ours)
-            whole = statistics.median(p[1] for p in plain) / statistics.median(o[1] for o in ours)
-            print(
-                f"  {algorithm:9s} round loop {loop:.3f}  end to end {whole:.3f}   "
-                f"(splitlab {statistics.median(o[1] for o in ours):.2f} s, "
-                f"plain {statistics.median(p[1] for p in plain):.2f} s per run)"
-            )
+    for algorithm in args.algorithms:
+        runs: dict[str, list[tuple[float, float]]] = {"splitlab": [], "plain": []}
+        for repeat in range(args.repeats):
+            for side in sorted(runs, reverse=repeat % 2 == 0):  # who goes first alternates
+                result = in_child(args, job="throughput", side=side, algorithm=algorithm)
+                runs[side].append((result["loop"], result["whole"]))
+        ours, plain = runs["splitlab"], runs["plain"]
+        loop = statistics.median(p[0] for p in plain) / statistics.median(o[0] for o in ours)
+        whole = statistics.median(p[1] for p in plain) / statistics.median(o[1] for o in ours)
+        print(
+            f"  {algorithm:9s} round loop {loop:.3f}  end to end {whole:.3f}   "
+            f"(splitlab {statistics.median(o[1] for o in ours):.2f} s, "
+            f"plain {statistics.median(p[1] for p in plain):.2f} s per run)",
+            flush=True,
+        )
+
+
+def in_child(args: argparse.Namespace, **job: str) -> dict:
+    """Runs `job` in a fresh process, as a `splitlab` command runs: the heap one run leaves behind
+    (kept for reuse, see splitlab.process) must not speed up or slow down the next."""
+    spec = {**vars(args), **job}
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, check=True
+    ).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def child(spec: dict) -> None:
+    torch.set_num_threads(spec["threads"])
+    # torch's first optimizer imports torch._dynamo (1.5 s): both sides pay it here, before timing,
+    # so that the round loop does not charge it to splitlab, whose optimizers are made in round 1
+    importlib.import_module("torch._dynamo")
+    if spec["malloc"] == "reuse":
+        from splitlab.process import reuse_freed_memory
+
+        reuse_freed_memory()
+    if spec["job"] == "rss":
+        result = {"peak_rss_mib": rss_child(spec["side"], spec["rss_samples"])}
+    else:
+        loop, whole = timed_run(spec["side"], spec["algorithm"], argparse.Namespace(**spec))
+        result = {"loop": loop, "whole": whole}
+    print(json.dumps(result))
 
 
 # --- peak RSS -------------------------------------------------------------------------------------
 
 
-def rss_child(kind: str, samples: int, threads: int, malloc: str) -> None:
-    torch.set_num_threads(threads)
-    if malloc == "reuse":
-        from splitlab.process import reuse_freed_memory
+def rss_child(kind: str, samples: int) -> float:
+    """Peak RSS (MiB) of one SFL-V2 round of `kind` (splitlab or plain) in this fresh process."""
+    from splitlab.process import peak_memory_mib
 
-        reuse_freed_memory()
     if kind == "splitlab":
         from splitlab.engine import run
 
@@ -382,23 +420,14 @@ def rss_child(kind: str, samples: int, threads: int, malloc: str) -> None:
         with torch.no_grad():
             model = nn.Sequential(client, server).eval()
             torch.cat([model(test_x[i : i + 1024]) for i in range(0, len(test_x), 1024)]).argmax(1)
-    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    return peak_memory_mib()
 
 
 def peak_rss(args: argparse.Namespace) -> None:
-    def measure(kind: str) -> float:
-        out = subprocess.run(
-            [sys.executable, __file__, "--child", kind, str(args.rss_samples), str(args.threads), args.malloc],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        return json.loads(out.splitlines()[-1])["peak_rss_mib"]
-
-    runs = {"splitlab": [], "plain": []}
+    runs: dict[str, list[float]] = {"splitlab": [], "plain": []}
     for _ in range(args.repeats):
         for kind in runs:
-            runs[kind].append(measure(kind))
+            runs[kind].append(in_child(args, job="rss", side=kind)["peak_rss_mib"])
     ours, plain = (statistics.median(v) for v in runs.values())
     print(
         f"peak RSS, sfl_v2 one round over {args.rss_samples} Fashion-MNIST samples, 8 clients, fresh processes: "
@@ -408,7 +437,7 @@ def peak_rss(args: argparse.Namespace) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        rss_child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
+        child(json.loads(sys.argv[2]))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=30)
@@ -427,13 +456,6 @@ def main() -> None:
     parser.add_argument("--rss", action="store_true", help="also measure peak RSS")
     parser.add_argument("--rss-only", action="store_true")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    if args.malloc == "reuse":
-        from splitlab.process import reuse_freed_memory
-
-        reuse_freed_memory()
-    # RSS first: a child's ru_maxrss starts at this process's size when it forks, so it is measured
-    # while this one is still small (after the throughput runs it is ~2 GB and hides both figures).
     if args.rss or args.rss_only:
         peak_rss(args)
     if not args.rss_only:
