@@ -19,6 +19,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from splitlab.io import cpu_copy
+
 _SKELETON = "splitlab.skeleton"
 
 
@@ -42,7 +44,7 @@ def flatten(message: Any, copy: bool = False) -> tuple[dict[str, torch.Tensor], 
         if isinstance(value, torch.Tensor):
             name = str(len(tensors))
             if copy:
-                tensor = value.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
+                tensor = cpu_copy(value)
             else:
                 tensor = value.detach().to("cpu").contiguous()
                 storage = tensor.untyped_storage()

@@ -66,7 +66,12 @@ def write_yaml(path: Path, obj: Any) -> None:
 
 
 def save_safetensors(path: Path, tensors: dict[str, torch.Tensor]) -> None:
-    write_safetensors(path, {name: t.detach().to("cpu").contiguous().clone() for name, t in tensors.items()})
+    write_safetensors(path, {name: cpu_copy(t) for name, t in tensors.items()})
+
+
+def cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous CPU copy with a storage of its own (what safetensors writes), made in one copy."""
+    return tensor.detach().to("cpu", memory_format=torch.contiguous_format, copy=True)
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
