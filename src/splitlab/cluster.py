@@ -9,7 +9,9 @@ token into the directory and a task pinned to every node reads it back.
 
 from __future__ import annotations
 
+import os
 import secrets
+import socket
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -27,17 +29,47 @@ def ray_module() -> ModuleType:
     return ray
 
 
+CONNECT_TIMEOUT = 10.0  # seconds to wait for the cluster's address to answer, before ray.init (which retries for minutes)
+
+
 def connect(address: str) -> ModuleType:
     """Ray, connected to `address` unless this process already is: "auto" is the cluster RAY_ADDRESS
     names, else the one `ray start` started on this machine, else a new local Ray;
-    "ray://host:port" or "host:port" is that cluster."""
+    "ray://host:port" or "host:port" is that cluster. A named address must answer within
+    CONNECT_TIMEOUT (ray.init alone retries for minutes); a failure is one line naming the cause."""
     ray = ray_module()
     if not ray.is_initialized():
+        named = os.environ.get("RAY_ADDRESS", "") if address == "auto" else address
+        if named and named not in ("auto", "local"):
+            check_answers(named)
         try:
             ray.init(address=None if address == "auto" else address, include_dashboard=False, log_to_driver=False)
-        except ConnectionError as error:
-            raise UserError(f"cannot connect to Ray at {address!r}: {str(error).splitlines()[0]}") from None
+        except (ConnectionError, RuntimeError, ValueError) as error:
+            first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            hint = ""
+            if any(word in str(error).lower() for word in ("auth", "token", "unauthenticated")):
+                hint = (
+                    " (the cluster uses token authentication: set RAY_AUTH_MODE=token and the cluster's "
+                    "token in RAY_AUTH_TOKEN, as on its nodes)"
+                )
+            raise UserError(f"cannot connect to Ray at {named or address!r}: {first}{hint}") from None
     return ray
+
+
+def check_answers(address: str) -> None:
+    """UserError unless something accepts a TCP connection at `address` ([ray://]host:port) within
+    CONNECT_TIMEOUT seconds: a wrong address fails at once, not after ray.init's minutes of retries."""
+    hostport = address.removeprefix("ray://")
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"Ray address {address!r} is not host:port or ray://host:port")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
+    except OSError as error:
+        raise UserError(
+            f"nothing answers at Ray address {address!r} ({error.strerror or error}); start the cluster "
+            f"(`ray start --head`) or correct the address"
+        ) from None
 
 
 def _reads_token(path: str, token: str) -> bool:

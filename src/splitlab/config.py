@@ -84,6 +84,12 @@ class RunConfig(BaseModel):
         "training server on its own; every message as bytes; same results; docs/ray.md)",
     )
     workers: int = Field(2, ge=1, description="backend=ray: Ray actors holding the client nodes")
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="backend=ray: times a run whose Ray actor (or node) was lost builds its roles again and "
+        "replays from its last checkpoint, before it stops with a resume hint",
+    )
     checkpoint_every: float = Field(
         60.0,
         ge=0,
@@ -155,6 +161,7 @@ RUN_CONTROL_KEYS = (
     "checkpoint_every",
     "backend",
     "workers",
+    "max_restarts",
 )
 
 

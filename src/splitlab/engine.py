@@ -40,11 +40,12 @@ from splitlab.comm import GIB, format_bytes, to_target
 from splitlab.config import (
     RUN_CONTROL_KEYS,
     ResolvedConfig,
+    RunConfig,
     parse_test_split,
     resolve_config,
 )
 from splitlab.data import Dataset, counts_report, load_dataset, load_split, partition, partition_report
-from splitlab.errors import NonFiniteLoss, RoundFailed, UserError
+from splitlab.errors import NonFiniteLoss, RoleLost, RoundFailed, UserError
 from splitlab.io import (
     save_safetensors,
     write_json,
@@ -88,7 +89,7 @@ class Experiment:
     transport: Transport
     #: test_split=client: each client's held-out (x, y)
     client_test: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-    _evaluated: list[nn.Module] | None = None
+    _assembler: Assembler | None = None
 
     @property
     def out(self) -> Path:
@@ -99,15 +100,35 @@ class Experiment:
         return self.transport.ledger
 
     def assemble(self, states: list[State]) -> nn.Module:
-        """The evaluated model from role states: the whole model, or client part then server part."""
-        if self._evaluated is None or len(self._evaluated) != len(states):
+        if self._assembler is None:
+            self._assembler = Assembler(self.blueprint)
+        return self._assembler(states)
+
+
+class Assembler:
+    """The evaluated model from role states (the whole model, or client part then server part),
+    loaded into modules made once."""
+
+    def __init__(self, blueprint: Blueprint) -> None:
+        self.blueprint = blueprint
+        self._parts: list[nn.Module] = []
+
+    def __call__(self, states: list[State]) -> nn.Module:
+        if len(self._parts) != len(states):
             model = self.blueprint.new_model()
-            self._evaluated = [model] if len(states) == 1 else list(split(model, self.config.run.cut))
-            for part in self._evaluated:
+            self._parts = [model] if len(states) == 1 else list(split(model, self.blueprint.config.cut))
+            for part in self._parts:
                 part.eval()
-        for part, state in zip(self._evaluated, states):
+        for part, state in zip(self._parts, states):
             part.load_state_dict(state)
-        return nn.Sequential(*self._evaluated)
+        return nn.Sequential(*self._parts)
+
+
+def test_set(config: ResolvedConfig, data: Dataset, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples every evaluation uses, prepared once: the test split, or its seeded `test_subset`."""
+    run = config.run
+    test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
+    return data.inputs(data.test_x[test].to(device)), data.test_y[test].to(device)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -298,6 +319,8 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     run = config.run
     rundir.check_out_dir(config.out_dir)
     check_logger(run.logger)
+    if run.backend != "ray" and run.max_restarts != RunConfig.model_fields["max_restarts"].default:
+        raise UserError(f"max_restarts={run.max_restarts} applies to backend=ray only (Ray actors that are lost)")
     if transport is not None and run.backend == "ray":
         raise UserError("backend=ray runs clients on Ray actors; a networked server takes backend=local")
     if run.data == "own" and transport is None:
@@ -348,15 +371,9 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     )
     algorithm = algorithm_class(context)
     transport_.on_rejoin = algorithm.rejoined
-    test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
+    test_x, test_y = test_set(config, data, device)
     data = dataclasses.replace(
-        data,
-        train_x=data.train_x[:0],
-        train_y=data.train_y[:0],
-        train_groups=None,
-        test_x=data.inputs(data.test_x[test].to(device)),
-        test_y=data.test_y[test].to(device),
-        prepare=None,
+        data, train_x=data.train_x[:0], train_y=data.train_y[:0], train_groups=None, test_x=test_x, test_y=test_y, prepare=None
     )  # the test set, prepared once
     return Experiment(config, data, clients, algorithm, report, roles, blueprint, transport_, plan.client_test)
 
@@ -382,17 +399,25 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
         )
         return classification_metrics(logits, torch.cat([y for _, _, y in held]))
     if algorithm.personal_models:
-        per_client = [
-            classification_metrics(
-                logits_in_batches(experiment.assemble(algorithm.personal_model(c.id)), data.test_x, batch), data.test_y
-            )
-            for c in experiment.clients
-        ]
+        ids = [c.id for c in experiment.clients]
+        where_they_are = getattr(experiment.transport, "personal_metrics", None)  # backend=ray: on the actors
+        per_client = (
+            where_they_are(algorithm, ids)
+            if where_they_are is not None
+            else [personal_metrics(experiment.assemble, algorithm.personal_model(k), data.test_x, data.test_y, batch) for k in ids]
+        )
         return {key: float(np.mean([m[key] for m in per_client])) for key in per_client[0]}
     model = algorithm.global_model()
     if model is None:
         raise NotImplementedError(f"{algorithm.name} has no global model and no personal models")
     return classification_metrics(logits_in_batches(experiment.assemble(model), data.test_x, batch), data.test_y)
+
+
+def personal_metrics(
+    assemble: Callable[[list[State]], nn.Module], states: list[State], x: torch.Tensor, y: torch.Tensor, batch: int
+) -> dict[str, float]:
+    """The test metrics of one client's personal model (in the driver, or in the Ray actor holding it)."""
+    return classification_metrics(logits_in_batches(assemble(states), x, batch), y)
 
 
 class _RunDirectory:
@@ -429,10 +454,34 @@ def run(
     transport: Callable[[Ledger, torch.device], Transport] | None = None,
 ) -> dict[str, Any]:
     """Run (or resume) one experiment; returns the summary that is also written to summary.json.
-    `transport`: as for `build` (splitlab.net's server passes its network transport)."""
+    `transport`: as for `build` (splitlab.net's server passes its network transport).
+
+    When a process holding roles is lost (backend=ray: an actor or its node died), the roles are
+    built again and the run replays from its last checkpoint (from the start if it has none yet),
+    as a resumed run would: bit for bit the same results. After `max_restarts` such losses the run
+    stops with one line."""
     experiment = build(config, transport)
-    with contextlib.closing(experiment.transport):
-        return _run(experiment, resume, progress)
+    limit = experiment.config.run.max_restarts
+    restarts = 0
+    while True:
+        try:
+            with contextlib.closing(experiment.transport):
+                return _run(experiment, resume, progress)
+        except RoleLost as lost:
+            restarts += 1
+            if restarts > limit:
+                raise RoundFailed(
+                    f"{lost}; stopped after max_restarts={limit} restarts: run it again with resume=true "
+                    f"to go on from its last checkpoint"
+                ) from None
+            print(
+                f"{lost}: building the roles again and replaying from the last checkpoint "
+                f"(restart {restarts} of at most {limit})",
+                file=sys.stderr,
+                flush=True,
+            )
+            experiment = build({**config, "resume": True, "overwrite": False}, transport)
+            resume = True
 
 
 def _run(experiment: Experiment, resume: bool | None, progress: bool) -> dict[str, Any]:
@@ -612,6 +661,8 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
             train_loss = algorithm.pop_train_loss()
             _check_finite(train_loss, "training loss", rnd + 1)
             compute_seconds = experiment.blueprint.pop_seconds()
+            for phase, seconds in experiment.transport.pop_seconds().items():  # roles in other processes
+                compute_seconds[phase] = compute_seconds.get(phase, 0.0) + seconds
             state["wall_seconds"] += time.perf_counter() - started
             state["round"] = rnd + 1
             over_budget = cfg.comm_budget_gib is not None and ledger.total_bytes >= cfg.comm_budget_gib * GIB
@@ -683,6 +734,7 @@ def _metrics_row(
         **_envelope(experiment),
         "wall_seconds": state["wall_seconds"],
         "round_compute_seconds": compute_seconds,
+        **experiment.transport.pop_telemetry(),
         **_dropouts(experiment, state),
     }
 

@@ -20,3 +20,8 @@ class RoundFailed(UserError):
     its algorithm cannot skip): the run stops at its last checkpoint."""
 
     exit_code = 4
+
+
+class RoleLost(Exception):
+    """A process holding roles was lost (a Ray actor or its node died): the driver can build the roles
+    again and replay from the last checkpoint (engine.run, `max_restarts`)."""

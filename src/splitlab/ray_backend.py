@@ -12,7 +12,9 @@ client ids and verb names), between processes of a cluster the user started and 
 from __future__ import annotations
 
 import json
+import socket
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,7 +24,7 @@ import torch
 from splitlab import cluster, codec
 from splitlab.channel import Ledger
 from splitlab.config import ResolvedConfig, resolve_config
-from splitlab.errors import UserError
+from splitlab.errors import RoleLost, UserError
 from splitlab.process import peak_memory_mib, set_worker_threads
 from splitlab.roles import Role
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
@@ -32,29 +34,52 @@ SERVER = "server"  # the training server's key in its actor
 
 class RoleHost:
     """A Ray actor's roles: the client nodes of `owners` (client id -> sample indices), or, without
-    owners, the training server; built from the configuration alone, as in the driver."""
+    owners, the training server; built from the configuration alone, as in the driver. A bad setting
+    found while building (a node without the dataset) is kept, not raised, for `ready` to report
+    with the node's id and hostname."""
 
     def __init__(self, config_json: str, owners: bytes | None) -> None:
         from splitlab import engine
+
+        set_worker_threads(1)
+        self.failure: str | None = None
+        self.seconds_since = 0.0
+        try:
+            self._build(resolve_config(json.loads(config_json)), owners, engine)
+        except UserError as error:
+            ray = cluster.ray_module()
+            self.failure = f"Ray node {ray.get_runtime_context().get_node_id()} ({socket.gethostname()}): {error}"
+
+    def _build(self, config: ResolvedConfig, owners: bytes | None, engine: Any) -> None:
         from splitlab.algorithms import get_algorithm
         from splitlab.data import load_dataset
 
-        set_worker_threads(1)
-        config = resolve_config(json.loads(config_json))
         run = config.run
+        algorithm = get_algorithm(run.algorithm)
         self.device = engine.resolve_device(run.device)
         data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
-        blueprint = engine.make_blueprint(config, data, self.device)
+        self.blueprint = engine.make_blueprint(config, data, self.device)
         self.roles: dict[int | str, Role]
         if owners is None:
-            self.roles = {SERVER: get_algorithm(run.algorithm).Server(blueprint)}
+            self.roles = {SERVER: algorithm.Server(self.blueprint)}
         else:
             indices = {int(k): idx.numpy() for k, idx in codec.decode(owners).items()}
-            self.roles = {node.id: node for node in engine.client_nodes(blueprint, data, indices)}
+            self.roles = {node.id: node for node in engine.client_nodes(self.blueprint, data, indices)}
+            if algorithm.personal_models:  # evaluated here, where the personal models are
+                self.test = engine.test_set(config, data, self.device)
+                self.assemble = engine.Assembler(self.blueprint)
+
+    def ready(self) -> str | None:
+        """None once the roles are built; else why they could not be, naming this node."""
+        return self.failure
 
     def peak_memory_mib(self) -> float:
         """This actor's peak resident set size (benchmarks/ray_clients.py)."""
         return peak_memory_mib()
+
+    def pop_seconds(self) -> dict[str, float]:
+        """The compute seconds by phase of this actor's roles since the last call."""
+        return self.blueprint.pop_seconds()
 
     def call(self, key: int | str, name: str, request: bytes) -> bytes:
         """Role `key`'s verb `name` on the decoded request; the result encoded. Only verbs are called."""
@@ -64,6 +89,22 @@ class RoleHost:
         message = codec.decode(request, self.device)
         return codec.encode(getattr(role, name)(*message["args"], **message["kwargs"]))
 
+    def personal_metrics(self, request: bytes) -> str:
+        """The test metrics of every client's personal model here (its `slot` then the server part
+        the request holds), as JSON by client id: the models stay here, only the metrics travel."""
+        from splitlab import engine
+
+        message = codec.decode(request, self.device)
+        x, y = self.test
+        return json.dumps(
+            {
+                str(k): engine.personal_metrics(
+                    self.assemble, [role.snapshot(message["slot"]), message["server"]], x, y, self.blueprint.inference_batch
+                )
+                for k, role in self.roles.items()
+            }
+        )
+
 
 class RemoteVerb:
     """One verb of a role in a Ray actor: request bytes in, result bytes out (waits for the result)."""
@@ -72,7 +113,17 @@ class RemoteVerb:
         self.host, self.key, self.name = host, key, name
 
     def __call__(self, request: bytes) -> bytes:
-        return cluster.ray_module().get(self.host.call.remote(self.key, self.name, request))
+        return wait_for(self.host.call.remote(self.key, self.name, request), f"{self.key} {self.name}")
+
+
+def wait_for(pending: Any, what: str) -> Any:
+    """ray.get of `pending`; an actor lost on the way (killed, its node gone) raises RoleLost."""
+    ray = cluster.ray_module()
+    try:
+        return ray.get(pending)
+    except ray.exceptions.RayActorError as error:
+        cause = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
+        raise RoleLost(f"a Ray actor was lost during {what} ({type(error).__name__}: {cause})") from None
 
 
 class RemoteRole:
@@ -97,7 +148,9 @@ class RayTransport(SerializedTransport):
         super().__init__(ledger, device)
         self.concurrency = workers  # clients on different actors train at once
         self._lock = threading.Lock()  # the ledger's counts, when clients run concurrently
-        self.hosts: list[Any] = []  # the actors, stopped by close()
+        self.hosts: list[Any] = []  # the actors, stopped by close(): the client workers, then the server's
+        self.remote_bytes = 0  # request and reply bytes between the driver and the actors, since the last row
+        self.startup_seconds: float | None = None  # building the roles on the actors, waiting for CPUs included
 
     def close(self) -> None:
         """Stop the actors now (not when Ray notices the run let go of them): their CPUs are free for the next run."""
@@ -105,6 +158,32 @@ class RayTransport(SerializedTransport):
         for host in self.hosts:
             ray.kill(host)
         self.hosts = []
+
+    def pop_seconds(self) -> dict[str, float]:
+        seconds: dict[str, float] = {}
+        for phases in wait_for([host.pop_seconds.remote() for host in self.hosts], "the round's timings"):
+            for phase, value in phases.items():
+                seconds[phase] = seconds.get(phase, 0.0) + value
+        return seconds
+
+    def pop_telemetry(self) -> dict[str, Any]:
+        figures: dict[str, Any] = {"driver_actor_bytes": self.remote_bytes}
+        if self.startup_seconds is not None:  # in the first row only
+            figures["ray_startup_seconds"], self.startup_seconds = self.startup_seconds, None
+        self.remote_bytes = 0
+        return figures
+
+    def personal_metrics(self, algorithm: Any, client_ids: list[int]) -> list[dict[str, float]]:
+        """Every client's personal-model test metrics, computed on the actors holding the clients:
+        the server part goes once to each worker, and metrics come back (no client model travels)."""
+        client_slot, server_slot = algorithm.personal_slots
+        request = codec.encode({"slot": client_slot, "server": algorithm.server.snapshot(server_slot)})
+        workers = self.hosts[:-1]
+        replies = wait_for([host.personal_metrics.remote(request) for host in workers], "evaluation")
+        with self._lock:
+            self.remote_bytes += len(request) * len(workers) + sum(len(reply) for reply in replies)
+        by_id = {int(k): metrics for reply in replies for k, metrics in json.loads(reply).items()}
+        return [by_id[k] for k in client_ids]
 
     def connect(self, role: object, counted: bool) -> Proxy:
         if isinstance(role, RemoteRole):
@@ -118,6 +197,7 @@ class RayTransport(SerializedTransport):
             result = codec.decode(reply, self.device)
             with self._lock:
                 self.ledger.envelope_bytes += len(request) + len(reply)
+                self.remote_bytes += len(request) + len(reply)
                 if counted:
                     self._count(spec.down, args, (args, kwargs))
                     self._count(spec.up, args, result)
@@ -152,5 +232,11 @@ def start_roles(
     ]
     server_host = Host.remote(config_json, None)
     transport.hosts = [*hosts, server_host]
+    started = time.perf_counter()
+    failures = sorted({failure for failure in wait_for([h.ready.remote() for h in transport.hosts], "start") if failure})
+    if failures:  # one line per node, the first failure of each
+        transport.close()
+        raise UserError("; ".join(failures))
+    transport.startup_seconds = time.perf_counter() - started
     clients = {k: RemoteRole(algorithm_class.Client, hosts[k % run.workers], k) for k in owners}
     return clients, RemoteRole(algorithm_class.Server, server_host, SERVER)

@@ -116,6 +116,14 @@ class Transport:
     def close(self) -> None:
         """Let go of what the transport started (nothing, in process)."""
 
+    def pop_seconds(self) -> dict[str, float]:
+        """Compute seconds by phase spent since the last call by roles in other processes (Ray actors)."""
+        return {}
+
+    def pop_telemetry(self) -> dict[str, Any]:
+        """The transport's own figures since the last call, for metrics.jsonl (Ray: driver-actor bytes)."""
+        return {}
+
     def call(self, method: Callable[..., Any], spec: VerbSpec, counted: bool, *args: Any, **kwargs: Any) -> Any:
         if counted:
             self._count(spec.down, args, (args, kwargs))

@@ -82,6 +82,17 @@ class Context:
         return [c.num_samples / total for c in clients]
 
 
+@contextlib.contextmanager
+def _pool(threads: int) -> Iterator[cf.ThreadPoolExecutor]:
+    """A thread pool whose clients not yet started are dropped when the round stops on an error
+    (a lost Ray actor): the engine replays the round, the others' work would be thrown away."""
+    pool = cf.ThreadPoolExecutor(threads)
+    try:
+        yield pool
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
 class Algorithm(Generic[ParamsT]):
     """Base class. Subclasses set `name`, their roles and models if not the defaults, and
     implement `train_round`; `Algorithm[MyParams]` declares the algorithm's own settings."""
@@ -96,6 +107,9 @@ class Algorithm(Generic[ParamsT]):
     #: True when every client keeps its own client part (PSL, SGLR): there is no one global model,
     #: so evaluation averages over clients, each through `personal_model`.
     personal_models: ClassVar[bool] = False
+    #: with personal models: client k's model is its client slot, then the training server's slot
+    #: (evaluated where the clients are, on Ray: splitlab.ray_backend)
+    personal_slots: ClassVar[tuple[str, str]] = ("client_model", "server_model")
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -257,7 +271,7 @@ class Algorithm(Generic[ParamsT]):
                 fold(client, alpha)
             return
         ahead = 2 * self.ctx.concurrency
-        with cf.ThreadPoolExecutor(self.ctx.concurrency) as pool:
+        with _pool(self.ctx.concurrency) as pool:
             started = [pool.submit(self._train_tracked, train, client) for client in clients[:ahead]]
             for i, (client, alpha) in enumerate(zip(clients, alphas)):
                 for value in started[i].result():
@@ -289,7 +303,7 @@ class Algorithm(Generic[ParamsT]):
             except BaseException as error:  # raised in the driver's thread when its turn comes
                 results[k].put(error)
 
-        with cf.ThreadPoolExecutor(self.ctx.concurrency) as pool:
+        with _pool(self.ctx.concurrency) as pool:
             for k in range(len(clients)):
                 pool.submit(take_steps, k)
             for k, _ in self.ctx.interleaved(rnd, clients):

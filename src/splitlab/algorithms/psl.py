@@ -32,7 +32,8 @@ class PersonalClients(Algorithm):
         return None
 
     def personal_model(self, client_id: int) -> list[State]:
-        return [self.client(client_id).snapshot("client_model"), self.server.snapshot("server_model")]
+        client_slot, server_slot = self.personal_slots
+        return [self.client(client_id).snapshot(client_slot), self.server.snapshot(server_slot)]
 
 
 class PSL(PersonalClients, Algorithm[NoParams]):

@@ -223,10 +223,11 @@ def run_sweep(
     runs = expand_points(spec, where, sweep_dir)
     _check_existing(runs, sweep_dir)
 
+    if ray is not None and on_ray is not None:  # before the lock: an unreachable cluster leaves nothing behind
+        cluster.connect(ray)
+        cluster.check_fits(on_ray)
     with rundir.locked(sweep_dir):  # a second sweep into the same directory is refused, naming the holder
-        if ray is not None and on_ray is not None:
-            cluster.connect(ray)
-            cluster.check_fits(on_ray)
+        if on_ray is not None:
             cluster.check_shared_storage(sweep_dir)
         return _run_points(spec, where, sweep_dir, runs, jobs, progress, on_ray)
 
