@@ -11,10 +11,11 @@ import ray
 import torch
 
 from helpers import crash_before_round, quick
+from splitlab import ray_backend
 from splitlab.engine import run
-from splitlab.errors import UserError
+from splitlab.errors import RoundFailed, UserError
 
-TIMING = ("wall_seconds", "round_compute_seconds", "envelope_bytes")
+TIMING = ("wall_seconds", "round_compute_seconds", "envelope_bytes", "driver_actor_bytes", "ray_startup_seconds")
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +30,14 @@ def local_ray():
     torch.set_num_threads(threads)
 
 
-def results(out: Path) -> tuple[list[dict], bytes]:
-    """metrics.jsonl without wall times and envelope bytes, and weights.safetensors as bytes."""
+def results(out: Path) -> tuple[list[dict], bytes | None]:
+    """metrics.jsonl without wall times and Ray's figures, and weights.safetensors as bytes (None:
+    personal models, whose per-round test metrics are in the rows)."""
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    weights = out / "weights.safetensors"
     return [{k: v for k, v in row.items() if k not in TIMING} for row in rows], (
-        out / "weights.safetensors"
-    ).read_bytes()
+        weights.read_bytes() if weights.exists() else None
+    )
 
 
 def config(algorithm: str, out: Path, **overrides) -> dict:
@@ -42,7 +45,7 @@ def config(algorithm: str, out: Path, **overrides) -> dict:
     return quick(algorithm=algorithm, clients=4, rounds=2, checkpoint_every=0, out=str(out), **extra, **overrides)
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "sfl_v1", "sfl_v2"])
+@pytest.mark.parametrize("algorithm", ["fedavg", "sfl_v1", "sfl_v2", "psl"])
 def test_ray_backend_is_bit_identical_to_in_process(local_ray, algorithm, tmp_path: Path):
     """Same metrics every round (losses, accuracy, per-kind bytes) and the same weights file; the
     checkpoints taken every round fetch every role's state from the actors."""
@@ -50,6 +53,8 @@ def test_ray_backend_is_bit_identical_to_in_process(local_ray, algorithm, tmp_pa
     remote = run(config(algorithm, tmp_path / "ray", backend="ray", workers=2), progress=False)
     assert results(tmp_path / "local") == results(tmp_path / "ray")
     assert remote.pop("envelope_bytes") > remote["total_bytes"] and "envelope_bytes" not in local
+    rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["driver_actor_bytes"] > 0 and row["round_compute_seconds"]["client"] > 0 for row in rows)
 
 
 def test_a_run_resumed_on_ray_ends_as_an_uninterrupted_one(local_ray, tmp_path: Path, monkeypatch):
@@ -65,3 +70,45 @@ def test_more_workers_than_free_cpus_are_refused(local_ray, tmp_path: Path):
     with pytest.raises(UserError, match=r"backend=ray workers=5 needs 6 CPUs in the Ray cluster .* has 3"):
         run(config("fedavg", tmp_path / "o", backend="ray", workers=5), progress=False)
     assert not (tmp_path / "o").exists()
+
+
+def kill_an_actor_mid_round(monkeypatch, round_index: int = 1) -> list[str]:
+    """ray.kill the actor of the first client to send its cut gradient request after round
+    `round_index` began (once); returns the killed actor's verb calls, for the test to check."""
+    call = ray_backend.RayTransport.call
+    seen: list[str] = []
+
+    def killing(self, method, spec, counted, *args, **kwargs):
+        if isinstance(method, ray_backend.RemoteVerb):
+            if method.name == "begin_round" and args == (round_index,) and not seen:
+                seen.append("round")
+            elif method.name == "backward" and seen == ["round"]:
+                ray.kill(method.host)
+                seen.append(f"killed client {method.key}'s actor")
+        return call(self, method, spec, counted, *args, **kwargs)
+
+    monkeypatch.setattr(ray_backend.RayTransport, "call", killing)
+    return seen
+
+
+def test_an_actor_killed_mid_round_is_rebuilt_and_the_run_ends_bit_for_bit(local_ray, tmp_path, monkeypatch, capsys):
+    """PSL (personal client models live on the actors): an actor killed in round 2 is built again
+    from the round-1 checkpoint and the round replayed; every number and the weights as in process."""
+    run(config("psl", tmp_path / "local"), progress=False)
+    killed = kill_an_actor_mid_round(monkeypatch)
+    run(config("psl", tmp_path / "ray", backend="ray", workers=2), progress=False)
+    assert killed[-1].startswith("killed client")
+    assert "replaying from the last checkpoint (restart 1 of at most 3)" in capsys.readouterr().err
+    assert results(tmp_path / "local") == results(tmp_path / "ray")
+
+
+def test_past_max_restarts_the_run_stops_with_a_resume_hint(local_ray, tmp_path, monkeypatch):
+    kill_an_actor_mid_round(monkeypatch, round_index=0)
+    with pytest.raises(RoundFailed, match=r"Ray actor was lost .* max_restarts=0 .* resume=true") as stopped:
+        run(config("sfl_v1", tmp_path / "o", backend="ray", workers=2, max_restarts=0), progress=False)
+    assert "\n" not in str(stopped.value)
+
+
+def test_max_restarts_is_refused_without_ray(tmp_path):
+    with pytest.raises(UserError, match=r"max_restarts=1 applies to backend=ray only"):
+        run(config("fedavg", tmp_path / "o", max_restarts=1), progress=False)
