@@ -44,15 +44,15 @@ def connect(address: str) -> ModuleType:
             check_answers(named)
         try:
             ray.init(address=None if address == "auto" else address, include_dashboard=False, log_to_driver=False)
+        except ray.exceptions.AuthenticationError as error:
+            raise UserError(
+                f"Ray at {named or address!r} refused this process's authentication ({error.message}): the "
+                f"cluster uses token authentication; set RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN "
+                f"(or RAY_AUTH_TOKEN_PATH), as on its nodes"
+            ) from None
         except (ConnectionError, RuntimeError, ValueError) as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            hint = ""
-            if any(word in str(error).lower() for word in ("auth", "token", "unauthenticated")):
-                hint = (
-                    " (the cluster uses token authentication: set RAY_AUTH_MODE=token and the cluster's "
-                    "token in RAY_AUTH_TOKEN, as on its nodes)"
-                )
-            raise UserError(f"cannot connect to Ray at {named or address!r}: {first}{hint}") from None
+            raise UserError(f"cannot connect to Ray at {named or address!r}: {first}") from None
     return ray
 
 

@@ -84,6 +84,18 @@ class RunConfig(BaseModel):
         "training server on its own; every message as bytes; same results; docs/ray.md)",
     )
     workers: int = Field(2, ge=1, description="backend=ray: Ray actors holding the client nodes")
+    cpus_per_client: int = Field(
+        1,
+        ge=1,
+        description="backend=ray: CPUs (torch threads) of every actor: each client worker, which trains one "
+        "client at a time, and the training server's (results equal in-process ones run with as many threads)",
+    )
+    gpus_per_client: float = Field(
+        0.0,
+        ge=0,
+        description="backend=ray: GPUs of every actor (fractions share one: 0.25 puts four actors on a GPU); "
+        "with device=auto an actor uses CUDA exactly when Ray gave it a GPU",
+    )
     max_restarts: int = Field(
         3,
         ge=0,
@@ -161,6 +173,8 @@ RUN_CONTROL_KEYS = (
     "checkpoint_every",
     "backend",
     "workers",
+    "cpus_per_client",
+    "gpus_per_client",
     "max_restarts",
 )
 

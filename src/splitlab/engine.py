@@ -64,6 +64,7 @@ from splitlab.streams import register_stream
 from splitlab.transport import TRANSPORTS, ClientDropped, Transport
 
 STREAM_SAMPLING = register_stream("sampling", 0)
+RAY_ONLY_KEYS = ("cpus_per_client", "gpus_per_client", "max_restarts")  # refused with backend=local
 
 
 @dataclasses.dataclass
@@ -319,8 +320,9 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     run = config.run
     rundir.check_out_dir(config.out_dir)
     check_logger(run.logger)
-    if run.backend != "ray" and run.max_restarts != RunConfig.model_fields["max_restarts"].default:
-        raise UserError(f"max_restarts={run.max_restarts} applies to backend=ray only (Ray actors that are lost)")
+    for key in RAY_ONLY_KEYS:
+        if run.backend != "ray" and getattr(run, key) != RunConfig.model_fields[key].default:
+            raise UserError(f"{key}={getattr(run, key)} applies to backend=ray only; add backend=ray or leave it out")
     if transport is not None and run.backend == "ray":
         raise UserError("backend=ray runs clients on Ray actors; a networked server takes backend=local")
     if run.data == "own" and transport is None:

@@ -11,6 +11,7 @@ client ids and verb names), between processes of a cluster the user started and 
 
 from __future__ import annotations
 
+import importlib
 import json
 import socket
 import threading
@@ -26,7 +27,7 @@ from splitlab.channel import Ledger
 from splitlab.config import ResolvedConfig, resolve_config
 from splitlab.errors import RoleLost, UserError
 from splitlab.process import peak_memory_mib, set_worker_threads
-from splitlab.roles import Role
+from splitlab.roles import Role, State
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
 
 SERVER = "server"  # the training server's key in its actor
@@ -41,11 +42,14 @@ class RoleHost:
     def __init__(self, config_json: str, owners: bytes | None) -> None:
         from splitlab import engine
 
-        set_worker_threads(1)
+        config = resolve_config(json.loads(config_json))
+        set_worker_threads(config.run.cpus_per_client)
+        # torch's first optimizer step imports torch._dynamo (1.5 s): here, while the actors start, not
+        # as a stall in the first round of every actor
+        importlib.import_module("torch._dynamo")
         self.failure: str | None = None
-        self.seconds_since = 0.0
         try:
-            self._build(resolve_config(json.loads(config_json)), owners, engine)
+            self._build(config, owners, engine)
         except UserError as error:
             ray = cluster.ray_module()
             self.failure = f"Ray node {ray.get_runtime_context().get_node_id()} ({socket.gethostname()}): {error}"
@@ -56,7 +60,7 @@ class RoleHost:
 
         run = config.run
         algorithm = get_algorithm(run.algorithm)
-        self.device = engine.resolve_device(run.device)
+        self.device = assigned_device() if run.device == "auto" else engine.resolve_device(run.device)
         data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
         self.blueprint = engine.make_blueprint(config, data, self.device)
         self.roles: dict[int | str, Role]
@@ -90,20 +94,28 @@ class RoleHost:
         return codec.encode(getattr(role, name)(*message["args"], **message["kwargs"]))
 
     def personal_metrics(self, request: bytes) -> str:
-        """The test metrics of every client's personal model here (its `slot` then the server part
-        the request holds), as JSON by client id: the models stay here, only the metrics travel."""
+        """The test metrics of the personal models here (each client's `slot`, then the server part
+        the request holds), as JSON: {"trained": {client id: metrics}, "untrained": metrics}. The
+        clients that never trained the slot all hold its initial weights: evaluated once, for all of
+        them, so the work and the reply follow the clients that trained, not K."""
         from splitlab import engine
 
         message = codec.decode(request, self.device)
+        slot, server = message["slot"], message["server"]
         x, y = self.test
-        return json.dumps(
-            {
-                str(k): engine.personal_metrics(
-                    self.assemble, [role.snapshot(message["slot"]), message["server"]], x, y, self.blueprint.inference_batch
-                )
-                for k, role in self.roles.items()
-            }
-        )
+
+        def metrics(client_state: State) -> dict[str, float]:
+            return engine.personal_metrics(self.assemble, [client_state, server], x, y, self.blueprint.inference_batch)
+
+        trained = {str(k): metrics(role.snapshot(slot)) for k, role in self.roles.items() if slot in role.models}
+        untrained = metrics(self.blueprint.initial_state(slot)) if len(trained) < len(self.roles) else None
+        return json.dumps({"trained": trained, "untrained": untrained})
+
+
+def assigned_device() -> torch.device:
+    """device=auto in an actor: the GPU Ray gave it (gpus_per_client > 0), else the CPU, even on a node
+    with GPUs (Ray no longer hides them from actors that asked for none)."""
+    return torch.device("cuda" if cluster.ray_module().get_gpu_ids() else "cpu")
 
 
 class RemoteVerb:
@@ -182,8 +194,10 @@ class RayTransport(SerializedTransport):
         replies = wait_for([host.personal_metrics.remote(request) for host in workers], "evaluation")
         with self._lock:
             self.remote_bytes += len(request) * len(workers) + sum(len(reply) for reply in replies)
-        by_id = {int(k): metrics for reply in replies for k, metrics in json.loads(reply).items()}
-        return [by_id[k] for k in client_ids]
+        answers = [json.loads(reply) for reply in replies]
+        by_id = {int(k): metrics for answer in answers for k, metrics in answer["trained"].items()}
+        untrained = next((answer["untrained"] for answer in answers if answer["untrained"] is not None), {})
+        return [by_id.get(k, untrained) for k in client_ids]
 
     def connect(self, role: object, counted: bool) -> Proxy:
         if isinstance(role, RemoteRole):
@@ -215,15 +229,18 @@ def start_roles(
 
     ray = cluster.connect("auto")
     run = config.run
-    needed = run.workers + 1
-    available = ray.cluster_resources().get("CPU", 0)
-    if available < needed:  # the actors would wait for CPUs for ever
-        raise UserError(
-            f"backend=ray workers={run.workers} needs {needed} CPUs in the Ray cluster (the client "
-            f"workers and the training server), which has {available:g}; lower workers or add nodes"
-        )
+    actors = run.workers + 1  # the client workers and the training server
+    total = ray.cluster_resources()
+    for unit, each, key in (("CPU", run.cpus_per_client, "cpus_per_client"), ("GPU", run.gpus_per_client, "gpus_per_client")):
+        needed, available = actors * each, total.get(unit, 0)
+        if available < needed:  # the actors would wait for them for ever
+            raise UserError(
+                f"backend=ray workers={run.workers} {key}={each:g} needs {needed:g} {unit}s in the Ray cluster "
+                f"(the client workers and the training server), which has {available:g}; lower workers or "
+                f"{key}, or add nodes"
+            )
     algorithm_class = get_algorithm(run.algorithm)
-    Host = ray.remote(num_cpus=1)(RoleHost)
+    Host = ray.remote(num_cpus=run.cpus_per_client, num_gpus=run.gpus_per_client)(RoleHost)
     config_json = json.dumps(config.as_dict())
     shares = [{k: idx for k, idx in owners.items() if k % run.workers == w} for w in range(run.workers)]
     hosts = [

@@ -129,6 +129,9 @@ class Algorithm(Generic[ParamsT]):
         self.dropped: set[int] = set()
         #: each client's kept slots as last checkpointed (`client_states`): what it gets back when it rejoins
         self._kept: dict[int, State] = {}
+        #: clients reached through `client()` since their state was last kept: the only ones whose
+        #: state can have changed (a checkpoint fetches nothing from the others: on Ray, O(sampled))
+        self._touched: set[int] = set()
         self._training = threading.local()  # a client's tracked losses while it trains in a thread
 
     @staticmethod
@@ -137,6 +140,7 @@ class Algorithm(Generic[ParamsT]):
         return indices
 
     def client(self, client_id: int) -> Any:
+        self._touched.add(client_id)
         return self.ctx.client_proxies[client_id]
 
     # --- what a subclass provides ---------------------------------------------------------
@@ -316,17 +320,19 @@ class Algorithm(Generic[ParamsT]):
     def client_states(self) -> dict[int, State]:
         """Every client's kept slots and optimizers (`state_dict`), for a checkpoint. A client that
         is away is checkpointed as it was last seen, and gets that state back when it rejoins (a
-        transport whose clients can drop out delivers copies; in process nobody rejoins)."""
-        for client in self.ctx.clients:
+        transport whose clients can drop out delivers copies; in process nobody rejoins). Only the
+        clients reached since the last call are asked: the others' state is as it was kept."""
+        for client_id in sorted(self._touched):
             with contextlib.suppress(ClientDropped):
-                self._kept[client.id] = self.client(client.id).state_dict()
-        return {k: state for k, state in self._kept.items() if state["models"]}
+                self._kept[client_id] = self.ctx.client_proxies[client_id].state_dict()
+                self._touched.discard(client_id)
+        return {k: self._kept[k] for k in sorted(self._kept) if self._kept[k]["models"]}
 
     def load_client_states(self, states: dict[int, State]) -> None:
         """A resumed run: every client gets its checkpointed state back."""
         self._kept = dict(states)
         for client_id, state in states.items():
-            self.client(client_id).load_state_dict(state)
+            self.ctx.client_proxies[client_id].load_state_dict(state)
 
     def rejoined(self, client_id: int) -> None:
         """A client that dropped out is back as a fresh node: it gets its kept slots as last
