@@ -7,7 +7,7 @@ within 2x of the in-process run (issue 26). Both sides end to end through `engin
 the roles and starting the actors included), the in-process one with one torch thread as each
 actor has; the rows' test metrics are checked to be identical.
 
-    .venv/bin/python benchmarks/ray_psl.py [--clients 1000] [--rounds 3] [--workers 2] [--small 100]
+    .venv/bin/python benchmarks/ray_psl.py [--clients 100 1000] [--rounds 3] [--workers 2]
 """
 
 from __future__ import annotations
@@ -52,25 +52,28 @@ def timed(cfg: dict) -> tuple[float, list[dict]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--clients", type=int, default=1000)
-    parser.add_argument("--small", type=int, default=100, help="a smaller K, for driver-actor bytes against K")
+    parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
     ray.init(num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False)
-    with tempfile.TemporaryDirectory() as tmp:
-        local_s, local_rows = timed(config(args.clients, args.rounds, Path(tmp) / "local"))
-        ray_s, ray_rows = timed(config(args.clients, args.rounds, Path(tmp) / "ray", backend="ray", workers=args.workers))
-        _, small_rows = timed(config(args.small, args.rounds, Path(tmp) / "small", backend="ray", workers=args.workers))
-    same = [{k: r[k] for k in METRICS} for r in local_rows] == [{k: r[k] for k in METRICS} for r in ray_rows]
-    print(f"psl K={args.clients}, {args.rounds} rounds, 10 clients per round, workers={args.workers}")
-    print(f"  in process (1 thread): {local_s:.1f} s end to end (loop {local_rows[-1]['wall_seconds']:.1f} s)")
-    print(f"  on Ray:                {ray_s:.1f} s end to end (loop {ray_rows[-1]['wall_seconds']:.1f} s)")
-    print(f"  ratio Ray / in process: {ray_s / local_s:.2f} end to end, same metrics: {same}")
-    print(f"  modelled bytes per round (K={args.clients}): {[r['comm_bytes'] for r in ray_rows]} (cumulative)")
-    for k, rows in ((args.small, small_rows), (args.clients, ray_rows)):
-        print(f"  driver-actor bytes per round, K={k}: {[r['driver_actor_bytes'] for r in rows]}")
+    print(f"psl, {args.rounds} rounds of 10 clients, evaluated every round, workers={args.workers}")
+    print("     K | in process: end to end, loop per round | Ray: end to end, loop per round | ratio | same")
+    bytes_per_round = {}
+    for k in args.clients:
+        with tempfile.TemporaryDirectory() as tmp:
+            local_s, local_rows = timed(config(k, args.rounds, Path(tmp) / "local"))
+            ray_s, ray_rows = timed(config(k, args.rounds, Path(tmp) / "ray", backend="ray", workers=args.workers))
+        same = [{m: r[m] for m in METRICS} for r in local_rows] == [{m: r[m] for m in METRICS} for r in ray_rows]
+        local_round, ray_round = (rows[-1]["wall_seconds"] / args.rounds for rows in (local_rows, ray_rows))
+        print(
+            f"{k:6d} | {local_s:10.1f} s {local_round:10.2f} s           | {ray_s:7.1f} s {ray_round:10.2f} s"
+            f"      | {ray_s / local_s:5.2f} | {same}"
+        )
+        bytes_per_round[k] = [row["driver_actor_bytes"] for row in ray_rows]
+    for k, figures in bytes_per_round.items():
+        print(f"driver-actor bytes per round, K={k}: {figures}")
     ray.shutdown()
 
 
