@@ -1,11 +1,12 @@
-"""backend=ray against in-process for PSL with many clients (the synthetic dataset's 1200 samples): wall time, and driver-actor bytes per round.
+"""backend=ray against in-process for PSL with many clients: wall time, and driver-actor bytes per round.
 
 PSL keeps a personal client model per client; every evaluation averages the test metrics of all K
 personal models. On Ray these are evaluated on the actors that hold them (only metrics travel),
 so the driver-actor traffic per round should not grow with K and the wall time should stay
-within 2x of the in-process run (issue 26). Both sides end to end through `engine.run` (building
-the roles and starting the actors included), the in-process one with one torch thread as each
-actor has; the rows' test metrics are checked to be identical.
+within 2x of the in-process run (issue 26). The synthetic dataset's 1200 samples; both sides end
+to end through `engine.run` (building the roles and starting the actors included, starting Ray
+itself not), each run in a fresh process, the in-process one with one torch thread as each actor
+has; the rows' test metrics are checked to be identical.
 
     .venv/bin/python benchmarks/ray_psl.py [--clients 100 1000] [--rounds 3] [--workers 2]
 """
@@ -14,6 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,11 +47,38 @@ def config(clients: int, rounds: int, out: Path, **overrides) -> dict:
     )
 
 
-def timed(cfg: dict) -> tuple[float, list[dict]]:
-    started = time.perf_counter()
-    run(cfg, progress=False)
-    rows = [json.loads(line) for line in (Path(cfg["out"]) / "metrics.jsonl").read_text().splitlines()]
-    return time.perf_counter() - started, rows
+def one(clients: int, rounds: int, backend: str, workers: int) -> dict:
+    """One run in this (fresh) process: seconds end to end, the actors' start, and its rows."""
+    torch.set_num_threads(1)
+    if backend == "ray":
+        # Ray starts its workers at nice 15; on a shared machine that starves the actors (docs/ray.md)
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        ray.init(num_cpus=workers + 1, include_dashboard=False, log_to_driver=False)
+    with tempfile.TemporaryDirectory() as tmp:
+        extra = {"backend": "ray", "workers": workers} if backend == "ray" else {}
+        cfg = config(clients, rounds, Path(tmp) / "out", **extra)
+        started = time.perf_counter()
+        run(cfg, progress=False)
+        seconds = time.perf_counter() - started
+        rows = [json.loads(line) for line in (Path(tmp) / "out" / "metrics.jsonl").read_text().splitlines()]
+    return {"seconds": seconds, "startup": rows[0].get("ray_startup_seconds", 0.0), "rows": rows}
+
+
+def in_fresh_process(clients: int, rounds: int, backend: str, workers: int) -> dict:
+    """`one` in a new Python process: neither side inherits imports, warm-up or heap from the other."""
+    command = [
+        sys.executable,
+        __file__,
+        "--one",
+        str(clients),
+        backend,
+        "--rounds",
+        str(rounds),
+        "--workers",
+        str(workers),
+    ]
+    output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return json.loads(output.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -55,26 +86,30 @@ def main() -> None:
     parser.add_argument("--clients", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--one", nargs=2, metavar=("K", "BACKEND"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    ray.init(num_cpus=args.workers + 1, include_dashboard=False, log_to_driver=False)
-    print(f"psl, {args.rounds} rounds of 10 clients, evaluated every round, workers={args.workers}")
-    print("     K | in process: end to end, loop per round | Ray: end to end, loop per round | ratio | same")
+    if args.one:
+        print(json.dumps(one(int(args.one[0]), args.rounds, args.one[1], args.workers)))
+        return
+    print(f"psl, {args.rounds} rounds of 10 clients, evaluated every round, workers={args.workers}, fresh processes")
+    print("     K | in process | Ray (actors' start) | Ray / in process | without the start | same metrics")
     bytes_per_round = {}
     for k in args.clients:
-        with tempfile.TemporaryDirectory() as tmp:
-            local_s, local_rows = timed(config(k, args.rounds, Path(tmp) / "local"))
-            ray_s, ray_rows = timed(config(k, args.rounds, Path(tmp) / "ray", backend="ray", workers=args.workers))
-        same = [{m: r[m] for m in METRICS} for r in local_rows] == [{m: r[m] for m in METRICS} for r in ray_rows]
-        local_round, ray_round = (rows[-1]["wall_seconds"] / args.rounds for rows in (local_rows, ray_rows))
-        print(
-            f"{k:6d} | {local_s:10.1f} s {local_round:10.2f} s           | {ray_s:7.1f} s {ray_round:10.2f} s"
-            f"      | {ray_s / local_s:5.2f} | {same}"
+        local = in_fresh_process(k, args.rounds, "local", args.workers)
+        remote = in_fresh_process(k, args.rounds, "ray", args.workers)
+        same = [{m: r[m] for m in METRICS} for r in local["rows"]] == [
+            {m: r[m] for m in METRICS} for r in remote["rows"]
+        ]
+        ratio, without_start = (
+            seconds / local["seconds"] for seconds in (remote["seconds"], remote["seconds"] - remote["startup"])
         )
-        bytes_per_round[k] = [row["driver_actor_bytes"] for row in ray_rows]
+        print(
+            f"{k:6d} | {local['seconds']:8.1f} s | {remote['seconds']:6.1f} s ({remote['startup']:5.1f} s)   |"
+            f" {ratio:16.2f} | {without_start:17.2f} | {same}"
+        )
+        bytes_per_round[k] = [row["driver_actor_bytes"] for row in remote["rows"]]
     for k, figures in bytes_per_round.items():
         print(f"driver-actor bytes per round, K={k}: {figures}")
-    ray.shutdown()
 
 
 if __name__ == "__main__":

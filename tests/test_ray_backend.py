@@ -67,7 +67,9 @@ def test_a_run_resumed_on_ray_ends_as_an_uninterrupted_one(local_ray, tmp_path: 
 
 
 def test_more_workers_than_free_cpus_are_refused(local_ray, tmp_path: Path):
-    with pytest.raises(UserError, match=r"backend=ray workers=5 cpus_per_client=1 needs 6 CPUs in the Ray cluster .* has 3"):
+    with pytest.raises(
+        UserError, match=r"backend=ray workers=5 cpus_per_client=1 needs 6 CPUs in the Ray cluster .* has 3"
+    ):
         run(config("fedavg", tmp_path / "o", backend="ray", workers=5), progress=False)
     assert not (tmp_path / "o").exists()
 

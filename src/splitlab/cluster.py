@@ -29,7 +29,9 @@ def ray_module() -> ModuleType:
     return ray
 
 
-CONNECT_TIMEOUT = 10.0  # seconds to wait for the cluster's address to answer, before ray.init (which retries for minutes)
+CONNECT_TIMEOUT = (
+    10.0  # seconds to wait for the cluster's address to answer, before ray.init (which retries for minutes)
+)
 
 
 def connect(address: str) -> ModuleType:

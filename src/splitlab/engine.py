@@ -375,7 +375,13 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     transport_.on_rejoin = algorithm.rejoined
     test_x, test_y = test_set(config, data, device)
     data = dataclasses.replace(
-        data, train_x=data.train_x[:0], train_y=data.train_y[:0], train_groups=None, test_x=test_x, test_y=test_y, prepare=None
+        data,
+        train_x=data.train_x[:0],
+        train_y=data.train_y[:0],
+        train_groups=None,
+        test_x=test_x,
+        test_y=test_y,
+        prepare=None,
     )  # the test set, prepared once
     return Experiment(config, data, clients, algorithm, report, roles, blueprint, transport_, plan.client_test)
 
@@ -406,7 +412,10 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
         per_client = (
             where_they_are(algorithm, ids)
             if where_they_are is not None
-            else [personal_metrics(experiment.assemble, algorithm.personal_model(k), data.test_x, data.test_y, batch) for k in ids]
+            else [
+                personal_metrics(experiment.assemble, algorithm.personal_model(k), data.test_x, data.test_y, batch)
+                for k in ids
+            ]
         )
         return {key: float(np.mean([m[key] for m in per_client])) for key in per_client[0]}
     model = algorithm.global_model()

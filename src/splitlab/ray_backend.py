@@ -196,7 +196,9 @@ class RayTransport(SerializedTransport):
             self.remote_bytes += len(request) * len(workers) + sum(len(reply) for reply in replies)
         answers = [json.loads(reply) for reply in replies]
         by_id = {int(k): metrics for answer in answers for k, metrics in answer["trained"].items()}
-        untrained = next((answer["untrained"] for answer in answers if answer["untrained"] is not None), {})
+        untrained: dict[str, float] = next(
+            (answer["untrained"] for answer in answers if answer["untrained"] is not None), {}
+        )
         return [by_id.get(k, untrained) for k in client_ids]
 
     def connect(self, role: object, counted: bool) -> Proxy:
@@ -231,7 +233,10 @@ def start_roles(
     run = config.run
     actors = run.workers + 1  # the client workers and the training server
     total = ray.cluster_resources()
-    for unit, each, key in (("CPU", run.cpus_per_client, "cpus_per_client"), ("GPU", run.gpus_per_client, "gpus_per_client")):
+    for unit, each, key in (
+        ("CPU", run.cpus_per_client, "cpus_per_client"),
+        ("GPU", run.gpus_per_client, "gpus_per_client"),
+    ):
         needed, available = actors * each, total.get(unit, 0)
         if available < needed:  # the actors would wait for them for ever
             raise UserError(
@@ -250,7 +255,9 @@ def start_roles(
     server_host = Host.remote(config_json, None)
     transport.hosts = [*hosts, server_host]
     started = time.perf_counter()
-    failures = sorted({failure for failure in wait_for([h.ready.remote() for h in transport.hosts], "start") if failure})
+    failures = sorted(
+        {failure for failure in wait_for([h.ready.remote() for h in transport.hosts], "start") if failure}
+    )
     if failures:  # one line per node, the first failure of each
         transport.close()
         raise UserError("; ".join(failures))
