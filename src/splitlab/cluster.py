@@ -74,6 +74,11 @@ def check_answers(address: str) -> None:
         ) from None
 
 
+def this_node() -> str:
+    """The Ray node this process runs on, as failures name it: its id and its hostname."""
+    return f"Ray node {ray_module().get_runtime_context().get_node_id()} ({socket.gethostname()})"
+
+
 def _reads_token(path: str, token: str) -> bool:
     try:
         return Path(path).read_text() == token

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -51,8 +50,7 @@ class RoleHost:
         try:
             self._build(config, owners, engine)
         except UserError as error:
-            ray = cluster.ray_module()
-            self.failure = f"Ray node {ray.get_runtime_context().get_node_id()} ({socket.gethostname()}): {error}"
+            self.failure = f"{cluster.this_node()}: {error}"
 
     def _build(self, config: ResolvedConfig, owners: bytes | None, engine: Any) -> None:
         from splitlab.algorithms import get_algorithm

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from pathlib import Path
@@ -105,3 +106,15 @@ def test_bad_resources_are_refused(tmp_path: Path):
         run_sweep(path, out=tmp_path / "o", ray="auto", cpus_per_run=0)
     with pytest.raises(UserError, match="--gpus-per-run must be a number >= 0, got -1"):
         run_sweep(path, out=tmp_path / "o", ray="auto", gpus_per_run=-1)
+
+
+def test_a_run_that_fails_on_a_node_names_the_node(local_ray, tmp_path: Path):
+    """A node without the dataset: the run's error ends with the node's id and hostname, on the line
+    the sweep prints (the paths it names are where that node looked)."""
+    spec = {"base": {**BASE, "dataset": "cifar10", "data_dir": str(tmp_path / "nowhere")}, "axes": {"seed": [0]}}
+    with pytest.raises(sweep.SweepFailed):
+        run_sweep(write_sweep(tmp_path, spec), out=tmp_path / "o", ray="auto", progress=False)
+    (error,) = [path.read_text() for path in (tmp_path / "o").glob("*/error.txt")]
+    last = error.strip().splitlines()[-1]
+    node = f"[on Ray node {ray.get_runtime_context().get_node_id()} ({socket.gethostname()})]"
+    assert f"cifar10 file {tmp_path / 'nowhere'}" in last and last.endswith(node)

@@ -148,7 +148,10 @@ def _run_in_worker(name: str, config: dict) -> tuple[str, dict | None, str | Non
 def _run_on_ray_worker(name: str, config_json: str, threads: int) -> str:
     """A sweep run as a Ray task: config in, summary out, both as JSON (nothing of splitlab's is pickled)."""
     set_worker_threads(threads)
-    return json.dumps(_run_in_worker(name, json.loads(config_json)))
+    name, summary, error, seconds = _run_in_worker(name, json.loads(config_json))
+    if error is not None:  # where it failed: a node may lack what the driver's machine has (a dataset)
+        error = f"{error.rstrip()} [on {cluster.this_node()}]\n"  # on the line the sweep prints
+    return json.dumps((name, summary, error, seconds))
 
 
 def _run_on_ray(pending: list[tuple[str, dict]], resources: dict, finished: Callable[..., None]) -> None:
