@@ -178,14 +178,26 @@ def _hold_out(indices: list[np.ndarray], fraction: float, seed: int) -> tuple[li
 
 def make_blueprint(config: ResolvedConfig, data: Dataset, device: torch.device) -> Blueprint:
     """The run's blueprint, the same in every process that builds roles for it."""
+    return blueprint_of(config, device, data.input_shape, data.num_classes, data.inputs(data.train_x[:1]).dtype)
+
+
+def blueprint_of(
+    config: ResolvedConfig,
+    device: torch.device,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    input_dtype: torch.dtype,
+) -> Blueprint:
+    """The run's blueprint from what it needs of the data: a role that holds no samples (the
+    training server on Ray) gets these from the driver and never loads the dataset."""
     run = config.run
     return Blueprint(
         run,
         config.params,
         device,
-        data.input_shape,
-        data.num_classes,
-        data.inputs(data.train_x[:1]).dtype,
+        input_shape,
+        num_classes,
+        input_dtype,
         builders=get_algorithm(run.algorithm).models,
         recorder=Recorder(run.record) if run.record else None,
     )
@@ -341,7 +353,7 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
 
         transport_ = ray_backend.RayTransport(ledger, device, run.workers)
         assert plan.owners is not None
-        client_roles, server = ray_backend.start_roles(config, dict(enumerate(plan.owners)), transport_)
+        client_roles, server = ray_backend.start_roles(config, dict(enumerate(plan.owners)), blueprint, transport_)
         client_proxies = {k: transport_.connect(role, counted=True) for k, role in client_roles.items()}
     else:
         transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)

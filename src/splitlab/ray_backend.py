@@ -2,8 +2,11 @@
 
 Each of the `workers` actors holds many virtual clients (client k on actor k mod workers), built
 in the actor from the run's configuration and the indices of its clients' samples: the samples
-never leave the machine that loads them. The training server is one more actor; the sync server
-and the algorithm stay in the driver, with the engine. Every verb call and its result travel as
+never leave the machine that loads them. The training server is one more actor, built from the
+data's shape alone (it holds no samples); the sync server and the algorithm stay in the driver,
+with the engine. Personal models are evaluated on the actors that hold them (only metrics come
+back), and a lost actor raises `RoleLost`, on which the engine builds the actors again and
+replays from the last checkpoint. Every verb call and its result travel as
 `splitlab.codec` bytes (safetensors + JSON), as through the serialized transport, so results are
 bit for bit those of an in-process run. Ray itself pickles what it carries (here: those bytes,
 client ids and verb names), between processes of a cluster the user started and trusts.
@@ -26,7 +29,7 @@ from splitlab.channel import Ledger
 from splitlab.config import ResolvedConfig, resolve_config
 from splitlab.errors import RoleLost, UserError
 from splitlab.process import peak_memory_mib, set_worker_threads
-from splitlab.roles import Role, State
+from splitlab.roles import Blueprint, Role, State
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
 
 SERVER = "server"  # the training server's key in its actor
@@ -34,11 +37,11 @@ SERVER = "server"  # the training server's key in its actor
 
 class RoleHost:
     """A Ray actor's roles: the client nodes of `owners` (client id -> sample indices), or, without
-    owners, the training server; built from the configuration alone, as in the driver. A bad setting
-    found while building (a node without the dataset) is kept, not raised, for `ready` to report
-    with the node's id and hostname."""
+    owners, the training server, from the data's shape alone (`data_shape`, JSON); built from the
+    configuration, as in the driver. A bad setting found while building (a node without the
+    dataset) is kept, not raised, for `ready` to report with the node's id and hostname."""
 
-    def __init__(self, config_json: str, owners: bytes | None) -> None:
+    def __init__(self, config_json: str, owners: bytes | None, data_shape: str) -> None:
         from splitlab import engine
 
         config = resolve_config(json.loads(config_json))
@@ -48,23 +51,28 @@ class RoleHost:
         importlib.import_module("torch._dynamo")
         self.failure: str | None = None
         try:
-            self._build(config, owners, engine)
+            self._build(config, owners, data_shape, engine)
         except UserError as error:
             self.failure = f"{cluster.this_node()}: {error}"
 
-    def _build(self, config: ResolvedConfig, owners: bytes | None, engine: Any) -> None:
+    def _build(self, config: ResolvedConfig, owners: bytes | None, data_shape: str, engine: Any) -> None:
         from splitlab.algorithms import get_algorithm
         from splitlab.data import load_dataset
 
         run = config.run
         algorithm = get_algorithm(run.algorithm)
         self.device = assigned_device() if run.device == "auto" else engine.resolve_device(run.device)
-        data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
-        self.blueprint = engine.make_blueprint(config, data, self.device)
         self.roles: dict[int | str, Role]
-        if owners is None:
+        if owners is None:  # the training server holds no samples: it never loads them
+            shape = json.loads(data_shape)
+            dtype = getattr(torch, shape["input_dtype"].removeprefix("torch."))
+            self.blueprint = engine.blueprint_of(
+                config, self.device, tuple(shape["input_shape"]), shape["num_classes"], dtype
+            )
             self.roles = {SERVER: algorithm.Server(self.blueprint)}
         else:
+            data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
+            self.blueprint = engine.make_blueprint(config, data, self.device)
             indices = {int(k): idx.numpy() for k, idx in codec.decode(owners).items()}
             self.roles = {node.id: node for node in engine.client_nodes(self.blueprint, data, indices)}
             if algorithm.personal_models:  # evaluated here, where the personal models are
@@ -221,7 +229,7 @@ class RayTransport(SerializedTransport):
 
 
 def start_roles(
-    config: ResolvedConfig, owners: Mapping[int, np.ndarray], transport: RayTransport
+    config: ResolvedConfig, owners: Mapping[int, np.ndarray], blueprint: Blueprint, transport: RayTransport
 ) -> tuple[dict[int, RemoteRole], RemoteRole]:
     """Start `workers` client actors and the training server's actor (local Ray, or the cluster
     RAY_ADDRESS names); return the remote client roles by id, and the remote server."""
@@ -247,10 +255,15 @@ def start_roles(
     config_json = json.dumps(config.as_dict())
     shares = [{k: idx for k, idx in owners.items() if k % run.workers == w} for w in range(run.workers)]
     hosts = [
-        Host.remote(config_json, codec.encode({str(k): torch.as_tensor(idx) for k, idx in share.items()}))
+        Host.remote(config_json, codec.encode({str(k): torch.as_tensor(idx) for k, idx in share.items()}), "")
         for share in shares
     ]
-    server_host = Host.remote(config_json, None)
+    data_shape = {
+        "input_shape": list(blueprint.input_shape),
+        "num_classes": blueprint.num_classes,
+        "input_dtype": str(blueprint.input_dtype),
+    }
+    server_host = Host.remote(config_json, None, json.dumps(data_shape))
     transport.hosts = [*hosts, server_host]
     started = time.perf_counter()
     failures = sorted(
