@@ -54,7 +54,14 @@ def connect(address: str) -> ModuleType:
             ) from None
         except (ConnectionError, RuntimeError, ValueError) as error:
             first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            raise UserError(f"cannot connect to Ray at {named or address!r}: {first}") from None
+            hint = (
+                "; something answers there, so the likely cause is authentication: current Ray clusters use "
+                "tokens, set RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN, as on its nodes "
+                "(else: the same Ray version as the cluster's?)"
+                if named
+                else ""
+            )
+            raise UserError(f"cannot connect to Ray at {named or address!r}: {first}{hint}") from None
     return ray
 
 
