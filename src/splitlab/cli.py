@@ -97,7 +97,10 @@ def _print_summary(summary: dict, raw: dict) -> None:
     table.add_row("rounds", f"{summary['rounds_completed']} (stopped by {summary['stopped_by']})")
     table.add_row("final accuracy", f"{100 * summary['final_accuracy']:.2f}%")
     table.add_row("best accuracy", f"{100 * summary['best_accuracy']:.2f}% (round {summary['best_round']})")
-    table.add_row("final macro-F1 / MCC", f"{summary['final_f1']:.4f} / {summary['final_mcc']:.4f}")
+    if "final_f1" in summary:
+        table.add_row("final macro-F1 / MCC", f"{summary['final_f1']:.4f} / {summary['final_mcc']:.4f}")
+    else:  # a language task: token accuracy above, masked test loss and perplexity here
+        table.add_row("final test loss / perplexity", f"{summary['final_loss']:.4f} / {summary['final_perplexity']:.2f}")
     table.add_row("communication", format_bytes(summary["total_bytes"]))
     for kind, nbytes in sorted(summary["comm_bytes_by_kind"].items()):
         table.add_row(f"  {kind}", format_bytes(nbytes))

@@ -53,8 +53,8 @@ from splitlab.io import (
     write_yaml,
 )
 from splitlab.loggers import check_logger, make_logger, round_line
-from splitlab.metrics import classification_metrics, logits_in_batches
-from splitlab.models import split
+from splitlab.metrics import TASK_METRICS, logits_in_batches
+from splitlab.models import load_shared, split
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.record import Recorder
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
@@ -106,8 +106,14 @@ class Experiment:
             for part in self._evaluated:
                 part.eval()
         for part, state in zip(self._evaluated, states):
-            part.load_state_dict(state)
+            load_shared(part, state)
         return nn.Sequential(*self._evaluated)
+
+    def full_state(self, states: list[State]) -> dict[str, torch.Tensor]:
+        """The whole model of role states under the unsplit model's names, a frozen base included."""
+        self.assemble(states)
+        assert self._evaluated is not None
+        return {name: t for part in self._evaluated for name, t in part.state_dict().items()}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -137,7 +143,7 @@ def _client_indices(config: ResolvedConfig, data: Dataset) -> list[np.ndarray]:
     # belong to nobody); otherwise all of them.
     users = np.arange(len(data.train_y)) if data.train_groups is None else np.sort(np.concatenate(data.train_groups))
     pool = users[_seeded_subset(len(users), run.train_subset, run.seed, "train_subset")]
-    parts = partition(data.train_y.numpy()[pool], run.clients, run.partition, run.seed)
+    parts = partition(data.train_labels.numpy()[pool], run.clients, run.partition, run.seed)
     return [pool[part] for part in parts]
 
 
@@ -205,7 +211,7 @@ class _Plan:
         """How many samples of each class every client node holds (None: data=own, the clients say)."""
         if self.owners is None:
             return None
-        labels = self.data.train_y.numpy()
+        labels = self.data.train_labels.numpy()
         return [np.bincount(labels[idx], minlength=self.blueprint.num_classes).tolist() for idx in self.owners]
 
 
@@ -214,19 +220,32 @@ def _plan(config: ResolvedConfig) -> _Plan:
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)
-    data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
+    data = load_dataset(run.dataset, run.data_dir, seed=run.seed, seq_len=run.seq_len)
+    _check_task(config, data)
     indices = _client_indices(config, data)
     held_out = parse_test_split(run.test_split)
     client_test = None
     if held_out is not None:
         indices, held = _hold_out(indices, held_out, run.seed)  # prepared once, for every evaluation
         client_test = [(data.inputs(data.train_x[idx].to(device)), data.train_y[idx].to(device)) for idx in held]
-    report = partition_report(data.train_y.numpy(), indices, data.num_classes)
+    report = partition_report(data.train_labels.numpy(), indices, data.num_classes)
     algorithm_class = get_algorithm(run.algorithm)
     blueprint = make_blueprint(config, data, device)
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
     owners = algorithm_class.data_owners(indices)
     return _Plan(config, data, owners, client_test, report, algorithm_class, blueprint)
+
+
+def _check_task(config: ResolvedConfig, data: Dataset) -> None:
+    """Refuse what a dataset's task does not allow: a class-based partition of sequences, or an
+    algorithm whose design assumes the other task."""
+    run, algorithm = config.run, get_algorithm(config.run.algorithm)
+    if data.task in algorithm.refused_tasks:
+        raise UserError(f"algorithm={run.algorithm} cannot run dataset={run.dataset}: {algorithm.refused_tasks[data.task]}")
+    if data.task == "language" and run.partition != "iid":
+        raise UserError(
+            f"partition={run.partition} splits by class; {run.dataset}'s sequences have none: use iid or clients=all"
+        )
 
 
 def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
@@ -375,15 +394,16 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     test-size-weighted means of the per-client values). On the global test set, algorithms with
     personal client models get the unweighted mean over clients of each client's model's metrics."""
     data, algorithm, batch = experiment.data, experiment.algorithm, experiment.blueprint.inference_batch
+    metrics = TASK_METRICS[data.task]
     if experiment.client_test is not None:
         held = [(k, x, y) for k, (x, y) in enumerate(experiment.client_test) if len(y)]
         logits = torch.cat(
             [logits_in_batches(experiment.assemble(algorithm.personal_model(k)), x, batch) for k, x, _ in held]
         )
-        return classification_metrics(logits, torch.cat([y for _, _, y in held]))
+        return metrics(logits, torch.cat([y for _, _, y in held]))
     if algorithm.personal_models:
         per_client = [
-            classification_metrics(
+            metrics(
                 logits_in_batches(experiment.assemble(algorithm.personal_model(c.id)), data.test_x, batch), data.test_y
             )
             for c in experiment.clients
@@ -392,7 +412,7 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     model = algorithm.global_model()
     if model is None:
         raise NotImplementedError(f"{algorithm.name} has no global model and no personal models")
-    return classification_metrics(logits_in_batches(experiment.assemble(model), data.test_x, batch), data.test_y)
+    return metrics(logits_in_batches(experiment.assemble(model), data.test_x, batch), data.test_y)
 
 
 class _RunDirectory:
@@ -672,10 +692,7 @@ def _metrics_row(
     test = evaluate(experiment)
     return {
         "round": state["round"],
-        "test_accuracy": test["accuracy"],
-        "test_loss": test["loss"],
-        "test_f1": test["f1"],
-        "test_mcc": test["mcc"],
+        **{f"test_{key}": value for key, value in test.items()},
         "train_loss": train_loss,
         "comm_bytes": ledger.total_bytes,
         "comm_gib": ledger.total_bytes / GIB,
@@ -733,9 +750,7 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         "final_accuracy": rows[-1]["test_accuracy"],
         "best_accuracy": best["test_accuracy"],
         "best_round": best["round"],
-        "final_loss": rows[-1]["test_loss"],
-        "final_f1": rows[-1]["test_f1"],
-        "final_mcc": rows[-1]["test_mcc"],
+        **{f"final_{key[5:]}": value for key, value in rows[-1].items() if key.startswith("test_") and key != "test_accuracy"},
         "total_bytes": ledger.total_bytes,
         "total_gib": ledger.total_bytes / GIB,
         "comm_bytes_by_kind": ledger.state_dict(),
@@ -748,7 +763,7 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
     }
     model = experiment.algorithm.global_model()
     if model is not None:
-        weights = {name: t for state in model for name, t in state.items()}
+        weights = experiment.full_state(model)
         save_safetensors(out / "weights.safetensors", weights)
     with _needs_the_client(cfg.algorithm, state["round"]):  # SplitGP's are fetched from the clients
         client_weights = experiment.algorithm.client_weights()
