@@ -4,6 +4,7 @@ refusals, and the export that `from_pretrained` loads back to the same logits.""
 from __future__ import annotations
 
 import json
+from copy import deepcopy
 
 import pytest
 import torch
@@ -181,3 +182,21 @@ def test_save_gpt2_maps_model_gpts_names_and_layout_onto_gpt2(tmp_path):
 def test_the_tokenizer_loads_from_tokenizer_json(checkpoint):
     _, folder = checkpoint
     assert load_tokenizer(folder)("To be")["input_ids"] == tiny_tokenizer()("To be")["input_ids"]
+
+
+def test_a_cut_gradient_can_be_differentiated_and_copies_are_independent(checkpoint):
+    """FSL-SAGE's alignment takes a second derivative through the server's blocks; SFL-V1 and the
+    auxiliary models deep-copy stages."""
+    _, folder = checkpoint
+    staged = load_staged(folder)
+    client, server = split(staged, 1)
+    hidden = client(torch.randint(0, 300, (2, 6))).detach().requires_grad_()
+    (cut_gradient,) = torch.autograd.grad(server(hidden).square().mean(), hidden, create_graph=True)
+    cut_gradient.square().sum().backward()
+    assert staged.head.lm_head.weight.grad is not None
+    before = logits_of(server, hidden)
+    copy = deepcopy(server)
+    with torch.no_grad():
+        next(copy.block2.parameters()).add_(1.0)
+    torch.testing.assert_close(logits_of(server, hidden), before, rtol=0, atol=0)
+    assert not torch.equal(logits_of(copy, hidden), before)
