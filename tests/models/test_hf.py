@@ -8,6 +8,7 @@ from copy import deepcopy
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 from hf_helpers import tiny_hf_model, tiny_tokenizer
@@ -200,3 +201,12 @@ def test_a_cut_gradient_can_be_differentiated_and_copies_are_independent(checkpo
         next(copy.block2.parameters()).add_(1.0)
     torch.testing.assert_close(logits_of(server, hidden), before, rtol=0, atol=0)
     assert not torch.equal(logits_of(copy, hidden), before)
+
+
+def test_weights_that_lack_a_tensor_are_refused(tmp_path):
+    folder = tiny_hf_model(tmp_path, "gpt2")
+    weights = load_file(folder / "model.safetensors")
+    del weights["transformer.h.1.ln_1.weight"]
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(UserError, match=r"the weights lack 1 tensors of the model: \['transformer.h.1.ln_1.weight'\]"):
+        load_staged(folder)
