@@ -20,6 +20,7 @@ from splitlab.models.hf import (
     char_tokenizer,
     context_length,
     gpt2_config,
+    hf_model,
     load_staged,
     load_tokenizer,
     read_config,
@@ -210,3 +211,17 @@ def test_weights_that_lack_a_tensor_are_refused(tmp_path):
     save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(UserError, match=r"the weights lack 1 tensors of the model: \['transformer.h.1.ln_1.weight'\]"):
         load_staged(folder)
+
+
+def test_the_model_zoo_builder_checks_the_data_against_the_model(tmp_path):
+    folder = tiny_hf_model(tmp_path, "llama", layers=2)
+    model = hf_model((64,), 300, model_dir=str(folder))
+    assert model.valid_cuts == [1, 2]
+    with pytest.raises(UserError, match="model=hf needs model_dir=DIR"):
+        hf_model((16,), 300)
+    with pytest.raises(UserError, match="seq_len=65 is beyond the model's context of 64 tokens"):
+        hf_model((65,), 300, model_dir=str(folder))
+    with pytest.raises(UserError, match="tokens go up to 300, beyond the model's vocabulary of 300"):
+        hf_model((16,), 301, model_dir=str(folder))
+    with pytest.raises(UserError, match="takes token sequences"):
+        hf_model((1, 28, 28), 10, model_dir=str(folder))

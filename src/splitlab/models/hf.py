@@ -212,6 +212,24 @@ def load_staged(model_dir: str | Path, attn_implementation: str = "eager") -> St
     return staged_from_hf(model)
 
 
+def hf_model(input_shape: tuple[int, ...], num_classes: int, model_dir: str | None = None) -> StagedModel:
+    """`model=hf`: the checkpoint in `model_dir` for sequences of `input_shape[0]` tokens whose ids
+    are below `num_classes` (a model-zoo builder: `splitlab.models.MODELS`). Its logits cover the
+    model's whole vocabulary, which may be larger than `num_classes`."""
+    if model_dir is None:
+        raise UserError("model=hf needs model_dir=DIR, a Hugging Face model folder (docs/language-hf.md)")
+    config = read_config(model_dir)
+    if len(input_shape) != 1:
+        raise UserError(f"model=hf takes token sequences; the dataset's samples have shape {input_shape}")
+    if input_shape[0] > context_length(config):
+        raise UserError(f"seq_len={input_shape[0]} is beyond the model's context of {context_length(config)} tokens")
+    if num_classes > config["vocab_size"]:
+        raise UserError(
+            f"the dataset's tokens go up to {num_classes - 1}, beyond the model's vocabulary of {config['vocab_size']}"
+        )
+    return load_staged(model_dir)
+
+
 def load_tokenizer(model_dir: str | Path) -> Any:
     """The folder's tokenizer (`tokenizer.json`, or GPT-2's `vocab.json` + `merges.txt`), read locally."""
     from transformers import AutoTokenizer
@@ -269,6 +287,8 @@ def gpt2_config(layers: int, heads: int, width: int, context: int, vocab: int) -
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         tie_word_embeddings=False,
+        bos_token_id=None,  # characters have no special tokens
+        eos_token_id=None,
     )
 
 

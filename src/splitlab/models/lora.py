@@ -15,6 +15,7 @@ transformers.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +78,7 @@ def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, targets: list[str] | None = None) -> list[str]:
+def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Sequence[str] | None = None) -> list[str]:
     """Freeze every parameter of `model`, then wrap in place each linear layer whose name is a
     target or ends with `.target` (`c_proj` matches both of GPT-2's, `attn.c_proj` only the
     attention's). `targets=None` takes the `DEFAULT_TARGETS` the model has. Returns the names of
