@@ -138,6 +138,7 @@ def test_export_with_lora_merged_loads_back_to_the_same_logits_and_keeps_the_tie
         AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"] == load_tokenizer(folder)(text)["input_ids"]
     )
     assert not list(tmp_path.glob(".*.tmp")), "no temporary folder left"
+    assert (tmp_path / "hf" / "generation_config.json").read_text() == (folder / "generation_config.json").read_text()
 
 
 def test_export_unties_a_trained_embedding_from_the_head(tmp_path):
@@ -225,3 +226,14 @@ def test_the_model_zoo_builder_checks_the_data_against_the_model(tmp_path):
         hf_model((16,), 301, model_dir=str(folder))
     with pytest.raises(UserError, match="takes token sequences"):
         hf_model((1, 28, 28), 10, model_dir=str(folder))
+
+
+def test_an_untied_head_stays_its_own_tensor_through_the_export(tmp_path):
+    folder = tiny_hf_model(tmp_path / "llama", "llama", tie=False)
+    staged = load_staged(folder).eval()
+    assert not torch.equal(staged.head.lm_head.weight, staged.embed.embed_tokens.weight)
+    save_hf(staged.state_dict(), folder, tmp_path / "hf")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert not reloaded.config.tie_word_embeddings
+    tokens = torch.randint(0, 300, (2, 8))
+    torch.testing.assert_close(logits_of(reloaded, tokens), logits_of(staged, tokens), rtol=0, atol=1e-5)

@@ -263,7 +263,9 @@ def save_hf(state: Mapping[str, torch.Tensor], model_dir: str | Path, out_dir: s
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    _write(to_hf_names(state, LAYOUTS[config.model_type]), config, load_tokenizer(model_dir), Path(out_dir))
+    generation = Path(model_dir) / "generation_config.json"  # the model's decoding defaults, if it has them
+    hf_state = to_hf_names(state, LAYOUTS[config.model_type])
+    _write(hf_state, config, load_tokenizer(model_dir), Path(out_dir), generation if generation.is_file() else None)
 
 
 #: `model=gpt`'s `nn.Linear` weights that GPT-2 stores as `Conv1D` (in x out).
@@ -323,7 +325,9 @@ def _untie_if_trained(hf_state: dict[str, torch.Tensor], config: Any) -> None:
         config.tie_word_embeddings = False
 
 
-def _write(hf_state: dict[str, torch.Tensor], config: Any, tokenizer: Any, out_dir: Path) -> None:
+def _write(
+    hf_state: dict[str, torch.Tensor], config: Any, tokenizer: Any, out_dir: Path, generation: Path | None = None
+) -> None:
     """The folder written whole into a temporary sibling, then moved into place: never half a model."""
     hf_state = dict(hf_state)
     _untie_if_trained(hf_state, config)
@@ -335,6 +339,8 @@ def _write(hf_state: dict[str, torch.Tensor], config: Any, tokenizer: Any, out_d
         write_safetensors(tmp / WEIGHTS, {n: cpu_copy(t) for n, t in hf_state.items()}, metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if generation is not None:
+            shutil.copyfile(generation, tmp / generation.name)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
