@@ -42,6 +42,9 @@ class RunConfig(BaseModel):
     context: int | None = Field(
         None, ge=1, le=1_048_576, description="model=gpt: the longest sequence it takes, in tokens (default 256)"
     )
+    model_dir: str | None = Field(
+        None, description="model=hf: a local Hugging Face causal-LM folder (config.json, *.safetensors, tokenizer)"
+    )
     seq_len: int | None = Field(
         None,
         ge=1,
@@ -148,7 +151,7 @@ class RunConfig(BaseModel):
 
     def model_settings(self) -> dict[str, Any]:
         """The model's own settings that were given (`splitlab.models.build_model`'s options)."""
-        sizes = {key: getattr(self, key) for key in ("layers", "heads", "width", "context")}
+        sizes = {key: getattr(self, key) for key in ("layers", "heads", "width", "context", "model_dir")}
         lora = {"lora": parse_lora(self.lora)} if self.lora is not None else {}
         targets = {"lora_targets": tuple(self.lora_targets.split(","))} if self.lora_targets is not None else {}
         return {**{k: v for k, v in sizes.items() if v is not None}, **lora, **targets}

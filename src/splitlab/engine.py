@@ -220,7 +220,7 @@ def _plan(config: ResolvedConfig) -> _Plan:
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)
-    data = load_dataset(run.dataset, run.data_dir, seed=run.seed, seq_len=run.seq_len)
+    data = load_dataset(run.dataset, run.data_dir, seed=run.seed, seq_len=run.seq_len, tokenizer_dir=run.model_dir)
     _check_task(config, data)
     indices = _client_indices(config, data)
     held_out = parse_test_split(run.test_split)
@@ -231,9 +231,23 @@ def _plan(config: ResolvedConfig) -> _Plan:
     report = partition_report(data.train_labels.numpy(), indices, data.num_classes)
     algorithm_class = get_algorithm(run.algorithm)
     blueprint = make_blueprint(config, data, device)
-    blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
+    _check_cut(blueprint, algorithm_class)
     owners = algorithm_class.data_owners(indices)
     return _Plan(config, data, owners, client_test, report, algorithm_class, blueprint)
+
+
+def _check_cut(blueprint: Blueprint, algorithm_class: type[Algorithm]) -> None:
+    """A cut outside the model's range, or one whose server part has nothing to train (a frozen
+    base whose adapters are all on the client side), fails here."""
+    cut = blueprint.config.cut
+    blueprint.new_model().client_stage_count(cut)
+    if "server_model" in algorithm_class.models and not any(
+        p.requires_grad for p in blueprint.new_split()[1].parameters()
+    ):
+        raise UserError(
+            f"cut={cut} leaves the server part nothing to train (lora freezes all but its adapters); "
+            f"choose a lower cut, or lora_targets that reach the server's layers"
+        )
 
 
 def _check_task(config: ResolvedConfig, data: Dataset) -> None:
@@ -266,7 +280,7 @@ def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
         raise UserError(f"algorithm={run.algorithm} pools the clients' samples in one node; data=own keeps them apart")
     data = load_split(run.dataset, "test", run.data_dir)
     blueprint = make_blueprint(config, data, device)
-    blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
+    _check_cut(blueprint, algorithm_class)
     return _Plan(config, data, None, None, None, algorithm_class, blueprint)
 
 

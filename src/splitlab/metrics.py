@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from splitlab.data.datasets import IGNORED
+
 
 @torch.no_grad()
 def logits_in_batches(
@@ -36,9 +38,9 @@ def classification_metrics(logits: torch.Tensor, y: torch.Tensor) -> dict[str, f
 
 
 def language_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
-    """Over every target token in the loss (targets != -100, the ignore index): the fraction
+    """Over every target token in the loss (targets != IGNORED): the fraction
     predicted exactly (argmax), the mean cross-entropy, and the perplexity exp(loss)."""
-    counted = targets != -100
+    counted = targets != IGNORED
     loss = float(F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten()))
     correct = (logits.argmax(dim=-1) == targets) & counted
     return {

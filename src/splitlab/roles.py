@@ -32,6 +32,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from splitlab.config import RunConfig
+from splitlab.data.datasets import IGNORED
 from splitlab.models import (
     StagedModel,
     build_model,
@@ -90,7 +91,12 @@ class Blueprint:
         return parse_defense(self.config.defense)
 
     def new_model(self) -> StagedModel:
-        """The initial global model: every call returns the same weights (seeded by `seed`)."""
+        """The initial global model: every call returns the same weights (seeded by `seed`), and
+        all of them share one frozen base (LoRA), which this process therefore holds once."""
+        return share_frozen_copy(self._base)
+
+    @functools.cached_property
+    def _base(self) -> StagedModel:
         return self.build_model().to(self.device)
 
     def build_model(self) -> StagedModel:
@@ -200,10 +206,6 @@ def server_copy(client_id: int) -> str:
 def pooled(slot: str) -> str:
     """The slot whose model and pool a working copy uses: `server_copy@3` -> `server_copy`."""
     return slot.partition("@")[0]
-
-
-IGNORED = -100
-"""The target of a position that is not in the loss (a language task's context and padding tokens)."""
 
 
 def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

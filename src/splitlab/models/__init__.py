@@ -9,6 +9,7 @@ import torch
 
 from splitlab.errors import UserError
 from splitlab.models.gpt import gpt
+from splitlab.models.hf import hf_model
 from splitlab.models.leaf import LEAF_MODELS
 from splitlab.models.staged import StagedModel, largest_activation_bytes, output_shape, split
 from splitlab.models.trainable import load_shared, share_frozen_copy, shared_state
@@ -16,6 +17,7 @@ from splitlab.models.zoo import MODELS
 
 MODELS.update(LEAF_MODELS)  # lstm, celeba_cnn, resnet9 (models/leaf.py builds on the zoo's blocks)
 MODELS["gpt"] = gpt
+MODELS["hf"] = hf_model  # transformers is imported only when one is built
 
 
 def model_names() -> list[str]:

@@ -30,6 +30,7 @@ from torch import nn
 
 from splitlab.errors import UserError
 from splitlab.models.staged import StagedModel, output_shape, split
+from splitlab.models.trainable import share_frozen_copy
 from splitlab.models.zoo import BasicBlock, Bottleneck
 
 AUX_KINDS: tuple[str, ...] = ("linear", "half", "stage", "full", "blocks:N")
@@ -60,7 +61,7 @@ def build_aux(
         stages = list(server.named_children())
         if count >= len(stages):
             raise UserError(f"aux=blocks:{count}: the server part at cut {cut} has only {len(stages) - 1} blocks")
-        return copy.deepcopy(nn.Sequential(OrderedDict(stages[:count] + stages[-1:])))
+        return share_frozen_copy(nn.Sequential(OrderedDict(stages[:count] + stages[-1:])))
     try:
         smashed = smashed_shape(model, cut, input_shape, dtype)
         logits_shape = output_shape(server, smashed)
