@@ -202,6 +202,16 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from splitlab.config import parse_overrides
+    from splitlab.runmodel import GenerateSettings, generate
+    from splitlab.splitgp import parse_settings
+
+    settings = parse_settings(GenerateSettings, parse_overrides(args.overrides))
+    print(generate(args.dir, **settings.model_dump()))
+    return 0
+
+
 def _cmd_latency(args: argparse.Namespace) -> int:
     from splitlab.config import parse_overrides
     from splitlab.splitgp import parse_settings
@@ -370,6 +380,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("dir")
     evaluate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     evaluate.set_defaults(handler=_cmd_evaluate)
+
+    generate = commands.add_parser(
+        "generate",
+        help="continue a prompt with a finished language run's model (client stages, then server stages)",
+        description='Keys: prompt="TEXT" max_tokens=100 temperature=0 (greedy) seed=0; see docs/language.md.',
+    )
+    generate.add_argument("dir")
+    generate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    generate.set_defaults(handler=_cmd_generate)
 
     latency = commands.add_parser(
         "latency",

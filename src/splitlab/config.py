@@ -45,6 +45,10 @@ class RunConfig(BaseModel):
     model_dir: str | None = Field(
         None, description="model=hf: a local Hugging Face causal-LM folder (config.json, *.safetensors, tokenizer)"
     )
+    init: str | None = Field(
+        None, description="start from the model of this finished run's directory (same model and sizes; e.g. "
+        "pretrained centrally, then fine-tuned split with lora)"
+    )
     seq_len: int | None = Field(
         None,
         ge=1,
@@ -142,9 +146,11 @@ class RunConfig(BaseModel):
         parse_defense(value)
         return value
 
-    @field_validator("lora")
+    @field_validator("lora", mode="before")
     @classmethod
-    def _check_lora(cls, value: str | None) -> str | None:
+    def _check_lora(cls, value: Any) -> str | None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            raise ValueError("expected R:ALPHA as a string; in a YAML file, quote it: lora: '8:16'")
         if value is not None:
             parse_lora(value)
         return value
@@ -284,6 +290,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         try:
             parsed[key] = yaml.safe_load(value) if value.strip() else None
         except yaml.YAMLError:
+            parsed[key] = value
+        if ":" in value and isinstance(parsed[key], (int, float)):  # YAML 1.1 reads 4:8 as 4 * 60 + 8
             parsed[key] = value
     return parsed
 

@@ -674,6 +674,14 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
     return summary
 
 
+def _export_hf(experiment: Experiment) -> bool:
+    """out/hf: the global model as a Hugging Face folder, for models that have that form (model=gpt, hf)."""
+    from splitlab.runmodel import export_hf
+
+    assert experiment._evaluated is not None  # full_state assembled the model
+    return export_hf(experiment.config.run, experiment._evaluated, experiment.data.vocabulary, experiment.out / "hf")
+
+
 @contextlib.contextmanager
 def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
     """A client dropped out of a step that cannot go on without it (the evaluation of its personal
@@ -779,6 +787,8 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
     if model is not None:
         weights = experiment.full_state(model)
         save_safetensors(out / "weights.safetensors", weights)
+        if _export_hf(experiment):
+            summary["hf_export"] = str(out / "hf")
     with _needs_the_client(cfg.algorithm, state["round"]):  # SplitGP's are fetched from the clients
         client_weights = experiment.algorithm.client_weights()
     if client_weights is not None:

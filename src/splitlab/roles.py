@@ -100,10 +100,16 @@ class Blueprint:
         return self.build_model().to(self.device)
 
     def build_model(self) -> StagedModel:
-        """The configured model on the CPU, with the settings of its own the config gives."""
-        return build_model(
+        """The configured model on the CPU, with the settings of its own the config gives (and the
+        weights of the finished run `init` names)."""
+        model = build_model(
             self.config.model, self.input_shape, self.num_classes, seed=self.config.seed, **self.config.model_settings()
         )
+        if self.config.init is not None:
+            from splitlab.runmodel import start_from
+
+            start_from(model, self.config.init)
+        return model
 
     @functools.cached_property
     def inference_batch(self) -> int:
