@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from hf_helpers import tiny_hf_model
 from splitlab.cli import main
 from splitlab.engine import evaluate, run
+from splitlab.errors import UserError
 from splitlab.runmodel import run_model
 
 
@@ -86,3 +87,27 @@ def test_hf_checkpoints_with_lora_keep_the_equivalences(arch, plays, tmp_path):
     assert same(weights(algorithm="sfl_v1", clients=3, cut=2), fedavg)
     assert same(weights(algorithm="sfl_v2", clients=1, cut=1), weights(algorithm="centralized", clients=1))
     assert not same(fedavg, load_file(tmp_path / "centralized_1" / "weights.safetensors"))
+
+
+def test_e2e_trains_an_hf_model_with_the_loss_on_the_references_only(tmp_path):
+    import csv
+
+    rows = [(f"name[Place {i}], food[{food}]", f"Place {i} serves {food} food.") for i, food in enumerate("ABCDEFGH")]
+    for name in ("trainset.csv", "devset.csv", "testset_w_refs.csv"):
+        with (tmp_path / name).open("w", newline="") as file:
+            csv.writer(file, quoting=csv.QUOTE_ALL).writerows([("mr", "ref"), *rows])
+    model_dir = tiny_hf_model(tmp_path / "gpt2", "gpt2")
+    config = dict(
+        algorithm="sfl_v2", dataset="e2e", data_dir=str(tmp_path), model="hf", model_dir=str(model_dir), seq_len=48,
+        lora="4:8", clients=2, rounds=2, batch_size=4, device="cpu", out=str(tmp_path / "run"),
+    )  # fmt: skip
+    summary = run(config, progress=False)
+    rows_out = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows_out[-1]["test_loss"] < rows_out[0]["test_loss"] and summary["final_loss"] == rows_out[-1]["test_loss"]
+    from helpers import train
+
+    experiment = train(0, **{k: v for k, v in config.items() if k != "out"})
+    targets = experiment.data.test_y
+    assert (targets == -100).any() and (targets != -100).any()  # the context and the padding are not in the loss
+    with pytest.raises(UserError, match="dataset=e2e is tokenised by the model's tokenizer"):
+        train(0, **dict(config, model="gpt", model_dir=None))
