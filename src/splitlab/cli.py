@@ -100,7 +100,9 @@ def _print_summary(summary: dict, raw: dict) -> None:
     if "final_f1" in summary:
         table.add_row("final macro-F1 / MCC", f"{summary['final_f1']:.4f} / {summary['final_mcc']:.4f}")
     else:  # a language task: token accuracy above, masked test loss and perplexity here
-        table.add_row("final test loss / perplexity", f"{summary['final_loss']:.4f} / {summary['final_perplexity']:.2f}")
+        table.add_row(
+            "final test loss / perplexity", f"{summary['final_loss']:.4f} / {summary['final_perplexity']:.2f}"
+        )
     table.add_row("communication", format_bytes(summary["total_bytes"]))
     for kind, nbytes in sorted(summary["comm_bytes_by_kind"].items()):
         table.add_row(f"  {kind}", format_bytes(nbytes))

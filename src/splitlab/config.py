@@ -46,8 +46,9 @@ class RunConfig(BaseModel):
         None, description="model=hf: a local Hugging Face causal-LM folder (config.json, *.safetensors, tokenizer)"
     )
     init: str | None = Field(
-        None, description="start from the model of this finished run's directory (same model and sizes; e.g. "
-        "pretrained centrally, then fine-tuned split with lora)"
+        None,
+        description="start from the model of this finished run's directory (same model and sizes; e.g. "
+        "pretrained centrally, then fine-tuned split with lora)",
     )
     seq_len: int | None = Field(
         None,

@@ -255,7 +255,9 @@ def _check_task(config: ResolvedConfig, data: Dataset) -> None:
     algorithm whose design assumes the other task."""
     run, algorithm = config.run, get_algorithm(config.run.algorithm)
     if data.task in algorithm.refused_tasks:
-        raise UserError(f"algorithm={run.algorithm} cannot run dataset={run.dataset}: {algorithm.refused_tasks[data.task]}")
+        raise UserError(
+            f"algorithm={run.algorithm} cannot run dataset={run.dataset}: {algorithm.refused_tasks[data.task]}"
+        )
     if data.task == "language" and run.partition != "iid":
         raise UserError(
             f"partition={run.partition} splits by class; {run.dataset}'s sequences have none: use iid or clients=all"
@@ -772,7 +774,11 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         "final_accuracy": rows[-1]["test_accuracy"],
         "best_accuracy": best["test_accuracy"],
         "best_round": best["round"],
-        **{f"final_{key[5:]}": value for key, value in rows[-1].items() if key.startswith("test_") and key != "test_accuracy"},
+        **{
+            f"final_{key[5:]}": value
+            for key, value in rows[-1].items()
+            if key.startswith("test_") and key != "test_accuracy"
+        },
         "total_bytes": ledger.total_bytes,
         "total_gib": ledger.total_bytes / GIB,
         "comm_bytes_by_kind": ledger.state_dict(),

@@ -43,7 +43,7 @@ def run_model(run_dir: str | Path) -> tuple[RunConfig, StagedModel, Any, int]:
     if config.model == "hf":
         from splitlab.models.hf import load_tokenizer
 
-        return config, model.eval(), load_tokenizer(config.model_dir), data.input_shape[0]
+        return config, model.eval(), load_tokenizer(str(config.model_dir)), data.input_shape[0]
     return config, model.eval(), data.vocabulary, data.input_shape[0]
 
 
@@ -59,10 +59,13 @@ def start_from(model: nn.Module, run_dir: str) -> None:
     try:
         missing, unexpected = model.load_state_dict(base_state(run_dir), strict=False)
     except RuntimeError as error:
-        raise UserError(f"init={run_dir}: its model does not fit this run's ({str(error).splitlines()[1][:160]})")
+        why = str(error).strip().splitlines()[-1].strip()[:160]
+        raise UserError(f"init={run_dir}: its model does not fit this run's ({why})") from None
     missing = [name for name in missing if not name.endswith(("lora_A", "lora_B"))]
     if missing or unexpected:
-        raise UserError(f"init={run_dir}: its model does not fit this run's (missing {missing[:3]}, extra {unexpected[:3]})")
+        raise UserError(
+            f"init={run_dir}: its model does not fit this run's (missing {missing[:3]}, extra {unexpected[:3]})"
+        )
 
 
 def export_hf(config: RunConfig, parts: list[nn.Module], vocabulary: str | None, out_dir: Path) -> bool:
@@ -106,7 +109,7 @@ def generate(run_dir: str | Path, prompt: str, max_tokens: int, temperature: flo
     client, server = split(model, config.cut)
     ids = _encode(tokenizer, prompt)
     if not ids:
-        raise UserError("prompt is empty; give prompt=\"some text\"")
+        raise UserError('prompt is empty; give prompt="some text"')
     generator = torch.Generator().manual_seed(seed)
     produced: list[int] = []
     for _ in range(max_tokens):

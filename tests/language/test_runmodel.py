@@ -5,6 +5,7 @@ must-hold equivalences on tiny random Hugging Face GPT-2 and Llama checkpoints w
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +29,10 @@ def finished(plays, tmp_path_factory) -> str:
     )  # fmt: skip
     run(dict(common, algorithm="centralized", clients=1, out=str(folder / "pretrained")), progress=False)
     out = folder / "split"
-    run(dict(common, algorithm="sfl_v2", clients=3, lora="4:8", init=str(folder / "pretrained"), out=str(out)), progress=False)
+    run(
+        dict(common, algorithm="sfl_v2", clients=3, lora="4:8", init=str(folder / "pretrained"), out=str(out)),
+        progress=False,
+    )
     return str(out)
 
 
@@ -40,7 +44,7 @@ def test_out_hf_loads_in_transformers_with_the_runs_logits(finished):
     tokens = torch.randint(0, 80, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.allclose(exported(tokens).logits, model(tokens), atol=1e-5)
-    summary = json.loads(open(f"{finished}/summary.json").read())
+    summary = json.loads(Path(finished, "summary.json").read_text())
     assert summary["hf_export"].endswith("/hf")
 
 
@@ -63,7 +67,7 @@ def test_init_starts_from_the_finished_model(finished, tmp_path):
     config = json.loads(json.dumps(run_model(finished)[0].model_dump()))
     config = {k: v for k, v in config.items() if v is not None and k not in ("out", "resume", "overwrite")}
     fresh = train(0, **dict(config, init=finished, lora=None))
-    final = [json.loads(line) for line in open(f"{finished}/metrics.jsonl")][-1]
+    final = json.loads(Path(finished, "metrics.jsonl").read_text().splitlines()[-1])
     assert evaluate(fresh)["loss"] == pytest.approx(final["test_loss"], rel=1e-5)
 
 

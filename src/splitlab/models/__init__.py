@@ -48,9 +48,7 @@ def build_model(
     allowed = model_option_names(name)
     for key in options:
         if key not in allowed:
-            raise UserError(
-                f"{key}= does not apply to model={name}; its settings: {', '.join(allowed) or 'none'}"
-            )
+            raise UserError(f"{key}= does not apply to model={name}; its settings: {', '.join(allowed) or 'none'}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         try:

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
+
 import torch
 from torch import nn
 

@@ -91,7 +91,9 @@ def gpt(
     stages: OrderedDict[str, nn.Module] = OrderedDict(embed=Embedding(num_classes, context, width))
     for i in range(1, layers + 1):
         stages[f"block{i}"] = Block(width, heads)
-    stages["head"] = nn.Sequential(OrderedDict(ln_f=nn.LayerNorm(width), lm_head=nn.Linear(width, num_classes, bias=False)))
+    stages["head"] = nn.Sequential(
+        OrderedDict(ln_f=nn.LayerNorm(width), lm_head=nn.Linear(width, num_classes, bias=False))
+    )
     model = StagedModel(stages, cut_stages={c: c + 1 for c in range(1, layers + 1)})
     for name, module in model.named_modules():
         if isinstance(module, (nn.Linear, nn.Embedding)):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -39,7 +40,10 @@ def load_shared(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         raise RuntimeError(f"state does not fit the model's trainable part: missing {missing}, unexpected {unexpected}")
 
 
-def share_frozen_copy(module: nn.Module) -> nn.Module:
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def share_frozen_copy(module: ModuleT) -> ModuleT:
     """A deep copy that shares `module`'s frozen parameters instead of copying them, so that K
     copies (SFL-V1's server copies, clients' slots) hold the frozen base once."""
     memo = {id(p): p for p in module.parameters() if not p.requires_grad}
