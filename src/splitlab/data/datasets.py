@@ -509,11 +509,17 @@ from splitlab.data import language  # noqa: E402
 
 SEQUENCE_DATASETS = language.LOADERS
 LOCATORS.update(language.LOCATORS)
+DATASETS.update(
+    {
+        name: functools.partial(lambda name, data_dir, seed: SEQUENCE_DATASETS[name](data_dir, None, None), name)
+        for name in SEQUENCE_DATASETS
+    }  # fmt: skip
+)  # at their default sequence length, in characters
 
 
 def dataset_names() -> list[str]:
     """Registered dataset names, sorted."""
-    return sorted([*DATASETS, *SEQUENCE_DATASETS])
+    return sorted(DATASETS)
 
 
 def _resolve(data_dir: str | os.PathLike | None) -> Path | None:
@@ -521,7 +527,7 @@ def _resolve(data_dir: str | os.PathLike | None) -> Path | None:
 
 
 def _check_name(name: str) -> None:
-    if name not in DATASETS and name not in SEQUENCE_DATASETS:
+    if name not in DATASETS:
         raise UserError(f"unknown dataset {name!r}; available: {', '.join(dataset_names())}")
 
 
