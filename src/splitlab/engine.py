@@ -40,6 +40,7 @@ from splitlab.comm import GIB, format_bytes, to_target
 from splitlab.config import (
     RUN_CONTROL_KEYS,
     ResolvedConfig,
+    RunConfig,
     parse_test_split,
     resolve_config,
 )
@@ -220,7 +221,7 @@ def _plan(config: ResolvedConfig) -> _Plan:
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)
-    data = load_dataset(run.dataset, run.data_dir, seed=run.seed, seq_len=run.seq_len, tokenizer_dir=run.model_dir)
+    data = load_data(run)
     _check_task(config, data)
     indices = _client_indices(config, data)
     held_out = parse_test_split(run.test_split)
@@ -234,6 +235,11 @@ def _plan(config: ResolvedConfig) -> _Plan:
     _check_cut(blueprint, algorithm_class)
     owners = algorithm_class.data_owners(indices)
     return _Plan(config, data, owners, client_test, report, algorithm_class, blueprint)
+
+
+def load_data(run: RunConfig) -> Dataset:
+    """The run's dataset (a language dataset at its `seq_len`, tokenised by `model_dir`'s tokenizer if any)."""
+    return load_dataset(run.dataset, run.data_dir, seed=run.seed, seq_len=run.seq_len, tokenizer_dir=run.model_dir)
 
 
 def _check_cut(blueprint: Blueprint, algorithm_class: type[Algorithm]) -> None:

@@ -37,13 +37,12 @@ class RoleHost:
     def __init__(self, config_json: str, owners: bytes | None) -> None:
         from splitlab import engine
         from splitlab.algorithms import get_algorithm
-        from splitlab.data import load_dataset
 
         set_worker_threads(1)
         config = resolve_config(json.loads(config_json))
         run = config.run
         self.device = engine.resolve_device(run.device)
-        data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
+        data = engine.load_data(run)
         blueprint = engine.make_blueprint(config, data, self.device)
         self.roles: dict[int | str, Role]
         if owners is None:

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from splitlab.config import RunConfig, resolve_config
-from splitlab.data import load_dataset
+from splitlab.engine import load_data
 from splitlab.errors import UserError
 from splitlab.models import MODELS, StagedModel, build_model, split
 from splitlab.models.lora import merge_lora
@@ -33,7 +33,7 @@ def run_model(run_dir: str | Path) -> tuple[RunConfig, StagedModel, Any, int]:
     weights = path / "weights.safetensors"
     if not weights.is_file():
         raise UserError(f"{str(path)!r} holds no weights.safetensors: the run is not finished or has no global model")
-    data = load_dataset(config.dataset, config.data_dir, config.seed, config.seq_len, config.model_dir)
+    data = load_data(config)
     if data.task != "language":
         raise UserError(f"{str(path)!r} trained on {config.dataset}, not a language dataset")
     model = build_model(config.model, data.input_shape, data.num_classes, config.seed, **config.model_settings())
