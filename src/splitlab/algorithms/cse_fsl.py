@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
+from splitlab.errors import UserError
 from splitlab.models.aux import build_aux, parse_aux
 from splitlab.privacy import defenses
 from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, loss
@@ -44,7 +45,10 @@ class CSEFSLParams(BaseModel):
     @field_validator("aux")
     @classmethod
     def _check_aux(cls, value: str) -> str:
-        parse_aux(value)
+        try:
+            parse_aux(value)
+        except UserError:
+            raise ValueError("expected 'linear', 'half', 'stage', 'full' or 'blocks:N' (N >= 1)") from None
         return value
 
 

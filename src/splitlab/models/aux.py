@@ -34,7 +34,7 @@ from splitlab.models.staged import StagedModel, output_shape, split
 from splitlab.models.trainable import share_frozen_copy
 from splitlab.models.zoo import BasicBlock, Bottleneck
 
-AUX_KINDS: tuple[str, ...] = ("linear", "half", "stage", "full", "blocks:N")
+AUX_KINDS: tuple[str, ...] = ("linear", "half", "stage", "full")  # and blocks:N
 
 
 def parse_aux(kind: str) -> tuple[str, int]:
@@ -42,9 +42,9 @@ def parse_aux(kind: str) -> tuple[str, int]:
     name, _, count = kind.partition(":")
     if name == "blocks" and count.isdecimal() and int(count) >= 1:
         return name, int(count)
-    if kind in AUX_KINDS[:-1]:
+    if kind in AUX_KINDS:
         return kind, 0
-    raise UserError(f"unknown aux {kind!r}; available: {', '.join(AUX_KINDS)} (N >= 1)")
+    raise UserError(f"unknown aux {kind!r}; available: {', '.join(AUX_KINDS)}, blocks:N (N >= 1)")
 
 
 def build_aux(
