@@ -29,8 +29,12 @@ def generate() -> dict[str, list[list[str]]]:
     for name in sorted(MODELS):
         try:
             model, note = build_model(name, (1, 28, 28), 10), ""
-        except UserError:  # lstm takes token sequences: shown for LEAF Shakespeare's shape
-            model, note = build_model(name, (80,), 80), " (80 tokens in, 80 classes)"
+        except UserError:  # lstm and gpt take token sequences: shown for LEAF Shakespeare's shape
+            try:
+                model, note = build_model(name, (80,), 80), " (80 tokens in, 80 classes)"
+            except UserError:  # hf: a checkpoint's, from model_dir
+                models.append([name, "1 to its blocks", "the checkpoint's (model_dir=DIR)"])
+                continue
         parameters = f"{sum(p.numel() for p in model.parameters()):,}{note}"
         models.append([name, ", ".join(map(str, model.valid_cuts)), parameters])
     rows = []

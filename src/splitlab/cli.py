@@ -97,7 +97,12 @@ def _print_summary(summary: dict, raw: dict) -> None:
     table.add_row("rounds", f"{summary['rounds_completed']} (stopped by {summary['stopped_by']})")
     table.add_row("final accuracy", f"{100 * summary['final_accuracy']:.2f}%")
     table.add_row("best accuracy", f"{100 * summary['best_accuracy']:.2f}% (round {summary['best_round']})")
-    table.add_row("final macro-F1 / MCC", f"{summary['final_f1']:.4f} / {summary['final_mcc']:.4f}")
+    if "final_f1" in summary:
+        table.add_row("final macro-F1 / MCC", f"{summary['final_f1']:.4f} / {summary['final_mcc']:.4f}")
+    else:  # a language task: token accuracy above, masked test loss and perplexity here
+        table.add_row(
+            "final test loss / perplexity", f"{summary['final_loss']:.4f} / {summary['final_perplexity']:.2f}"
+        )
     table.add_row("communication", format_bytes(summary["total_bytes"]))
     for kind, nbytes in sorted(summary["comm_bytes_by_kind"].items()):
         table.add_row(f"  {kind}", format_bytes(nbytes))
@@ -196,6 +201,16 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
         table.add_row("  decided at client", *(f"{100 * f:.1f}%" for f in gated["client_fraction"]))
         table.add_row("  bytes sent", *(f"{b:,}" for b in gated["bytes_sent"]))
     console.print(table)
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from splitlab.config import parse_overrides
+    from splitlab.runmodel import GenerateSettings, generate
+    from splitlab.splitgp import parse_settings
+
+    settings = parse_settings(GenerateSettings, parse_overrides(args.overrides))
+    print(generate(args.dir, **settings.model_dump()))
     return 0
 
 
@@ -367,6 +382,15 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("dir")
     evaluate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     evaluate.set_defaults(handler=_cmd_evaluate)
+
+    generate = commands.add_parser(
+        "generate",
+        help="continue a prompt with a finished language run's model (client stages, then server stages)",
+        description='Keys: prompt="TEXT" max_tokens=100 temperature=0 (greedy) seed=0; see docs/language.md.',
+    )
+    generate.add_argument("dir")
+    generate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    generate.set_defaults(handler=_cmd_generate)
 
     latency = commands.add_parser(
         "latency",

@@ -34,6 +34,36 @@ class RunConfig(BaseModel):
         "training samples in its own data_dir (splitlab server only)",
     )
     model: str = "cnn"
+    layers: int | None = Field(None, ge=1, le=1024, description="model=gpt: transformer blocks (default 4)")
+    heads: int | None = Field(None, ge=1, le=1024, description="model=gpt: attention heads per block (default 4)")
+    width: int | None = Field(
+        None, ge=1, le=65536, description="model=gpt: hidden width D, a multiple of heads (default 128)"
+    )
+    context: int | None = Field(
+        None, ge=1, le=1_048_576, description="model=gpt: the longest sequence it takes, in tokens (default 256)"
+    )
+    model_dir: str | None = Field(
+        None, description="model=hf: a local Hugging Face causal-LM folder (config.json, *.safetensors, tokenizer)"
+    )
+    init: str | None = Field(
+        None,
+        description="start from the model of this finished run's directory (same model and sizes; e.g. "
+        "pretrained centrally, then fine-tuned split with lora)",
+    )
+    seq_len: int | None = Field(
+        None,
+        ge=1,
+        le=1_048_576,
+        description="language datasets: tokens per sequence (default 64), at most the model's context",
+    )
+    lora: str | None = Field(
+        None,
+        description="R:ALPHA: freeze the model and train rank-R LoRA adapters scaled ALPHA/R, e.g. 8:16 "
+        "(docs/language.md)",
+    )
+    lora_targets: str | None = Field(
+        None, description="with lora: comma-separated names of the projections to adapt (default: the model's)"
+    )
     cut: int = Field(1, description="cut layer, in the model's numbering (see `splitlab models`)")
     clients: int | Literal["all"] = Field(10, description="number of clients K; 'all' = one per natural user")
     participation: float = Field(1.0, gt=0, le=1, description="fraction C of clients sampled per round")
@@ -135,11 +165,39 @@ class RunConfig(BaseModel):
         parse_defense(value)
         return value
 
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _check_lora(cls, value: Any) -> str | None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            raise ValueError("expected R:ALPHA as a string; in a YAML file, quote it: lora: '8:16'")
+        if value is not None:
+            parse_lora(value)
+        return value
+
+    def model_settings(self) -> dict[str, Any]:
+        """The model's own settings that were given (`splitlab.models.build_model`'s options)."""
+        sizes = {key: getattr(self, key) for key in ("layers", "heads", "width", "context", "model_dir")}
+        lora = {"lora": parse_lora(self.lora)} if self.lora is not None else {}
+        targets = {"lora_targets": tuple(self.lora_targets.split(","))} if self.lora_targets is not None else {}
+        return {**{k: v for k, v in sizes.items() if v is not None}, **lora, **targets}
+
     @field_validator("test_split")
     @classmethod
     def _check_test_split(cls, value: str) -> str:
         parse_test_split(value)
         return value
+
+
+def parse_lora(value: str) -> tuple[int, float]:
+    """`R:ALPHA` -> (rank >= 1, alpha > 0)."""
+    rank, _, alpha = str(value).partition(":")
+    try:
+        parsed = int(rank), float(alpha)
+    except ValueError:
+        parsed = (0, 0.0)
+    if parsed[0] < 1 or not (math.isfinite(parsed[1]) and parsed[1] > 0):
+        raise ValueError("expected R:ALPHA with an integer rank R >= 1 and a number ALPHA > 0, e.g. 8:16")
+    return parsed
 
 
 def parse_test_split(value: str) -> float | None:
@@ -254,6 +312,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         try:
             parsed[key] = yaml.safe_load(value) if value.strip() else None
         except yaml.YAMLError:
+            parsed[key] = value
+        if ":" in value and isinstance(parsed[key], (int, float)):  # YAML 1.1 reads 4:8 as 4 * 60 + 8
             parsed[key] = value
     return parsed
 

@@ -54,8 +54,8 @@ from splitlab.io import (
     write_yaml,
 )
 from splitlab.loggers import check_logger, make_logger, round_line
-from splitlab.metrics import classification_metrics, logits_in_batches
-from splitlab.models import split
+from splitlab.metrics import TASK_METRICS, logits_in_batches
+from splitlab.models import load_shared, split
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.record import Recorder
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
@@ -100,10 +100,17 @@ class Experiment:
     def ledger(self) -> Ledger:
         return self.transport.ledger
 
-    def assemble(self, states: list[State]) -> nn.Module:
+    @property
+    def assembler(self) -> Assembler:
         if self._assembler is None:
             self._assembler = Assembler(self.blueprint)
-        return self._assembler(states)
+        return self._assembler
+
+    def assemble(self, states: list[State]) -> nn.Module:
+        return self.assembler(states)
+
+    def full_state(self, states: list[State]) -> dict[str, torch.Tensor]:
+        return self.assembler.full_state(states)
 
 
 class Assembler:
@@ -121,8 +128,18 @@ class Assembler:
             for part in self._parts:
                 part.eval()
         for part, state in zip(self._parts, states):
-            part.load_state_dict(state)
+            load_shared(part, state)
         return nn.Sequential(*self._parts)
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        """The modules last assembled: the whole model, or client part then server part."""
+        return self._parts
+
+    def full_state(self, states: list[State]) -> dict[str, torch.Tensor]:
+        """The whole model of role states under the unsplit model's names, a frozen base included."""
+        self(states)
+        return {name: t for part in self._parts for name, t in part.state_dict().items()}
 
 
 def test_set(config: ResolvedConfig, data: Dataset, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -159,7 +176,7 @@ def _client_indices(config: ResolvedConfig, data: Dataset) -> list[np.ndarray]:
     # belong to nobody); otherwise all of them.
     users = np.arange(len(data.train_y)) if data.train_groups is None else np.sort(np.concatenate(data.train_groups))
     pool = users[_seeded_subset(len(users), run.train_subset, run.seed, "train_subset")]
-    parts = partition(data.train_y.numpy()[pool], run.clients, run.partition, run.seed)
+    parts = partition(data.train_labels.numpy()[pool], run.clients, run.partition, run.seed)
     return [pool[part] for part in parts]
 
 
@@ -239,7 +256,7 @@ class _Plan:
         """How many samples of each class every client node holds (None: data=own, the clients say)."""
         if self.owners is None:
             return None
-        labels = self.data.train_y.numpy()
+        labels = self.data.train_labels.numpy()
         return [np.bincount(labels[idx], minlength=self.blueprint.num_classes).tolist() for idx in self.owners]
 
 
@@ -248,19 +265,53 @@ def _plan(config: ResolvedConfig) -> _Plan:
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)
-    data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
+    data = load_data(run)
+    _check_task(config, data)
     indices = _client_indices(config, data)
     held_out = parse_test_split(run.test_split)
     client_test = None
     if held_out is not None:
         indices, held = _hold_out(indices, held_out, run.seed)  # prepared once, for every evaluation
         client_test = [(data.inputs(data.train_x[idx].to(device)), data.train_y[idx].to(device)) for idx in held]
-    report = partition_report(data.train_y.numpy(), indices, data.num_classes)
+    report = partition_report(data.train_labels.numpy(), indices, data.num_classes)
     algorithm_class = get_algorithm(run.algorithm)
     blueprint = make_blueprint(config, data, device)
-    blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
+    _check_cut(blueprint, algorithm_class)
     owners = algorithm_class.data_owners(indices)
     return _Plan(config, data, owners, client_test, report, algorithm_class, blueprint)
+
+
+def load_data(run: RunConfig) -> Dataset:
+    """The run's dataset (a language dataset at its `seq_len`, tokenised by `model_dir`'s tokenizer if any)."""
+    return load_dataset(run.dataset, run.data_dir, seed=run.seed, seq_len=run.seq_len, tokenizer_dir=run.model_dir)
+
+
+def _check_cut(blueprint: Blueprint, algorithm_class: type[Algorithm]) -> None:
+    """A cut outside the model's range, or one whose server part has nothing to train (a frozen
+    base whose adapters are all on the client side), fails here."""
+    cut = blueprint.config.cut
+    blueprint.new_model().client_stage_count(cut)
+    if "server_model" in algorithm_class.models and not any(
+        p.requires_grad for p in blueprint.new_split()[1].parameters()
+    ):
+        raise UserError(
+            f"cut={cut} leaves the server part nothing to train (lora freezes all but its adapters); "
+            f"choose a lower cut, or lora_targets that reach the server's layers"
+        )
+
+
+def _check_task(config: ResolvedConfig, data: Dataset) -> None:
+    """Refuse what a dataset's task does not allow: a class-based partition of sequences, or an
+    algorithm whose design assumes the other task."""
+    run, algorithm = config.run, get_algorithm(config.run.algorithm)
+    if data.task in algorithm.refused_tasks:
+        raise UserError(
+            f"algorithm={run.algorithm} cannot run dataset={run.dataset}: {algorithm.refused_tasks[data.task]}"
+        )
+    if data.task == "language" and run.partition != "iid":
+        raise UserError(
+            f"partition={run.partition} splits by class; {run.dataset}'s sequences have none: use iid or clients=all"
+        )
 
 
 def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
@@ -281,7 +332,7 @@ def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
         raise UserError(f"algorithm={run.algorithm} pools the clients' samples in one node; data=own keeps them apart")
     data = load_split(run.dataset, "test", run.data_dir)
     blueprint = make_blueprint(config, data, device)
-    blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model's range fails here
+    _check_cut(blueprint, algorithm_class)
     return _Plan(config, data, None, None, None, algorithm_class, blueprint)
 
 
@@ -412,12 +463,13 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     test-size-weighted means of the per-client values). On the global test set, algorithms with
     personal client models get the unweighted mean over clients of each client's model's metrics."""
     data, algorithm, batch = experiment.data, experiment.algorithm, experiment.blueprint.inference_batch
+    metrics = TASK_METRICS[data.task]
     if experiment.client_test is not None:
         held = [(k, x, y) for k, (x, y) in enumerate(experiment.client_test) if len(y)]
         logits = torch.cat(
             [logits_in_batches(experiment.assemble(algorithm.personal_model(k)), x, batch) for k, x, _ in held]
         )
-        return classification_metrics(logits, torch.cat([y for _, _, y in held]))
+        return metrics(logits, torch.cat([y for _, _, y in held]))
     if algorithm.personal_models:
         ids = [c.id for c in experiment.clients]
         where_they_are = getattr(experiment.transport, "personal_metrics", None)  # backend=ray: on the actors
@@ -425,7 +477,9 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
             where_they_are(algorithm, ids)
             if where_they_are is not None
             else [
-                personal_metrics(experiment.assemble, algorithm.personal_model(k), data.test_x, data.test_y, batch)
+                personal_metrics(
+                    experiment.assemble, algorithm.personal_model(k), data.test_x, data.test_y, batch, metrics
+                )
                 for k in ids
             ]
         )
@@ -433,14 +487,19 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     model = algorithm.global_model()
     if model is None:
         raise NotImplementedError(f"{algorithm.name} has no global model and no personal models")
-    return classification_metrics(logits_in_batches(experiment.assemble(model), data.test_x, batch), data.test_y)
+    return metrics(logits_in_batches(experiment.assemble(model), data.test_x, batch), data.test_y)
 
 
 def personal_metrics(
-    assemble: Callable[[list[State]], nn.Module], states: list[State], x: torch.Tensor, y: torch.Tensor, batch: int
+    assemble: Callable[[list[State]], nn.Module],
+    states: list[State],
+    x: torch.Tensor,
+    y: torch.Tensor,
+    batch: int,
+    metrics: Callable[[torch.Tensor, torch.Tensor], dict[str, float]],
 ) -> dict[str, float]:
     """The test metrics of one client's personal model (in the driver, or in the Ray actor holding it)."""
-    return classification_metrics(logits_in_batches(assemble(states), x, batch), y)
+    return metrics(logits_in_batches(assemble(states), x, batch), y)
 
 
 class _RunDirectory:
@@ -714,6 +773,14 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
     return summary
 
 
+def _export_hf(experiment: Experiment) -> bool:
+    """out/hf: the global model as a Hugging Face folder, for models that have that form (model=gpt, hf)."""
+    from splitlab.runmodel import export_hf
+
+    parts = experiment.assembler.parts  # full_state assembled the model
+    return export_hf(experiment.config.run, parts, experiment.data.vocabulary, experiment.out / "hf")
+
+
 @contextlib.contextmanager
 def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
     """A client dropped out of a step that cannot go on without it (the evaluation of its personal
@@ -746,10 +813,7 @@ def _metrics_row(
     test = evaluate(experiment)
     return {
         "round": state["round"],
-        "test_accuracy": test["accuracy"],
-        "test_loss": test["loss"],
-        "test_f1": test["f1"],
-        "test_mcc": test["mcc"],
+        **{f"test_{key}": value for key, value in test.items()},
         "train_loss": train_loss,
         "comm_bytes": ledger.total_bytes,
         "comm_gib": ledger.total_bytes / GIB,
@@ -808,9 +872,11 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         "final_accuracy": rows[-1]["test_accuracy"],
         "best_accuracy": best["test_accuracy"],
         "best_round": best["round"],
-        "final_loss": rows[-1]["test_loss"],
-        "final_f1": rows[-1]["test_f1"],
-        "final_mcc": rows[-1]["test_mcc"],
+        **{
+            f"final_{key[5:]}": value
+            for key, value in rows[-1].items()
+            if key.startswith("test_") and key != "test_accuracy"
+        },
         "total_bytes": ledger.total_bytes,
         "total_gib": ledger.total_bytes / GIB,
         "comm_bytes_by_kind": ledger.state_dict(),
@@ -823,8 +889,10 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
     }
     model = experiment.algorithm.global_model()
     if model is not None:
-        weights = {name: t for state in model for name, t in state.items()}
+        weights = experiment.full_state(model)
         save_safetensors(out / "weights.safetensors", weights)
+        if _export_hf(experiment):
+            summary["hf_export"] = str(out / "hf")
     with _needs_the_client(cfg.algorithm, state["round"]):  # SplitGP's are fetched from the clients
         client_weights = experiment.algorithm.client_weights()
     if client_weights is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from splitlab.comm import GIB, format_bytes
 from splitlab.errors import UserError
 
-SCALARS = ("test_accuracy", "test_loss", "test_f1", "test_mcc", "train_loss", "comm_gib")
+SCALARS = ("test_accuracy", "test_loss", "test_f1", "test_mcc", "test_perplexity", "train_loss", "comm_gib")
 
 
 def installed(package: str) -> bool:

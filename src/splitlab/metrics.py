@@ -1,4 +1,5 @@
-"""Test metrics: accuracy, loss, macro-F1 and MCC.
+"""Test metrics of a task: classification (accuracy, loss, macro-F1, MCC) or language (token
+accuracy, masked loss, perplexity).
 
 F1 and MCC are computed from the confusion matrix with scikit-learn's formulas (`f1_score(average=
 "macro", zero_division=0)`, `matthews_corrcoef`) rather than by importing it: scikit-learn pulls in
@@ -7,11 +8,14 @@ SciPy, a second of startup and tens of MB of memory for every run.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from splitlab.data.datasets import IGNORED
 
 
 @torch.no_grad()
@@ -31,6 +35,26 @@ def classification_metrics(logits: torch.Tensor, y: torch.Tensor) -> dict[str, f
         "f1": macro_f1(truth, predicted),
         "mcc": matthews(truth, predicted),
     }
+
+
+def language_metrics(logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Over every target token in the loss (targets != IGNORED): the fraction
+    predicted exactly (argmax), the mean cross-entropy, and the perplexity exp(loss)."""
+    counted = targets != IGNORED
+    loss = float(F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten()))
+    correct = (logits.argmax(dim=-1) == targets) & counted
+    return {
+        "accuracy": float(correct.sum() / counted.sum()),
+        "loss": loss,
+        "perplexity": math.exp(min(loss, 700.0)),  # exp overflows a float beyond ~709
+    }
+
+
+#: task -> metrics(logits, targets), keyed by `Dataset.task`
+TASK_METRICS: dict[str, Callable[[torch.Tensor, torch.Tensor], dict[str, float]]] = {
+    "classification": classification_metrics,
+    "language": language_metrics,
+}
 
 
 def _confusion(truth: np.ndarray, predicted: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ from splitlab import cluster, codec
 from splitlab.channel import Ledger
 from splitlab.config import ResolvedConfig, resolve_config
 from splitlab.errors import RoleLost, UserError
+from splitlab.metrics import TASK_METRICS
 from splitlab.process import peak_memory_mib, set_worker_threads
 from splitlab.roles import Blueprint, Role, State
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
@@ -57,7 +58,6 @@ class RoleHost:
 
     def _build(self, config: ResolvedConfig, owners: bytes | None, data_shape: str, engine: Any) -> None:
         from splitlab.algorithms import get_algorithm
-        from splitlab.data import load_dataset
 
         run = config.run
         algorithm = get_algorithm(run.algorithm)
@@ -71,7 +71,8 @@ class RoleHost:
             )
             self.roles = {SERVER: algorithm.Server(self.blueprint)}
         else:
-            data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
+            data = engine.load_data(run)
+            self.metrics = TASK_METRICS[data.task]
             self.blueprint = engine.make_blueprint(config, data, self.device)
             indices = {int(k): idx.numpy() for k, idx in codec.decode(owners).items()}
             self.roles = {node.id: node for node in engine.client_nodes(self.blueprint, data, indices)}
@@ -111,7 +112,9 @@ class RoleHost:
         x, y = self.test
 
         def metrics(client_state: State) -> dict[str, float]:
-            return engine.personal_metrics(self.assemble, [client_state, server], x, y, self.blueprint.inference_batch)
+            return engine.personal_metrics(
+                self.assemble, [client_state, server], x, y, self.blueprint.inference_batch, self.metrics
+            )
 
         trained = {str(k): metrics(role.snapshot(slot)) for k, role in self.roles.items() if slot in role.models}
         untrained = metrics(self.blueprint.initial_state(slot)) if len(trained) < len(self.roles) else None

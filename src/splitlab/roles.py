@@ -16,7 +16,6 @@ An algorithm with role-side behaviour of its own subclasses a role in the algori
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 import itertools
 import math
@@ -33,7 +32,16 @@ from pydantic import BaseModel
 from torch import nn
 
 from splitlab.config import RunConfig
-from splitlab.models import StagedModel, build_model, largest_activation_bytes, split
+from splitlab.data.datasets import IGNORED
+from splitlab.models import (
+    StagedModel,
+    build_model,
+    largest_activation_bytes,
+    load_shared,
+    share_frozen_copy,
+    shared_state,
+    split,
+)
 from splitlab.privacy import defenses
 from splitlab.privacy.defenses import Defense, decode, parse_defense
 from splitlab.privacy.record import Recorder
@@ -83,15 +91,32 @@ class Blueprint:
         return parse_defense(self.config.defense)
 
     def new_model(self) -> StagedModel:
-        """The initial global model: every call returns the same weights (seeded by `seed`)."""
-        return build_model(self.config.model, self.input_shape, self.num_classes, seed=self.config.seed).to(self.device)
+        """The initial global model: every call returns the same weights (seeded by `seed`), and
+        all of them share one frozen base (LoRA), which this process therefore holds once."""
+        return share_frozen_copy(self._base)
+
+    @functools.cached_property
+    def _base(self) -> StagedModel:
+        return self.build_model().to(self.device)
+
+    def build_model(self) -> StagedModel:
+        """The configured model on the CPU, with the settings of its own the config gives (and the
+        weights of the finished run `init` names)."""
+        model = build_model(
+            self.config.model, self.input_shape, self.num_classes, seed=self.config.seed, **self.config.model_settings()
+        )
+        if self.config.init is not None:
+            from splitlab.runmodel import start_from
+
+            start_from(model, self.config.init)
+        return model
 
     @functools.cached_property
     def inference_batch(self) -> int:
         """Samples per inference batch: as many as keep the largest layer output within
         the device's INFERENCE_BUDGET (a power of two, 16 to 4096), so that a deep model on large
         images does not exhaust memory and a small one is not run in slivers."""
-        model = build_model(self.config.model, self.input_shape, self.num_classes, seed=self.config.seed)
+        model = self.build_model()
         per_sample = largest_activation_bytes(model, self.input_shape, self.input_dtype)
         budget = INFERENCE_BUDGET.get(self.device.type, INFERENCE_BUDGET["cpu"])
         fitting = max(16, min(4096, budget // per_sample))
@@ -101,12 +126,13 @@ class Blueprint:
         return split(self.new_model(), self.config.cut)
 
     def initial(self, slot: str) -> nn.Module:
-        """A new module for `slot` with its initial weights (built once, then copied)."""
-        return copy.deepcopy(self._initial_module(slot))
+        """A new module for `slot` with its initial weights (built once, then copied; a frozen base
+        is shared, not copied)."""
+        return share_frozen_copy(self._initial_module(slot))
 
     def initial_state(self, slot: str) -> dict[str, torch.Tensor]:
-        """`slot`'s initial weights, read-only: no copy is made."""
-        return self._initial_module(slot).state_dict()
+        """`slot`'s initial weights (without a frozen base), read-only: no copy is made."""
+        return shared_state(self._initial_module(slot))
 
     def _initial_module(self, slot: str) -> nn.Module:
         if slot not in self._initial:
@@ -188,8 +214,19 @@ def pooled(slot: str) -> str:
     return slot.partition("@")[0]
 
 
-def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits, labels)
+def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy, the mean over every target that is not IGNORED: per sample for classification
+    (logits (B, C), targets (B,)), per masked token for a language task (logits (B, T, V), targets
+    (B, T)): the loss mask travels in the targets, so no verb or algorithm knows the task."""
+    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORED)
+
+
+def weighted_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`loss` with every sample's terms weighted by `weight` (B,): sum w l / sum w over the targets in
+    the loss (per token for a language task, each token weighted by its sample's weight)."""
+    per_target = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORED, reduction="none")
+    counted = weight.view(-1, *[1] * (targets.dim() - 1)) * (targets != IGNORED)
+    return (per_target * counted.flatten()).sum() / counted.sum()
 
 
 class ModelAverage:
@@ -268,7 +305,7 @@ class Role(Generic[ParamsT]):
             kind = pooled(slot)
             self.models[slot] = self.blueprint.borrow(kind, lambda: self.blueprint.initial(kind))
             self.scratch.add(slot)
-        self.model(slot).load_state_dict(state)
+        load_shared(self.model(slot), state)
         self.optimizers.pop(slot, None)
 
     def return_copy(self, slot: str) -> None:
@@ -294,20 +331,20 @@ class Role(Generic[ParamsT]):
     def snapshot(self, slot: str) -> State:
         """`slot`'s weights, for the engine to evaluate (the initial ones if never filled)."""
         module = self.models.get(slot)
-        return module.state_dict() if module is not None else self.blueprint.initial_state(slot)
+        return shared_state(module) if module is not None else self.blueprint.initial_state(slot)
 
     @verb(up="checkpoint")
     def state_dict(self) -> State:
         own = [slot for slot in self.models if slot not in self.scratch]
         return {
-            "models": {slot: self.models[slot].state_dict() for slot in own},
+            "models": {slot: shared_state(self.models[slot]) for slot in own},
             "optimizers": {slot: self.optimizers[slot].state_dict() for slot in own if slot in self.optimizers},
         }
 
     @verb(down="checkpoint")
     def load_state_dict(self, state: State) -> None:
         for slot, weights in state["models"].items():
-            self.model(slot).load_state_dict(weights)
+            load_shared(self.model(slot), weights)
         for slot, optimizer_state in state["optimizers"].items():
             self.optimizers.pop(slot, None)
             self.optimizer(slot).load_state_dict(optimizer_state)
@@ -401,7 +438,7 @@ class ClientNode(Role[ParamsT]):
 
     @verb(up="{0}_up")
     def upload(self, slot: str) -> State:
-        return self.model(slot).state_dict()
+        return shared_state(self.model(slot))
 
     @verb(up=KEYED)
     def forward(self, step: int) -> State:
@@ -476,14 +513,14 @@ class TrainingServer(Role[ParamsT]):
     def copy_server(self, client_id: int) -> None:
         """Start client `client_id`'s working copy `server_copy(client_id)` of the server part, with a
         fresh optimizer (clients training at once each have their own)."""
-        self.load_copy(server_copy(client_id), self.model("server_model").state_dict())
+        self.load_copy(server_copy(client_id), shared_state(self.model("server_model")))
 
     @verb()
     def fold_copy(self, client_id: int, alpha: float) -> None:
         """Add the client's working copy, weighted alpha, to the average of this round's copies; the
         copy goes back to the pool."""
         self._average = self._average or ModelAverage()
-        self._average.add(self.models[server_copy(client_id)].state_dict(), alpha)
+        self._average.add(shared_state(self.models[server_copy(client_id)]), alpha)
         self.return_copy(server_copy(client_id))
 
     @verb()
@@ -501,7 +538,7 @@ class TrainingServer(Role[ParamsT]):
         every client dropped out, it stays as it was."""
         if self._average is not None and not self._average.empty:
             server = self.model("server_model")
-            server.load_state_dict(self._average.result(server.state_dict()))
+            load_shared(server, self._average.result(shared_state(server)))
         self._average = None
 
 
@@ -514,7 +551,7 @@ class SyncServer(Role[ParamsT]):
 
     @verb()
     def model_state(self, slot: str) -> State:
-        return self.model(slot).state_dict()
+        return shared_state(self.model(slot))
 
     @verb()
     def add(self, slot: str, state: State, alpha: float) -> None:
@@ -532,4 +569,4 @@ class SyncServer(Role[ParamsT]):
         model, average = self.model(slot), self._averages.pop(slot)
         if average.incomplete and average.empty:
             return
-        model.load_state_dict(average.result(model.state_dict()))
+        load_shared(model, average.result(shared_state(model)))

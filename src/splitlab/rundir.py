@@ -38,6 +38,7 @@ WRITTEN = (
     "record",
     "attack.json",
     "attack_inversion.png",
+    "hf",
 )
 
 

@@ -240,7 +240,9 @@ def test_resnet18_aux_sizes_follow_the_paper_appendix_d4():
 def test_aux_errors_are_one_line_user_errors():
     with pytest.raises(UserError, match="unknown aux 'big'; available: linear, half, stage, full"):
         build_aux("big", build_model("mlp", (1, 8, 8), 10), 1, (1, 8, 8))
-    with pytest.raises(UserError, match=r"invalid value 'big' for aux: .*'linear', 'half', 'stage' or 'full'"):
+    with pytest.raises(
+        UserError, match=r"invalid value 'big' for aux: .*'linear', 'half', 'stage', 'full' or 'blocks:N'"
+    ):
         build(quick(algorithm="fsl_sage", aux="big"))
     grid = StagedModel(OrderedDict(a=torch.nn.Flatten(), b=torch.nn.Unflatten(1, (8, 8))))  # 8x8 "logits"
     with pytest.raises(UserError, match="aux=linear is not available for this model at cut 1: .*shape"):

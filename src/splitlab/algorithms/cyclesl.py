@@ -23,7 +23,6 @@ from __future__ import annotations
 from collections.abc import Collection
 
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
@@ -31,7 +30,7 @@ from splitlab.algorithms.psl import PersonalClients
 from splitlab.algorithms.sglr import ServerWithOwnLR, SGLRParams, average_cut_grads, averaged_clients
 from splitlab.algorithms.sl import Relay
 from splitlab.privacy.defenses import decode
-from splitlab.roles import State, loss
+from splitlab.roles import State, loss, weighted_loss
 from splitlab.streams import register_stream
 from splitlab.transport import verb
 
@@ -82,8 +81,7 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
             for epoch in range(params.server_epochs):
                 order = self.blueprint.rng(rnd, STREAM_SERVER_BATCHES, first_client, epoch).permutation(len(y))
                 for idx in torch.as_tensor(order, device=x.device).split(batch_size):
-                    per_sample = F.cross_entropy(model(x[idx]), y[idx], reduction="none")
-                    value = (per_sample * weight[idx]).sum() / weight[idx].sum()
+                    value = weighted_loss(model(x[idx]), y[idx], weight[idx])
                     self.step("server_model", value.backward)
                     losses.append(value.detach())
         return losses

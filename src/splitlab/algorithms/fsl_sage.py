@@ -35,6 +35,7 @@ from torch import nn
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.algorithms.cse_fsl import AuxiliaryFSL, CSEFSLParams
+from splitlab.models import load_shared, shared_state
 from splitlab.privacy import defenses
 from splitlab.privacy.defenses import decode
 from splitlab.roles import ClientNode, State, TrainingServer, loss
@@ -109,7 +110,7 @@ class AlignmentBuffer:
             return
         room = min(self.capacity, max(size, 2 * len(self._labels)))
         smashed = self._smashed.new_empty((room, *self._smashed.shape[1:]))
-        labels = self._labels.new_empty(room)
+        labels = self._labels.new_empty((room, *self._labels.shape[1:]))
         smashed[: self.size], labels[: self.size] = self.smashed, self.labels
         self._smashed, self._labels = smashed, labels
 
@@ -167,7 +168,8 @@ class SageServer(TrainingServer[FSLSAGEParams]):
         with self.blueprint.timed("alignment"):
             target = self.buffer_gradients(self.model("server_model"), smashed, labels)
             aux = self.aux_model(client_id)
-            optimizer = torch.optim.Adam(aux.parameters(), lr=params.align_lr, foreach=True)
+            trainable = [p for p in aux.parameters() if p.requires_grad]
+            optimizer = torch.optim.Adam(trainable, lr=params.align_lr, foreach=True)
             for epoch in range(params.align_epochs):
                 order = self.blueprint.rng(rnd, STREAM_ALIGNMENT, client_id, epoch).permutation(len(labels))
                 for idx in torch.as_tensor(order, device=labels.device).split(params.align_batch_size):
@@ -176,7 +178,7 @@ class SageServer(TrainingServer[FSLSAGEParams]):
                     optimizer.zero_grad(set_to_none=True)
                     value.backward()
                     optimizer.step()
-        return aux.state_dict()
+        return shared_state(aux)
 
     def buffer_gradients(self, model: nn.Module, smashed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """`model`'s per-sample cut gradients of a buffer, in mini-batches of `align_batch_size`
@@ -198,7 +200,7 @@ class SageServer(TrainingServer[FSLSAGEParams]):
         return {
             **super().state_dict(),
             "buffers": {k: b.state_dict() for k, b in self.buffers.items()},
-            "aux_models": {k: m.state_dict() for k, m in self.aux_models.items()},
+            "aux_models": {k: shared_state(m) for k, m in self.aux_models.items()},
         }
 
     @verb(down="checkpoint")
@@ -210,7 +212,7 @@ class SageServer(TrainingServer[FSLSAGEParams]):
             for k, b in state["buffers"].items()
         }
         for k, weights in state["aux_models"].items():
-            self.aux_model(int(k)).load_state_dict(weights)
+            load_shared(self.aux_model(int(k)), weights)
 
 
 class FSLSAGE(AuxiliaryFSL, Algorithm[FSLSAGEParams]):

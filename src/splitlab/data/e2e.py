@@ -1,0 +1,91 @@
+"""The E2E NLG Challenge data (Novikova et al., 2017) as token sequences with a loss mask.
+
+The release's `trainset.csv`, `devset.csv` and `testset_w_refs.csv` are CSV files with a header
+and the columns `mr` (a meaning representation: `name[The Eagle], eatType[coffee shop], ...`) and
+`ref` (a human reference text for it); the test set repeats an `mr` on one row per reference, and
+every row is a sample here.
+
+A sample is the causal-LM sequence `[bos] context completion`: the context is the meaning
+representation followed by `SEPARATOR`, the completion is a space, the reference and the
+tokenizer's end-of-sequence token, each tokenised on its own so that no token spans the two;
+`bos` is the tokenizer's beginning-of-sequence token where it has one (GPT-2: `<|endoftext|>`,
+Llama: `<s>`). The loss is on the completion only (the masked cross-entropy of the LoRA and
+FSL-SAGE papers): `mask[i, j]` is true where the target `tokens[i, j + 1]` belongs to the completion.
+
+Lengths: every sequence is `seq_len + 1` tokens, so that inputs `tokens[:, :-1]` and targets
+`tokens[:, 1:]` are `seq_len` long. Shorter ones are padded at the end with the tokenizer's pad
+token, or its end-of-sequence token where it has none (`pad_id`); padding is never a target.
+Longer ones are cut at `seq_len + 1` tokens, which drops the end of the reference (and its
+end-of-sequence token); a `seq_len` that leaves no reference token after some meaning
+representation is refused.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from splitlab.errors import UserError
+from splitlab.lazy import torch
+
+FILES = {"train": "trainset.csv", "dev": "devset.csv", "test": "testset_w_refs.csv"}
+COLUMNS = ("mr", "ref")
+SEPARATOR = " ||"
+
+
+def read_pairs(path: str | Path) -> list[tuple[str, str]]:
+    """The (mr, ref) rows of one E2E file, in file order."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file (the E2E NLG release's {', '.join(FILES.values())})")
+    with path.open(newline="", encoding="utf-8-sig") as file:
+        reader = csv.DictReader(file)
+        if reader.fieldnames is None or not set(COLUMNS) <= set(reader.fieldnames):
+            raise UserError(f"{path}: expected a header with the columns mr and ref; found {reader.fieldnames}")
+        pairs = []
+        for row in reader:
+            mr, ref = row["mr"], row["ref"]
+            if not mr or not ref:
+                raise UserError(f"{path}, line {reader.line_num}: a row without its mr or ref")
+            pairs.append((mr, ref))
+    if not pairs:
+        raise UserError(f"{path}: no rows")
+    return pairs
+
+
+def pad_id(tokenizer: Any) -> int:
+    """What fills a sequence after its end (never a target)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def encode_pairs(pairs: list[tuple[str, str]], tokenizer: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens int64 (N, seq_len + 1), mask bool (N, seq_len)) of the pairs, as the module docstring says."""
+    if tokenizer.eos_token_id is None:
+        raise UserError("the model's tokenizer has no end-of-sequence token, which ends every E2E reference")
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    contexts = tokenizer([mr + SEPARATOR for mr, _ in pairs], add_special_tokens=False)["input_ids"]
+    completions = tokenizer([" " + ref for _, ref in pairs], add_special_tokens=False)["input_ids"]
+    tokens = np.full((len(pairs), seq_len + 1), pad_id(tokenizer), dtype=np.int64)
+    mask = np.zeros((len(pairs), seq_len), dtype=bool)
+    for i, (context, completion) in enumerate(zip(contexts, completions)):
+        prefix = bos + context
+        if len(prefix) > seq_len:
+            longest = max(len(bos) + len(c) for c in contexts)
+            raise UserError(
+                f"seq_len={seq_len} leaves no room for the reference after a meaning representation of "
+                f"{len(prefix)} tokens; E2E needs seq_len >= {longest} with this tokenizer"
+            )
+        sequence = (prefix + completion + [tokenizer.eos_token_id])[: seq_len + 1]
+        tokens[i, : len(sequence)] = sequence
+        mask[i, len(prefix) - 1 : len(sequence) - 1] = True
+    return torch.from_numpy(tokens), torch.from_numpy(mask)
+
+
+def load_e2e(data_dir: str | Path, split: str, tokenizer: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`split` ("train", "dev" or "test") of the E2E release in `data_dir`, encoded by `encode_pairs`."""
+    if split not in FILES:
+        raise ValueError(f"unknown E2E split {split!r}; one of {', '.join(FILES)}")
+    return encode_pairs(read_pairs(Path(data_dir) / FILES[split]), tokenizer, seq_len)

@@ -1,0 +1,349 @@
+"""Hugging Face causal language models from a local folder, as staged models, and back.
+
+`load_staged(model_dir)` reads a folder that `save_pretrained(..., safe_serialization=True)` wrote
+(`config.json`, `model.safetensors` or its shards with `model.safetensors.index.json`, the
+tokenizer) with transformers, imported here only, and hands back a `StagedModel` whose stages are
+transformers' own modules:
+
+- `embed`: token ids (B, T) int64 -> hidden states (B, T, D): the token embedding, plus GPT-2's
+  learned positions and embedding dropout;
+- `block1` .. `blockN`: one decoder layer each, (B, T, D) -> (B, T, D), causal. A block builds
+  its own causal mask and, in the Llama layout, its own rotary position embeddings (recent
+  transformers computes both once per model and passes them to every layer; here a layer may sit
+  on the other side of the cut from the embedding);
+- `head`: the final norm and the LM head -> logits (B, T, V).
+
+Cut c is after block c: the client holds `embed` and blocks 1..c. Supported: `LAYOUTS` (the GPT-2
+family, and the Llama layout shared by Llama, Qwen2, Mistral and SmolLM).
+
+Tied embeddings. GPT-2, SmolLM and small Qwen2 models tie the LM head to the token embedding: one
+tensor in two places. With a cut between them, the two sides cannot share a tensor, so each holds
+its own copy (`head.lm_head.weight` starts as a clone of the embedding). That is exact while the
+embedding is frozen, as under LoRA; a run that trains both lets them drift apart, and the export
+then writes both and unties them in its config.
+
+Names. A stage's state-dict names are transformers' names under a stage prefix, so the export is
+a prefix swap (`to_hf_names`):
+
+    embed.<x>             <-> transformer.<x>            (GPT-2: wte, wpe)   model.<x> (Llama: embed_tokens)
+    block<i>.layer.<x>    <-> transformer.h.<i-1>.<x>                        model.layers.<i-1>.<x>
+    head.<norm>.<x>       <-> transformer.ln_f.<x>                           model.norm.<x>
+    head.lm_head.<x>      <-> lm_head.<x>
+
+`model=gpt` (splitlab's plain-torch GPT-2) exports as GPT-2 through `save_gpt2`. Its names follow
+GPT-2's without the `.layer` level: `embed.wte`, `embed.wpe`, `block<i>.ln_1`, `block<i>.attn.c_attn`,
+`block<i>.attn.c_proj`, `block<i>.ln_2`, `block<i>.mlp.c_fc`, `block<i>.mlp.c_proj`, `head.ln_f`,
+`head.lm_head` (no bias: GPT-2's LM head has none); its projections are `nn.Linear`, whose weight
+is the transpose of GPT-2's `Conv1D`, so those four weights are transposed on the way out.
+
+Attention runs eagerly (written-out softmax) by default: PyTorch's fused CPU attention kernels have
+no second derivative, which FSL-SAGE's alignment step takes through the auxiliary model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from splitlab.errors import UserError
+from splitlab.io import cpu_copy, write_safetensors
+from splitlab.models.staged import StagedModel
+
+WEIGHTS = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a family keeps its parts, under its causal-LM class."""
+
+    body: str  # the base model's attribute: transformer / model
+    layers: str  # the decoder layers' list, under the body: h / layers
+    norm: str  # the final norm, under the body: ln_f / norm
+    rotary: bool  # positions by rotary embeddings computed at model level (Llama) or learned (GPT-2)
+
+
+GPT2 = Layout(body="transformer", layers="h", norm="ln_f", rotary=False)
+LLAMA = Layout(body="model", layers="layers", norm="norm", rotary=True)
+#: config.json's `model_type` -> layout.
+LAYOUTS = {"gpt2": GPT2, "llama": LLAMA, "qwen2": LLAMA, "mistral": LLAMA}
+
+
+def read_config(model_dir: str | Path) -> dict[str, Any]:
+    """`config.json` of a model folder that splitlab can load, checked in one line each: the folder,
+    the config, safetensors weights (never a pickle), a supported `model_type`."""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        raise UserError(f"model_dir={folder}: no such folder (a Hugging Face model folder: config.json, {WEIGHTS})")
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise UserError(f"model_dir={folder}: no config.json (not a Hugging Face model folder)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{config_file}: not valid JSON ({err})") from None
+    if not (folder / WEIGHTS).is_file() and not (folder / WEIGHTS_INDEX).is_file():
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickled:
+            raise UserError(
+                f"model_dir={folder} holds only pickled weights ({', '.join(pickled)}), which splitlab never loads "
+                f"(unpickling runs code); convert them to {WEIGHTS} with save_pretrained(..., safe_serialization=True)"
+            )
+        raise UserError(f"model_dir={folder}: no {WEIGHTS} or {WEIGHTS_INDEX}")
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in LAYOUTS:
+        raise UserError(
+            f"model_dir={folder}: architecture {model_type!r} is not supported; supported: {', '.join(LAYOUTS)}"
+        )
+    return config
+
+
+def context_length(config: Mapping[str, Any]) -> int:
+    """The most tokens a sequence may have: GPT-2's `n_positions`, the Llama layout's `max_position_embeddings`."""
+    return int(config["n_positions"] if config["model_type"] == "gpt2" else config["max_position_embeddings"])
+
+
+class GPT2Embedding(nn.Module):
+    """GPT-2's token plus learned position embeddings, then dropout."""
+
+    def __init__(self, wte: nn.Embedding, wpe: nn.Embedding, drop: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = wte, wpe, drop
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.drop(self.wte(tokens) + self.wpe(positions))
+
+
+class TokenEmbedding(nn.Module):
+    """The Llama layout's token embedding (positions enter each attention layer as rotations)."""
+
+    def __init__(self, embed_tokens: nn.Embedding) -> None:
+        super().__init__()
+        self.embed_tokens = embed_tokens
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(tokens)
+
+
+class DecoderBlock(nn.Module):
+    """One transformers decoder layer that builds its own causal mask and rotary embeddings."""
+
+    def __init__(self, layer: nn.Module, config: Any, index: int, rotary: nn.Module | None) -> None:
+        super().__init__()
+        from transformers import masking_utils
+
+        self.layer = layer
+        self.config = config
+        self.rotary = rotary  # its buffers are not persistent: no state-dict entries
+        layer_types = getattr(config, "layer_types", None)
+        sliding = (
+            layer_types[index] == "sliding_attention"
+            if layer_types
+            else getattr(config, "sliding_window", None) is not None
+        )
+        self.make_mask = (
+            masking_utils.create_sliding_window_causal_mask if sliding else masking_utils.create_causal_mask
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        mask = self.make_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
+        )
+        if self.rotary is None:
+            return self.layer(hidden, attention_mask=mask)
+        rotations = self.rotary(hidden, position_ids=positions)
+        return self.layer(hidden, attention_mask=mask, position_ids=positions, position_embeddings=rotations)
+
+
+def staged_from_hf(model: Any) -> StagedModel:
+    """Stages made of a transformers causal LM's own modules (shared, not copied), except the LM
+    head's weight where it is tied to the embedding, which is cloned (see the module docstring)."""
+    layout = LAYOUTS[model.config.model_type]
+    body = getattr(model, layout.body)
+    embed: nn.Module = (
+        GPT2Embedding(body.wte, body.wpe, body.drop) if layout is GPT2 else TokenEmbedding(body.embed_tokens)
+    )
+    token_embedding = body.wte if layout is GPT2 else body.embed_tokens
+    if model.lm_head.weight is token_embedding.weight:
+        model.lm_head.weight = nn.Parameter(token_embedding.weight.detach().clone())
+    stages: OrderedDict[str, nn.Module] = OrderedDict(embed=embed)
+    layers = getattr(body, layout.layers)
+    for i, layer in enumerate(layers):
+        rotary = copy.deepcopy(body.rotary_emb) if layout.rotary else None
+        stages[f"block{i + 1}"] = DecoderBlock(layer, model.config, i, rotary)
+    stages["head"] = nn.Sequential(OrderedDict([(layout.norm, getattr(body, layout.norm)), ("lm_head", model.lm_head)]))
+    return StagedModel(stages, cut_stages={c: c + 1 for c in range(1, len(layers) + 1)})
+
+
+def load_staged(model_dir: str | Path, attn_implementation: str = "eager") -> StagedModel:
+    """The model in `model_dir` (float32) as stages `embed`, `block1`..`blockN`, `head`."""
+    read_config(model_dir)
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # splitlab draws its own; a bar per load would cut through it
+
+    loaded: Any = AutoModelForCausalLM.from_pretrained(
+        str(model_dir),
+        dtype=torch.float32,
+        use_safetensors=True,
+        local_files_only=True,
+        attn_implementation=attn_implementation,
+        output_loading_info=True,
+    )
+    model, info = loaded
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise UserError(f"model_dir={model_dir}: the weights lack {len(missing)} tensors of the model: {missing[:5]}")
+    return staged_from_hf(model)
+
+
+def hf_model(input_shape: tuple[int, ...], num_classes: int, model_dir: str | None = None) -> StagedModel:
+    """`model=hf`: the checkpoint in `model_dir` for sequences of `input_shape[0]` tokens whose ids
+    are below `num_classes` (a model-zoo builder: `splitlab.models.MODELS`). Its logits cover the
+    model's whole vocabulary, which may be larger than `num_classes`."""
+    if model_dir is None:
+        raise UserError("model=hf needs model_dir=DIR, a Hugging Face model folder (docs/language-hf.md)")
+    config = read_config(model_dir)
+    if len(input_shape) != 1:
+        raise UserError(f"model=hf takes token sequences; the dataset's samples have shape {input_shape}")
+    if input_shape[0] > context_length(config):
+        raise UserError(f"seq_len={input_shape[0]} is beyond the model's context of {context_length(config)} tokens")
+    if num_classes > config["vocab_size"]:
+        raise UserError(
+            f"the dataset's tokens go up to {num_classes - 1}, beyond the model's vocabulary of {config['vocab_size']}"
+        )
+    return load_staged(model_dir)
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The folder's tokenizer (`tokenizer.json`, or GPT-2's `vocab.json` + `merges.txt`), read locally."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserError(f"model_dir={model_dir}: no usable tokenizer (tokenizer.json expected): {err}") from None
+
+
+def to_hf_names(state: Mapping[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    """Stage names -> transformers' names (the table in the module docstring)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in state.items():
+        stage, _, rest = name.partition(".")
+        if stage == "embed":
+            out[f"{layout.body}.{rest}"] = tensor
+        elif stage.startswith("block"):
+            inner = rest.removeprefix("layer.")
+            out[f"{layout.body}.{layout.layers}.{int(stage[5:]) - 1}.{inner}"] = tensor
+        elif rest.startswith("lm_head."):
+            out[rest] = tensor
+        else:
+            out[f"{layout.body}.{rest}"] = tensor
+    return out
+
+
+def save_hf(state: Mapping[str, torch.Tensor], model_dir: str | Path, out_dir: str | Path) -> None:
+    """Write `state` (a staged model's state dict under stage names, adapters merged: `merge_lora`)
+    as a folder `AutoModelForCausalLM.from_pretrained` loads, with `model_dir`'s config and tokenizer."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    generation = Path(model_dir) / "generation_config.json"  # the model's decoding defaults, if it has them
+    hf_state = to_hf_names(state, LAYOUTS[config.model_type])
+    _write(hf_state, config, load_tokenizer(model_dir), Path(out_dir), generation if generation.is_file() else None)
+
+
+#: `model=gpt`'s `nn.Linear` weights that GPT-2 stores as `Conv1D` (in x out).
+GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+
+
+def gpt2_config(layers: int, heads: int, width: int, context: int, vocab: int) -> Any:
+    """The `GPT2Config` of `model=gpt` with these sizes: exact GELU (torch's `nn.GELU`, not GPT-2's
+    tanh approximation), layer-norm epsilon 1e-5, no dropout, LM head not tied."""
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        n_layer=layers,
+        n_head=heads,
+        n_embd=width,
+        n_positions=context,
+        vocab_size=vocab,
+        activation_function="gelu",
+        layer_norm_epsilon=1e-5,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,  # characters have no special tokens
+        eos_token_id=None,
+    )
+
+
+def save_gpt2(state: Mapping[str, torch.Tensor], config: Any, out_dir: str | Path, tokenizer: Any = None) -> None:
+    """Write `model=gpt`'s state (stage names, adapters merged) as a GPT-2 folder for `config`
+    (`gpt2_config`), with `tokenizer` (e.g. `char_tokenizer`) if given."""
+    if "head.lm_head.bias" in state:
+        raise ValueError("GPT-2's LM head has no bias: model=gpt must build its lm_head with bias=False to export")
+    staged = {name: tensor.T if name.partition(".")[2] in GPT2_CONV1D else tensor for name, tensor in state.items()}
+    _write(to_hf_names(staged, GPT2), config, tokenizer, Path(out_dir))
+
+
+def char_tokenizer(characters: str) -> Any:
+    """A tokenizer whose tokens are the single `characters`, in order (token i is `characters[i]`):
+    `model=gpt`'s character vocabulary, so its export decodes text in transformers."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(characters)}, unk_token=characters[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
+def _untie_if_trained(hf_state: dict[str, torch.Tensor], config: Any) -> None:
+    """Keep the tie where the two copies are still equal (frozen embedding); otherwise untie."""
+    layout = LAYOUTS[config.model_type]
+    embedding = hf_state[f"{layout.body}.{'wte' if layout is GPT2 else 'embed_tokens'}.weight"]
+    if config.tie_word_embeddings and torch.equal(hf_state["lm_head.weight"], embedding):
+        del hf_state["lm_head.weight"]
+    else:
+        config.tie_word_embeddings = False
+
+
+def _write(
+    hf_state: dict[str, torch.Tensor], config: Any, tokenizer: Any, out_dir: Path, generation: Path | None = None
+) -> None:
+    """The folder written whole into a temporary sibling, then moved into place: never half a model."""
+    hf_state = dict(hf_state)
+    _untie_if_trained(hf_state, config)
+    config.dtype = next(iter(hf_state.values())).dtype
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
+    try:
+        config.save_pretrained(tmp)
+        write_safetensors(tmp / WEIGHTS, {n: cpu_copy(t) for n, t in hf_state.items()}, metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if generation is not None:
+            shutil.copyfile(generation, tmp / generation.name)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

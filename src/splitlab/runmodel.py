@@ -1,0 +1,133 @@
+"""A finished run's model: starting another run from it (`init=RUN_DIR`), writing it as a Hugging
+Face folder (`out/hf`), and generating text with it (`splitlab generate`).
+
+A run's `weights.safetensors` holds its whole model under the stage names, adapters (LoRA) beside
+the frozen base; the model itself is rebuilt from the run's `config.yaml`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from splitlab.config import RunConfig, resolve_config
+from splitlab.engine import load_data
+from splitlab.errors import UserError
+from splitlab.models import MODELS, StagedModel, build_model, split
+from splitlab.models.lora import merge_lora
+from splitlab.rundir import stored_config
+
+
+def run_model(run_dir: str | Path) -> tuple[RunConfig, StagedModel, Any, int]:
+    """The run's config, its trained model (adapters in place, eval mode, CPU), its data's
+    tokenizer (a Hugging Face tokenizer, model=hf, or a character vocabulary, a str) and its
+    sequence length."""
+    path = Path(run_dir)
+    config = resolve_config(stored_config(path, "load the model of", "give a finished run's directory")).run
+    weights = path / "weights.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{str(path)!r} holds no weights.safetensors: the run is not finished or has no global model")
+    data = load_data(config)
+    if data.task != "language":
+        raise UserError(f"{str(path)!r} trained on {config.dataset}, not a language dataset")
+    model = build_model(config.model, data.input_shape, data.num_classes, config.seed, **config.model_settings())
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(weights))
+    if config.model == "hf":
+        from splitlab.models.hf import load_tokenizer
+
+        return config, model.eval(), load_tokenizer(str(config.model_dir)), data.input_shape[0]
+    return config, model.eval(), data.vocabulary, data.input_shape[0]
+
+
+@functools.cache
+def base_state(run_dir: str) -> dict[str, torch.Tensor]:
+    """The plain weights of a finished run's model (adapters merged), for `init=RUN_DIR`."""
+    return merge_lora(run_model(run_dir)[1])
+
+
+def start_from(model: nn.Module, run_dir: str) -> None:
+    """Load a finished run's weights into a freshly built `model` (before its own adapters train:
+    they start at zero, so the model computes what the finished run's did)."""
+    try:
+        missing, unexpected = model.load_state_dict(base_state(run_dir), strict=False)
+    except RuntimeError as error:
+        why = str(error).strip().splitlines()[-1].strip()[:160]
+        raise UserError(f"init={run_dir}: its model does not fit this run's ({why})") from None
+    missing = [name for name in missing if not name.endswith(("lora_A", "lora_B"))]
+    if missing or unexpected:
+        raise UserError(
+            f"init={run_dir}: its model does not fit this run's (missing {missing[:3]}, extra {unexpected[:3]})"
+        )
+
+
+def export_hf(config: RunConfig, parts: list[nn.Module], vocabulary: str | None, out_dir: Path) -> bool:
+    """Write the model (client and server parts, adapters merged) to `out_dir` as a folder
+    `transformers.AutoModelForCausalLM.from_pretrained` loads, with its tokenizer; False (nothing
+    written) for a model with no Hugging Face form."""
+    if config.model not in ("gpt", "hf"):
+        return False
+    from splitlab.models import hf
+
+    state = {name: t for part in parts for name, t in merge_lora(part).items()}
+    if config.model == "hf":
+        hf.save_hf(state, str(config.model_dir), out_dir)
+        return True
+    defaults = {k: p.default for k, p in inspect.signature(MODELS["gpt"]).parameters.items() if k != "input_shape"}
+    sizes = {key: getattr(config, key) or defaults[key] for key in ("layers", "heads", "width", "context")}
+    vocab = state["head.lm_head.weight"].shape[0]
+    tokenizer = hf.char_tokenizer(vocabulary) if vocabulary is not None else None
+    hf.save_gpt2(state, hf.gpt2_config(**sizes, vocab=vocab), out_dir, tokenizer)
+    return True
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    if isinstance(tokenizer, str):
+        unknown = sorted({c for c in text if c not in tokenizer})
+        if unknown:
+            raise UserError(f"prompt has characters outside the model's vocabulary: {''.join(unknown)!r}")
+        return [tokenizer.index(c) for c in text]
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    return "".join(tokenizer[i] for i in ids) if isinstance(tokenizer, str) else tokenizer.decode(ids)
+
+
+@torch.no_grad()
+def generate(run_dir: str | Path, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0) -> str:
+    """`prompt` continued by `max_tokens` tokens: each through the client stages, then the server
+    stages at the run's cut; greedy (temperature 0) or sampled from softmax(logits / temperature)."""
+    config, model, tokenizer, window = run_model(run_dir)
+    client, server = split(model, config.cut)
+    ids = _encode(tokenizer, prompt)
+    if not ids:
+        raise UserError('prompt is empty; give prompt="some text"')
+    generator = torch.Generator().manual_seed(seed)
+    produced: list[int] = []
+    for _ in range(max_tokens):
+        context = torch.tensor([(ids + produced)[-window:]])
+        logits = server(client(context))[0, -1]
+        if temperature > 0:
+            token = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
+        else:
+            token = int(logits.argmax())
+        produced.append(token)
+    return prompt + _decode(tokenizer, produced)
+
+
+class GenerateSettings(BaseModel):
+    """`splitlab generate RUN KEY=VALUE ...`"""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    prompt: str = Field(description="the text to continue")
+    max_tokens: int = Field(100, ge=1, le=100_000, description="tokens to generate")
+    temperature: float = Field(0.0, ge=0, le=100, description="0: greedy; else sample from softmax(logits / T)")
+    seed: int = Field(0, ge=0, description="seed of the sampling (temperature > 0)")

@@ -1,0 +1,100 @@
+"""Every algorithm with a cut on model=gpt + shakespeare_lm: the equivalences that hold for images
+hold here, what crosses the cut is counted by hand, serialized == direct, resume is exact."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import global_weights, max_abs_difference, straight_and_resumed, train
+from splitlab.engine import evaluate, run
+from splitlab.errors import UserError
+
+ALGORITHMS = [
+    "fedavg",
+    "sl",
+    "sfl_v1",
+    "sfl_v2",
+    "psl",
+    "sglr",
+    "cycle_psl",
+    "cycle_sglr",
+    "cycle_sfl",
+    "cycle_ssl",
+    "cse_fsl",
+    "fsl_sage",
+]
+AUX = {"cse_fsl": {"aux": "blocks:1"}, "fsl_sage": {"aux": "blocks:1", "align_interval": 1}}
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_with_a_cut_trains_a_gpt_and_serialized_is_bit_identical(lm, algorithm):
+    config = dict(lm, algorithm=algorithm, cut=1, **AUX.get(algorithm, {}))
+    direct, serialized = train(2, **config), train(2, transport="serialized", **config)
+    before = evaluate(train(0, **config))
+    after = evaluate(direct)
+    assert set(after) == {"accuracy", "loss", "perplexity"}
+    assert after["loss"] < before["loss"]
+    assert after == evaluate(serialized)
+    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+
+
+def test_splitgp_is_refused_in_one_line(lm):
+    with pytest.raises(UserError, match="algorithm=splitgp cannot run dataset=shakespeare_lm: its client exit head"):
+        train(0, **dict(lm, algorithm="splitgp"))
+
+
+def test_a_class_based_partition_of_sequences_is_refused(lm):
+    with pytest.raises(UserError, match="partition=dirichlet:0.5 splits by class"):
+        train(0, **dict(lm, algorithm="sfl_v2", partition="dirichlet:0.5"))
+
+
+def test_sfl_v1_equals_fedavg_on_a_gpt(lm):
+    config = dict(lm, optimizer="sgd", lr=0.1)
+    fedavg = global_weights(train(2, algorithm="fedavg", **config))
+    assert max_abs_difference(fedavg, global_weights(train(0, algorithm="fedavg", **config))) > 1e-3
+    for cut in (1, 2):
+        sfl_v1 = global_weights(train(2, algorithm="sfl_v1", cut=cut, **config))
+        assert max_abs_difference(sfl_v1, fedavg) <= 1e-5, f"cut {cut}"
+
+
+def test_sfl_v2_with_one_client_equals_centralized_on_a_gpt(lm):
+    config = dict(lm, clients=1, optimizer="sgd", lr=0.1)
+    reference = global_weights(train(2, algorithm="centralized", **config))
+    for cut in (1, 2):
+        split = global_weights(train(2, algorithm="sfl_v2", cut=cut, **config))
+        assert max_abs_difference(split, reference) <= 1e-5, f"cut {cut}"
+
+
+def test_what_crosses_the_cut_is_hidden_states_and_masked_targets_by_hand(lm):
+    """SFL-V2, one round of 3 steps per client: each step sends B x T x D float32 hidden states
+    and B x T int64 targets (the loss mask is in them) up, and the same hidden-state shape down."""
+    experiment = train(1, **dict(lm, algorithm="sfl_v2", cut=1))
+    sizes = [len(node.y) for node in experiment.roles.clients]
+    batches = [min(8, n) for n in sizes]  # 3 steps of batch 8 (every client holds more than 24)
+    assert all(n >= 24 for n in sizes)
+    sequences = 3 * sum(batches)
+    ledger = experiment.ledger.state_dict()
+    assert ledger["smashed"] == sequences * 16 * 16 * 4
+    assert ledger["cut_grad"] == sequences * 16 * 16 * 4
+    assert ledger["labels"] == sequences * 16 * 8
+
+
+def test_fsl_sage_runs_end_to_end_with_falling_test_loss(lm, tmp_path):
+    summary = run(
+        dict(lm, algorithm="fsl_sage", aux="blocks:1", cut=1, rounds=3, align_interval=1, out=str(tmp_path / "run")),
+        progress=False,
+    )
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["round"] for row in rows] == [1, 2, 3]
+    assert rows[-1]["test_loss"] < rows[0]["test_loss"]
+    assert summary["final_perplexity"] == pytest.approx(torch.tensor(rows[-1]["test_loss"]).exp().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ["sfl_v1", "fsl_sage"])
+def test_resume_is_bit_identical_on_a_gpt(lm, algorithm):
+    straight, resumed = straight_and_resumed(2, **dict(lm, algorithm=algorithm, **AUX.get(algorithm, {})))
+    a, b = global_weights(straight), global_weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
