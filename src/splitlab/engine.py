@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -58,6 +58,7 @@ from splitlab.models import split
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.record import Recorder
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
+from splitlab.privacy import keys
 from splitlab.runfiles import CHECKPOINT, LEGACY_CHECKPOINT, RUN_FILES
 from splitlab.streams import register_stream
 from splitlab.transport import TRANSPORTS, ClientDropped, Transport
@@ -348,6 +349,9 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     )
     algorithm = algorithm_class(context)
     transport_.on_rejoin = algorithm.rejoined
+    if blueprint.defense.random:  # each party's own noise key (splitlab.privacy.keys)
+        secret = keys.from_setting(run.noise_key) if run.noise_key is not None else keys.fresh()
+        install_noise_secret(blueprint, transport_, secret)
     test = _seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")
     data = dataclasses.replace(
         data,
@@ -455,10 +459,22 @@ def _run(experiment: Experiment, resume: bool | None, progress: bool) -> dict[st
         return _loop(experiment, progress)
 
 
+def install_noise_secret(blueprint: Blueprint, transport: Transport, secret: bytes) -> None:
+    """The noise secret of the parties this process plays (and of its Ray actors', which it also plays)."""
+    blueprint.noise_secret = secret
+    if blueprint.config.backend == "ray":
+        from splitlab import ray_backend
+
+        ray_backend.install_noise_secret(cast(ray_backend.RayTransport, transport), secret)
+
+
 def role_states(experiment: Experiment) -> dict[str, Any]:
-    """Every role's state that outlives a round (fetched through the transport), and the ledger's."""
+    """Every role's state that outlives a round (fetched through the transport), the ledger's,
+    and the noise secret of the parties played here (kept with their state, never elsewhere)."""
     algorithm, ledger = experiment.algorithm, experiment.ledger
+    secret = experiment.blueprint.noise_secret
     return {
+        **({"noise_secret": torch.tensor(list(secret), dtype=torch.uint8)} if secret is not None else {}),
         "algorithm": algorithm.state_dict(),
         "server": algorithm.server.state_dict(),
         "sync": algorithm.sync.state_dict(),
@@ -474,6 +490,8 @@ def role_states(experiment: Experiment) -> dict[str, Any]:
 def restore(experiment: Experiment, state: dict[str, Any]) -> None:
     """Load `role_states` into a freshly built experiment."""
     algorithm, ledger = experiment.algorithm, experiment.ledger
+    if "noise_secret" in state:
+        install_noise_secret(experiment.blueprint, experiment.transport, bytes(state["noise_secret"].tolist()))
     algorithm.load_state_dict(state["algorithm"])
     algorithm.server.load_state_dict(state["server"])
     algorithm.sync.load_state_dict(state["sync"])

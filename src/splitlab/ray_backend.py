@@ -44,13 +44,17 @@ class RoleHost:
         run = config.run
         self.device = engine.resolve_device(run.device)
         data = load_dataset(run.dataset, run.data_dir, seed=run.seed)
-        blueprint = engine.make_blueprint(config, data, self.device)
+        self.blueprint = blueprint = engine.make_blueprint(config, data, self.device)
         self.roles: dict[int | str, Role]
         if owners is None:
             self.roles = {SERVER: get_algorithm(run.algorithm).Server(blueprint)}
         else:
             indices = {int(k): idx.numpy() for k, idx in codec.decode(owners).items()}
             self.roles = {node.id: node for node in engine.client_nodes(blueprint, data, indices)}
+
+    def set_noise_secret(self, secret: bytes) -> None:
+        """The driver's noise secret (splitlab.privacy.keys): it plays these parties too."""
+        self.blueprint.noise_secret = secret
 
     def peak_memory_mib(self) -> float:
         """This actor's peak resident set size (benchmarks/ray_clients.py)."""
@@ -124,6 +128,12 @@ class RayTransport(SerializedTransport):
             return result
         with self._lock:
             return super().call(method, spec, counted, *args, **kwargs)
+
+
+def install_noise_secret(transport: RayTransport, secret: bytes) -> None:
+    """Every actor's roles get the run's noise secret."""
+    ray = cluster.connect("auto")
+    ray.get([host.set_noise_secret.remote(secret) for host in transport.hosts])
 
 
 def start_roles(
