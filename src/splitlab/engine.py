@@ -399,6 +399,26 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     return classification_metrics(logits_in_batches(experiment.assemble(model), data.test_x, batch), data.test_y)
 
 
+DEPLOYED_NOTE = (
+    "final_accuracy: the model without the defense at the cut (undefended path); "
+    "final_accuracy_deployed: with the defense applied at the cut, as deployed"
+)
+
+
+def evaluate_deployed(experiment: Experiment, rnd: int) -> dict[str, float]:
+    """`test_accuracy_deployed`: a defended global split model's test accuracy with the defense
+    applied at the cut as deployed (clipping, noise, compression); `test_accuracy` is the
+    undefended path. Empty where the defense leaves the forward pass as it is."""
+    defense, model = experiment.blueprint.defense, experiment.algorithm.global_model()
+    if not defense.changes_forward or model is None or len(model) != 2 or experiment.algorithm.personal_models:
+        return {}
+    client, server = experiment.assemble(model)
+    generator = torch.Generator(experiment.blueprint.device).manual_seed(experiment.config.run.seed * 1_000_003 + rnd)
+    deployed = defense.deployed(client, server, generator)
+    logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)
+    return {"test_accuracy_deployed": classification_metrics(logits, experiment.data.test_y)["accuracy"]}
+
+
 class _RunDirectory:
     """The run's files, and the rules for starting, resuming or replacing them."""
 
@@ -694,6 +714,7 @@ def _metrics_row(
         "test_loss": test["loss"],
         "test_f1": test["f1"],
         "test_mcc": test["mcc"],
+        **evaluate_deployed(experiment, state["round"]),
         "train_loss": train_loss,
         "comm_bytes": ledger.total_bytes,
         "comm_gib": ledger.total_bytes / GIB,
@@ -764,6 +785,9 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         **dict(zip(("rounds_to_target", "gib_to_target"), to_target(rows, cfg.target_accuracy))),
         **privacy_summary(cfg),
     }
+    if "test_accuracy_deployed" in rows[-1]:
+        summary["final_accuracy_deployed"] = rows[-1]["test_accuracy_deployed"]
+        summary["accuracy_paths"] = DEPLOYED_NOTE
     model = experiment.algorithm.global_model()
     if model is not None:
         weights = {name: t for state in model for name, t in state.items()}

@@ -10,6 +10,7 @@ import torch
 from helpers import global_weights, personal_weights, quick, straight_and_resumed, train
 from splitlab.algorithms import algorithm_names, get_algorithm
 from splitlab.cli import main
+from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.privacy.defenses import (
     FP16_ABSOLUTE_ERROR,
@@ -179,3 +180,15 @@ def test_privacy_settings_where_nothing_is_split_are_refused_in_one_line(tmp_pat
 def test_a_noise_key_without_noise_is_refused():
     with pytest.raises(UserError, match="noise_key= applies to a defense with noise"):
         train(1, **quick(algorithm="sfl_v2", defense="clip:1", noise_key="k"))
+
+
+def test_defended_runs_report_accuracy_as_deployed_beside_the_undefended_path(tmp_path):
+    strong = run(quick(algorithm="sfl_v2", defense="clip:0.1+noise:20", out=str(tmp_path / "a")), progress=False)
+    assert strong["final_accuracy_deployed"] < strong["final_accuracy"]  # noise 20x the clip norm drowns the signal
+    assert "as deployed" in strong["accuracy_paths"]
+    loose = run(quick(algorithm="sfl_v2", defense="clip:1000000", out=str(tmp_path / "b")), progress=False)
+    assert loose["final_accuracy_deployed"] == loose["final_accuracy"]  # a clip that never bites changes nothing
+    rows = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    assert all('"test_accuracy_deployed"' in row for row in rows)
+    plain = run(quick(algorithm="sfl_v2", defense="nopeek:1", out=str(tmp_path / "c")), progress=False)
+    assert "final_accuracy_deployed" not in plain

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from splitlab.errors import UserError
 
@@ -87,6 +88,15 @@ class Defense:
             smashed = smashed + self.noise_std * noise
         return smashed
 
+    @property
+    def changes_forward(self) -> bool:
+        """Whether the server's input differs from the client part's output (clip, noise, compression)."""
+        return self.clip is not None or self.noise > 0 or self.quantize is not None or self.topk is not None
+
+    def deployed(self, client: nn.Module, server: nn.Module, generator: torch.Generator) -> nn.Module:
+        """The split model as it runs in deployment: the defense applied at the cut (for accuracy as deployed)."""
+        return nn.Sequential(client, _AtTheCut(self, generator), server)
+
     def penalty(self, inputs: torch.Tensor, smashed: torch.Tensor) -> torch.Tensor | None:
         """NoPeek's term of the client's objective (None without NoPeek)."""
         if self.nopeek == 0:
@@ -125,6 +135,17 @@ class Defense:
             safe = scale.clamp_min(torch.finfo(torch.float32).tiny).view(-1, *([1] * (tensor.dim() - 1)))
             return {"int8": (tensor / safe).round().clamp(-127, 127).to(torch.int8), "scale": scale}
         return tensor
+
+
+class _AtTheCut(nn.Module):
+    """Clip, noise and wire compression between the client part and the server part."""
+
+    def __init__(self, defense: Defense, generator: torch.Generator) -> None:
+        super().__init__()
+        self.defense, self.generator = defense, generator
+
+    def forward(self, smashed: torch.Tensor) -> torch.Tensor:
+        return decode(self.defense.encode(self.defense.protect(smashed, self.generator)))
 
 
 def decode(message: Any) -> torch.Tensor:
