@@ -55,10 +55,10 @@ from splitlab.io import (
 from splitlab.loggers import check_logger, make_logger, round_line
 from splitlab.metrics import classification_metrics, logits_in_batches
 from splitlab.models import split
+from splitlab.privacy import keys
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.record import Recorder
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
-from splitlab.privacy import keys
 from splitlab.runfiles import CHECKPOINT, LEGACY_CHECKPOINT, RUN_FILES
 from splitlab.streams import register_stream
 from splitlab.transport import TRANSPORTS, ClientDropped, Transport
@@ -412,7 +412,7 @@ def evaluate_deployed(experiment: Experiment, rnd: int) -> dict[str, float]:
     defense, model = experiment.blueprint.defense, experiment.algorithm.global_model()
     if not defense.changes_forward or model is None or len(model) != 2 or experiment.algorithm.personal_models:
         return {}
-    client, server = experiment.assemble(model)
+    client, server = cast(nn.Sequential, experiment.assemble(model))
     generator = torch.Generator(experiment.blueprint.device).manual_seed(experiment.config.run.seed * 1_000_003 + rnd)
     deployed = defense.deployed(client, server, generator)
     logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)

@@ -34,8 +34,7 @@ from torch import nn
 
 from splitlab.config import RunConfig
 from splitlab.models import StagedModel, build_model, largest_activation_bytes, split
-from splitlab.privacy import defenses
-from splitlab.privacy import keys
+from splitlab.privacy import defenses, keys
 from splitlab.privacy.defenses import Defense, decode
 from splitlab.privacy.record import Recorder
 from splitlab.streams import register_stream
@@ -384,7 +383,9 @@ class ClientNode(Role[ParamsT]):
         release (splitlab.privacy.keys): unpredictable to the server, and resumable."""
         if self.blueprint.defense.noise == 0:
             return None
-        return keys.generator(self.blueprint.noise_secret, f"client {self.id}", self.round, self._releases, device=device)
+        return keys.generator(
+            self.blueprint.noise_secret, f"client {self.id}", self.round, self._releases, device=device
+        )
 
     def receive(self, step: int, cut_grad: Any) -> torch.Tensor:
         """The cut gradient of `step` from its wire form."""
@@ -468,7 +469,9 @@ class TrainingServer(Role[ParamsT]):
         defense = self.blueprint.defense
         generator = None
         if defense.gradnoise > 0:
-            generator = keys.generator(self.blueprint.noise_secret, "server", keys.content_counter(grad), device=grad.device)
+            generator = keys.generator(
+                self.blueprint.noise_secret, "server", keys.content_counter(grad), device=grad.device
+            )
         return defense.send_gradient(grad, generator)
 
     @verb()

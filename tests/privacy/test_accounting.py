@@ -43,7 +43,9 @@ def test_dp_epsilon_calibrates_the_noise_to_the_target(target, delta, rounds):
     assert gdp_epsilon(math.sqrt(rounds) * 2 / sigma, delta) == pytest.approx(target, rel=1e-3)
 
 
-@pytest.mark.parametrize("value", ["dp:epsilon=1", "clip:1+noise:1+dp:epsilon=1", "clip:1+dp:eps=1", "clip:1+dp:epsilon=0"])
+@pytest.mark.parametrize(
+    "value", ["dp:epsilon=1", "clip:1+noise:1+dp:epsilon=1", "clip:1+dp:eps=1", "clip:1+dp:epsilon=0"]
+)
 def test_bad_dp_targets_are_refused(value):
     with pytest.raises(UserError, match="dp:epsilon=<E > 0>"):
         parse_defense(value)

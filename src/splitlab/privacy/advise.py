@@ -21,7 +21,6 @@ from splitlab.errors import UserError
 from splitlab.io import write_json, write_png, write_text
 from splitlab.models import build_model, output_shape, split
 
-
 #: the probe's sizes when not given: these, or the whole split where it is smaller (the table says which)
 DEFAULT_TRAIN, DEFAULT_TEST, DEFAULT_AUX, DEFAULT_TARGETS = 2000, 1500, 1000, 300
 
@@ -46,8 +45,12 @@ class AdviseSettings(BaseModel):
     aux: int | None = Field(None, ge=10, description="the attacker's auxiliary samples (default: 1000 or what fits)")
     targets: int | None = Field(None, ge=10, description="held-out samples attacked (default: 300 or what fits)")
     epochs: int = Field(20, ge=1, description="decoder training epochs")
-    max_ssim: float | None = Field(None, ge=0, le=1, description="budget: pick only cuts whose inversion SSIM is <= this")
-    max_auc: float | None = Field(None, ge=0, le=1, description="budget: pick only cuts whose label-leak AUCs are <= this")
+    max_ssim: float | None = Field(
+        None, ge=0, le=1, description="budget: pick only cuts whose inversion SSIM is <= this"
+    )
+    max_auc: float | None = Field(
+        None, ge=0, le=1, description="budget: pick only cuts whose label-leak AUCs are <= this"
+    )
     client_power: float = Field(20, gt=0, description="P_C (SplitGP's latency model)")
     server_power: float = Field(100, gt=0, description="P_S")
     rate: float = Field(1, gt=0, description="R, uplink rate")
@@ -225,7 +228,9 @@ def markdown(
     lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cell(fmt, row[key]) for key, _, fmt in COLUMNS) + " |" for row in rows]
     budgets = ", ".join(
-        f"{name}={value:g}" for name, value in (("max_ssim", settings.max_ssim), ("max_auc", settings.max_auc)) if value is not None
+        f"{name}={value:g}"
+        for name, value in (("max_ssim", settings.max_ssim), ("max_auc", settings.max_auc))
+        if value is not None
     )
     pick = advice["pick"]
     verdict = (

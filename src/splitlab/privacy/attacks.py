@@ -60,7 +60,10 @@ def label_leak(cut_grad: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
 
     if len(np.unique(y)) == 2:
         positive_class = int(np.unique(y)[-1])
-        result = {"norm_auc": float(roc_auc_score(y == positive_class, norms)), "direction_auc": direction(positive_class)}
+        result = {
+            "norm_auc": float(roc_auc_score(y == positive_class, norms)),
+            "direction_auc": direction(positive_class),
+        }
         return {**result, "scored": f"AUC for the positive class {positive_class}", "samples": len(y)}
     separations = {int(c): float(roc_auc_score(y == c, norms)) for c in classes}
     best = max(separations, key=lambda c: max(separations[c], 1 - separations[c]))

@@ -43,7 +43,9 @@ class AttackSettings(BaseModel):
         None, ge=10, description="auxiliary samples the server holds, from the test split (default: 2000 or what fits)"
     )
     targets: int | None = Field(
-        None, ge=10, description="held-out samples attacked when nothing was recorded (default: 500 or half the test split)"
+        None,
+        ge=10,
+        description="held-out samples attacked when nothing was recorded (default: 500 or half the test split)",
     )
     epochs: int = Field(30, ge=1, description="decoder training epochs (inversion)")
     device: Literal["cpu", "cuda", "auto"] = "cpu"

@@ -57,4 +57,7 @@ def generator(secret: bytes | None, party: str, *counters: int, device: torch.de
 def content_counter(tensor: torch.Tensor) -> int:
     """A counter from a tensor's bytes: the training server keys a gradient's noise by the gradient
     itself, so its stream needs no state that resume would have to restore."""
-    return int.from_bytes(hashlib.sha256(tensor.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).digest()[:8], "little")
+    return int.from_bytes(
+        hashlib.sha256(tensor.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).digest()[:8],
+        "little",
+    )
