@@ -98,3 +98,22 @@ def test_the_key_is_kept_in_the_checkpoint_only_and_a_killed_run_resumes_bit_for
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     summary = (tmp_path / "a" / "summary.json").read_text()
     assert secret.hex() not in summary and "never sent or written where the server reads" in summary
+
+
+def test_a_networked_client_derives_its_key_from_its_own_tls_key(tmp_path):
+    """The server sends the config; the client's secret also needs its TLS private key, which the
+    server never has: another certificate, or another config, gives another secret."""
+    from splitlab.net.certs import make_certs
+    from splitlab.net.client import ClientSettings, _build_node
+
+    config = quick(algorithm="sfl_v2", defense="clip:1+noise:1")
+    secrets = []
+    for name in ("a", "b"):
+        make_certs(tmp_path / name, clients=1, hosts=["localhost"])
+        settings = ClientSettings(client_id=0, certs=tmp_path / name)
+        secrets.append(_build_node(settings, config).blueprint.noise_secret)
+    assert secrets[0] is not None and secrets[0] != secrets[1]
+    other = _build_node(ClientSettings(client_id=0, certs=tmp_path / "a"), {**config, "rounds": 3})
+    assert other.blueprint.noise_secret != secrets[0]
+    fixed = _build_node(ClientSettings(client_id=0, certs=tmp_path / "a"), {**config, "noise_key": "k"})
+    assert fixed.blueprint.noise_secret == keys.from_setting("k")
