@@ -4,6 +4,7 @@ server on its own, every message as codec bytes; bit for bit the in-process run.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,17 @@ def test_a_run_resumed_on_ray_ends_as_an_uninterrupted_one(local_ray, tmp_path: 
     crash_before_round(1, config("fsl_sage", tmp_path / "resumed"), monkeypatch)
     run(config("fsl_sage", tmp_path / "resumed", backend="ray", workers=2, resume=True), progress=False)
     assert results(tmp_path / "straight") == results(tmp_path / "resumed")
+
+
+def test_a_defended_run_resumes_on_ray_with_its_private_noise_key(local_ray, tmp_path: Path, monkeypatch):
+    """No noise_key: the key drawn at the start is in the checkpoint; resumed in process or on Ray
+    (the actors get it from the driver), the run ends bit for bit the same."""
+    defended = {"defense": "clip:5+noise:0.3+gradnoise:0.5"}
+    crash_before_round(1, config("sfl_v2", tmp_path / "local", **defended), monkeypatch)
+    shutil.copytree(tmp_path / "local", tmp_path / "ray")
+    run(config("sfl_v2", tmp_path / "local", resume=True, **defended), progress=False)
+    run(config("sfl_v2", tmp_path / "ray", backend="ray", workers=2, resume=True, **defended), progress=False)
+    assert results(tmp_path / "local") == results(tmp_path / "ray")
 
 
 def test_more_workers_than_free_cpus_are_refused(local_ray, tmp_path: Path):

@@ -275,11 +275,12 @@ def _cmd_attack(args: argparse.Namespace) -> int:
     result = attack_run(args.dir, parse_overrides(args.overrides))
     table = Table(show_header=False, title=f"{result['attack']} on {result['targets']} (defense {result['defense']})")
     if result["attack"] == "inversion":
-        table.add_row("SSIM / PSNR", f"{result['ssim']:.3f} / {result['psnr']:.2f} dB")
-        baseline = result["baseline"]
+        table.add_row(f"SSIM / PSNR ({result['attacker']})", f"{result['ssim']:.3f} / {result['psnr']:.2f} dB")
+        decoder, baseline = result["decoder"], result["baseline"]
+        table.add_row("decoder", f"{decoder['ssim']:.3f} / {decoder['psnr']:.2f} dB")
         table.add_row("floor: mean image", f"{baseline['ssim']:.3f} / {baseline['psnr']:.2f} dB")
     else:
-        table.add_row("norm attack AUC", f"{result['norm_auc']:.3f}")
+        table.add_row("norm attack AUC", f"{result['norm_auc']:.3f} ({result['scored']})")
         table.add_row("direction attack AUC", f"{result['direction_auc']:.3f}")
         for rnd, row in result.get("by_round", {}).items():
             table.add_row(f"  round {rnd} (norm / direction)", f"{row['norm_auc']:.3f} / {row['direction_auc']:.3f}")

@@ -140,11 +140,17 @@ class RunConfig(BaseModel):
     )
     defense: str = Field(
         "none",
-        description="defenses at the cut, +-joined: clip:<C> noise:<sigma> gradnoise:<scale> nopeek:<alpha> "
-        "quantize:int8|fp16 topk:<fraction>; none = no defense (docs/privacy.md)",
+        description="defenses at the cut, +-joined: clip:<C> noise:<sigma> dp:epsilon=<E> gradnoise:<scale> "
+        "nopeek:<alpha> quantize:int8|fp16 topk:<fraction>; none = no defense (docs/privacy.md)",
     )
     record: int = Field(
         0, ge=0, description="record what the server saw at the cut, up to N samples per round, for attacks"
+    )
+    noise_key: str | None = Field(
+        None,
+        min_length=1,
+        description="fix the defenses' noise (reproducible); the guarantee then assumes this key stays secret "
+        "from the server (default: each party draws its own secret key)",
     )
     resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
     overwrite: bool = Field(False, description="replace a finished or partial run in `out`")
@@ -289,6 +295,9 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     for key, value in {**run.model_dump(), **params.model_dump()}.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"invalid value {value!r} for {key}: expected a finite number")
+    from splitlab.privacy.defenses import check_applies
+
+    check_applies(run, "server_model" in algorithm.models)
     return ResolvedConfig(run, params)
 
 

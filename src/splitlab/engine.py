@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -56,6 +56,7 @@ from splitlab.io import (
 from splitlab.loggers import check_logger, make_logger, round_line
 from splitlab.metrics import TASK_METRICS, logits_in_batches
 from splitlab.models import load_shared, split
+from splitlab.privacy import keys
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.record import Recorder
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
@@ -436,6 +437,9 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     )
     algorithm = algorithm_class(context)
     transport_.on_rejoin = algorithm.rejoined
+    if blueprint.defense.random:  # each party's own noise key (splitlab.privacy.keys)
+        secret = keys.from_setting(run.noise_key) if run.noise_key is not None else keys.fresh()
+        install_noise_secret(blueprint, transport_, secret)
     test_x, test_y = test_set(config, data, device)
     data = dataclasses.replace(
         data,
@@ -500,6 +504,27 @@ def personal_metrics(
 ) -> dict[str, float]:
     """The test metrics of one client's personal model (in the driver, or in the Ray actor holding it)."""
     return metrics(logits_in_batches(assemble(states), x, batch), y)
+
+
+DEPLOYED_NOTE = (
+    "final_accuracy: the model without the defense at the cut (undefended path); "
+    "final_accuracy_deployed: with the defense applied at the cut, as deployed"
+)
+
+
+def evaluate_deployed(experiment: Experiment, rnd: int) -> dict[str, float]:
+    """`test_accuracy_deployed`: a defended global split model's test accuracy with the defense
+    applied at the cut as deployed (clipping, noise, compression); `test_accuracy` is the
+    undefended path. Empty where the defense leaves the forward pass as it is."""
+    defense, model = experiment.blueprint.defense, experiment.algorithm.global_model()
+    if not defense.changes_forward or model is None or len(model) != 2 or experiment.algorithm.personal_models:
+        return {}
+    client, server = cast(nn.Sequential, experiment.assemble(model))
+    generator = torch.Generator(experiment.blueprint.device).manual_seed(experiment.config.run.seed * 1_000_003 + rnd)
+    deployed = defense.deployed(client, server, generator)
+    logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)
+    metrics = TASK_METRICS[experiment.data.task](logits, experiment.data.test_y)
+    return {"test_accuracy_deployed": metrics["accuracy"]}
 
 
 class _RunDirectory:
@@ -586,10 +611,22 @@ def _run(experiment: Experiment, resume: bool | None, progress: bool) -> dict[st
         return _loop(experiment, progress)
 
 
+def install_noise_secret(blueprint: Blueprint, transport: Transport, secret: bytes) -> None:
+    """The noise secret of the parties this process plays (and of its Ray actors', which it also plays)."""
+    blueprint.noise_secret = secret
+    if blueprint.config.backend == "ray":
+        from splitlab import ray_backend
+
+        ray_backend.install_noise_secret(cast(ray_backend.RayTransport, transport), secret)
+
+
 def role_states(experiment: Experiment) -> dict[str, Any]:
-    """Every role's state that outlives a round (fetched through the transport), and the ledger's."""
+    """Every role's state that outlives a round (fetched through the transport), the ledger's,
+    and the noise secret of the parties played here (kept with their state, never elsewhere)."""
     algorithm, ledger = experiment.algorithm, experiment.ledger
+    secret = experiment.blueprint.noise_secret
     return {
+        **({"noise_secret": torch.tensor(list(secret), dtype=torch.uint8)} if secret is not None else {}),
         "algorithm": algorithm.state_dict(),
         "server": algorithm.server.state_dict(),
         "sync": algorithm.sync.state_dict(),
@@ -605,6 +642,8 @@ def role_states(experiment: Experiment) -> dict[str, Any]:
 def restore(experiment: Experiment, state: dict[str, Any]) -> None:
     """Load `role_states` into a freshly built experiment."""
     algorithm, ledger = experiment.algorithm, experiment.ledger
+    if "noise_secret" in state:
+        install_noise_secret(experiment.blueprint, experiment.transport, bytes(state["noise_secret"].tolist()))
     algorithm.load_state_dict(state["algorithm"])
     algorithm.server.load_state_dict(state["server"])
     algorithm.sync.load_state_dict(state["sync"])
@@ -814,6 +853,7 @@ def _metrics_row(
     return {
         "round": state["round"],
         **{f"test_{key}": value for key, value in test.items()},
+        **evaluate_deployed(experiment, state["round"]),
         "train_loss": train_loss,
         "comm_bytes": ledger.total_bytes,
         "comm_gib": ledger.total_bytes / GIB,
@@ -887,6 +927,9 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         **dict(zip(("rounds_to_target", "gib_to_target"), to_target(rows, cfg.target_accuracy))),
         **privacy_summary(cfg),
     }
+    if "test_accuracy_deployed" in rows[-1]:
+        summary["final_accuracy_deployed"] = rows[-1]["test_accuracy_deployed"]
+        summary["accuracy_paths"] = DEPLOYED_NOTE
     model = experiment.algorithm.global_model()
     if model is not None:
         weights = experiment.full_state(model)

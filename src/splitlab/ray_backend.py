@@ -84,6 +84,10 @@ class RoleHost:
         """None once the roles are built; else why they could not be, naming this node."""
         return self.failure
 
+    def set_noise_secret(self, secret: bytes) -> None:
+        """The driver's noise secret (splitlab.privacy.keys): it plays these parties too."""
+        self.blueprint.noise_secret = secret
+
     def peak_memory_mib(self) -> float:
         """This actor's peak resident set size (benchmarks/ray_clients.py)."""
         return peak_memory_mib()
@@ -229,6 +233,12 @@ class RayTransport(SerializedTransport):
             return result
         with self._lock:
             return super().call(method, spec, counted, *args, **kwargs)
+
+
+def install_noise_secret(transport: RayTransport, secret: bytes) -> None:
+    """Every actor's roles get the run's noise secret."""
+    ray = cluster.connect("auto")
+    ray.get([host.set_noise_secret.remote(secret) for host in transport.hosts])
 
 
 def start_roles(

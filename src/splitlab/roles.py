@@ -42,14 +42,13 @@ from splitlab.models import (
     shared_state,
     split,
 )
-from splitlab.privacy import defenses
-from splitlab.privacy.defenses import Defense, decode, parse_defense
+from splitlab.privacy import defenses, keys
+from splitlab.privacy.defenses import Defense, decode
 from splitlab.privacy.record import Recorder
 from splitlab.streams import register_stream
 from splitlab.transport import KEYED, verb
 
 STREAM_BATCHES = register_stream("batches", 1)
-STREAM_NOISE = register_stream("privacy.noise", 6)
 
 State = dict[str, Any]
 ParamsT = TypeVar("ParamsT", bound=BaseModel)
@@ -82,13 +81,18 @@ class Blueprint:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     #: `record=`: where clients note what crosses the cut (one process only); None when not recording
     recorder: Recorder | None = None
+    #: this process's parties' noise secret (splitlab.privacy.keys); set by whoever builds the roles
+    noise_secret: bytes | None = None
     _initial: dict[str, nn.Module] = field(default_factory=dict)
     _pools: dict[str, list[nn.Module]] = field(default_factory=dict)
 
     @functools.cached_property
     def defense(self) -> Defense:
-        """The `defense=` every client applies at the cut (and both sides' wire compression)."""
-        return parse_defense(self.config.defense)
+        """The `defense=` every client applies at the cut (and both sides' wire compression),
+        `dp:epsilon=E` calibrated to its noise."""
+        from splitlab.privacy.accounting import run_defense
+
+        return run_defense(self.config)
 
     def new_model(self) -> StagedModel:
         """The initial global model: every call returns the same weights (seeded by `seed`), and
@@ -412,11 +416,13 @@ class ClientNode(Role[ParamsT]):
         return defended, {"smashed": wire, "labels": y}
 
     def _noise_generator(self, device: torch.device) -> torch.Generator | None:
-        """The release's own noise stream, keyed by (seed, round, client, release): resumable."""
+        """The release's own noise stream, keyed by this client's secret, the round and the
+        release (splitlab.privacy.keys): unpredictable to the server, and resumable."""
         if self.blueprint.defense.noise == 0:
             return None
-        seed = self.blueprint.rng(self.round, STREAM_NOISE, self.id, self._releases).integers(2**63)
-        return torch.Generator(device).manual_seed(int(seed))
+        return keys.generator(
+            self.blueprint.noise_secret, f"client {self.id}", self.round, self._releases, device=device
+        )
 
     def receive(self, step: int, cut_grad: Any) -> torch.Tensor:
         """The cut gradient of `step` from its wire form."""
@@ -492,7 +498,18 @@ class TrainingServer(Role[ParamsT]):
         configured) and the loss."""
         smashed = decode(smashed).requires_grad_()
         reply = self.learn(smashed, labels, slot)
-        return {"cut_grad": self.blueprint.defense.send_gradient(cast(torch.Tensor, smashed.grad)), **reply}
+        return {"cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad)), **reply}
+
+    def send_gradient(self, grad: torch.Tensor) -> Any:
+        """A cut gradient as sent down: `gradnoise` from a stream keyed by the server's secret and
+        the gradient itself (splitlab.privacy.keys), then compressed as configured."""
+        defense = self.blueprint.defense
+        generator = None
+        if defense.gradnoise > 0:
+            generator = keys.generator(
+                self.blueprint.noise_secret, "server", keys.content_counter(grad), device=grad.device
+            )
+        return defense.send_gradient(grad, generator)
 
     @verb()
     def learn(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from splitlab.cli import main
-from splitlab.privacy.advise import AdviseSettings, cut_costs
+from splitlab.privacy.advise import AdviseSettings, cut_costs, pareto_front, recommend
 
 
 def test_costs_per_cut_are_the_hand_computed_ones():
@@ -27,3 +27,35 @@ def test_advise_writes_a_table_a_json_and_a_plot(tmp_path, capsys):
     assert (out / "advise.md").read_text().count("\n| ") == 3 and (out / "advise.png").is_file()
     assert "| 2 | 53,200 |" in capsys.readouterr().out
     assert main(["advise", "model=nope", f"out={tmp_path / 'x'}"]) == 2
+
+
+def test_advise_on_digits_with_default_sizes_says_what_it_used(tmp_path):
+    """digits has 1,437 training and 360 test samples: the default sizes (2000, 1500, aux 1000,
+    targets 300) become what fits, and the table says so."""
+    out = tmp_path / "advise"
+    assert main(["advise", "dataset=digits", "rounds=1", "clients=2", "epochs=1", f"out={out}"]) == 0
+    result = json.loads((out / "advise.json").read_text())
+    assert result["sizes"] == {"train_subset": 1437, "test_subset": 360, "targets": 180, "aux": 180}
+    table = (out / "advise.md").read_text()
+    assert "train_subset=1437, test_subset=360" in table and "aux=180 samples, targets=180" in table
+    assert "floor SSIM" in table and "Pareto front" in table and f"pick cut {result['pick']}" in table
+    assert all(row["ssim"] >= row["floor_ssim"] for row in result["rows"])
+
+
+def test_advise_refuses_before_training(tmp_path, capsys):
+    for bad in (["algorithm=fedavg"], ["dataset=digits", "aux=300", "targets=100"], ["max_ssim=2"]):
+        assert main(["advise", *bad, f"out={tmp_path / 'x'}"]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not (tmp_path / "x").exists()
+
+
+def row(cut, accuracy, ssim, auc, up):
+    return {"cut": cut, "accuracy": accuracy, "ssim": ssim, "norm_auc": auc, "direction_auc": auc, "up_bytes": up}
+
+
+def test_the_pick_is_the_most_accurate_front_cut_within_the_budgets():
+    rows = [row(1, 0.9, 0.8, 0.9, 100), row(2, 0.8, 0.5, 0.8, 50), row(3, 0.7, 0.6, 0.95, 200)]
+    assert pareto_front(rows) == [1, 2]  # cut 3 is worse than cut 2 on everything
+    assert recommend(AdviseSettings(), rows) == {"pareto_front": [1, 2], "pick": 1}
+    assert recommend(AdviseSettings(max_ssim=0.6), rows)["pick"] == 2
+    assert recommend(AdviseSettings(max_ssim=0.6, max_auc=0.7), rows)["pick"] is None

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from helpers import global_weights, personal_weights, quick, straight_and_resumed, train
-from splitlab.algorithms import algorithm_names
+from splitlab.algorithms import algorithm_names, get_algorithm
 from splitlab.cli import main
+from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.privacy.defenses import (
     FP16_ABSOLUTE_ERROR,
@@ -29,9 +30,9 @@ def test_zero_noise_without_clipping_is_bit_identical_to_no_defense():
     assert plain.ledger.state_dict() == noised.ledger.state_dict()
 
 
-def test_noise_is_seeded_and_changes_training():
-    first = global_weights(train(1, **quick(algorithm="sfl_v2", defense="clip:1+noise:0.5")))
-    again = global_weights(train(1, **quick(algorithm="sfl_v2", defense="clip:1+noise:0.5")))
+def test_noise_with_a_fixed_key_repeats_and_changes_training():
+    first = global_weights(train(1, **quick(algorithm="sfl_v2", defense="clip:1+noise:0.5", noise_key="k")))
+    again = global_weights(train(1, **quick(algorithm="sfl_v2", defense="clip:1+noise:0.5", noise_key="k")))
     plain = global_weights(train(1, **quick(algorithm="sfl_v2")))
     assert all(torch.equal(first[k], again[k]) for k in first)
     assert not all(torch.equal(first[k], plain[k]) for k in first)
@@ -39,11 +40,10 @@ def test_noise_is_seeded_and_changes_training():
 
 @pytest.mark.parametrize("algorithm", ["sfl_v2", "cycle_sfl"])
 def test_defended_runs_are_bit_identical_through_either_transport(algorithm):
-    """gradnoise draws from torch's random state, which the engine seeds every round: seeded here."""
-    config = quick(algorithm=algorithm, defense="clip:5+noise:0.3+gradnoise:0.5+topk:0.5+quantize:int8")
-    torch.manual_seed(0)
+    config = quick(
+        algorithm=algorithm, defense="clip:5+noise:0.3+gradnoise:0.5+topk:0.5+quantize:int8", noise_key="fixed"
+    )
     direct = train(2, **config)
-    torch.manual_seed(0)
     serialized = train(2, transport="serialized", **config)
     a, b = global_weights(direct), global_weights(serialized)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -117,7 +117,10 @@ def test_malformed_cut_layer_messages_are_refused(message):
         decode(message)
 
 
-@pytest.mark.parametrize("algorithm", algorithm_names())
+SPLIT_ALGORITHMS = [name for name in algorithm_names() if "server_model" in get_algorithm(name).models]
+
+
+@pytest.mark.parametrize("algorithm", SPLIT_ALGORITHMS)
 def test_every_algorithm_trains_with_every_defense_through_bytes(algorithm):
     """Compressed messages survive the serialized transport, and every algorithm that sends smashed
     data applies the defenses; personal and global models come out finite."""
@@ -159,6 +162,33 @@ def test_nopeek_joins_the_client_objective():
 
 
 def test_a_defended_run_resumes_bit_for_bit():
-    straight, resumed = straight_and_resumed(3, **quick(algorithm="sfl_v2", defense="clip:5+noise:0.3+gradnoise:0.5"))
+    config = quick(algorithm="sfl_v2", defense="clip:5+noise:0.3+gradnoise:0.5", noise_key="fixed")
+    straight, resumed = straight_and_resumed(3, **config)
     a, b = global_weights(straight), global_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("algorithm", sorted(set(algorithm_names()) - set(SPLIT_ALGORITHMS)))
+@pytest.mark.parametrize("setting", ["defense=clip:1+noise:1", "record=10"])
+def test_privacy_settings_where_nothing_is_split_are_refused_in_one_line(tmp_path, capsys, algorithm, setting):
+    assert main(["run", f"algorithm={algorithm}", setting, f"out={tmp_path / 'r'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"does not apply to {algorithm}: nothing crosses a cut" in err
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_noise_key_without_noise_is_refused():
+    with pytest.raises(UserError, match="noise_key= applies to a defense with noise"):
+        train(1, **quick(algorithm="sfl_v2", defense="clip:1", noise_key="k"))
+
+
+def test_defended_runs_report_accuracy_as_deployed_beside_the_undefended_path(tmp_path):
+    strong = run(quick(algorithm="sfl_v2", defense="clip:0.1+noise:20", out=str(tmp_path / "a")), progress=False)
+    assert strong["final_accuracy_deployed"] < strong["final_accuracy"]  # noise 20x the clip norm drowns the signal
+    assert "as deployed" in strong["accuracy_paths"]
+    loose = run(quick(algorithm="sfl_v2", defense="clip:1000000", out=str(tmp_path / "b")), progress=False)
+    assert loose["final_accuracy_deployed"] == loose["final_accuracy"]  # a clip that never bites changes nothing
+    rows = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    assert all('"test_accuracy_deployed"' in row for row in rows)
+    plain = run(quick(algorithm="sfl_v2", defense="nopeek:1", out=str(tmp_path / "c")), progress=False)
+    assert "final_accuracy_deployed" not in plain

@@ -66,7 +66,7 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
         with self.blueprint.timed("server"):
             grads = [self.frozen_cut_grad(z, y) for z, y in zip(features, labels)]
         cut_grads = average_cut_grads(grads, sizes, set(averaged))
-        return {"cut_grads": [self.blueprint.defense.send_gradient(g) for g in cut_grads], "losses": losses}
+        return {"cut_grads": [self.send_gradient(g) for g in cut_grads], "losses": losses}
 
     def train_pooled(
         self, rnd: int, features: list[torch.Tensor], labels: list[torch.Tensor], sizes: list[int], first_client: int

@@ -28,6 +28,7 @@ from splitlab.errors import UserError
 from splitlab.net import protocol
 from splitlab.net.certs import client_name, read_pair
 from splitlab.net.checks import Refused, check_finite, data_report
+from splitlab.privacy import keys
 from splitlab.roles import ClientNode
 
 MIB = 1 << 20
@@ -153,7 +154,13 @@ def _build_node(settings: ClientSettings, config: dict[str, Any]) -> ClientNode:
         "data": settings.data,
         **({"data_dir": settings.data_dir} if settings.data_dir else {}),
     }
-    return client_node({**config, **own}, settings.client_id)
+    node = client_node({**config, **own}, settings.client_id)
+    if node.blueprint.defense.random:  # its own noise key, which the server never gets (splitlab.privacy.keys)
+        noise_key = config.get("noise_key")
+        _, _, private_key = read_pair(settings.certs, client_name(settings.client_id))
+        secret = keys.from_setting(noise_key) if noise_key is not None else keys.from_private_key(private_key, config)
+        node.blueprint.noise_secret = secret
+    return node
 
 
 def _answer(node: ClientNode, message: Any, run_id: str) -> Any:

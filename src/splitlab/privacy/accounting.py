@@ -1,27 +1,47 @@
 """The differential privacy that clipping + Gaussian noise at the cut gives, and nothing more.
 
-With `defense=clip:C+noise:S`, each release of a sample's smashed data is clipped to L2 norm C
-and gets N(0, (S C)^2) noise per coordinate: a Gaussian mechanism on that sample's activations.
-Two different inputs of one sample give activations at most 2C apart, so one release is the
-Gaussian mechanism with noise multiplier S / 2 for replacing that sample's input. A sample is
-released at most once per local epoch per round, so at most `rounds * local_epochs` times; those
-releases are composed with the RDP accountant of Google's `dp-accounting` library, with no
-amplification by sampling claimed (a conservative bound).
+Adjacency and sensitivity: two datasets are neighbours when one sample's input is replaced
+(replace-one, per sample). With `defense=clip:C+noise:S`, each release of a sample's smashed data
+is clipped to L2 norm C and gets N(0, (S C)^2) noise per coordinate; two inputs of one sample give
+activations at most 2C apart (L2 sensitivity 2C), so one release is the Gaussian mechanism with
+noise multiplier sigma / sensitivity = S / 2, i.e. mu-GDP with mu = 2 / S. A sample leaves its
+client at most once per local epoch per round (`rounds * local_epochs` releases; batches are
+shuffled passes, not Poisson samples, so no amplification by sampling is claimed). The releases
+are composed with the privacy-loss-distribution (PLD) accountant of Google's `dp-accounting`
+library, which is tight for composed Gaussian mechanisms (the RDP bound is 5-8% looser).
 
-It does NOT cover: the labels, which travel in the clear; the client part's weights, uploaded for
-averaging and trained on the same samples; the cut gradients' effect on what the client part
-becomes; anything about a client's dataset as a whole (it is per sample); nor any defense other
-than clip + noise (NoPeek, quantization and top-k give no formal guarantee).
+`dp:epsilon=E,delta=D` calibrates S: the smallest noise multiplier whose composed releases are
+(E, D)-DP under this accounting.
+
+It covers each sample's smashed data as released, against anyone who receives it (the training
+server, an observer of the uplink). It does NOT cover: the labels, which travel in the clear; the
+client part's weights, uploaded for averaging and trained on the same samples; what the cut
+gradients make of the client part, and so the later activations of other samples computed by it;
+anything about a client's dataset as a whole (it is per sample); evaluation traffic; nor any
+defense other than clip + noise (gradnoise, NoPeek, quantization and top-k give no formal bound).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
 from typing import Any
 
 from splitlab.config import RunConfig
-from splitlab.privacy.defenses import parse_defense
+from splitlab.privacy.defenses import Defense, parse_defense
 
 DELTA = 1e-5
+COVERS = (
+    "each sample's smashed data as released at the cut (replace-one adjacency, L2 sensitivity 2C), "
+    "against the training server and anyone else who receives it"
+)
+NOT_COVERED = (
+    "the labels (sent in the clear); the client part's weights (uploaded for averaging); what the cut "
+    "gradients make of the client part, and so other samples' later activations; client-level privacy; "
+    "evaluation traffic"
+)
+SAMPLING = "shuffled passes over each client's data: no amplification by sampling claimed"
 
 
 def releases(config: RunConfig) -> int:
@@ -29,34 +49,80 @@ def releases(config: RunConfig) -> int:
     return config.rounds * config.local_epochs
 
 
-def epsilon(noise_multiplier: float, count: int, delta: float = DELTA) -> float:
-    """Epsilon at `delta` of `count` composed Gaussian mechanisms with this noise multiplier (RDP)."""
-    import dp_accounting
-    from dp_accounting import rdp
+def _fresh_accountant() -> Any:
+    from dp_accounting.pld import pld_privacy_accountant
 
-    accountant = rdp.RdpAccountant()
+    return pld_privacy_accountant.PLDAccountant()
+
+
+def _accountant(noise_multiplier: float, count: int) -> Any:
+    import dp_accounting
+
+    accountant = _fresh_accountant()
     accountant.compose(dp_accounting.GaussianDpEvent(noise_multiplier), count)
-    return float(accountant.get_epsilon(delta))
+    return accountant
+
+
+def epsilon(noise_multiplier: float, count: int, delta: float = DELTA) -> float:
+    """Epsilon at `delta` of `count` composed Gaussian mechanisms with this noise multiplier (PLD)."""
+    return float(_accountant(noise_multiplier, count).get_epsilon(delta))
+
+
+def gaussian_dp_delta(mu: float, eps: float) -> float:
+    """The exact delta(eps) of mu-GDP (Dong, Roth and Su 2019, Corollary 2.13); `count` composed
+    Gaussian mechanisms with noise multiplier m are exactly mu-GDP with mu = sqrt(count) / m."""
+    from scipy.stats import norm
+
+    return float(norm.cdf(-eps / mu + mu / 2) - math.exp(eps) * norm.cdf(-eps / mu - mu / 2))
+
+
+@functools.lru_cache
+def calibrated_multiplier(target_epsilon: float, delta: float, count: int) -> float:
+    """The noise multiplier whose `count` releases are exactly (target_epsilon, delta)-DP (solved
+    on the closed form of Gaussian DP, which the PLD accountant matches to its discretisation)."""
+    from scipy.optimize import brentq
+
+    mu = brentq(lambda mu: gaussian_dp_delta(mu, target_epsilon) - delta, 1e-6, 1e3, xtol=1e-12)
+    return math.sqrt(count) / mu
+
+
+def run_defense(config: RunConfig) -> Defense:
+    """The run's defense as applied: `dp:epsilon=E` becomes the calibrated `noise:S` (S = 2 x multiplier)."""
+    defense = parse_defense(config.defense)
+    if defense.dp is None:
+        return defense
+    target_epsilon, delta = defense.dp
+    return dataclasses.replace(defense, noise=2 * calibrated_multiplier(target_epsilon, delta, releases(config)))
 
 
 def privacy_summary(config: RunConfig) -> dict[str, Any]:
     """The summary's `privacy` entry for a run with a defense: (epsilon, delta) where clip + noise
-    apply, else a note that no guarantee does."""
-    defense = parse_defense(config.defense)
+    apply, else a note that no guarantee does; and whose secret the noise is."""
     if config.defense == "none":
         return {}
+    defense = run_defense(config)
+    key = (
+        "noise_key= was set: the guarantee assumes that key stays secret from the server"
+        if config.noise_key is not None
+        else "each party's noise key is its own (OS secure generator), never sent or written where the server reads"
+    )
     if defense.clip is None or defense.noise == 0:
-        return {"privacy": {"epsilon": None, "why": "no clip + noise defense: no differential privacy guarantee"}}
+        why = "no clip + noise defense: no differential privacy guarantee"
+        return {"privacy": {"epsilon": None, "why": why, **({"noise_key": key} if defense.random else {})}}
     count = releases(config)
     multiplier = defense.noise / 2  # sensitivity 2C under replacement of one sample's input, noise std S * C
+    delta = defense.dp[1] if defense.dp is not None else DELTA
     return {
         "privacy": {
-            "epsilon": epsilon(multiplier, count),
-            "delta": DELTA,
+            "epsilon": epsilon(multiplier, count, delta),
+            "delta": delta,
             "noise_multiplier": multiplier,
+            "noise": defense.noise,
             "releases_per_sample": count,
-            "covers": "each sample's smashed data, against anyone who sees it (replace-one, per sample)",
-            "not_covered": "labels, the client part's uploaded weights, cut gradients, client-level privacy",
-            "accountant": "RDP, dp-accounting",
+            "covers": COVERS,
+            "not_covered": NOT_COVERED,
+            "sampling": SAMPLING,
+            "noise_key": key,
+            "accountant": "PLD, dp-accounting",
         }
     }

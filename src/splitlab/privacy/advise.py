@@ -21,6 +21,9 @@ from splitlab.errors import UserError
 from splitlab.io import write_json, write_png, write_text
 from splitlab.models import build_model, output_shape, split
 
+#: the probe's sizes when not given: these, or the whole split where it is smaller (the table says which)
+DEFAULT_TRAIN, DEFAULT_TEST, DEFAULT_AUX, DEFAULT_TARGETS = 2000, 1500, 1000, 300
+
 
 class AdviseSettings(BaseModel):
     """The `splitlab advise` keys: the probe runs' settings, then the latency model's."""
@@ -33,15 +36,21 @@ class AdviseSettings(BaseModel):
     defense: str = "none"
     clients: int = Field(4, ge=1)
     rounds: int = Field(2, ge=1)
-    train_subset: int | None = Field(2000, ge=1)
-    test_subset: int | None = Field(1500, ge=1)
+    train_subset: int | None = Field(None, ge=1, description="probe's training samples (default: 2000 or all)")
+    test_subset: int | None = Field(None, ge=1, description="probe's test samples (default: 1500 or all)")
     batch_size: int = Field(64, ge=1)
     lr: float = Field(1e-3, gt=0)
     seed: int = Field(0, ge=0)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
-    aux: int = Field(1000, ge=10, description="the attacker's auxiliary samples (test split)")
-    targets: int = Field(300, ge=10, description="held-out samples attacked")
+    aux: int | None = Field(None, ge=10, description="the attacker's auxiliary samples (default: 1000 or what fits)")
+    targets: int | None = Field(None, ge=10, description="held-out samples attacked (default: 300 or what fits)")
     epochs: int = Field(20, ge=1, description="decoder training epochs")
+    max_ssim: float | None = Field(
+        None, ge=0, le=1, description="budget: pick only cuts whose inversion SSIM is <= this"
+    )
+    max_auc: float | None = Field(
+        None, ge=0, le=1, description="budget: pick only cuts whose label-leak AUCs are <= this"
+    )
     client_power: float = Field(20, gt=0, description="P_C (SplitGP's latency model)")
     server_power: float = Field(100, gt=0, description="P_S")
     rate: float = Field(1, gt=0, description="R, uplink rate")
@@ -103,21 +112,40 @@ def cut_costs(settings: AdviseSettings, input_shape: tuple[int, ...], num_classe
 
 
 def advise(raw: dict) -> dict[str, Any]:
-    """Probe every cut; write OUT/advise.md, advise.json, advise.png; return the rows."""
+    """Probe every cut; write OUT/advise.md, advise.json, advise.png; return the rows. Every setting
+    is checked, and the sizes fixed, before the first probe trains."""
+    from splitlab.algorithms import get_algorithm
+    from splitlab.config import resolve_config
     from splitlab.data import load_dataset
     from splitlab.engine import run
-    from splitlab.privacy.audit import attack_run
+    from splitlab.privacy.audit import attack_run, attack_sizes
     from splitlab.splitgp import parse_settings
 
     settings = parse_settings(AdviseSettings, raw)
+    algorithm = get_algorithm(settings.algorithm)
+    if "server_model" not in algorithm.models or algorithm.personal_models:
+        raise UserError(
+            f"advise compares the cuts of one global split model; algorithm={settings.algorithm} has none "
+            f"(use e.g. sfl_v2, sfl_v1 or sl)"
+        )
     out = Path(settings.out or f"runs/advise_{settings.dataset}_{settings.model}")
     data = load_dataset(settings.dataset, settings.data_dir, settings.seed)
+    sizes = {
+        "train_subset": settings.train_subset or min(DEFAULT_TRAIN, len(data.train_y)),
+        "test_subset": settings.test_subset or min(DEFAULT_TEST, len(data.test_y)),
+    }
+    targets, aux = attack_sizes(
+        sizes["test_subset"], settings.aux, settings.targets, held_out=True, defaults=(DEFAULT_AUX, DEFAULT_TARGETS)
+    )
+    sizes.update(targets=targets, aux=aux)
     rows = cut_costs(settings, data.input_shape, data.num_classes)
     probe = settings.model_dump(
-        include={"dataset", "data_dir", "model", "algorithm", "defense", "clients", "rounds", "train_subset"}
-        | {"test_subset", "batch_size", "lr", "seed", "device"}
-    )
-    attack = {"aux": settings.aux, "targets": settings.targets, "epochs": settings.epochs, "seed": settings.seed}
+        include={"dataset", "data_dir", "model", "algorithm", "defense", "clients", "rounds"}
+        | {"batch_size", "lr", "seed", "device"}
+    ) | {"train_subset": sizes["train_subset"], "test_subset": sizes["test_subset"]}
+    for row in rows:
+        resolve_config({**probe, "cut": row["cut"]})  # every probe's settings valid before any trains
+    attack = {"aux": aux, "targets": targets, "epochs": settings.epochs, "seed": settings.seed}
     for row in rows:
         run_dir = out / f"cut{row['cut']}"
         summary = run({**probe, "cut": row["cut"], "out": str(run_dir), "overwrite": True}, progress=False)
@@ -125,17 +153,46 @@ def advise(raw: dict) -> dict[str, Any]:
         leak = attack_run(run_dir, {**attack, "attack": "label_leak", "device": settings.device})
         row.update(
             accuracy=summary["final_accuracy"],
+            epsilon=summary.get("privacy", {}).get("epsilon"),
             ssim=inversion["ssim"],
+            floor_ssim=inversion["baseline"]["ssim"],
             psnr=inversion["psnr"],
             direction_auc=leak["direction_auc"],
             norm_auc=leak["norm_auc"],
         )
-    result = {"settings": settings.model_dump(), "rows": rows}
-    table = markdown(settings, rows)
+    result = {"settings": settings.model_dump(), "sizes": sizes, "rows": rows, **recommend(settings, rows)}
+    table = markdown(settings, sizes, rows, result)
     write_json(out / "advise.json", result)
     write_text(out / "advise.md", table)
     _plot(out / "advise.png", settings, rows)
     return {**result, "out": str(out), "markdown": table}
+
+
+def pareto_front(rows: list[dict[str, Any]]) -> list[int]:
+    """Cuts no other cut beats on all of accuracy (higher), inversion SSIM, label-leak AUC and bytes up (lower)."""
+
+    def costs(row: dict[str, Any]) -> tuple[float, ...]:
+        return (-row["accuracy"], row["ssim"], max(row["norm_auc"], row["direction_auc"]), row["up_bytes"])
+
+    def dominates(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+        return all(x <= y for x, y in zip(a, b)) and a != b
+
+    return [row["cut"] for row in rows if not any(dominates(costs(other), costs(row)) for other in rows)]
+
+
+def recommend(settings: AdviseSettings, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The Pareto front and the pick: among the front's cuts within the `max_ssim` / `max_auc`
+    budgets, the most accurate (then the least leaking); None if no cut meets the budgets."""
+    front = pareto_front(rows)
+    within = [
+        row
+        for row in rows
+        if row["cut"] in front
+        and (settings.max_ssim is None or row["ssim"] <= settings.max_ssim)
+        and (settings.max_auc is None or max(row["norm_auc"], row["direction_auc"]) <= settings.max_auc)
+    ]
+    best = max(within, key=lambda row: (row["accuracy"], -row["ssim"]), default=None)
+    return {"pareto_front": front, "pick": None if best is None else best["cut"]}
 
 
 COLUMNS = (
@@ -145,7 +202,9 @@ COLUMNS = (
     ("up_bytes", "bytes up/sample", "{:,.0f}"),
     ("down_bytes", "bytes down/sample", "{:,.0f}"),
     ("splitgp_latency", "SplitGP latency/sample", "{:,.4g}"),
+    ("epsilon", "probe epsilon", "{}"),
     ("ssim", "inversion SSIM", "{:.3f}"),
+    ("floor_ssim", "floor SSIM (mean image)", "{:.3f}"),
     ("psnr", "inversion PSNR (dB)", "{:.2f}"),
     ("direction_auc", "label leak AUC (direction)", "{:.3f}"),
     ("norm_auc", "label leak AUC (norm)", "{:.3f}"),
@@ -153,18 +212,40 @@ COLUMNS = (
 )
 
 
-def markdown(settings: AdviseSettings, rows: list[dict[str, Any]]) -> str:
+def markdown(
+    settings: AdviseSettings, sizes: dict[str, int], rows: list[dict[str, Any]], advice: dict[str, Any]
+) -> str:
     head = (
         f"# Cuts of {settings.model} on {settings.dataset}\n\n"
         f"Probe: {settings.algorithm}, {settings.rounds} rounds, {settings.clients} clients, "
-        f"train_subset={settings.train_subset}, defense={settings.defense}, seed={settings.seed}. "
+        f"train_subset={sizes['train_subset']}, test_subset={sizes['test_subset']}, defense={settings.defense}, "
+        f"seed={settings.seed}. Attacker: aux={sizes['aux']} samples, targets={sizes['targets']}, "
+        f"decoder epochs={settings.epochs}; SSIM is the better of the decoder and the floor. "
         f"Latency: SplitGP's model (Table I) with P_C={settings.client_power:g}, P_S={settings.server_power:g}, "
         f"R={settings.rate:g}, beta={settings.beta:g}. Attacks against the final model "
         f"(docs/privacy.md): lower SSIM/PSNR and AUC nearer 0.5 leak less.\n\n"
     )
     lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(fmt.format(row[key]) for key, _, fmt in COLUMNS) + " |" for row in rows]
-    return head + "\n".join(lines) + "\n"
+    lines += ["| " + " | ".join(_cell(fmt, row[key]) for key, _, fmt in COLUMNS) + " |" for row in rows]
+    budgets = ", ".join(
+        f"{name}={value:g}"
+        for name, value in (("max_ssim", settings.max_ssim), ("max_auc", settings.max_auc))
+        if value is not None
+    )
+    pick = advice["pick"]
+    verdict = (
+        f"pick cut {pick}" + (f" (the most accurate within {budgets})" if budgets else " (the most accurate)")
+        if pick is not None
+        else f"no cut on the front meets {budgets}: add a defense or relax the budgets"
+    )
+    tail = f"\n\nPareto front (accuracy, SSIM, label-leak AUC, bytes up): cuts {advice['pareto_front']}; {verdict}.\n"
+    return head + "\n".join(lines) + tail
+
+
+def _cell(fmt: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3g}" if fmt == "{}" and isinstance(value, float) else fmt.format(value)
 
 
 def _plot(file: Path, settings: AdviseSettings, rows: list[dict[str, Any]]) -> None:

@@ -39,8 +39,14 @@ class AttackSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     attack: Literal["inversion", "label_leak"]
     round: int | None = Field(None, ge=0, description="recorded round to attack (default: the last one recorded)")
-    aux: int = Field(2000, ge=10, description="auxiliary samples the server holds (from the test split)")
-    targets: int = Field(500, ge=10, description="held-out samples attacked when nothing was recorded")
+    aux: int | None = Field(
+        None, ge=10, description="auxiliary samples the server holds, from the test split (default: 2000 or what fits)"
+    )
+    targets: int | None = Field(
+        None,
+        ge=10,
+        description="held-out samples attacked when nothing was recorded (default: 500 or half the test split)",
+    )
     epochs: int = Field(30, ge=1, description="decoder training epochs (inversion)")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     seed: int = Field(0, ge=0)
@@ -67,8 +73,8 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     defense, data = experiment.blueprint.defense, experiment.data
     recorded = _recorded(path, settings.round)
     order = np.random.default_rng([settings.seed, len(data.test_y)]).permutation(len(data.test_y))
-    held_out = 0 if recorded else min(settings.targets, len(order) // 2)
-    aux_idx = torch.as_tensor(order[held_out : held_out + settings.aux], device=data.test_y.device)
+    held_out, aux = attack_sizes(len(order), settings.aux, settings.targets, held_out=recorded is None)
+    aux_idx = torch.as_tensor(order[held_out : held_out + aux], device=data.test_y.device)
     target_idx = torch.as_tensor(order[:held_out], device=data.test_y.device)
     x, y = data.test_x[target_idx], data.test_y[target_idx]
     source = f"recorded round {recorded[0]}" if recorded else f"{held_out} held-out test samples, final model"
@@ -104,6 +110,25 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     results = json.loads((path / RESULTS).read_text()) if (path / RESULTS).is_file() else {}
     write_json(path / RESULTS, {**results, settings.attack: {"settings": settings.model_dump(), **result}})
     return result
+
+
+def attack_sizes(
+    available: int, aux: int | None, targets: int | None, held_out: bool, defaults: tuple[int, int] = (2000, 500)
+) -> tuple[int, int]:
+    """(held-out targets, auxiliary samples) out of `available` test samples: the given sizes, or
+    refused if they do not fit (never shrunk silently); a size not given takes its default (aux,
+    targets) or, if that does not fit, what does (half the split for targets, the rest for aux)."""
+    if not held_out:  # the targets are the recorded samples
+        chosen_targets = 0
+    else:
+        chosen_targets = targets if targets is not None else min(defaults[1], available // 2)
+    chosen_aux = aux if aux is not None else min(defaults[0], available - chosen_targets)
+    if chosen_targets + chosen_aux > available or chosen_aux < 10:
+        raise UserError(
+            f"aux={chosen_aux} and targets={chosen_targets} need {chosen_targets + chosen_aux} test samples; "
+            f"the run's test split holds {available}: ask for fewer (aux + targets <= {available})"
+        )
+    return chosen_targets, chosen_aux
 
 
 def _recorded_rounds(path: Path) -> list[int]:

@@ -8,9 +8,14 @@ layer's tensors are compressed on the wire.
 - `noise:S`: Gaussian noise added to each released activation, standard deviation S * C with
   `clip:C`, S without clipping. With both, every release is a Gaussian mechanism (see
   splitlab.privacy.accounting);
+- `dp:epsilon=E` (optionally `,delta=D`, default 1e-5), with `clip:C`: the noise calibrated so
+  that the run's releases of each sample are (E, D)-DP (splitlab.privacy.accounting.calibrated);
 - `gradnoise:S`: isotropic Gaussian noise on each sample's cut gradient, added by the training
   server before the gradient goes down, with expected norm S times the batch's largest gradient
   norm (the "iso" protection of Li et al. 2022 against label inference from cut gradients);
+
+All noise is drawn from the applying party's own secret (splitlab.privacy.keys), never from the
+run's seed, which the other side knows.
 - `nopeek:A`: NoPeek (Vepakomma et al. 2020): A * distance correlation between the client's
   inputs and its smashed data is added to the client's objective;
 - `quantize:int8` (per-sample scale, symmetric) or `quantize:fp16`, and `topk:F` (each sample
@@ -27,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
 
 from splitlab.errors import UserError
 
@@ -35,6 +41,7 @@ ITEMS = {
     "clip": "clip:<max L2 norm > 0>",
     "noise": "noise:<sigma >= 0>",
     "gradnoise": "gradnoise:<scale >= 0>",
+    "dp": "dp:epsilon=<E > 0>[,delta=<D in (0, 1)>] (with clip:C, without noise:S)",
     "nopeek": "nopeek:<alpha >= 0>",
     "quantize": "quantize:int8|fp16",
     "topk": "topk:<fraction in (0, 1]>",
@@ -56,6 +63,13 @@ class Defense:
     nopeek: float = 0.0
     quantize: str | None = None
     topk: float | None = None
+    #: `dp:epsilon=E,delta=D`: the target the noise is calibrated to (splitlab.privacy.accounting)
+    dp: tuple[float, float] | None = None
+
+    @property
+    def random(self) -> bool:
+        """Whether a party draws noise (and so needs its noise key)."""
+        return self.noise > 0 or self.gradnoise > 0 or self.dp is not None
 
     @property
     def noise_std(self) -> float:
@@ -74,6 +88,15 @@ class Defense:
             smashed = smashed + self.noise_std * noise
         return smashed
 
+    @property
+    def changes_forward(self) -> bool:
+        """Whether the server's input differs from the client part's output (clip, noise, compression)."""
+        return self.clip is not None or self.noise > 0 or self.quantize is not None or self.topk is not None
+
+    def deployed(self, client: nn.Module, server: nn.Module, generator: torch.Generator) -> nn.Module:
+        """The split model as it runs in deployment: the defense applied at the cut (for accuracy as deployed)."""
+        return nn.Sequential(client, _AtTheCut(self, generator), server)
+
     def penalty(self, inputs: torch.Tensor, smashed: torch.Tensor) -> torch.Tensor | None:
         """NoPeek's term of the client's objective (None without NoPeek)."""
         if self.nopeek == 0:
@@ -81,12 +104,12 @@ class Defense:
         return self.nopeek * distance_correlation(inputs.flatten(1).float(), smashed.flatten(1))
 
     # --- at the training server, before a cut gradient goes down ---------------------------
-    def send_gradient(self, grad: torch.Tensor) -> torch.Tensor | dict[str, Any]:
-        """The cut gradient as sent: with `gradnoise`, noise from torch's random state (which the
-        engine seeds by round), then encoded."""
+    def send_gradient(self, grad: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor | dict[str, Any]:
+        """The cut gradient as sent: with `gradnoise`, noise from the server's `generator`, then encoded."""
         if self.gradnoise > 0:
             largest = grad.flatten(1).norm(dim=1).max()
-            grad = grad + torch.randn_like(grad) * (self.gradnoise * largest / math.sqrt(grad[0].numel()))
+            noise = torch.randn(grad.shape, generator=generator, device=grad.device, dtype=grad.dtype)
+            grad = grad + noise * (self.gradnoise * largest / math.sqrt(grad[0].numel()))
         return self.encode(grad)
 
     # --- on the wire, both directions ---------------------------------------------------------
@@ -112,6 +135,17 @@ class Defense:
             safe = scale.clamp_min(torch.finfo(torch.float32).tiny).view(-1, *([1] * (tensor.dim() - 1)))
             return {"int8": (tensor / safe).round().clamp(-127, 127).to(torch.int8), "scale": scale}
         return tensor
+
+
+class _AtTheCut(nn.Module):
+    """Clip, noise and wire compression between the client part and the server part."""
+
+    def __init__(self, defense: Defense, generator: torch.Generator) -> None:
+        super().__init__()
+        self.defense, self.generator = defense, generator
+
+    def forward(self, smashed: torch.Tensor) -> torch.Tensor:
+        return decode(self.defense.encode(self.defense.protect(smashed, self.generator)))
 
 
 def decode(message: Any) -> torch.Tensor:
@@ -178,8 +212,19 @@ def distance_correlation(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return (dcov2_xz.clamp_min(0) / (dcov2_xx * dcov2_zz).sqrt().clamp_min(1e-12)).clamp_min(1e-12).sqrt()
 
 
+def check_applies(config: Any, splits: bool) -> None:
+    """Refuse privacy settings that would claim what no mechanism gives: a defense or `record=`
+    where nothing crosses a cut, `noise_key=` where nothing is random."""
+    defense = parse_defense(config.defense)
+    if not splits and (config.defense != "none" or config.record):
+        key = f"defense={config.defense}" if config.defense != "none" else f"record={config.record}"
+        raise UserError(f"{key} does not apply to {config.algorithm}: nothing crosses a cut (use a split algorithm)")
+    if config.noise_key is not None and not defense.random:
+        raise UserError(f"noise_key= applies to a defense with noise (noise, dp, gradnoise), not {config.defense!r}")
+
+
 def parse_defense(value: str) -> Defense:
-    """`none` or `+`-joined items (clip:C, noise:S, nopeek:A, quantize:int8|fp16, topk:F)."""
+    """`none` or `+`-joined items (clip:C, noise:S, dp:epsilon=E, gradnoise:S, nopeek:A, quantize:int8|fp16, topk:F)."""
     if value == "none":
         return Defense()
     settings: dict[str, Any] = {}
@@ -190,10 +235,28 @@ def parse_defense(value: str) -> Defense:
             reason = "given twice" if name in settings else "unknown"
             raise UserError(f"invalid defense {value!r}: {reason} item {item!r}; expected {allowed}")
         settings[name] = _argument(name, arg, value)
+    if "dp" in settings and ("clip" not in settings or "noise" in settings):
+        raise UserError(f"invalid defense {value!r}: {ITEMS['dp']}")
     return Defense(**settings)
 
 
-def _argument(name: str, arg: str, value: str) -> float | str:
+def _dp_target(arg: str, value: str) -> tuple[float, float]:
+    """`epsilon=E[,delta=D]` -> (E, D)."""
+    from splitlab.privacy.accounting import DELTA
+
+    fields = dict(part.partition("=")[::2] for part in arg.split(","))
+    try:
+        target = float(fields.pop("epsilon")), float(fields.pop("delta", DELTA))
+    except (KeyError, ValueError):
+        target = (math.nan, math.nan)
+    if fields or not (0 < target[0] < math.inf and 0 < target[1] < 1):
+        raise UserError(f"invalid defense {value!r}: expected {ITEMS['dp']}")
+    return target
+
+
+def _argument(name: str, arg: str, value: str) -> float | str | tuple[float, float]:
+    if name == "dp":
+        return _dp_target(arg, value)
     if name == "quantize":
         if arg not in ("int8", "fp16"):
             raise UserError(f"invalid defense {value!r}: expected {ITEMS[name]}")
