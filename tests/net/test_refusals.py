@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import socket
 import threading
@@ -82,6 +83,19 @@ def checks() -> Checks:
 
 FORWARD = ClientNode.forward.__verb__
 UPLOAD = ClientNode.upload.__verb__
+LOCAL_STEP = ClientNode.local_step.__verb__
+STATE = ClientNode.state_dict.__verb__
+LABELS = torch.zeros(4, dtype=torch.int64)
+
+
+def _state(**optimizer: object) -> dict:
+    node = build(quick(clients=2, train_subset=100)).roles.clients[0]
+    node.begin_round(0)
+    node.forward(0)
+    node.backward(0, torch.zeros(1, 200))
+    state = node.state_dict()
+    state["optimizers"]["client_model"].update(optimizer)
+    return state
 
 
 @pytest.mark.parametrize(
@@ -94,17 +108,81 @@ UPLOAD = ClientNode.upload.__verb__
             {"smashed": torch.zeros(4, 200), "labels": torch.zeros(4)},
             "labels are torch.float32",
         ),
-        ("forward", FORWARD, (0,), {"smashed": torch.zeros(4, 200, dtype=torch.float64)}, "smashed is torch.float64"),
-        ("forward", FORWARD, (0,), {"smashed": torch.full((4, 200), float("nan"))}, "NaN or infinite"),
-        ("forward", FORWARD, (0,), {"smashed": torch.zeros(33, 200)}, "33 samples"),
+        (
+            "forward",
+            FORWARD,
+            (0,),
+            {"smashed": torch.zeros(4, 200, dtype=torch.float64), "labels": LABELS},
+            "smashed is torch.float64",
+        ),
+        (
+            "forward",
+            FORWARD,
+            (0,),
+            {"smashed": torch.full((4, 200), float("nan")), "labels": LABELS},
+            "NaN or infinite",
+        ),
+        ("forward", FORWARD, (0,), {"smashed": torch.zeros(33, 200), "labels": LABELS}, "33 samples"),
         ("forward", FORWARD, (0,), {"smashed": torch.zeros(2, 200), "labels": torch.tensor([0, 99])}, "labels outside"),
-        ("local_step", VerbSpec(up=KEYED), (), {"loss": torch.zeros(2)}, "expected a floating-point scalar"),
+        ("forward", FORWARD, (0,), {"smashed": torch.zeros(4, 200)}, "forward returns exactly ['labels', 'smashed']"),
+        ("forward", FORWARD, (0,), {}, "the result holds []"),
+        (
+            "forward",
+            FORWARD,
+            (0,),
+            {"smashed": torch.zeros(4, 200), "labels": LABELS, "x": torch.zeros(9)},
+            "holds ['labels', 'smashed', 'x']",
+        ),
+        (
+            "forward",
+            FORWARD,
+            (0,),
+            {
+                "smashed": {
+                    "values": torch.zeros(4, 1),
+                    "indices": torch.zeros(4, 1, dtype=torch.int32),
+                    "shape": torch.tensor([4, 1 << 30], dtype=torch.int32),
+                },
+                "labels": LABELS,
+            },
+            "smashed claims the shape [4, 1073741824]",
+        ),
+        (
+            "local_step",
+            LOCAL_STEP,
+            (),
+            {"loss": torch.zeros(2)},
+            "loss is torch.float32 (2,), expected a torch.float32 scalar",
+        ),
+        ("local_step", LOCAL_STEP, (), {}, "local_step returns exactly ['loss']"),
         ("upload", UPLOAD, ("client_model",), {"0.weight": torch.zeros(1)}, "client_model holds ['0.weight']"),
-        ("end_round", VerbSpec(), (), {"sneaked": torch.zeros(3)}, "returns no tensor"),
+        (
+            "end_round",
+            VerbSpec(),
+            (),
+            {"sneaked": torch.zeros(3)},
+            "end_round returns nothing, but the result is a dict",
+        ),
+        (
+            "state_dict",
+            STATE,
+            (),
+            _state(state={0: {"momentum_buffer": torch.zeros(3)}}),
+            "optimizer state for parameter 0 holds ['momentum_buffer']",
+        ),
+        (
+            "state_dict",
+            STATE,
+            (),
+            _state(state={1: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}}),
+            "optimizer state 1.exp_avg is torch.float32 (3,), expected torch.float32 (200,)",
+        ),
+        ("state_dict", STATE, (), _state(param_groups=[]), "optimizer has 0 param groups"),
+        ("snapshot", ClientNode.snapshot.__verb__, (7,), {}, "snapshot's result has no check"),
     ],
 )
 def test_checks_refuse_results_unlike_the_protocol(checks, verb, spec, args, result, message):
-    with pytest.raises(Refused, match=message.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(Refused, match=re.escape(message)):
         checks.result(verb, spec, args, result)
 
 

@@ -26,7 +26,7 @@ from torch import nn
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.models.aux import AuxKind, build_aux
 from splitlab.privacy import defenses
-from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, loss
+from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, loss, sent_if
 from splitlab.transport import KEYED, verb
 
 
@@ -78,7 +78,7 @@ class AuxiliaryFSL(Algorithm):
 
 
 class CSEFSLClient(ClientNode[CSEFSLParams]):
-    @verb(up=KEYED)
+    @verb(up=KEYED, keys=sent_if)
     def local_aux_step(self, send: bool) -> State:
         """One step of client part and auxiliary head on the local loss; the smashed data if `send`."""
         x, y = self.next_batch()
