@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import socket
 import threading
 
@@ -19,7 +19,7 @@ from splitlab.engine import build
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import Checks, Refused
 from splitlab.roles import ClientNode
-from splitlab.transport import KEYED, VerbSpec
+from splitlab.transport import VerbSpec
 
 
 def test_server_refuses_bad_peers_and_messages_and_goes_on(tmp_path, servers):

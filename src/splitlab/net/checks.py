@@ -7,8 +7,9 @@ its verb's keys; smashed data is a tensor of the client part's output dtype and 
 is expanded); labels are int64 of shape (B,) within [0, classes); a loss is a scalar of the
 model's dtype; a model (uploaded, relayed, snapshot or checkpointed) has exactly the slot's tensor
 names, shapes and dtypes, and an optimizer state fits its model; a verb that declares no kind
-returns nothing; a verb with no check here is refused. Every floating tensor must be finite. A client's REPORT of its data must fit the run (`Checks.report`). A failed check is a
-`Refused` with one line saying what was wrong.
+returns nothing; a verb with no check here is refused. Every floating tensor must be finite. A
+client's REPORT of its data must fit the run (`Checks.report`). A failed check is a `Refused`
+with one line saying what was wrong.
 """
 
 from __future__ import annotations
