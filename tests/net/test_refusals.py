@@ -34,6 +34,7 @@ def test_server_refuses_bad_peers_and_messages_and_goes_on(tmp_path, servers):
     refused = {
         "no client certificate": Rogue(server.address, credentials(certs, None), 0),
         "another CA": Rogue(server.address, credentials(certs, "client-0", own=tmp_path / "other"), 0),
+        "the server's certificate": Rogue(server.address, credentials(certs, "server"), 0),  # not for clients
         "wrong id": Rogue(server.address, credentials(certs, "client-1"), 0),
         "oversized": Rogue(server.address, credentials(certs, "client-0"), 0, hello_payload=bytes((1 << 20) + 1000)),
     }
@@ -41,13 +42,9 @@ def test_server_refuses_bad_peers_and_messages_and_goes_on(tmp_path, servers):
         error = rogue.first_reply()
         assert isinstance(error, grpc.RpcError), name
         rogue.close()
-    server.wait_for_log("Handshake failed", 3)
     # An authenticated client 0 that sends smashed data of the wrong shape.
     rogue = Rogue(server.address, credentials(certs, "client-0"), 0)
     assert rogue.first_reply().kind == 2  # WELCOME
-    duplicate = Rogue(server.address, credentials(certs, "client-0"), 0)
-    assert duplicate.first_reply().code() == grpc.StatusCode.PERMISSION_DENIED
-    duplicate.close()
     bad = codec.encode({"smashed": torch.zeros(32, 7), "labels": torch.zeros(32, dtype=torch.int64)})
     answering = threading.Thread(target=rogue.serve, args=(lambda verb: bad if verb == "forward" else NONE,))
     answering.start()
@@ -59,21 +56,28 @@ def test_server_refuses_bad_peers_and_messages_and_goes_on(tmp_path, servers):
     assert server.process.wait() == 0 and honest.wait() == 0 and late.wait() == 0
 
     lines = server.lines()
-    refusals = [line for line in lines if "refused" in line or "Handshake failed" in line]
+    refusals = [line for line in lines if "refused" in line]
     expected = [
-        "WRONG_VERSION_NUMBER",
-        "PEER_DID_NOT_RETURN_A_CERTIFICATE",
-        "certificate signature failure",  # the other CA did not sign it
         "client_id=0, but its certificate is 'client-1''s",
         "over max_message_mib=1",
-        "client 0 is already connected",
         "smashed is torch.float32 (32, 7), expected torch.float32 (B, ",
     ]
-    assert len(refusals) == len(expected), "\n".join(refusals)
+    assert len(refusals) == len(expected), "\n".join(refusals)  # TLS failures are gRPC's: not logged
     for text in expected:
         assert sum(text in line for line in refusals) == 1, text
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [row["dropped_clients"] for row in rows] == [[[1, 0]], []]
+    audit = [json.loads(line) for line in (tmp_path / "run" / "connections.jsonl").read_text().splitlines()]
+    events = [(row["event"], row["client"], row["verb"]) for row in audit]
+    assert events.count(("connect", 0, "")) == 2 and events.count(("connect", 1, "")) == 1
+    assert ("refusal", 0, "forward") in events  # its refusal is its drop
+    assert [row["reason"] for row in audit if row["event"] == "refusal" and row["verb"] == ""] == [
+        "a message of 1049584 bytes, over max_message_mib=1",
+        "client_id=0, but its certificate is 'client-1''s",
+    ]
+    client_0 = [row for row in audit if row["client"] == 0]
+    assert all(row["subject"] == "CN=client-0" and len(row["fingerprint"]) == 64 for row in client_0)
+    assert len({row["serial"] for row in client_0}) == 1
 
 
 @pytest.fixture(scope="module")
