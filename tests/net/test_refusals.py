@@ -75,7 +75,7 @@ def test_server_refuses_bad_peers_and_messages_and_goes_on(tmp_path, servers):
         "a message of 1049584 bytes, over max_message_mib=1",
         "client_id=0, but its certificate is 'client-1''s",
     ]
-    client_0 = [row for row in audit if row["client"] == 0]
+    client_0 = [row for row in audit if row["client"] == 0 and row["event"] == "connect"]
     assert all(row["subject"] == "CN=client-0" and len(row["fingerprint"]) == 64 for row in client_0)
     assert len({row["serial"] for row in client_0}) == 1
 
