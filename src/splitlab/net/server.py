@@ -53,6 +53,7 @@ from splitlab.rundir import check_out_dir
 from splitlab.transport import ClientDropped, Proxy, Transport, VerbSpec
 
 MIB = 1 << 20
+_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED  # a refusal for now: the client backs off and tries again
 
 
 class ServerSettings(BaseModel):
@@ -246,24 +247,28 @@ class Hub:
     # --- a client's stream ---------------------------------------------------------------------
     def _connect(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
         who = Identity.of(context.peer(), context.auth_context())
-        try:
-            self._open_stream(who)
-        except Refused as refusal:
-            self._refused(who, str(refusal))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(refusal))
+        for step, code in (self._identify, grpc.StatusCode.PERMISSION_DENIED), (self._open_stream, _BUSY):
+            try:
+                step(who)
+            except Refused as refusal:
+                self._refused(who, str(refusal))
+                context.abort(code, str(refusal))
         try:
             yield from self._stream(who, requests, context)
         finally:
             with self._changed:
                 self._streams[who.fingerprint] -= 1
 
-    def _open_stream(self, who: Identity) -> None:
-        """Count a new stream of `who`'s; Refused if its certificate is not a client's, is revoked,
-        or already holds `streams_per_client` streams (before any worker waits for its HELLO)."""
+    def _identify(self, who: Identity) -> None:
+        """Refused (for good) if the stream's certificate is not a client's, or is revoked."""
         if who.common_name is None or not re.fullmatch(r"client-\d+", who.common_name):
             raise Refused(f"its certificate is {who.common_name!r}'s, not a client's")
         if self.revocations.covers(who, None):
             raise Refused(f"the certificate of {who.common_name} (serial {who.serial}) is revoked")
+
+    def _open_stream(self, who: Identity) -> None:
+        """Count a new stream of `who`'s; Refused (for now) if its certificate already holds
+        `streams_per_client` streams: before any worker waits for its HELLO."""
         with self._changed:
             if self._streams.get(who.fingerprint, 0) >= self.settings.streams_per_client:
                 raise Refused(
@@ -272,12 +277,18 @@ class Hub:
             self._streams[who.fingerprint] = self._streams.get(who.fingerprint, 0) + 1
 
     def _stream(self, who: Identity, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        late = threading.Timer(self.settings.hello_timeout, context.cancel)  # no HELLO: the stream ends
+        timed_out = threading.Event()
+
+        def cancel() -> None:  # no HELLO in time: the stream ends, its worker is free
+            timed_out.set()
+            context.cancel()
+
+        late = threading.Timer(self.settings.hello_timeout, cancel)
         late.start()
         try:
             hello = next(requests)
         except Exception as error:  # the stream broke before HELLO (far too large, gone, or late)
-            why = "no HELLO within hello_timeout" if not late.is_alive() else _first_line(error)
+            why = "no HELLO within hello_timeout" if timed_out.is_set() else _first_line(error)
             self._refused(who, f"its stream broke before HELLO ({why})")
             return
         finally:
@@ -405,9 +416,11 @@ class Hub:
 
     # --- calls ---------------------------------------------------------------------------------
     def session(self, client_id: int) -> Session:
-        """The client's live session, waiting for it to connect (join_timeout the first time,
-        rejoin_wait after) and to report its data (call_timeout, as for an answer: it may be
+        """The client's live session, waiting for it to connect (until join_timeout after the
+        start, then rejoin_wait; a revoked client not at all) and to report its data (call_timeout, as for an answer: it may be
         building its node); ClientDropped if it does not."""
+        if client_id in self.revocations.clients:
+            raise ClientDropped(client_id, "revoked")
         wait = max(self.settings.rejoin_wait, self._join_deadline - time.monotonic())  # join_timeout for all
         with self._changed:
             self._changed.wait_for(lambda: self._live(client_id), timeout=wait)
