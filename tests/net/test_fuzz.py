@@ -4,6 +4,7 @@ the server can use, per verb and per algorithm family; never another exception."
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -53,10 +54,8 @@ def test_the_codec_decodes_or_refuses_any_bytes(data):
             )
         )
         buffer = _with_skeleton(skeleton)
-    try:
+    with contextlib.suppress(codec.MessageError):
         codec.decode(buffer)
-    except codec.MessageError:
-        pass
 
 
 def test_the_codec_refuses_what_json_would_take():

@@ -417,8 +417,8 @@ class Hub:
     # --- calls ---------------------------------------------------------------------------------
     def session(self, client_id: int) -> Session:
         """The client's live session, waiting for it to connect (until join_timeout after the
-        start, then rejoin_wait; a revoked client not at all) and to report its data (call_timeout, as for an answer: it may be
-        building its node); ClientDropped if it does not."""
+        start, then rejoin_wait; a revoked client not at all) and to report its data
+        (call_timeout, as for an answer: it may be building its node); ClientDropped if it does not."""
         if client_id in self.revocations.clients:
             raise ClientDropped(client_id, "revoked")
         wait = max(self.settings.rejoin_wait, self._join_deadline - time.monotonic())  # join_timeout for all
