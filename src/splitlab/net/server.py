@@ -66,7 +66,9 @@ class ServerSettings(BaseModel):
     min_clients: int = Field(1, ge=1, description="fewest clients that must finish a round, or the run stops")
     call_timeout: float = Field(120.0, gt=0, description="seconds a client has to answer one call")
     heartbeat: float = Field(2.0, gt=0, description="seconds between a client's heartbeats; 3 missed: dropped")
-    join_timeout: float = Field(300.0, gt=0, description="seconds from the start for every client's first connection")
+    join_timeout: float = Field(
+        300.0, gt=0, description="seconds from the start during which every client is waited for (also after it left)"
+    )
     rejoin_wait: float = Field(5.0, ge=0, description="seconds a round waits for a sampled client that is away")
     max_message_mib: int = Field(1024, ge=1, description="largest message accepted, in MiB")
     hello_timeout: float = Field(10.0, gt=0, description="seconds a new stream has to say HELLO")
