@@ -45,14 +45,17 @@ def _cmd_certs(args: argparse.Namespace) -> int:
     from splitlab.net.certs import make_certs
 
     keys = parse_overrides(args.overrides)
-    unknown = sorted(set(keys) - {"out", "clients", "hosts"})
+    unknown = sorted(set(keys) - {"out", "clients", "hosts", "overwrite"})
     if unknown:
-        raise UserError(f"unknown key {unknown[0]!r} for certs; allowed: clients, hosts, out")
+        raise UserError(f"unknown key {unknown[0]!r} for certs; allowed: clients, hosts, out, overwrite")
+    overwrite = keys.get("overwrite", False)
+    if not isinstance(overwrite, bool):
+        raise UserError(f"invalid value {overwrite!r} for overwrite: expected true or false")
     clients = keys.get("clients", 1)
     if isinstance(clients, bool) or not isinstance(clients, int):
         raise UserError(f"invalid value {clients!r} for clients: expected a whole number of clients")
     hosts = [h for h in str(keys.get("hosts") or "").split(",") if h]
-    written = make_certs(Path(str(keys.get("out", "certs"))), clients, hosts)
+    written = make_certs(Path(str(keys.get("out", "certs"))), clients, hosts, overwrite)
     console.print(f"written to {written[0].parent}: {', '.join(p.stem for p in written)} (.pem and .key)")
     return 0
 
@@ -336,9 +339,10 @@ def build_parser() -> argparse.ArgumentParser:
     client.set_defaults(handler=_cmd_client)
     certs = commands.add_parser(
         "certs",
-        help="a development CA, server and client certificates: out=DIR clients=K [hosts=a,b]",
+        help="a development CA, server and client certificates: out=DIR clients=K [hosts=a,b] [overwrite=true]",
         description="Keys: out (default certs), clients (default 1), hosts (names or addresses the "
-        "server certificate is also valid for, besides localhost and 127.0.0.1).",
+        "server certificate is also valid for, besides localhost and 127.0.0.1), overwrite (replace an "
+        "existing CA: every key it issued stops working).",
     )
     certs.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     certs.set_defaults(handler=_cmd_certs)

@@ -4,7 +4,9 @@ A message is a nest of dicts (str or int keys), lists, tuples, tensors, ints, fl
 strings and None: what role verbs exchange and what role states are made of (optimizer states
 included). `encode` stores every tensor under a running number in one safetensors buffer and the
 nest around them, with tensors replaced by their number, as strict JSON in the buffer's metadata.
-`decode` reverses it and refuses anything else: a truncated, empty or foreign buffer is a
+`decode` reverses it and refuses anything else: a truncated, empty or foreign buffer, a skeleton
+that is not strict JSON (NaN or Infinity literals, a key twice) or is larger or deeper than any
+message splitlab sends (MAX_SKELETON_BYTES, MAX_DEPTH: checked before it is parsed) is a
 `MessageError`, never an object built from attacker-chosen code.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 import torch
@@ -22,6 +25,10 @@ from safetensors.torch import save as save_tensors
 from splitlab.io import cpu_copy
 
 _SKELETON = "splitlab.skeleton"
+MAX_SKELETON_BYTES = 16 << 20
+"""The largest skeleton accepted (a role state of thousands of tensors is well under 1 MiB)."""
+MAX_DEPTH = 64
+"""The deepest nest accepted (a role state with its optimizers is about 8 deep)."""
 
 
 class MessageError(ValueError):
@@ -81,7 +88,7 @@ def decode(data: bytes, device: torch.device | str = "cpu") -> Any:
     """The message in `data`, its tensors on `device`; MessageError if `data` is not one."""
     try:
         tensors = load_tensors(data)
-        nest = json.loads(_metadata(data)[_SKELETON])
+        nest = strict_json(_metadata(data)[_SKELETON])
     except (SafetensorError, ValueError, KeyError, TypeError, OverflowError) as error:
         raise MessageError(f"not a splitlab message ({error})") from None
     used: set[str] = set()
@@ -111,6 +118,38 @@ def decode(data: bytes, device: torch.device | str = "cpu") -> Any:
     if used != set(tensors):
         raise MessageError("not a splitlab message (tensors outside its structure)")
     return message
+
+
+def strict_json(text: str) -> Any:
+    """`text` parsed as strict JSON: ValueError for NaN or Infinity literals, a key given twice, or
+    a text over MAX_SKELETON_BYTES or nested deeper than MAX_DEPTH (both checked first, so that
+    no nest is ever deep enough to exhaust the parser's recursion)."""
+    if len(text) > MAX_SKELETON_BYTES:
+        raise ValueError(f"a skeleton of {len(text)} characters, over {MAX_SKELETON_BYTES}")
+    if _depth(text) > MAX_DEPTH:
+        raise ValueError(f"a skeleton nested deeper than {MAX_DEPTH}")
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+
+
+def _depth(text: str) -> int:
+    """How deep the brackets of the JSON `text` nest (brackets inside strings do not count)."""
+    outside = re.sub(r'"(?:[^"\\]|\\.)*"', "", text)
+    depth = deepest = 0
+    for char in re.sub(r"[^\[\]{}]", "", outside):
+        depth += 1 if char in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result = dict(pairs)
+    if len(result) != len(pairs):
+        raise ValueError(f"a key given twice in {sorted(k for k, _ in pairs)}")
+    return result
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"the literal {name} (not JSON)")
 
 
 def _metadata(data: bytes) -> dict[str, str]:

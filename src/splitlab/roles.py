@@ -51,6 +51,15 @@ from splitlab.transport import KEYED, verb
 STREAM_BATCHES = register_stream("batches", 1)
 
 State = dict[str, Any]
+SENT = ("smashed", "labels")
+"""What a client's release of smashed data holds (`ClientNode.release`)."""
+
+
+def sent_if(send: bool) -> tuple[str, ...]:
+    """The keys of a local step's result that sends its smashed data only if asked (`send`)."""
+    return SENT if send else ()
+
+
 ParamsT = TypeVar("ParamsT", bound=BaseModel)
 
 
@@ -446,7 +455,7 @@ class ClientNode(Role[ParamsT]):
     def upload(self, slot: str) -> State:
         return shared_state(self.model(slot))
 
-    @verb(up=KEYED)
+    @verb(up=KEYED, keys=SENT)
     def forward(self, step: int) -> State:
         """Client part on the next batch; the activations wait (by step) for their gradient."""
         x, y = self.next_batch()
@@ -465,7 +474,7 @@ class ClientNode(Role[ParamsT]):
         with self.blueprint.timed("client"):
             self.step("client_model", lambda: defenses.backward((defended, grad), (penalty, None)))
 
-    @verb(up=KEYED)
+    @verb(up=KEYED, keys=("loss",))
     def local_step(self) -> State:
         """One ordinary step of the whole model in `client_model` on the next batch (FedAvg)."""
         x, y = self.next_batch()

@@ -50,13 +50,22 @@ class ClientDropped(RuntimeError):
 class VerbSpec:
     down: str | None = None
     up: str | None = None
+    #: a KEYED result's keys, exactly, or a function of the call's arguments that says them (what a
+    #: server checks a client's result against: splitlab.net.checks)
+    keys: tuple[str, ...] | Callable[..., tuple[str, ...]] = ()
+
+    def result_keys(self, args: tuple) -> tuple[str, ...]:
+        return self.keys(*args) if callable(self.keys) else self.keys
 
 
-def verb(down: str | None = None, up: str | None = None) -> Callable[[F], F]:
-    """Mark a role method as callable through a transport, with the ledger kinds of its tensors."""
+def verb(
+    down: str | None = None, up: str | None = None, keys: tuple[str, ...] | Callable[..., tuple[str, ...]] = ()
+) -> Callable[[F], F]:
+    """Mark a role method as callable through a transport, with the ledger kinds of its tensors
+    (and, for a KEYED result, its keys)."""
 
     def mark(method: F) -> F:
-        method.__verb__ = VerbSpec(down, up)  # type: ignore[attr-defined]
+        method.__verb__ = VerbSpec(down, up, keys)  # type: ignore[attr-defined]
         return method
 
     return mark

@@ -101,8 +101,8 @@ class Rogue:
             self.outgoing.put(protocol.envelope(protocol.REPORT, reply.run_id, payload=codec.encode(report)))
         return reply
 
-    def serve(self, answer: Callable[[str], bytes]) -> None:
-        """Answer calls until the server ends the stream."""
+    def serve(self, answer: Callable[[str], bytes], quiet: bool = True) -> None:
+        """Answer calls until the server ends the stream (with an error, raised unless `quiet`)."""
         try:
             for message in self.replies:
                 if message.kind == protocol.CALL:
@@ -111,7 +111,8 @@ class Rogue:
                     )
                     self.outgoing.put(reply)
         except grpc.RpcError:
-            pass
+            if not quiet:
+                raise
 
     def close(self) -> None:
         self.outgoing.put(None)

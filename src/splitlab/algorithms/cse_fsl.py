@@ -27,7 +27,7 @@ from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.errors import UserError
 from splitlab.models.aux import build_aux, parse_aux
 from splitlab.privacy import defenses
-from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, loss
+from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, loss, sent_if
 from splitlab.transport import KEYED, verb
 
 
@@ -92,7 +92,7 @@ class AuxiliaryFSL(Algorithm):
 
 
 class CSEFSLClient(ClientNode[CSEFSLParams]):
-    @verb(up=KEYED)
+    @verb(up=KEYED, keys=sent_if)
     def local_aux_step(self, send: bool) -> State:
         """One step of client part and auxiliary head on the local loss; the smashed data if `send`."""
         x, y = self.next_batch()

@@ -38,7 +38,7 @@ from splitlab.algorithms.cse_fsl import AuxiliaryFSL, CSEFSLParams
 from splitlab.models import load_shared, shared_state
 from splitlab.privacy import defenses
 from splitlab.privacy.defenses import decode
-from splitlab.roles import ClientNode, State, TrainingServer, loss
+from splitlab.roles import ClientNode, State, TrainingServer, loss, sent_if
 from splitlab.streams import register_stream
 from splitlab.transport import KEYED, verb
 
@@ -123,7 +123,7 @@ class SageClient(ClientNode[FSLSAGEParams]):
 
     keeps = frozenset({"aux_model"})
 
-    @verb(up=KEYED)
+    @verb(up=KEYED, keys=sent_if)
     def local_aux_step(self, send: bool) -> State:
         """A step on the aux model's estimate of the cut gradient; the smashed data if `send`."""
         x, y = self.next_batch()

@@ -37,6 +37,7 @@ from splitlab.metrics import logits_in_batches
 from splitlab.models import output_shape
 from splitlab.privacy import defenses
 from splitlab.roles import (
+    SENT,
     SPLIT_MODELS,
     Blueprint,
     ClientNode,
@@ -120,7 +121,7 @@ class SplitGPClient(ClientNode[SplitGPParams]):
         super().begin_round(rnd)
         self.optimizers.clear()  # a fresh optimizer every round
 
-    @verb(up=KEYED)
+    @verb(up=KEYED, keys=(*SENT, "loss"))
     def forward(self, step: int) -> State:
         """phi_k on the next batch, and the client-exit loss l_C of h_k (kept for `backward`)."""
         x, y = self.next_batch()
@@ -162,7 +163,7 @@ class SplitGPClient(ClientNode[SplitGPParams]):
         self._inferred = features, logits
         return logits
 
-    @verb(up=KEYED)
+    @verb(up=KEYED, keys=("smashed", "evaluation"))
     def route(self, n: int, threshold: float) -> State:
         """The entropy gate (eq. 11) on the first n samples of the last `infer`: the features of those
         it sends to the server (`smashed`), and which ones they are (telemetry)."""

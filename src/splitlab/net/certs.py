@@ -5,6 +5,12 @@ off the machines that run nodes), `server.pem`/`server.key` (valid for localhost
 the given hosts) and `client-<k>.pem`/`client-<k>.key` for k < K, whose common name is
 `client-<k>`: the server takes a client's id from its certificate, so a client cannot claim
 another's. EC P-256 keys, valid for a year; private keys are written readable by the owner only.
+An existing CA is never replaced unless asked (`overwrite=true`): every key it issued would stop
+working. Host names are DNS names (non-ASCII ones in their IDNA form) or IP addresses.
+
+`read_pair` checks what a node is started with before it listens or dials: every file readable
+and PEM, the key the certificate's, the certificate signed by the CA and valid now; one line
+naming the file and the cause otherwise.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from __future__ import annotations
 import datetime
 import ipaddress
 import os
+import re
 from pathlib import Path
 
 from cryptography import x509
+from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -30,11 +38,22 @@ def client_name(client_id: int) -> str:
     return f"client-{client_id}"
 
 
-def make_certs(out: Path, clients: int, hosts: list[str]) -> list[Path]:
+def make_certs(out: Path, clients: int, hosts: list[str], overwrite: bool = False) -> list[Path]:
     """A CA, a server certificate for localhost, 127.0.0.1 and `hosts`, and client certificates."""
     if clients < 1:
         raise UserError(f"clients={clients}: a deployment needs at least one client")
-    out.mkdir(parents=True, exist_ok=True)
+    names = [host_name(host) for host in ["localhost", "127.0.0.1", *hosts]]
+    if out.exists() and not out.is_dir():
+        raise UserError(f"out={str(out)!r} is a file, not a directory; choose another out=")
+    if (out / f"{CA}.pem").exists() and not overwrite:
+        raise UserError(
+            f"{str(out / f'{CA}.pem')!r} exists: a new CA would make every key it issued useless; "
+            f"use overwrite=true to replace it, or another out="
+        )
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"out={str(out)!r} cannot be made a directory ({error.strerror})") from None
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "splitlab development CA")])
     ca = (
@@ -57,18 +76,32 @@ def make_certs(out: Path, clients: int, hosts: list[str]) -> list[Path]:
         .sign(ca_key, hashes.SHA256())
     )
     written = [_write(out, CA, ca, ca_key)]
-    names: list[x509.GeneralName] = []
-    for host in ["localhost", "127.0.0.1", *hosts]:
-        try:
-            names.append(x509.IPAddress(ipaddress.ip_address(host)))
-        except ValueError:
-            names.append(x509.DNSName(host))
     written.append(_leaf(out, SERVER, ca, ca_key, names, ExtendedKeyUsageOID.SERVER_AUTH))
     for k in range(clients):
         written.append(
             _leaf(out, client_name(k), ca, ca_key, [x509.DNSName(client_name(k))], ExtendedKeyUsageOID.CLIENT_AUTH)
         )
     return written
+
+
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def host_name(host: str) -> x509.GeneralName:
+    """`host` as a certificate's subject alternative name: an IP address, or a DNS name (its IDNA
+    form if not ASCII); UserError for anything else."""
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        name = host.encode("idna").decode("ascii")
+    except UnicodeError:
+        name = ""
+    labels = name.rstrip(".").split(".")
+    if not name or len(name) > 253 or not all(_LABEL.fullmatch(label) for label in labels):
+        raise UserError(f"hosts: {host!r} is neither an IP address nor a DNS name (letters, digits, '-', dots)")
+    return x509.DNSName(name)
 
 
 def _builder(subject: x509.Name, issuer: x509.Name, public_key: ec.EllipticCurvePublicKey) -> x509.CertificateBuilder:
@@ -116,12 +149,44 @@ def _write(out: Path, name: str, cert: x509.Certificate, key: ec.EllipticCurvePr
 
 
 def read_pair(certs: Path, name: str) -> tuple[bytes, bytes, bytes]:
-    """(CA certificate, `name`'s certificate, `name`'s key) as PEM bytes; UserError naming a missing file."""
+    """(CA certificate, `name`'s certificate, `name`'s key) as PEM bytes, checked; UserError naming
+    the file and the cause (missing, unreadable, not PEM, a key not the certificate's, a
+    certificate the CA did not sign or not valid now)."""
     paths = [certs / f"{CA}.pem", certs / f"{name}.pem", certs / f"{name}.key"]
+    contents = []
     for path in paths:
         if not path.is_file():
             raise UserError(
                 f"certificate file {str(path)!r} does not exist; make them with `splitlab certs out={certs}`"
             )
-    ca, cert, key = (path.read_bytes() for path in paths)
-    return ca, cert, key
+        try:
+            contents.append(path.read_bytes())
+        except OSError as error:
+            raise UserError(f"certificate file {str(path)!r} cannot be read ({error.strerror})") from None
+    ca_pem, cert_pem, key_pem = contents
+    ca, cert = (_certificate(path, pem) for path, pem in zip(paths[:2], contents[:2]))
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+    except (ValueError, TypeError) as error:
+        raise UserError(f"key file {str(paths[2])!r} is not an unencrypted PEM private key ({error})") from None
+    if key.public_key() != cert.public_key():
+        raise UserError(f"key file {str(paths[2])!r} is not the key of {str(paths[1])!r}")
+    try:
+        cert.verify_directly_issued_by(ca)
+    except (ValueError, TypeError, InvalidSignature):
+        raise UserError(f"certificate {str(paths[1])!r} was not signed by the CA in {str(paths[0])!r}") from None
+    now = datetime.datetime.now(datetime.timezone.utc)
+    for path, each in zip(paths, (ca, cert)):
+        if not each.not_valid_before_utc <= now <= each.not_valid_after_utc:
+            raise UserError(
+                f"certificate {str(path)!r} is valid from {each.not_valid_before_utc:%Y-%m-%d %H:%M} to "
+                f"{each.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, not now"
+            )
+    return ca_pem, cert_pem, key_pem
+
+
+def _certificate(path: Path, pem: bytes) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(pem)
+    except ValueError as error:
+        raise UserError(f"certificate file {str(path)!r} is not a PEM certificate ({error})") from None

@@ -1,23 +1,27 @@
 """What the server checks in every result a client sends, before anything uses it.
 
-The checks follow from the verb's declared ledger kinds (splitlab.transport) and the blueprint:
-smashed data is a tensor of the client part's output dtype and shape (B, *cut shape) with
-1 <= B <= batch_size, labels are int64 of shape (B,) within [0, classes), a loss is a scalar, a
-model (uploaded, relayed, snapshot or checkpointed) has exactly the slot's tensor names, shapes
-and dtypes, and a verb that declares no kind returns no tensor. Every floating tensor must be
-finite. A client's REPORT of its data must fit the run (`Checks.report`). A failed check is a
-`Refused` with one line saying what was wrong.
+The checks follow from the verb's declaration (splitlab.transport: its ledger kinds, and a keyed
+result's exact keys) and the blueprint, and take a result as a whole: a keyed result holds exactly
+its verb's keys; smashed data is a tensor of the client part's output dtype and shape
+(B, *cut shape) with 1 <= B <= batch_size (a compressed form's claimed shape is checked before it
+is expanded); labels are int64 of shape (B,) within [0, classes); a loss is a scalar of the
+model's dtype; a model (uploaded, relayed, snapshot or checkpointed) has exactly the slot's tensor
+names, shapes and dtypes, and an optimizer state fits its model; a verb that declares no kind
+returns nothing; a verb with no check here is refused. Every floating tensor must be finite. A
+client's REPORT of its data must fit the run (`Checks.report`). A failed check is a `Refused`
+with one line saying what was wrong.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 from splitlab.privacy import defenses
-from splitlab.roles import Blueprint, ClientNode
+from splitlab.roles import Blueprint, ClientNode, pooled
 from splitlab.transport import KEYED, VerbSpec
 
 
@@ -49,39 +53,45 @@ class Checks:
     def __init__(self, blueprint: Blueprint) -> None:
         self.blueprint = blueprint
         self._smashed: torch.Tensor | None = None
+        self._optimizers: dict[str, dict[str, Any]] = {}
 
     def result(self, verb: str, spec: VerbSpec, args: tuple, result: Any) -> None:
+        """Refused unless `result` is exactly what `verb(*args)` returns: checked as a whole (every
+        key, name, dtype, shape, range, finite) before anything uses it. A verb without a check
+        here is refused too: nothing unchecked reaches the server."""
         check_finite(result)
         kind = spec.up
         if kind is None:
-            if any(True for _ in tensors(result)):
-                raise Refused(f"{verb} returns no tensor, but the result holds one")
+            if result is not None:
+                raise Refused(f"{verb} returns nothing, but the result is a {type(result).__name__}")
         elif kind == KEYED:
-            self._keyed(result)
+            self._keyed(verb, spec.result_keys(args), args, result)
         elif kind == "checkpoint":
             self._role_state(result)
         elif kind == "client_model_relay":
             self._model("client_model", result)
         elif args and isinstance(args[0], str) and args[0] in self.blueprint.builders:  # upload(slot), snapshot(slot)
             self._model(args[0], result)
+        elif verb == "infer" and args and isinstance(args[0], torch.Tensor):  # SplitGP's client exit
+            want = (len(args[0]), self.blueprint.num_classes)
+            if (
+                not isinstance(result, torch.Tensor)
+                or result.dtype != self._expected_smashed().dtype
+                or tuple(result.shape) != want
+            ):
+                raise Refused(f"logits are {_form(result)}, expected {self._expected_smashed().dtype} {want}")
+        else:
+            raise Refused(f"{verb}'s result has no check, so it is not accepted")
 
-    def _keyed(self, result: Any) -> None:
-        if not isinstance(result, dict):
-            raise Refused(f"expected a dict of tensors, got {type(result).__name__}")
+    def _keyed(self, verb: str, keys: tuple[str, ...], args: tuple, result: Any) -> None:
+        """Exactly `keys`; route(n, threshold) sends 0 to n samples, a step 1 to batch_size."""
+        if not isinstance(result, dict) or set(result) != set(keys):
+            held = sorted(map(str, result)) if isinstance(result, dict) else type(result).__name__
+            raise Refused(f"{verb} returns exactly {sorted(keys)}, the result holds {held}")
         batch = None
         if "smashed" in result:
-            expected = self._expected_smashed()
-            smashed = _tensor(result, "smashed")
-            if (
-                smashed.dtype != expected.dtype
-                or smashed.dim() != expected.dim()
-                or smashed.shape[1:] != expected.shape[1:]
-            ):
-                cut_shape = ", ".join(map(str, expected.shape[1:]))
-                raise Refused(f"smashed is {_form(smashed)}, expected {expected.dtype} (B, {cut_shape})")
-            batch = smashed.shape[0]
-            if not 1 <= batch <= self.blueprint.config.batch_size:
-                raise Refused(f"smashed holds {batch} samples; a batch holds 1 to {self.blueprint.config.batch_size}")
+            most = args[0] if verb == "route" else self.blueprint.config.batch_size
+            batch = self._smashed_batch(result["smashed"], 0 if verb == "route" else 1, most)
         if "labels" in result:
             labels = _tensor(result, "labels")
             if labels.dtype != torch.int64 or labels.dim() != 1 or (batch is not None and len(labels) != batch):
@@ -92,8 +102,31 @@ class Checks:
                 raise Refused(f"labels outside [0, {self.blueprint.num_classes})")
         if "loss" in result:
             value = _tensor(result, "loss")
-            if value.dim() != 0 or not value.is_floating_point():
-                raise Refused(f"loss is {_form(value)}, expected a floating-point scalar")
+            if value.dim() != 0 or value.dtype != self._expected_smashed().dtype:
+                raise Refused(f"loss is {_form(value)}, expected a {self._expected_smashed().dtype} scalar")
+        if "evaluation" in result:  # route: which of the n samples went to the server
+            routed = _tensor(result, "evaluation")
+            if routed.dtype != torch.bool or tuple(routed.shape) != (args[0],) or int(routed.sum()) != batch:
+                raise Refused(f"evaluation is {_form(routed)}, expected torch.bool ({args[0]},) with {batch} set")
+
+    def _smashed_batch(self, smashed: Any, fewest: int, most: int) -> int:
+        """The number of samples in smashed data of the cut's dtype and shape (B, *cut shape),
+        fewest <= B <= most; a compressed form's claimed shape is checked before it is expanded."""
+        expected = self._expected_smashed()
+        cut_shape = ", ".join(map(str, expected.shape[1:]))
+        if isinstance(smashed, Mapping) and "shape" in smashed:  # top-k: the dense shape it would take
+            claimed = smashed["shape"]
+            if not isinstance(claimed, torch.Tensor) or claimed.dtype != torch.int32 or claimed.dim() != 1:
+                raise Refused(f"smashed.shape is {_form(claimed)}, expected torch.int32 (D,)")
+            if claimed.tolist()[1:] != list(expected.shape[1:]) or not fewest <= int(claimed[0]) <= most:
+                raise Refused(f"smashed claims the shape {claimed.tolist()}, expected (B, {cut_shape})")
+        tensor = _tensor({"smashed": smashed}, "smashed")
+        if tensor.dtype != expected.dtype or tensor.dim() != expected.dim() or tensor.shape[1:] != expected.shape[1:]:
+            raise Refused(f"smashed is {_form(tensor)}, expected {expected.dtype} (B, {cut_shape})")
+        batch = tensor.shape[0]
+        if not fewest <= batch <= most:
+            raise Refused(f"smashed holds {batch} samples; a batch holds {fewest} to {most}")
+        return batch
 
     def report(self, report: Any, expected: list[int] | None) -> list[int]:
         """The class counts of a client's REPORT (see `data_report`), if the run can use its data:
@@ -119,9 +152,9 @@ class Checks:
         return counts
 
     def _model(self, slot: str, state: Any) -> None:
-        expected = self.blueprint.initial_state(slot)
+        expected = self.blueprint.initial_state(pooled(slot))
         if not isinstance(state, dict) or set(state) != set(expected):
-            names = sorted(state) if isinstance(state, dict) else type(state).__name__
+            names = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
             raise Refused(f"{slot} holds {names}, expected the tensors {sorted(expected)}")
         for name, tensor in state.items():
             want = expected[name]
@@ -131,12 +164,63 @@ class Checks:
     def _role_state(self, state: Any) -> None:
         if not isinstance(state, dict) or set(state) != {"models", "optimizers"}:
             raise Refused("a client's state must hold exactly 'models' and 'optimizers'")
-        if not isinstance(state["models"], dict):
-            raise Refused("a client's state's models must be a dict")
-        for slot, weights in state["models"].items():
+        models, optimizers = state["models"], state["optimizers"]
+        if not isinstance(models, dict) or not isinstance(optimizers, dict):
+            raise Refused("a client's state's models and optimizers must be dicts")
+        for slot, weights in models.items():
             if slot not in self.blueprint.builders:
                 raise Refused(f"a client's state holds an unknown slot {slot!r}")
             self._model(slot, weights)
+        for slot, optimizer in optimizers.items():
+            if slot not in models:
+                raise Refused(f"a client's state holds an optimizer for {slot!r}, which it holds no model for")
+            self._optimizer(slot, optimizer)
+
+    def _optimizer(self, slot: str, state: Any) -> None:
+        """An optimizer state that fits `slot`'s model: the param groups of the configured optimizer
+        over it, and per parameter (if any) the entries one of its steps makes, of their shapes."""
+        template = self._optimizer_template(slot)
+        if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
+            raise Refused(f"{slot}'s optimizer state must hold exactly 'state' and 'param_groups'")
+        groups, want_groups = state["param_groups"], template["param_groups"]
+        if not isinstance(groups, list) or len(groups) != len(want_groups):
+            raise Refused(f"{slot}'s optimizer has {_count(groups)} param groups, expected {len(want_groups)}")
+        for group, want in zip(groups, want_groups):
+            if not isinstance(group, dict) or set(group) != set(want) or group["params"] != want["params"]:
+                raise Refused(f"{slot}'s optimizer param group is not that of the configured optimizer over it")
+            for key, value in group.items():
+                if type(value) is not type(want[key]) or (isinstance(value, float) and not math.isfinite(value)):
+                    raise Refused(f"{slot}'s optimizer setting {key}={value!r} is not a {type(want[key]).__name__}")
+        per_param = state["state"]
+        if not isinstance(per_param, dict):
+            raise Refused(f"{slot}'s optimizer state is a {type(per_param).__name__}, expected a dict")
+        for index, entries in per_param.items():
+            want_entries = template["state"].get(index)
+            if want_entries is None or not isinstance(entries, dict) or set(entries) != set(want_entries):
+                held = sorted(map(str, entries)) if isinstance(entries, dict) else type(entries).__name__
+                wanted = f"{sorted(want_entries)}" if want_entries is not None else f"no parameter {index!r}"
+                raise Refused(f"{slot}'s optimizer state for parameter {index!r} holds {held}; its model has {wanted}")
+            for name, value in entries.items():
+                want = want_entries[name]
+                fits = (value is None and want is None) or (
+                    isinstance(value, torch.Tensor)
+                    and isinstance(want, torch.Tensor)
+                    and value.dtype == want.dtype
+                    and value.shape == want.shape
+                )
+                if not fits:
+                    raise Refused(f"{slot}'s optimizer state {index}.{name} is {_form(value)}, expected {_form(want)}")
+
+    def _optimizer_template(self, slot: str) -> dict[str, Any]:
+        """The state of the configured optimizer over `slot`'s initial model after one step (made once)."""
+        if slot not in self._optimizers:
+            module = self.blueprint.initial(slot)
+            optimizer = self.blueprint.optimizer(module)
+            for parameter in module.parameters():
+                parameter.grad = torch.zeros_like(parameter)
+            optimizer.step()
+            self._optimizers[slot] = optimizer.state_dict()
+        return self._optimizers[slot]
 
     def _expected_smashed(self) -> torch.Tensor:
         """The client part's output on one input: its dtype and cut shape (computed once)."""
@@ -168,6 +252,10 @@ def data_report(node: ClientNode, data: str) -> dict[str, Any]:
     """What a client says of its samples once it has built its node (`data`: how it got them)."""
     counts = torch.bincount(node.y.cpu(), minlength=node.blueprint.num_classes)
     return {"data": data, "input_shape": list(node.x.shape[1:]), "class_counts": counts.tolist()}
+
+
+def _count(value: Any) -> str:
+    return str(len(value)) if isinstance(value, list) else f"a {type(value).__name__} of"
 
 
 def _form(value: Any) -> str:

@@ -6,7 +6,9 @@ node from the config the server sends back and its own data: every training samp
 partition (data=partition). It reports what it holds (REPORT: samples per class, their shape),
 then answers every CALL with the verb's result and sends a heartbeat every few seconds. When
 the stream breaks (the server restarts, the network fails, the server dropped it), it connects
-again and builds a fresh node; BYE ends it; a refusal of its data stops it.
+again and builds a fresh node, backing off while the server is unreachable or busy
+(RESOURCE_EXHAUSTED: its streams are taken), for up to `retry_seconds`; BYE ends it; a refusal
+(its data, its id, a revoked certificate, a newer connection with its certificate) stops it.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Any, Literal
 
 import grpc
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from splitlab import codec
 from splitlab.errors import UserError
@@ -50,6 +52,11 @@ class ClientSettings(BaseModel):
     retry_seconds: float = Field(120.0, ge=0, description="how long to keep trying to (re)connect")
     max_message_mib: int = Field(1024, ge=1, description="largest message accepted, in MiB")
 
+    @field_validator("connect")
+    @classmethod
+    def _connect(cls, value: str) -> str:
+        return protocol.host_port(value, "connect")
+
 
 def log(client_id: int, line: str) -> None:
     print(f"splitlab client {client_id}: {line}", file=sys.stderr, flush=True)
@@ -70,7 +77,7 @@ def run_client(settings: ClientSettings) -> int:
     options: list[tuple[str, Any]] = protocol.grpc_options(settings.max_message_mib * MIB)
     if settings.server_name:
         options.append(("grpc.ssl_target_name_override", settings.server_name))
-    last_contact, last_error = time.monotonic(), ""
+    last_contact, last_error, failures = time.monotonic(), "", 0
     while True:
         with grpc.secure_channel(settings.connect, credentials, options=options) as channel:
             connect = channel.stream_stream(
@@ -80,7 +87,7 @@ def run_client(settings: ClientSettings) -> int:
             )
             try:
                 if _session(settings, connect):
-                    last_contact = time.monotonic()
+                    last_contact, failures = time.monotonic(), 0
             except _Finished:
                 log(settings.client_id, "the run is over")
                 return 0
@@ -93,7 +100,8 @@ def run_client(settings: ClientSettings) -> int:
         if time.monotonic() - last_contact > settings.retry_seconds:
             log(settings.client_id, f"no server at {settings.connect} for {settings.retry_seconds:g} s; giving up")
             return 1
-        time.sleep(0.5)
+        failures += 1
+        time.sleep(min(8.0, 0.25 * 2**failures))  # backoff: a busy server (RESOURCE_EXHAUSTED) is not hammered
 
 
 def _session(settings: ClientSettings, connect: Any) -> bool:

@@ -47,7 +47,7 @@ def launch(raw: Mapping[str, Any], server_keys: Mapping[str, Any], settings: Lau
     clients = client_count(raw)
     certs = config.out_dir / "certs"
     if not (certs / f"{CA}.pem").exists() or not (certs / f"client-{clients - 1}.pem").exists():
-        make_certs(certs, clients, [])
+        make_certs(certs, clients, [], overwrite=True)  # the run's own, for more clients than before
     address = f"127.0.0.1:{_free_port()}"
     keys = [f"{k}={v}" for k, v in {**raw, **server_keys}.items() if v is not None]
     splitlab = [sys.executable, "-m", "splitlab"]

@@ -76,3 +76,12 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.max_pings_without_data", 0),
     ]
+
+
+def host_port(address: str, key: str) -> str:
+    """`address` if it is HOST:PORT with a port in 1..65535 ([::1]:PORT for IPv6); else ValueError
+    naming `key` (gRPC would dial port 443 without one, and wrap a port past 65535)."""
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ValueError(f"{key}={address!r} is not HOST:PORT with a port from 1 to 65535")
+    return address

@@ -10,13 +10,22 @@ it holds fits the run (with data=own, those reports are where the clients' sizes
 A client that disconnects, misses a deadline or its heartbeats, or sends anything the checks
 refuse, is dropped (one log line) and reported to the algorithm as `ClientDropped`; it may
 connect again and is then used from the next round on, its new node first given its kept state
-(`NetworkTransport.on_rejoin`).
+(`NetworkTransport.on_rejoin`). A new connection with a client's certificate replaces its old one
+(a host that vanished without closing its connection comes back at once).
+
+No client can stall the server: a stream must say HELLO within `hello_timeout`, a certificate
+that is not a client's is refused before HELLO, one certificate holds at most
+`streams_per_client` streams at once, and the worker pool holds that many per client (gRPC
+refuses streams past it at once, RESOURCE_EXHAUSTED). `revoked=FILE` (splitlab.net.audit) is
+re-read while the server runs; every connect, refusal, drop and revocation is a line of
+OUT/connections.jsonl.
 """
 
 from __future__ import annotations
 
 import itertools
 import queue
+import re
 import sys
 import threading
 import time
@@ -29,19 +38,22 @@ from typing import Any
 import grpc
 import torch
 from google.protobuf.message import DecodeError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from splitlab import codec
 from splitlab.channel import Ledger
 from splitlab.config import RUN_CONTROL_KEYS, resolve_config
 from splitlab.errors import UserError
 from splitlab.net import protocol
+from splitlab.net.audit import AuditLog, Identity, Revocations
 from splitlab.net.certs import SERVER, client_name, read_pair
 from splitlab.net.checks import Checks, Refused
 from splitlab.roles import Blueprint
+from splitlab.rundir import check_out_dir
 from splitlab.transport import ClientDropped, Proxy, Transport, VerbSpec
 
 MIB = 1 << 20
+_BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED  # a refusal for now: the client backs off and tries again
 
 
 class ServerSettings(BaseModel):
@@ -54,9 +66,21 @@ class ServerSettings(BaseModel):
     min_clients: int = Field(1, ge=1, description="fewest clients that must finish a round, or the run stops")
     call_timeout: float = Field(120.0, gt=0, description="seconds a client has to answer one call")
     heartbeat: float = Field(2.0, gt=0, description="seconds between a client's heartbeats; 3 missed: dropped")
-    join_timeout: float = Field(300.0, gt=0, description="seconds from the start for every client's first connection")
+    join_timeout: float = Field(
+        300.0, gt=0, description="seconds from the start during which every client is waited for (also after it left)"
+    )
     rejoin_wait: float = Field(5.0, ge=0, description="seconds a round waits for a sampled client that is away")
     max_message_mib: int = Field(1024, ge=1, description="largest message accepted, in MiB")
+    hello_timeout: float = Field(10.0, gt=0, description="seconds a new stream has to say HELLO")
+    streams_per_client: int = Field(2, ge=1, le=64, description="streams one certificate may hold open at once")
+    revoked: Path | None = Field(
+        None, description="file of revoked client ids / certificate serials (serial=HEX), re-read while running"
+    )
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, value: str) -> str:
+        return protocol.host_port(value, "listen")
 
 
 def split_settings(raw: Mapping[str, Any], settings_class: type[BaseModel]) -> tuple[BaseModel, dict[str, Any]]:
@@ -66,7 +90,8 @@ def split_settings(raw: Mapping[str, Any], settings_class: type[BaseModel]) -> t
         settings = settings_class(**own)
     except ValidationError as err:
         first = err.errors()[0]
-        raise UserError(f"invalid value {first.get('input')!r} for {first['loc'][0]}: {first['msg']}") from None
+        message = first["msg"].removeprefix("Value error, ")
+        raise UserError(f"invalid value {first.get('input')!r} for {first['loc'][0]}: {message}") from None
     return settings, {k: v for k, v in raw.items() if k not in own}
 
 
@@ -77,8 +102,8 @@ def log(line: str) -> None:
 class Session:
     """One client's connection: messages to send, replies received, and whether it is alive."""
 
-    def __init__(self, client_id: int, peer: str) -> None:
-        self.client_id, self.peer = client_id, peer
+    def __init__(self, client_id: int, who: Identity) -> None:
+        self.client_id, self.who, self.peer = client_id, who, who.peer
         self.outgoing: queue.Queue[Any] = queue.Queue()
         self.replies: queue.Queue[Any] = queue.Queue()
         self.last_seen = time.monotonic()
@@ -102,8 +127,10 @@ class Session:
 class Hub:
     """The gRPC server and the client sessions; calls a client and waits for its reply."""
 
-    def __init__(self, settings: ServerSettings, client_config: dict[str, Any]) -> None:
-        self.settings = settings
+    def __init__(self, settings: ServerSettings, client_config: dict[str, Any], audit: AuditLog) -> None:
+        self.settings, self.audit = settings, audit
+        self.revocations = Revocations(settings.revoked)
+        self._streams: dict[str, int] = {}  # open streams by certificate fingerprint
         self.run_id = uuid.uuid4().hex
         self.max_bytes = settings.max_message_mib * MIB
         self._welcome = codec.encode({"config": client_config, "heartbeat": settings.heartbeat})
@@ -136,10 +163,15 @@ class Hub:
             },
         )
         grpc_limit = min(2 * self.max_bytes, 2**31 - 1)  # up to 2x: refused by _parse, with the reason
-        options = [*protocol.grpc_options(grpc_limit), ("grpc.http2.min_ping_interval_without_data_ms", 5_000)]
-        clients = self._clients
-        workers = ThreadPoolExecutor(max_workers=16 + (clients if isinstance(clients, int) else 4096))  # one per stream
-        self._server = grpc.server(workers, handlers=[handler], options=options)
+        options = [
+            *protocol.grpc_options(grpc_limit),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.server_handshake_timeout_ms", int(1000 * self.settings.hello_timeout)),
+        ]
+        clients = self._clients if isinstance(self._clients, int) else 4096
+        streams = 8 + clients * self.settings.streams_per_client  # one worker per stream; gRPC refuses more
+        workers = ThreadPoolExecutor(max_workers=streams)
+        self._server = grpc.server(workers, handlers=[handler], options=options, maximum_concurrent_rpcs=streams)
         try:
             port = self._server.add_secure_port(self.settings.listen, credentials)
         except RuntimeError:
@@ -148,6 +180,8 @@ class Hub:
             raise UserError(f"cannot listen on listen={self.settings.listen!r}: not HOST:PORT, or the port is taken")
         self._server.start()
         self._join_deadline = time.monotonic() + self.settings.join_timeout
+        if self.settings.revoked is not None:
+            threading.Thread(target=self._watch_revocations, daemon=True).start()
         log(f"listening on {self.settings.listen} (mutual TLS, run {self.run_id})")
 
     def expect(self, client_id: int, ledger: Ledger, checks: Checks, class_counts: list[int] | None) -> None:
@@ -214,20 +248,63 @@ class Hub:
 
     # --- a client's stream ---------------------------------------------------------------------
     def _connect(self, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
-        peer = context.peer()
-        names = context.auth_context().get("x509_common_name", [])
-        common_name = names[0].decode() if names else None
+        who = Identity.of(context.peer(), context.auth_context())
+        for step, code in (self._identify, grpc.StatusCode.PERMISSION_DENIED), (self._open_stream, _BUSY):
+            try:
+                step(who)
+            except Refused as refusal:
+                self._refused(who, str(refusal))
+                context.abort(code, str(refusal))
+        try:
+            yield from self._stream(who, requests, context)
+        finally:
+            with self._changed:
+                self._streams[who.fingerprint] -= 1
+
+    def _identify(self, who: Identity) -> None:
+        """Refused (for good) if the stream's certificate is not a client's, or is revoked."""
+        if who.common_name is None or not re.fullmatch(r"client-\d+", who.common_name):
+            raise Refused(f"its certificate is {who.common_name!r}'s, not a client's")
+        if self.revocations.covers(who, None):
+            raise Refused(f"the certificate of {who.common_name} (serial {who.serial}) is revoked")
+
+    def _open_stream(self, who: Identity) -> None:
+        """Count a new stream of `who`'s; Refused (for now) if its certificate already holds
+        `streams_per_client` streams: before any worker waits for its HELLO."""
+        with self._changed:
+            if self._streams.get(who.fingerprint, 0) >= self.settings.streams_per_client:
+                raise Refused(
+                    f"{who.common_name} already holds streams_per_client={self.settings.streams_per_client} streams"
+                )
+            self._streams[who.fingerprint] = self._streams.get(who.fingerprint, 0) + 1
+
+    def _stream(self, who: Identity, requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        timed_out = threading.Event()
+
+        def cancel() -> None:  # no HELLO in time: the stream ends, its worker is free
+            timed_out.set()
+            context.cancel()
+
+        late = threading.Timer(self.settings.hello_timeout, cancel)
+        late.start()
         try:
             hello = next(requests)
-        except Exception as error:  # the stream broke before HELLO (far too large, or gone)
-            log(f"refused {peer}: its stream broke before HELLO ({_first_line(error)})")
+        except Exception as error:  # the stream broke before HELLO (far too large, gone, or late)
+            why = "no HELLO within hello_timeout" if timed_out.is_set() else _first_line(error)
+            self._refused(who, f"its stream broke before HELLO ({why})")
             return
+        finally:
+            late.cancel()
         try:
-            session = self._admit(hello, common_name, peer)
+            session, replaced = self._admit(hello, who)
         except Refused as refusal:
-            log(f"refused {peer}: {refusal}")
+            self._refused(who, str(refusal), hello.client_id)
             context.abort(grpc.StatusCode.PERMISSION_DENIED, str(refusal))
-        log(f"client {session.client_id} connected from {peer}")
+        if replaced is not None:
+            replaced.refusal = f"replaced by a newer connection with the same certificate (from {who.peer})"
+            self.drop(replaced, replaced.refusal)
+        log(f"client {session.client_id} connected from {who.peer}")
+        self.audit.write("connect", who, session.client_id)
         threading.Thread(target=self._read, args=(session, requests), daemon=True).start()
         yield protocol.envelope(protocol.WELCOME, self.run_id, payload=self._welcome)
         try:
@@ -238,7 +315,12 @@ class Hub:
         finally:
             self._leave(session, "its stream ended")
 
-    def _admit(self, hello: Any, common_name: str | None, peer: str) -> Session:
+    def _refused(self, who: Identity, reason: str, client_id: int | None = None) -> None:
+        log(f"refused {who.peer}: {reason}")
+        self.audit.write("refusal", who, client_id, reason=reason)
+
+    def _admit(self, hello: Any, who: Identity) -> tuple[Session, Session | None]:
+        """The new session of the client saying `hello`, and the live one it replaces, if any."""
         if hello.kind == protocol.INVALID:
             raise Refused(hello.error)
         if hello.kind != protocol.HELLO:
@@ -246,6 +328,8 @@ class Hub:
         if hello.version != protocol.PROTOCOL_VERSION:
             raise Refused(f"protocol version {hello.version}; this server speaks {protocol.PROTOCOL_VERSION}")
         client_id = hello.client_id
+        if who.common_name != client_name(client_id):
+            raise Refused(f"client_id={client_id}, but its certificate is {who.common_name!r}'s")
         with self._changed:
             ready = lambda: self._expected is not None or self._closing
             self._changed.wait_for(ready, timeout=self.settings.join_timeout)
@@ -254,17 +338,30 @@ class Hub:
             expected = self._expected or set()
             if client_id not in expected:
                 raise Refused(f"client_id={client_id} is not a client of this run (0 to {len(expected) - 1})")
-            if common_name != client_name(client_id):
-                raise Refused(f"client_id={client_id}, but its certificate is {common_name!r}'s")
+            if self.revocations.covers(who, client_id):
+                raise Refused(f"client {client_id} is revoked")
             current = self._sessions.get(client_id)
-            if current is not None and current.alive:
-                raise Refused(f"client {client_id} is already connected (from {current.peer})")
-            session = Session(client_id, peer)
+            session = Session(client_id, who)
             session.rejoined = client_id in self._joined
             self._sessions[client_id] = session
             self._joined.add(client_id)
             self._changed.notify_all()
-        return session
+        return session, current if current is not None and current.alive else None
+
+    def _watch_revocations(self) -> None:
+        """Re-read `revoked=FILE` every second; drop every connected client it now revokes."""
+        while not self._closing:
+            time.sleep(1.0)
+            problem = self.revocations.reload()
+            if problem is not None:
+                log(problem)
+            with self._changed:
+                sessions = list(self._sessions.values())
+            for session in sessions:
+                if session.alive and self.revocations.covers(session.who, session.client_id):
+                    self.audit.write("revocation", session.who, session.client_id, reason="revoked while connected")
+                    session.refusal = f"client {session.client_id} is revoked"
+                    self.drop(session, session.refusal)
 
     def _report(self, session: Session, message: Any) -> None:
         """A client's REPORT of its data: checked, and the client may then be called; or refused."""
@@ -308,23 +405,25 @@ class Hub:
     def _leave(self, session: Session, reason: str) -> None:
         if session.close(reason):
             log(f"client {session.client_id} left: {reason}")
+            self.audit.write("drop", session.who, session.client_id, reason=reason)
         with self._changed:
             if self._sessions.get(session.client_id) is session:
                 del self._sessions[session.client_id]
             self._changed.notify_all()
 
-    def drop(self, session: Session, reason: str) -> None:
+    def drop(self, session: Session, reason: str, verb: str = "") -> None:
         if session.close(reason):
             log(f"dropped client {session.client_id}: {reason}")
+            self.audit.write("drop", session.who, session.client_id, verb, reason)
 
     # --- calls ---------------------------------------------------------------------------------
     def session(self, client_id: int) -> Session:
-        """The client's live session, waiting for it to connect (join_timeout the first time,
-        rejoin_wait after) and to report its data (call_timeout, as for an answer: it may be
-        building its node); ClientDropped if it does not."""
-        wait = self.settings.rejoin_wait
-        if client_id not in self._joined:  # every client has until join_timeout after the start
-            wait = max(wait, self._join_deadline - time.monotonic())
+        """The client's live session, waiting for it to connect (until join_timeout after the
+        start, then rejoin_wait; a revoked client not at all) and to report its data
+        (call_timeout, as for an answer: it may be building its node); ClientDropped if it does not."""
+        if client_id in self.revocations.clients:
+            raise ClientDropped(client_id, "revoked")
+        wait = max(self.settings.rejoin_wait, self._join_deadline - time.monotonic())  # join_timeout for all
         with self._changed:
             self._changed.wait_for(lambda: self._live(client_id), timeout=wait)
             session = self._sessions.get(client_id)
@@ -361,16 +460,16 @@ class Hub:
             except queue.Empty:
                 now = time.monotonic()
                 if now > deadline:
-                    self.drop(session, f"no reply to {verb} within call_timeout={settings.call_timeout:g} s")
+                    self.drop(session, f"no reply to {verb} within call_timeout={settings.call_timeout:g} s", verb)
                 elif now - session.last_seen > 3 * settings.heartbeat:
-                    self.drop(session, f"no heartbeat for {now - session.last_seen:.1f} s")
+                    self.drop(session, f"no heartbeat for {now - session.last_seen:.1f} s", verb)
                 continue
             if reply is None:
                 raise ClientDropped(client_id, session.reason)
             if reply.seq != seq:  # a second reply to an earlier call
-                self.drop(session, f"a reply to call {reply.seq} while call {seq} ({verb}) was waiting")
+                self.drop(session, f"a reply to call {reply.seq} while call {seq} ({verb}) was waiting", verb)
             elif reply.kind == protocol.ERROR:
-                self.drop(session, f"its {verb} failed: {reply.error}")
+                self.drop(session, f"its {verb} failed: {reply.error}", verb)
             else:
                 return bytes(reply.payload)
 
@@ -378,8 +477,8 @@ class Hub:
         """A result failed its checks: the client is dropped."""
         session = self._sessions.get(client_id)
         log(f"refused the result of {verb} from client {client_id}: {reason}")
-        if session is not None:
-            session.close(f"its {verb} result was refused")
+        if session is not None and session.close(f"its {verb} result was refused"):
+            self.audit.write("refusal", session.who, client_id, verb, reason)
 
 
 def _first_line(error: BaseException) -> str:
@@ -461,7 +560,9 @@ def serve(raw: Mapping[str, Any], settings: ServerSettings, progress: bool = Tru
     from splitlab import engine
 
     raw = {"checkpoint_every": 0, **raw}  # a networked server checkpoints every round unless told otherwise
-    hub = Hub(settings, client_config(raw))
+    out = resolve_config(raw).out_dir
+    check_out_dir(out)
+    hub = Hub(settings, client_config(raw), AuditLog(out / "connections.jsonl"))
     hub.start()
     try:
         return engine.run(
