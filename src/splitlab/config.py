@@ -25,6 +25,11 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    plugins: str | None = Field(
+        None,
+        description="modules of your own to import first, comma-separated (algorithms, models, datasets; "
+        "docs/extending.md)",
+    )
     algorithm: str = "sfl_v2"
     dataset: str = "fashion_mnist"
     data_dir: str | None = Field(None, description="directory with the dataset's files, if not the default")
@@ -67,8 +72,10 @@ class RunConfig(BaseModel):
         description="byte-counting convention: splitlab counts everything; fsl_sage leaves labels "
         "out, as the FSL-SAGE authors' code does",
     )
-    logger: Literal["none", "tensorboard"] = Field(
-        "none", description="also log metrics to TensorBoard (OUT/tensorboard; needs the tensorboard package)"
+    logger: Literal["none", "csv", "tensorboard", "mlflow", "wandb"] = Field(
+        "none",
+        description="also log every evaluated round to: csv (OUT/metrics.csv) | tensorboard (OUT/tensorboard) | "
+        "mlflow (OUT/mlruns) | wandb (offline, OUT/wandb); all but csv need their package (docs/cli.md)",
     )
     out: str | None = Field(
         None, description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>"
@@ -186,8 +193,15 @@ def _one_line(err: ValidationError) -> str:
 
 
 def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
-    """Validate a flat dict of settings against RunConfig and the algorithm's Params."""
+    """Validate a flat dict of settings against RunConfig and the algorithm's Params, after
+    importing the plugins it names (they may define the algorithm, model or dataset it uses)."""
     from splitlab.algorithms import get_algorithm
+    from splitlab.plugins import load_plugins
+
+    plugins = raw.get("plugins")
+    if plugins is not None and not isinstance(plugins, str):
+        raise UserError(f"invalid value {plugins!r} for plugins: expected module names, comma-separated")
+    load_plugins(plugins)
 
     algorithm = get_algorithm(raw.get("algorithm", RunConfig.model_fields["algorithm"].default))
     common = set(RunConfig.model_fields)
