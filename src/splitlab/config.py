@@ -50,6 +50,11 @@ class RunConfig(BaseModel):
     batch_size: int = Field(64, ge=1)
     optimizer: Literal["sgd", "adam"] = "adam"
     lr: float = Field(1e-3, gt=0)
+    lr_schedule: str = Field(
+        "none",
+        description="the learning rate by round, as factors of lr joined by +: step:<every>:<gamma> | cosine | "
+        "warmup:<rounds> (e.g. warmup:5+cosine); none = lr throughout",
+    )
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0)
     partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
@@ -114,6 +119,14 @@ class RunConfig(BaseModel):
         from splitlab.data import parse_partition_scheme
 
         parse_partition_scheme(value)
+        return value
+
+    @field_validator("lr_schedule")
+    @classmethod
+    def _check_lr_schedule(cls, value: str) -> str:
+        from splitlab.schedules import parse_lr_schedule
+
+        parse_lr_schedule(value)
         return value
 
     @field_validator("defense")
