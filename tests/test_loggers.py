@@ -80,7 +80,9 @@ def test_a_resumed_run_writes_the_csv_of_an_uninterrupted_one(tmp_path, monkeypa
 @pytest.mark.parametrize("name", ["mlflow", "wandb"])
 def test_a_tracker_whose_package_is_missing_is_one_line_naming_the_extra(tmp_path, monkeypatch, name):
     monkeypatch.setattr(loggers, "installed", lambda package: False)
-    with pytest.raises(UserError, match=rf"logger={name} needs the {name} package \(pip install 'splitlab\[{name}\]'\)"):
+    with pytest.raises(
+        UserError, match=rf"logger={name} needs the {name} package \(pip install 'splitlab\[{name}\]'\)"
+    ):
         run(quick(algorithm="fedavg", logger=name, out=str(tmp_path / "r")), progress=False)
     assert not (tmp_path / "r").exists()
 

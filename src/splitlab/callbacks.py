@@ -12,6 +12,7 @@ far), `wall_seconds`, `stopped_by`.
 
 from __future__ import annotations
 
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from splitlab.comm import GIB, format_bytes
 from splitlab.io import write_jsonl
 
 State = dict[str, Any]
+log = logging.getLogger(__name__)
 
 
 class Callback:
@@ -96,7 +98,7 @@ class ProgressBar(Callback):
 
     def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
         if self.lines and row is not None:
-            print(round_line(row, self.rounds), file=sys.stderr, flush=True)
+            log.info(round_line(row, self.rounds))
         self.bar.update(self.task, **self._fields(state))
 
     def on_run_end(self, state: State) -> None:

@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,11 +25,11 @@ import torch
 from torch import nn
 
 from splitlab import codec, rundir
-from splitlab.callbacks import Callback, CommBudget, MetricsFile, ProgressBar, RecorderFlush
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
+from splitlab.callbacks import Callback, CommBudget, MetricsFile, ProgressBar, RecorderFlush
 from splitlab.channel import Ledger
-from splitlab.comm import GIB, format_bytes, to_target
+from splitlab.comm import GIB, to_target
 from splitlab.config import (
     RUN_CONTROL_KEYS,
     ResolvedConfig,
@@ -42,7 +41,6 @@ from splitlab.errors import NonFiniteLoss, RoundFailed, UserError
 from splitlab.io import (
     save_safetensors,
     write_json,
-    write_jsonl,
     write_safetensors,
     write_yaml,
 )
@@ -51,6 +49,7 @@ from splitlab.metrics import classification_metrics, logits_in_batches
 from splitlab.models import split
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.record import Recorder
+from splitlab.process import prepare_process
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
 from splitlab.runfiles import CHECKPOINT, RUN_FILES
 from splitlab.streams import register_stream
@@ -426,6 +425,7 @@ def run(
     """Run (or resume) one experiment; returns the summary that is also written to summary.json.
     `transport`: as for `build` (splitlab.net's server passes its network transport);
     `callbacks`: hooks of your own into the loop, called after splitlab's (splitlab.callbacks)."""
+    prepare_process()
     experiment = build(config, transport)
     with contextlib.closing(experiment.transport):
         return _run(experiment, resume, progress, callbacks)

@@ -4,6 +4,11 @@ The CLI turns it into a one-line message and exit code 2; everything else is a b
 its traceback.
 """
 
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
 
 class UserError(Exception):
     """A bad value from the user: the message names the value and what is allowed."""
@@ -20,3 +25,11 @@ class RoundFailed(UserError):
     its algorithm cannot skip): the run stops at its last checkpoint."""
 
     exit_code = 4
+
+
+def unknown_key(key: str, allowed: Iterable[str], where: str = "") -> UserError:
+    """`unknown key 'lrr' for run; did you mean 'lr'?`, or the allowed keys when none is close."""
+    names = sorted(allowed)
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(names)}"
+    return UserError(f"unknown key {key!r}{f' for {where}' if where else ''}; {hint}")

@@ -52,7 +52,8 @@ def _import(name: str, where: str) -> None:
     try:
         importlib.import_module(name)
     except ModuleNotFoundError as error:
-        if error.name is not None and (name == error.name or name.startswith(error.name + ".")):  # the plugin itself, not one of its imports
+        missing = error.name or ""
+        if name == missing or name.startswith(missing + "."):  # the plugin itself, not one of its imports
             raise UserError(
                 f"plugin module {name!r} ({where}) is not importable from {str(Path.cwd())!r} or sys.path; "
                 f"start from its folder or add that folder to PYTHONPATH"

@@ -11,6 +11,7 @@ from splitlab.data.datasets import (
     register_dataset,
 )
 from splitlab.data.partition import counts_report, parse_partition_scheme, partition, partition_report
+
 from splitlab.data import leaf  # isort: skip (builds on datasets)
 
 # The LEAF datasets (femnist, celeba, shakespeare), registered here so that datasets.py need not

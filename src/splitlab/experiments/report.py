@@ -14,8 +14,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,8 @@ from splitlab.experiments.runs import num
 from splitlab.experiments.sweep import SNAPSHOT
 from splitlab.experiments.tables import PLOTS, REPORT, RESULTS, markdown
 from splitlab.io import write_text
+
+log = logging.getLogger(__name__)
 
 
 def _csv_value(value: Any) -> Any:
@@ -64,7 +66,7 @@ def _check_dir(sweep_dir: str | os.PathLike) -> Path:
 
 
 def _warn_stderr(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+    log.warning(f"warning: {message}")
 
 
 def write_report(

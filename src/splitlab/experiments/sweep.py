@@ -245,12 +245,8 @@ def _run_points(
     )
     total, skipped = len(runs), len(runs) - len(pending)
 
-    console = None
     if progress:
-        from rich.console import Console
-
-        console = Console(stderr=True, highlight=False)
-        console.print(
+        log.info(
             f"sweep {where}: {total} runs in {sweep_dir}"
             + (f", {skipped} already finished" if skipped else "")
             + (f", {len(pending)} to run " if pending else "")
@@ -271,11 +267,9 @@ def _run_points(
             except OSError:
                 pass
             last = error.strip().splitlines()[-1] if error.strip() else "error"
-            log.error("run %s failed: %s", name, last)
-            if console:
-                console.print(f"[{done}/{len(pending)}] [red]FAILED[/red] {name}: {last}")
-        elif console:
-            console.print(f"[{done}/{len(pending)}] {name}: {_describe(summary)} ({seconds:.1f} s)")
+            log.error(f"[{done}/{len(pending)}] FAILED {name}: {last}")
+        elif progress:
+            log.info(f"[{done}/{len(pending)}] {name}: {_describe(summary)} ({seconds:.1f} s)")
 
     for name, _ in pending:  # a retried run is no longer failed
         (sweep_dir / name / ERROR_FILE).unlink(missing_ok=True)
@@ -317,6 +311,6 @@ def _run_points(
         write_text(failures_path, json.dumps(failures, indent=2))
         raise SweepFailed(sweep_dir, failures, total)
     failures_path.unlink(missing_ok=True)
-    if console:
-        console.print(f"sweep {where}: all {total} runs finished in {sweep_dir}")
+    if progress:
+        log.info(f"sweep {where}: all {total} runs finished in {sweep_dir}")
     return sweep_dir

@@ -41,4 +41,11 @@ def build_model(name: str, input_shape: tuple[int, ...], num_classes: int, seed:
 __all__ = [
     "MODELS",
     "ModelBuilder",
-    "register_model", "StagedModel", "build_model", "largest_activation_bytes", "model_names", "output_shape", "split"]
+    "register_model",
+    "StagedModel",
+    "build_model",
+    "largest_activation_bytes",
+    "model_names",
+    "output_shape",
+    "split",
+]

@@ -11,8 +11,8 @@ again and builds a fresh node; BYE ends it; a refusal of its data stops it.
 
 from __future__ import annotations
 
+import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,6 +29,8 @@ from splitlab.net import protocol
 from splitlab.net.certs import client_name, read_pair
 from splitlab.net.checks import Refused, check_finite, data_report
 from splitlab.roles import ClientNode
+
+logger = logging.getLogger(__name__)
 
 MIB = 1 << 20
 
@@ -51,7 +53,7 @@ class ClientSettings(BaseModel):
 
 
 def log(client_id: int, line: str) -> None:
-    print(f"splitlab client {client_id}: {line}", file=sys.stderr, flush=True)
+    logger.info(f"splitlab client {client_id}: {line}")
 
 
 class _Finished(Exception):

@@ -16,8 +16,8 @@ connect again and is then used from the next round on, its new node first given 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
-import sys
 import threading
 import time
 import uuid
@@ -40,6 +40,8 @@ from splitlab.net.certs import SERVER, client_name, read_pair
 from splitlab.net.checks import Checks, Refused
 from splitlab.roles import Blueprint
 from splitlab.transport import ClientDropped, Proxy, Transport, VerbSpec
+
+logger = logging.getLogger(__name__)
 
 MIB = 1 << 20
 
@@ -71,7 +73,7 @@ def split_settings(raw: Mapping[str, Any], settings_class: type[BaseModel]) -> t
 
 
 def log(line: str) -> None:
-    print(f"splitlab server: {line}", file=sys.stderr, flush=True)
+    logger.info(f"splitlab server: {line}")
 
 
 class Session:

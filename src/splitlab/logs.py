@@ -1,0 +1,58 @@
+"""splitlab's messages: stdlib `logging` under the "splitlab" logger, one line per record.
+
+On a terminal, records go through rich's handler (colours, wrapped to the window); anywhere else
+(logs, CI, nohup, pipes) as plain lines, never wrapped. A handler writes a record whole under its
+lock, so lines from several threads (a server's gRPC threads) never run together. The handler
+writes to whatever `sys.stderr` is when the record comes, so redirecting stderr later works.
+To route splitlab's messages elsewhere, add your own handler to `logging.getLogger("splitlab")`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from rich.console import Console
+from rich.logging import RichHandler
+
+LOGGER = logging.getLogger("splitlab")
+#: --quiet / default / --verbose
+LEVELS = {-1: logging.WARNING, 0: logging.INFO, 1: logging.DEBUG}
+
+
+class _PlainHandler(logging.StreamHandler):
+    """One line per record to the current sys.stderr."""
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.setStream(sys.stderr)
+        super().emit(record)
+
+
+class _TerminalHandler(RichHandler):
+    def __init__(self) -> None:
+        super().__init__(
+            console=Console(stderr=True, highlight=False),
+            show_time=False,
+            show_path=False,
+            show_level=False,
+            markup=False,
+            rich_tracebacks=False,
+        )
+
+
+def setup_logging(verbosity: int = 0, force: bool = False) -> None:
+    """Give the "splitlab" logger its handler and level (verbosity -1: warnings and errors only;
+    1: debug too). Without `force`, a logger that has handlers already is left as it is."""
+    if LOGGER.handlers and not force:
+        return
+    for handler in list(LOGGER.handlers):
+        if isinstance(handler, _PlainHandler | _TerminalHandler):
+            LOGGER.removeHandler(handler)
+    handler: logging.Handler = _TerminalHandler() if sys.stderr.isatty() else _PlainHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    LOGGER.addHandler(handler)
+    LOGGER.setLevel(LEVELS[max(-1, min(1, verbosity))])
+    LOGGER.propagate = False  # one copy of each line, whatever the root logger does
