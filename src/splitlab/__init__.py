@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from splitlab.logs import setup_logging
+
 if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
@@ -17,6 +19,8 @@ if TYPE_CHECKING:
     from splitlab.models import ModelBuilder
 
 __version__ = "0.1.0"
+
+setup_logging()  # splitlab's messages go to stderr, one line each (splitlab.logs)
 
 
 def register_model(name: str, builder: ModelBuilder) -> None:

@@ -25,11 +25,14 @@ log = logging.getLogger("splitlab.cli")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from splitlab.config import resolve_config
     from splitlab.engine import run
 
     raw = _run_config(args)
     summary = run(raw, progress=not args.no_progress)
     _print_summary(summary, raw)
+    out = resolve_config(raw).out_dir
+    console.print(f"written to {out}  (curves: splitlab report {out})")
     return 0
 
 

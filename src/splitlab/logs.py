@@ -4,16 +4,14 @@ On a terminal, records go through rich's handler (colours, wrapped to the window
 (logs, CI, nohup, pipes) as plain lines, never wrapped. A handler writes a record whole under its
 lock, so lines from several threads (a server's gRPC threads) never run together. The handler
 writes to whatever `sys.stderr` is when the record comes, so redirecting stderr later works.
-To route splitlab's messages elsewhere, add your own handler to `logging.getLogger("splitlab")`.
+The handler is set up when splitlab is imported (its messages were always on stderr); to route
+them elsewhere, replace the handlers of `logging.getLogger("splitlab")`.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
-
-from rich.console import Console
-from rich.logging import RichHandler
 
 LOGGER = logging.getLogger("splitlab")
 #: --quiet / default / --verbose
@@ -31,16 +29,18 @@ class _PlainHandler(logging.StreamHandler):
         super().emit(record)
 
 
-class _TerminalHandler(RichHandler):
-    def __init__(self) -> None:
-        super().__init__(
-            console=Console(stderr=True, highlight=False),
-            show_time=False,
-            show_path=False,
-            show_level=False,
-            markup=False,
-            rich_tracebacks=False,
-        )
+def _terminal_handler() -> logging.Handler:
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    handler = RichHandler(
+        console=Console(stderr=True, highlight=False), show_time=False, show_path=False, show_level=False, markup=False
+    )
+    handler.set_name(_TERMINAL)
+    return handler
+
+
+_TERMINAL = "splitlab-terminal"
 
 
 def setup_logging(verbosity: int = 0, force: bool = False) -> None:
@@ -49,9 +49,9 @@ def setup_logging(verbosity: int = 0, force: bool = False) -> None:
     if LOGGER.handlers and not force:
         return
     for handler in list(LOGGER.handlers):
-        if isinstance(handler, _PlainHandler | _TerminalHandler):
+        if isinstance(handler, _PlainHandler) or handler.get_name() == _TERMINAL:
             LOGGER.removeHandler(handler)
-    handler: logging.Handler = _TerminalHandler() if sys.stderr.isatty() else _PlainHandler()
+    handler: logging.Handler = _terminal_handler() if sys.stderr.isatty() else _PlainHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     LOGGER.addHandler(handler)
     LOGGER.setLevel(LEVELS[max(-1, min(1, verbosity))])

@@ -36,6 +36,9 @@ WRITTEN = (
     "record",
     "attack.json",
     "attack_inversion.png",
+    "report.md",
+    "results.csv",
+    "plots",
 )
 
 

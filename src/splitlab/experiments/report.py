@@ -72,7 +72,8 @@ def _warn_stderr(message: str) -> None:
 def write_report(
     sweep_dir: str | os.PathLike, target_accuracy: float | None = None, warn: Callable[[str], None] = _warn_stderr
 ) -> Path:
-    """Write results.csv, report.md and plots/*.png into `sweep_dir`; return report.md's path.
+    """Write results.csv, report.md and plots/*.png into `sweep_dir` (or a single run's directory);
+    return report.md's path.
 
     `target_accuracy` (a fraction, e.g. 0.8) is the accuracy for the "GiB / rounds to target"
     tables; by default it comes from the sweep file's `report.target_accuracy`, else it is 80%
@@ -104,6 +105,7 @@ def write_report(
                     lambda m: num(m.get("round")),
                     "round",
                     "Test accuracy vs round",
+                    integer_x=True,
                 ),
             )
         )
