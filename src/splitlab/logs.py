@@ -48,10 +48,10 @@ def setup_logging(verbosity: int = 0, force: bool = False) -> None:
     1: debug too). Without `force`, a logger that has handlers already is left as it is."""
     if LOGGER.handlers and not force:
         return
-    for handler in list(LOGGER.handlers):
-        if isinstance(handler, _PlainHandler) or handler.get_name() == _TERMINAL:
-            LOGGER.removeHandler(handler)
-    handler: logging.Handler = _terminal_handler() if sys.stderr.isatty() else _PlainHandler()
+    for earlier in list(LOGGER.handlers):
+        if isinstance(earlier, _PlainHandler) or earlier.get_name() == _TERMINAL:
+            LOGGER.removeHandler(earlier)
+    handler = _terminal_handler() if sys.stderr.isatty() else _PlainHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     LOGGER.addHandler(handler)
     LOGGER.setLevel(LEVELS[max(-1, min(1, verbosity))])

@@ -497,11 +497,12 @@ def register_dataset(
     if not name.isidentifier() or _built_in(DATASETS.get(name)):
         raise UserError(f"cannot register dataset {name!r}: expected a new name (letters, digits, _), not a built-in")
     DATASETS[name] = loader
-    for registry, entry in ((SPLIT_LOADERS, split_loader), (LOCATORS, locator)):
-        if entry is None:
-            registry.pop(name, None)
-        else:
-            registry[name] = entry
+    SPLIT_LOADERS.pop(name, None)
+    LOCATORS.pop(name, None)
+    if split_loader is not None:
+        SPLIT_LOADERS[name] = split_loader
+    if locator is not None:
+        LOCATORS[name] = locator
     _load_cached.cache_clear()  # a name registered again must not return the earlier loader's data
 
 

@@ -253,10 +253,9 @@ def _at_chance(an: Analysis) -> list[str]:
     rows = []
     for run in an.finished:
         classes = (run.partition or {}).get("num_classes")
-        final = run.summary.get("final_accuracy") if run.summary else None
-        if isinstance(classes, int) and classes > 1 and isinstance(final, float | int):
-            if final <= CHANCE_MARGIN / classes:
-                rows.append(f"| {_md(run.name)} | {100 * final:.2f} | {100 / classes:.2f} |")
+        final = num((run.summary or {}).get("final_accuracy"))
+        if isinstance(classes, int) and classes > 1 and final is not None and final <= CHANCE_MARGIN / classes:
+            rows.append(f"| {_md(run.name)} | {100 * final:.2f} | {100 / classes:.2f} |")
     if not rows:
         return []
     return [
