@@ -65,3 +65,17 @@ def test_more_workers_than_free_cpus_are_refused(local_ray, tmp_path: Path):
     with pytest.raises(UserError, match=r"backend=ray workers=5 needs 6 CPUs in the Ray cluster .* has 3"):
         run(config("fedavg", tmp_path / "o", backend="ray", workers=5), progress=False)
     assert not (tmp_path / "o").exists()
+
+
+def test_ray_workers_import_the_plugins_of_the_run(local_ray, tmp_path: Path, monkeypatch):
+    """The actors were started before the plugin existed, in another folder: the plugin's folder
+    travels with the run (splitlab.plugins.plugin_environment), and the result is bit for bit."""
+    from test_plugins import write_plugin
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    write_plugin(folder, "ray_plugin", "ray_fedavg")
+    monkeypatch.syspath_prepend(str(folder))
+    run(config("fedavg", tmp_path / "builtin"), progress=False)
+    run(config("ray_fedavg", tmp_path / "ray", plugins="ray_plugin", backend="ray", workers=2), progress=False)
+    assert results(tmp_path / "builtin") == results(tmp_path / "ray")

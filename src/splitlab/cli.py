@@ -32,7 +32,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     summary = run(raw, progress=not args.no_progress)
     _print_summary(summary, raw)
     out = resolve_config(raw).out_dir
-    console.print(f"written to {out}  (curves: splitlab report {out})")
+    console.print(f"written to {out}  (curves: splitlab report {out})", soft_wrap=True)
     return 0
 
 

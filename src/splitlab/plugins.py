@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -40,6 +41,24 @@ def load_plugins(value: str | None) -> None:
         sys.path.insert(0, str(Path.cwd()))
     for name in names:
         _import(name, f"plugins={value}")
+
+
+def plugin_environment(value: str | None) -> dict[str, dict[str, str]]:
+    """A Ray `runtime_env` under which worker processes import the plugins `value` names as this
+    process did: the folders they were imported from on PYTHONPATH (on a cluster, those folders
+    must exist on every node, as a sweep's directory must; an installed plugin package needs none)."""
+    folders = [str(_folder(name)) for name in parse_plugins(value)]
+    if not folders:
+        return {}
+    inherited = os.environ.get("PYTHONPATH")
+    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys([*folders, *filter(None, [inherited])]))}}
+
+
+def _folder(name: str) -> Path:
+    """The sys.path entry module `name` (imported already) was found under."""
+    top = importlib.import_module(name.partition(".")[0])
+    origin = Path(str(top.__file__))
+    return origin.parent.parent if origin.name == "__init__.py" else origin.parent
 
 
 @functools.cache

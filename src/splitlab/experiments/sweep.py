@@ -34,6 +34,7 @@ from splitlab.experiments.grid import (
     run_name,
 )
 from splitlab.io import write_text
+from splitlab.plugins import plugin_environment
 from splitlab.process import set_worker_threads
 
 __all__ = [
@@ -157,7 +158,10 @@ def _run_on_ray(pending: list[tuple[str, dict]], resources: dict, finished: Call
     ray = cluster.ray_module()
     task = ray.remote(_run_on_ray_worker).options(max_retries=RAY_RETRIES, retry_exceptions=False, **resources)
     threads = int(resources["num_cpus"])
-    futures = {task.remote(name, json.dumps(config), threads): name for name, config in pending}
+    futures = {}
+    for name, config in pending:  # each run's plugins travel with it
+        runner = task.options(runtime_env=plugin_environment(config.get("plugins")))
+        futures[runner.remote(name, json.dumps(config), threads)] = name
     try:
         remaining = list(futures)
         while remaining:
