@@ -173,7 +173,8 @@ def _run_on_ray(pending: list[tuple[str, dict]], resources: dict, finished: Call
                 finished(name, None, f"Ray worker died {RAY_RETRIES + 1} times (killed, or out of memory?)\n", 0.0)
             except ray.exceptions.RayError:
                 finished(name, None, traceback.format_exc(), 0.0)
-    except BaseException:
+    except BaseException:  # Ctrl-C: cancel the tasks (each run keeps its last checkpoint)
+        log.warning(f"cancelling {_plural(len(futures), 'Ray task')}; each run resumes from its checkpoint")
         for future in futures:
             ray.cancel(future, force=True)
         raise
@@ -305,8 +306,12 @@ def _run_points(
                     finished(name, None, "worker process died (killed, or out of memory?)\n", 0.0)
                 except Exception:
                     finished(name, None, traceback.format_exc(), 0.0)
-        except BaseException:
+        except BaseException:  # Ctrl-C: stop the workers now (each run keeps its last checkpoint)
+            running = multiprocessing.active_children()
+            log.warning(f"stopping {_plural(len(running), 'worker')}; each run resumes from its checkpoint")
             pool.shutdown(wait=False, cancel_futures=True)
+            for process in running:
+                process.terminate()
             raise
         pool.shutdown(wait=True)
 
