@@ -25,7 +25,7 @@ class _PlainHandler(logging.StreamHandler):
         super().__init__(sys.stderr)
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.setStream(sys.stderr)
+        self.stream = sys.stderr  # (under the handler's lock; the earlier stream may be closed by now)
         super().emit(record)
 
 
