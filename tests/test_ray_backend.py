@@ -69,7 +69,7 @@ def test_more_workers_than_free_cpus_are_refused(local_ray, tmp_path: Path):
 
 def test_ray_workers_import_the_plugins_of_the_run(local_ray, tmp_path: Path, monkeypatch):
     """The actors were started before the plugin existed, in another folder: the plugin's folder
-    travels with the run (splitlab.plugins.plugin_environment), and the result is bit for bit."""
+    travels with the run (splitlab.plugins.ray_options), and the result is bit for bit."""
     from test_plugins import write_plugin
 
     folder = tmp_path / "mine"

@@ -16,6 +16,7 @@ import os
 import sys
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from splitlab.errors import UserError
 
@@ -43,15 +44,17 @@ def load_plugins(value: str | None) -> None:
         _import(name, f"plugins={value}")
 
 
-def plugin_environment(value: str | None) -> dict[str, dict[str, str]]:
-    """A Ray `runtime_env` under which worker processes import the plugins `value` names as this
-    process did: the folders they were imported from on PYTHONPATH (on a cluster, those folders
-    must exist on every node, as a sweep's directory must; an installed plugin package needs none)."""
+def ray_options(value: str | None) -> dict[str, Any]:
+    """Options of Ray actors and tasks under which their processes import the plugins `value` names
+    as this process did: a runtime_env with the folders they were imported from on PYTHONPATH (on a
+    cluster, those folders must exist on every node, as a sweep's directory must; an installed
+    plugin package needs none). No plugins: no options."""
     folders = [str(_folder(name)) for name in parse_plugins(value)]
     if not folders:
         return {}
     inherited = os.environ.get("PYTHONPATH")
-    return {"env_vars": {"PYTHONPATH": os.pathsep.join(dict.fromkeys([*folders, *filter(None, [inherited])]))}}
+    paths = os.pathsep.join(dict.fromkeys([*folders, *filter(None, [inherited])]))
+    return {"runtime_env": {"env_vars": {"PYTHONPATH": paths}}}
 
 
 def _folder(name: str) -> Path:

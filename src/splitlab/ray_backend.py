@@ -23,7 +23,7 @@ from splitlab import cluster, codec
 from splitlab.channel import Ledger
 from splitlab.config import ResolvedConfig, resolve_config
 from splitlab.errors import UserError
-from splitlab.plugins import plugin_environment
+from splitlab.plugins import ray_options
 from splitlab.process import peak_memory_mib, set_worker_threads
 from splitlab.roles import Role
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
@@ -144,7 +144,7 @@ def start_roles(
             f"workers and the training server), which has {available:g}; lower workers or add nodes"
         )
     algorithm_class = get_algorithm(run.algorithm)
-    Host = ray.remote(num_cpus=1, runtime_env=plugin_environment(run.plugins))(RoleHost)
+    Host = ray.remote(num_cpus=1, **ray_options(run.plugins))(RoleHost)
     config_json = json.dumps(config.as_dict())
     shares = [{k: idx for k, idx in owners.items() if k % run.workers == w} for w in range(run.workers)]
     hosts = [

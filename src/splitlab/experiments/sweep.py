@@ -34,7 +34,7 @@ from splitlab.experiments.grid import (
     run_name,
 )
 from splitlab.io import write_text
-from splitlab.plugins import plugin_environment
+from splitlab.plugins import ray_options
 from splitlab.process import set_worker_threads
 
 __all__ = [
@@ -160,7 +160,7 @@ def _run_on_ray(pending: list[tuple[str, dict]], resources: dict, finished: Call
     threads = int(resources["num_cpus"])
     futures = {}
     for name, config in pending:  # each run's plugins travel with it
-        runner = task.options(runtime_env=plugin_environment(config.get("plugins")))
+        runner = task.options(**ray_options(config.get("plugins")))
         futures[runner.remote(name, json.dumps(config), threads)] = name
     try:
         remaining = list(futures)
