@@ -156,12 +156,17 @@ def _run_on_ray(pending: list[tuple[str, dict]], resources: dict, finished: Call
     """Every pending run as a Ray task; a task whose worker process dies is started again (up to
     `RAY_RETRIES` times) and resumes from its run's last checkpoint."""
     ray = cluster.ray_module()
-    task = ray.remote(_run_on_ray_worker).options(max_retries=RAY_RETRIES, retry_exceptions=False, **resources)
+    task = ray.remote(_run_on_ray_worker)
     threads = int(resources["num_cpus"])
     futures = {}
     for name, config in pending:  # each run's plugins travel with it
-        runner = task.options(**ray_options(config.get("plugins")))
-        futures[runner.remote(name, json.dumps(config), threads)] = name
+        options = {
+            "max_retries": RAY_RETRIES,
+            "retry_exceptions": False,
+            **resources,
+            **ray_options(config.get("plugins")),
+        }
+        futures[task.options(**options).remote(name, json.dumps(config), threads)] = name
     try:
         remaining = list(futures)
         while remaining:
