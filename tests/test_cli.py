@@ -109,3 +109,37 @@ def test_sweep_on_ray_refuses_bad_resources_in_one_line(tmp_path, capsys):
     code, _, err = run_cli(capsys, "sweep", str(sweep), "--ray", "auto", "--gpus-per-run", "-0.5")
     assert code == 2 and err.strip() == "error: --gpus-per-run must be a number >= 0, got -0.5"
     assert not (tmp_path / "runs").exists()
+
+
+def test_run_help_lists_every_key_with_its_default_and_description(capsys):
+    from splitlab.algorithms import algorithms
+    from splitlab.config import RunConfig
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    shown = capsys.readouterr().out
+    for name, field in RunConfig.model_fields.items():
+        default = "none" if field.default is None else field.default
+        assert f"\n  {name}={str(default).lower() if isinstance(default, bool) else default}\n" in shown
+        assert field.description.split()[0] in shown
+    for name, cls in algorithms().items():
+        for key in cls.Params.model_fields:
+            assert f"\n  {key}=" in shown, (name, key)
+    assert "keys of algorithm=sfl_v2:\n  server_schedule=interleaved\n" in shown
+
+
+@pytest.mark.parametrize(
+    ("command", "key"),
+    [("latency", "client_power"), ("attack", "targets"), ("certs", "hosts"), ("evaluate", "rho")],
+)
+def test_every_commands_help_lists_its_keys(capsys, command, key):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert f"\n  {key}=" in capsys.readouterr().out
+
+
+def test_an_unknown_key_close_to_a_known_one_gets_did_you_mean(capsys):
+    code, _, err = run_cli(capsys, "run", "lrr=0.1")
+    assert code == 2 and err == "error: unknown key 'lrr' for algorithm 'sfl_v2'; did you mean 'lr'?\n"
+    code, _, err = run_cli(capsys, "certs", "client=2")
+    assert code == 2 and "did you mean 'clients'?" in err

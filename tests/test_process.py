@@ -50,3 +50,33 @@ def test_a_child_reports_its_own_peak_memory_not_its_parents() -> None:
     before, after = map(float, out.split())
     assert before < 1000  # ru_maxrss would start at the parent's 1 GiB
     assert after - before >= 190
+
+
+PYTHON_API_CHILD = """
+import resource, sys, torch
+from splitlab.engine import run
+
+def faults_of_ten_allocations():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(10):
+        block = torch.empty(64 << 18)
+        block.fill_(1.0)
+        del block
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+default = faults_of_ten_allocations()
+run({"dataset": "synthetic", "model": "mlp", "clients": 2, "rounds": 1, "device": "cpu", "out": sys.argv[1]},
+    progress=False)
+faults_of_ten_allocations()
+print(default, faults_of_ten_allocations())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc only")
+def test_a_run_from_python_sets_up_the_process_as_the_cli_does(tmp_path) -> None:
+    """engine.run goes through process.prepare_process: freed memory is kept for reuse from Python too."""
+    out = subprocess.run(
+        [sys.executable, "-c", PYTHON_API_CHILD, str(tmp_path / "r")], capture_output=True, text=True, check=True
+    ).stdout
+    default, kept = map(int, out.split())
+    assert default >= 10 and kept * 20 <= default

@@ -126,3 +126,17 @@ def test_past_max_restarts_the_run_stops_with_a_resume_hint(local_ray, tmp_path,
 def test_max_restarts_is_refused_without_ray(tmp_path):
     with pytest.raises(UserError, match=r"max_restarts=1 applies to backend=ray only"):
         run(config("fedavg", tmp_path / "o", max_restarts=1), progress=False)
+
+
+def test_ray_workers_import_the_plugins_of_the_run(local_ray, tmp_path: Path, monkeypatch):
+    """The actors were started before the plugin existed, in another folder: the plugin's folder
+    travels with the run (splitlab.plugins.ray_options), and the result is bit for bit."""
+    from test_plugins import write_plugin
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    write_plugin(folder, "ray_plugin", "ray_fedavg")
+    monkeypatch.syspath_prepend(str(folder))
+    run(config("fedavg", tmp_path / "builtin"), progress=False)
+    run(config("ray_fedavg", tmp_path / "ray", plugins="ray_plugin", backend="ray", workers=2), progress=False)
+    assert results(tmp_path / "builtin") == results(tmp_path / "ray")

@@ -148,15 +148,6 @@ def test_resume_refuses_a_damaged_checkpoint_in_one_line(tmp_path, monkeypatch, 
     assert "\n" not in str(error.value)
 
 
-def test_resume_refuses_an_old_pickled_checkpoint(tmp_path):
-    config = quick(algorithm="sfl_v2", rounds=2, out=str(tmp_path))
-    run(config, progress=False)
-    (tmp_path / "summary.json").unlink()
-    (tmp_path / "checkpoint.pt").write_bytes(b"\x80\x04pickle")
-    with pytest.raises(UserError, match="checkpoint.pt of an older splitlab"):
-        run({**config, "resume": True}, progress=False)
-
-
 # --- the boundary -------------------------------------------------------------------------------------
 
 #: What only a role holds: an orchestrator that names one of these reaches into a role.

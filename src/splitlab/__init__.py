@@ -1,3 +1,46 @@
-"""splitlab: split learning and split federated learning, exact and measurable."""
+"""splitlab: split learning and split federated learning, exact and measurable.
+
+Extending it from a module of your own (docs/extending.md): subclass `splitlab.algorithms.base.
+Algorithm` with a `name`, and call `register_model` / `register_dataset`; load the module with
+`plugins=MODULE` or the entry-point group `splitlab.plugins`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from splitlab.logs import setup_logging
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from pathlib import Path
+
+    from splitlab.data import Dataset
+    from splitlab.models import ModelBuilder
 
 __version__ = "0.1.0"
+
+setup_logging()  # splitlab's messages go to stderr, one line each (splitlab.logs)
+
+
+def register_model(name: str, builder: ModelBuilder) -> None:
+    """`model=name` builds `builder(input_shape, num_classes)`, a StagedModel (splitlab.models)."""
+    from splitlab.models import register_model
+
+    register_model(name, builder)
+
+
+def register_dataset(
+    name: str,
+    loader: Callable[[Path | None, int], Dataset],
+    *,
+    split_loader: Callable[[Path | None, str], Dataset] | None = None,
+    locator: Callable[[Path | None], str] | None = None,
+) -> None:
+    """`dataset=name` loads `loader(data_dir, seed)`, a splitlab.data.Dataset (splitlab.data.datasets)."""
+    from splitlab.data import register_dataset
+
+    register_dataset(name, loader, split_loader=split_loader, locator=locator)
+
+
+__all__ = ["__version__", "register_dataset", "register_model"]

@@ -8,6 +8,7 @@ keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Callable
 
@@ -15,18 +16,23 @@ from rich.console import Console
 from rich.table import Table
 
 from splitlab.comm import format_bytes
-from splitlab.errors import UserError
-from splitlab.process import reuse_freed_memory
+from splitlab.errors import UserError, unknown_key
+from splitlab.logs import setup_logging
+from splitlab.process import prepare_process
 
 console = Console()
+log = logging.getLogger("splitlab.cli")
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from splitlab.config import resolve_config
     from splitlab.engine import run
 
     raw = _run_config(args)
     summary = run(raw, progress=not args.no_progress)
     _print_summary(summary, raw)
+    out = resolve_config(raw).out_dir
+    console.print(f"written to {out}  (curves: splitlab report {out})", soft_wrap=True)
     return 0
 
 
@@ -42,12 +48,13 @@ def _cmd_certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from splitlab.config import parse_overrides
+    from splitlab.keys import CERTS_KEYS
     from splitlab.net.certs import make_certs
 
     keys = parse_overrides(args.overrides)
-    unknown = sorted(set(keys) - {"out", "clients", "hosts", "overwrite"})
+    unknown = sorted(set(keys) - set(CERTS_KEYS))
     if unknown:
-        raise UserError(f"unknown key {unknown[0]!r} for certs; allowed: clients, hosts, out, overwrite")
+        raise unknown_key(unknown[0], CERTS_KEYS, "certs")
     overwrite = keys.get("overwrite", False)
     if not isinstance(overwrite, bool):
         raise UserError(f"invalid value {overwrite!r} for overwrite: expected true or false")
@@ -76,9 +83,7 @@ def _cmd_client(args: argparse.Namespace) -> int:
 
     settings, rest = split_settings(parse_overrides(args.overrides), ClientSettings)
     if rest:
-        raise UserError(
-            f"unknown key {sorted(rest)[0]!r} for client; allowed: {', '.join(ClientSettings.model_fields)}"
-        )
+        raise unknown_key(sorted(rest)[0], ClientSettings.model_fields, "client")
     return run_client(settings)  # type: ignore[arg-type]
 
 
@@ -173,7 +178,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
             gpus_per_run=args.gpus_per_run,
         )
     except SweepFailed as failed:
-        print(f"error: {failed}", file=sys.stderr)
+        log.error(f"error: {failed}")
         return 1
     console.print(f"sweep finished: {sweep_dir}  (next: splitlab report {sweep_dir})")
     return 0
@@ -302,15 +307,31 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     return 0
 
 
+class _CommandParser(argparse.ArgumentParser):
+    """A command's parser whose --help ends with its keys, generated from its settings models
+    (splitlab.keys) when help is asked for, not at every start."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+
+    def format_help(self) -> str:
+        from splitlab.keys import command_keys
+
+        command = self.prog.split()[-1]
+        self.epilog = command_keys(command) or None
+        return super().format_help()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitlab", description="Split learning and split federated learning.")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
     run = commands.add_parser(
         "run",
         help="train one configuration",
         description="Train one configuration given as KEY=VALUE settings "
-        "(and/or a YAML file of them); see docs/cli.md for the keys.",
+        "(and/or a YAML file of them); docs/cli.md explains them.",
     )
     run.add_argument("--config", help="YAML file of KEY: VALUE settings; KEY=VALUE arguments override it")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -323,7 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     }
     for name, help_text in networked.items():
         command = commands.add_parser(
-            name, help=help_text, description=f"{help_text}; the keys of `run` plus those in docs/deployment.md."
+            name, help=help_text, description=f"{help_text}; the keys of `run` plus its own (docs/deployment.md)."
         )
         command.add_argument("--config", help="YAML file of KEY: VALUE settings; KEY=VALUE arguments override it")
         command.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -332,17 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     client = commands.add_parser(
         "client",
         help="one client node of a networked run: connect=HOST:PORT client_id=K certs=DIR [data=own data_dir=DIR]",
-        description="Keys: connect client_id certs data_dir data device threads server_name retry_seconds "
-        "max_message_mib; see docs/deployment.md.",
+        description="One client node of a networked run; see docs/deployment.md.",
     )
     client.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     client.set_defaults(handler=_cmd_client)
     certs = commands.add_parser(
         "certs",
         help="a development CA, server and client certificates: out=DIR clients=K [hosts=a,b] [overwrite=true]",
-        description="Keys: out (default certs), clients (default 1), hosts (names or addresses the "
-        "server certificate is also valid for, besides localhost and 127.0.0.1), overwrite (replace an "
-        "existing CA: every key it issued stops working).",
+        description="A development CA, server and client certificates (valid for localhost, 127.0.0.1 and hosts).",
     )
     certs.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     certs.set_defaults(handler=_cmd_certs)
@@ -381,8 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser(
         "evaluate",
         help="SplitGP's per-client view of a finished run (rho, E_th)",
-        description="Keys: rho=0,0.2,... entropy_threshold=auto|<E_th> "
-        "validation_size=200 finetune_rounds=1 device=cpu; see docs/splitgp.md.",
+        description="SplitGP's per-client view of a finished run; see docs/splitgp.md.",
     )
     evaluate.add_argument("dir")
     evaluate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -400,8 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     latency = commands.add_parser(
         "latency",
         help="SplitGP's inference-time model (Table I, Props. 1-3)",
-        description="Keys: model cut client_power server_power rate beta samples "
-        "latency_budget phi_min input classes; see docs/splitgp.md.",
+        description="SplitGP's inference-time model; see docs/splitgp.md.",
     )
     latency.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     latency.set_defaults(handler=_cmd_latency)
@@ -409,7 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     attack = commands.add_parser(
         "attack",
         help="a curious training server's attack on a finished run (inversion | label_leak)",
-        description="Keys: attack=inversion|label_leak round aux targets epochs device seed; see docs/privacy.md.",
+        description="A curious training server's attack on a finished run; see docs/privacy.md.",
     )
     attack.add_argument("dir")
     attack.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -418,16 +434,17 @@ def build_parser() -> argparse.ArgumentParser:
     advise = commands.add_parser(
         "advise",
         help="every cut of a model side by side: client cost, bytes, latency, leakage, accuracy",
-        description="Keys: dataset model algorithm defense clients rounds train_subset test_subset batch_size lr "
-        "seed device aux targets epochs client_power server_power rate beta out; see docs/privacy.md.",
+        description="Every cut of a model side by side; see docs/privacy.md.",
     )
     advise.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     advise.set_defaults(handler=_cmd_advise)
+    for command in commands.choices.values():
+        command.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors; no progress bar")
+        command.add_argument("-v", "--verbose", action="store_true", help="debug messages too")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    reuse_freed_memory()  # this process is splitlab's: keep freed tensors' memory for reuse (splitlab.process)
     parser = build_parser()
     # Flags may come anywhere among KEY=VALUE pairs: argparse stops the pairs at the first flag.
     args, rest = parser.parse_known_args(argv)
@@ -435,15 +452,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if rest:
         args.overrides += rest
+    prepare_process()  # this process is splitlab's (splitlab.process)
+    setup_logging(args.verbose - args.quiet, force=True)
+    if args.quiet and hasattr(args, "no_progress"):
+        args.no_progress = True
     handler: Callable[[argparse.Namespace], int] = args.handler
     try:
         return handler(args)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        log.error(f"error: {err}")
         return getattr(err, "exit_code", 2)
     except KeyboardInterrupt:
         again = "run the same sweep command again" if args.command == "sweep" else "add resume=true"
-        print(f"interrupted; to continue, {again}", file=sys.stderr)
+        log.error(f"interrupted; to continue, {again}")
         return 130
 
 

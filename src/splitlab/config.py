@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from splitlab.errors import UserError
+from splitlab.errors import UserError, unknown_key
 
 
 class RunConfig(BaseModel):
@@ -25,15 +25,20 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    algorithm: str = "sfl_v2"
-    dataset: str = "fashion_mnist"
+    plugins: str | None = Field(
+        None,
+        description="modules of your own to import first, comma-separated (algorithms, models, datasets; "
+        "docs/extending.md)",
+    )
+    algorithm: str = Field("sfl_v2", description="the algorithm (see `splitlab algorithms`; a plugin's too)")
+    dataset: str = Field("fashion_mnist", description="the dataset (see `splitlab datasets`)")
     data_dir: str | None = Field(None, description="directory with the dataset's files, if not the default")
     data: Literal["partition", "own"] = Field(
         "partition",
         description="partition: clients are a seeded partition of the dataset | own: each client brings the "
         "training samples in its own data_dir (splitlab server only)",
     )
-    model: str = "cnn"
+    model: str = Field("cnn", description="the model (see `splitlab models`)")
     layers: int | None = Field(None, ge=1, le=1024, description="model=gpt: transformer blocks (default 4)")
     heads: int | None = Field(None, ge=1, le=1024, description="model=gpt: attention heads per block (default 4)")
     width: int | None = Field(
@@ -67,19 +72,24 @@ class RunConfig(BaseModel):
     cut: int = Field(1, description="cut layer, in the model's numbering (see `splitlab models`)")
     clients: int | Literal["all"] = Field(10, description="number of clients K; 'all' = one per natural user")
     participation: float = Field(1.0, gt=0, le=1, description="fraction C of clients sampled per round")
-    rounds: int = Field(10, ge=1)
-    local_epochs: int = Field(1, ge=1)
+    rounds: int = Field(10, ge=1, description="training rounds")
+    local_epochs: int = Field(1, ge=1, description="passes over its samples a client makes per round")
     local_steps: int | None = Field(
         None, ge=1, description="cap on a client's mini-batches per round (after local_epochs); none = all of them"
     )
-    batch_size: int = Field(64, ge=1)
-    optimizer: Literal["sgd", "adam"] = "adam"
-    lr: float = Field(1e-3, gt=0)
+    batch_size: int = Field(64, ge=1, description="samples per mini-batch")
+    optimizer: Literal["sgd", "adam"] = Field("adam", description="sgd | adam, for every part of the model")
+    lr: float = Field(1e-3, gt=0, description="learning rate")
+    lr_schedule: str = Field(
+        "none",
+        description="the learning rate by round, as factors of lr joined by +: step:<every>:<gamma> | cosine | "
+        "warmup:<rounds> (e.g. warmup:5+cosine); none = lr throughout",
+    )
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="L2 penalty of the optimizer")
     partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="random seed (0 to 2**32-1, what numpy and torch both accept)")
-    device: Literal["cpu", "cuda", "auto"] = "auto"
+    device: Literal["cpu", "cuda", "auto"] = Field("auto", description="cpu | cuda | auto (cuda when there is one)")
     eval_every: int = Field(1, ge=1, description="evaluate every N rounds (and after the last)")
     train_subset: int | None = Field(None, ge=1, description="use only N training samples (seeded choice)")
     test_subset: int | None = Field(None, ge=1, description="evaluate on only N test samples (seeded choice)")
@@ -97,8 +107,10 @@ class RunConfig(BaseModel):
         description="byte-counting convention: splitlab counts everything; fsl_sage leaves labels "
         "out, as the FSL-SAGE authors' code does",
     )
-    logger: Literal["none", "tensorboard"] = Field(
-        "none", description="also log metrics to TensorBoard (OUT/tensorboard; needs the tensorboard package)"
+    logger: Literal["none", "csv", "tensorboard", "mlflow", "wandb"] = Field(
+        "none",
+        description="also log every evaluated round to: csv (OUT/metrics.csv) | tensorboard (OUT/tensorboard) | "
+        "mlflow (OUT/mlruns) | wandb (offline, OUT/wandb); all but csv need their package (docs/cli.md)",
     )
     out: str | None = Field(
         None, description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>"
@@ -161,6 +173,14 @@ class RunConfig(BaseModel):
         from splitlab.data import parse_partition_scheme
 
         parse_partition_scheme(value)
+        return value
+
+    @field_validator("lr_schedule")
+    @classmethod
+    def _check_lr_schedule(cls, value: str) -> str:
+        from splitlab.schedules import parse_lr_schedule
+
+        parse_lr_schedule(value)
         return value
 
     @field_validator("defense")
@@ -271,16 +291,22 @@ def _one_line(err: ValidationError) -> str:
 
 
 def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
-    """Validate a flat dict of settings against RunConfig and the algorithm's Params."""
+    """Validate a flat dict of settings against RunConfig and the algorithm's Params, after
+    importing the plugins it names (they may define the algorithm, model or dataset it uses)."""
     from splitlab.algorithms import get_algorithm
+    from splitlab.plugins import load_plugins
+
+    plugins = raw.get("plugins")
+    if plugins is not None and not isinstance(plugins, str):
+        raise UserError(f"invalid value {plugins!r} for plugins: expected module names, comma-separated")
+    load_plugins(plugins)
 
     algorithm = get_algorithm(raw.get("algorithm", RunConfig.model_fields["algorithm"].default))
     common = set(RunConfig.model_fields)
     own = set(algorithm.Params.model_fields)
     for key in raw:
         if key not in common and key not in own:
-            allowed = ", ".join(sorted(common | own))
-            raise UserError(f"unknown key {key!r} for algorithm {algorithm.name!r}; allowed: {allowed}")
+            raise unknown_key(key, common | own, f"algorithm {algorithm.name!r}")
     fields = {**RunConfig.model_fields, **algorithm.Params.model_fields}
     for key, value in raw.items():
         if isinstance(value, bool) and not _accepts_bool(fields[key].annotation):

@@ -14,29 +14,22 @@ import contextlib
 import dataclasses
 import json
 import math
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 import torch
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
 from torch import nn
 
 from splitlab import codec, rundir
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
+from splitlab.callbacks import Callback, CommBudget, MetricsFile, ProgressBar, RecorderFlush
 from splitlab.channel import Ledger
-from splitlab.comm import GIB, format_bytes, to_target
+from splitlab.comm import GIB, to_target
 from splitlab.config import (
     RUN_CONTROL_KEYS,
     ResolvedConfig,
@@ -49,18 +42,19 @@ from splitlab.errors import NonFiniteLoss, RoleLost, RoundFailed, UserError
 from splitlab.io import (
     save_safetensors,
     write_json,
-    write_jsonl,
     write_safetensors,
     write_yaml,
 )
-from splitlab.loggers import check_logger, make_logger, round_line
+from splitlab.loggers import check_logger, make_logger
+from splitlab.logs import LOGGER
 from splitlab.metrics import TASK_METRICS, logits_in_batches
 from splitlab.models import load_shared, split
 from splitlab.privacy import keys
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.record import Recorder
+from splitlab.process import prepare_process
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
-from splitlab.runfiles import CHECKPOINT, LEGACY_CHECKPOINT, RUN_FILES
+from splitlab.runfiles import CHECKPOINT, RUN_FILES
 from splitlab.streams import register_stream
 from splitlab.transport import TRANSPORTS, ClientDropped, Transport
 
@@ -559,21 +553,24 @@ def run(
     resume: bool | None = None,
     progress: bool = True,
     transport: Callable[[Ledger, torch.device], Transport] | None = None,
+    callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
     """Run (or resume) one experiment; returns the summary that is also written to summary.json.
-    `transport`: as for `build` (splitlab.net's server passes its network transport).
+    `transport`: as for `build` (splitlab.net's server passes its network transport);
+    `callbacks`: hooks of your own into the loop, called after splitlab's (splitlab.callbacks).
 
     When a process holding roles is lost (backend=ray: an actor or its node died), the roles are
     built again and the run replays from its last checkpoint (from the start if it has none yet),
     as a resumed run would: bit for bit the same results. After `max_restarts` such losses the run
     stops with one line."""
+    prepare_process()
     experiment = build(config, transport)
     limit = experiment.config.run.max_restarts
     restarts = 0
     while True:
         try:
             with contextlib.closing(experiment.transport):
-                return _run(experiment, resume, progress)
+                return _run(experiment, resume, progress, callbacks)
         except RoleLost as lost:
             restarts += 1
             if restarts > limit:
@@ -581,17 +578,17 @@ def run(
                     f"{lost}; stopped after max_restarts={limit} restarts: run it again with resume=true "
                     f"to go on from its last checkpoint"
                 ) from None
-            print(
+            LOGGER.warning(
                 f"{lost}: building the roles again and replaying from the last checkpoint "
-                f"(restart {restarts} of at most {limit})",
-                file=sys.stderr,
-                flush=True,
+                f"(restart {restarts} of at most {limit})"
             )
             experiment = build({**config, "resume": True, "overwrite": False}, transport)
             resume = True
 
 
-def _run(experiment: Experiment, resume: bool | None, progress: bool) -> dict[str, Any]:
+def _run(
+    experiment: Experiment, resume: bool | None, progress: bool, callbacks: Sequence[Callback] = ()
+) -> dict[str, Any]:
     run_config = experiment.config.run
     resume = run_config.resume if resume is None else resume
     directory = _RunDirectory(experiment)
@@ -608,7 +605,7 @@ def _run(experiment: Experiment, resume: bool | None, progress: bool) -> dict[st
             directory.check_resumable()
             if "summary.json" in existing:
                 return json.loads((directory.path / "summary.json").read_text())
-        return _loop(experiment, progress)
+        return _loop(experiment, progress, callbacks)
 
 
 def install_noise_secret(blueprint: Blueprint, transport: Transport, secret: bytes) -> None:
@@ -680,11 +677,6 @@ class _Checkpointer:
     def load(self) -> dict[str, Any] | None:
         """The loop state of the last checkpoint, with every role restored; None if there is none."""
         if not self.path.exists():
-            if (self.path.parent / LEGACY_CHECKPOINT).exists():
-                raise UserError(
-                    f"{str(self.path.parent)!r} holds a {LEGACY_CHECKPOINT} of an older splitlab, which "
-                    f"cannot be resumed; use overwrite=true to start over"
-                )
             return None
         try:
             state = codec.decode(self.path.read_bytes(), self.experiment.blueprint.device)
@@ -733,9 +725,26 @@ class _Checkpointer:
         self.path.unlink(missing_ok=True)
 
 
-def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
+def _callbacks(experiment: Experiment, show_progress: bool, extra: Sequence[Callback]) -> list[Callback]:
+    """The loop's callbacks, in the order they are called: files first, then trackers, progress,
+    the caller's."""
+    cfg, out, ledger = experiment.config.run, experiment.out, experiment.ledger
+    callbacks: list[Callback] = [MetricsFile(out)]
+    if experiment.blueprint.recorder is not None:
+        callbacks.append(RecorderFlush(experiment.blueprint.recorder, out))
+    if cfg.comm_budget_gib is not None:
+        callbacks.append(CommBudget(ledger, cfg.comm_budget_gib))
+    tracker = make_logger(cfg.logger, out, experiment.config.as_dict())
+    if tracker is not None:
+        callbacks.append(tracker)
+    if show_progress:
+        callbacks.append(ProgressBar(f"{cfg.algorithm} rounds", cfg.rounds, ledger))
+    return [*callbacks, *extra]
+
+
+def _loop(experiment: Experiment, show_progress: bool, extra: Sequence[Callback] = ()) -> dict[str, Any]:
     cfg = experiment.config.run
-    algorithm, out, ledger = experiment.algorithm, experiment.out, experiment.ledger
+    algorithm, out = experiment.algorithm, experiment.out
     checkpoints = _Checkpointer(experiment)
     state: dict[str, Any] = checkpoints.load() or {
         "round": 0,
@@ -747,25 +756,12 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
         write_yaml(out / "config.yaml", experiment.config.as_dict())
         write_json(out / "partition.json", experiment.partition_report)
 
-    columns = [
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("acc {task.fields[acc]}  {task.fields[sent]}"),
-        TimeElapsedColumn(),
-    ]
-    logger = make_logger(cfg.logger, out)
-    lines = show_progress and not sys.stderr.isatty()  # logs, CI, nohup: one line per evaluated round
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(checkpoints.join)
-        bar = cleanup.enter_context(Progress(*columns, disable=not show_progress or lines, transient=False))
-        task = bar.add_task(
-            f"{cfg.algorithm} rounds",
-            total=cfg.rounds,
-            completed=state["round"],
-            acc=_last_accuracy(state["metrics"]),
-            sent=format_bytes(ledger.total_bytes),
-        )
+        callbacks = _callbacks(experiment, show_progress, extra)
+        for callback in callbacks:
+            callback.on_run_start(state)
+            cleanup.callback(callback.on_run_end, state)
         while state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
             rnd = state["round"]
             torch.manual_seed(cfg.seed * 1_000_003 + rnd)  # dropout etc. depend on (seed, round) only
@@ -776,8 +772,6 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
             with _needs_the_client(cfg.algorithm, rnd + 1):
                 algorithm.run_round(rnd, clients)
             _check_enough_finished(experiment, clients, rnd + 1)
-            if experiment.blueprint.recorder is not None:
-                experiment.blueprint.recorder.flush(out, rnd)
             state.setdefault("dropped", []).extend([rnd + 1, k] for k in sorted(algorithm.dropped))
             train_loss = algorithm.pop_train_loss()
             _check_finite(train_loss, "training loss", rnd + 1)
@@ -786,26 +780,19 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
                 compute_seconds[phase] = compute_seconds.get(phase, 0.0) + seconds
             state["wall_seconds"] += time.perf_counter() - started
             state["round"] = rnd + 1
-            over_budget = cfg.comm_budget_gib is not None and ledger.total_bytes >= cfg.comm_budget_gib * GIB
-            if over_budget:
-                state["stopped_by"] = "comm_budget"
-            if state["round"] % cfg.eval_every == 0 or state["round"] == cfg.rounds or over_budget:
+            stops = [reason for callback in callbacks if (reason := callback.on_round_trained(state)) is not None]
+            if stops:
+                state["stopped_by"] = stops[0]
+            row = None
+            if state["round"] % cfg.eval_every == 0 or state["round"] == cfg.rounds or stops:
                 with _needs_the_client(cfg.algorithm, rnd + 1):  # personal models are fetched from clients
-                    state["metrics"].append(_metrics_row(experiment, state, train_loss, compute_seconds))
-                _check_finite(state["metrics"][-1]["test_loss"], "test loss", state["round"])
-                write_jsonl(out / "metrics.jsonl", state["metrics"])
-                logger.log(state["metrics"][-1])
-                if lines:
-                    print(round_line(state["metrics"][-1], cfg.rounds), file=sys.stderr, flush=True)
+                    row = _metrics_row(experiment, state, train_loss, compute_seconds)
+                _check_finite(row["test_loss"], "test loss", state["round"])
+                state["metrics"].append(row)
+            for callback in callbacks:
+                callback.on_round_end(state, row)
             if state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
                 checkpoints.maybe_save(state)
-            bar.update(
-                task,
-                completed=state["round"],
-                acc=_last_accuracy(state["metrics"]),
-                sent=format_bytes(ledger.total_bytes),
-            )
-    logger.close()
     checkpoints.wait()
     summary = _finish(experiment, state)
     checkpoints.remove()
@@ -839,10 +826,6 @@ def _check_finite(loss: float | None, what: str, round_number: int) -> None:
             f"the {what} became {loss} in round {round_number}: training diverged; lower lr "
             f"(or use optimizer=adam) and start again with overwrite=true"
         )
-
-
-def _last_accuracy(rows: list[dict]) -> str:
-    return f"{100 * rows[-1]['test_accuracy']:.2f}%" if rows else "-"
 
 
 def _metrics_row(

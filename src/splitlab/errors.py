@@ -4,6 +4,11 @@ The CLI turns it into a one-line message and exit code 2; everything else is a b
 its traceback.
 """
 
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
 
 class UserError(Exception):
     """A bad value from the user: the message names the value and what is allowed."""
@@ -25,3 +30,11 @@ class RoundFailed(UserError):
 class RoleLost(Exception):
     """A process holding roles was lost (a Ray actor or its node died): the driver can build the roles
     again and replay from the last checkpoint (engine.run, `max_restarts`)."""
+
+
+def unknown_key(key: str, allowed: Iterable[str], where: str = "") -> UserError:
+    """`unknown key 'lrr' for run; did you mean 'lr'?`, or the allowed keys when none is close."""
+    names = sorted(allowed)
+    close = difflib.get_close_matches(key, names, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(names)}"
+    return UserError(f"unknown key {key!r}{f' for {where}' if where else ''}; {hint}")

@@ -1,18 +1,28 @@
-"""Optional metric loggers beside metrics.jsonl (which is always written).
+"""Trackers beside metrics.jsonl (which is always written): `logger=csv|tensorboard|mlflow|wandb`.
 
-`logger=tensorboard` writes each evaluated round's metrics under OUT/tensorboard when the
-`tensorboard` package is installed (`pip install tensorboard`); it is not a dependency.
+Each is a loop callback that logs every evaluated round's metrics. csv is built in; the others
+need their package (the extras `tensorboard`, `mlflow`, `wandb`), imported only when chosen, and
+write under the run directory without a server or an account: TensorBoard to OUT/tensorboard,
+MLflow to the file store OUT/mlruns, W&B offline to OUT/wandb (`wandb sync` uploads it later).
 """
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import io
 from pathlib import Path
+from typing import Any
 
-from splitlab.comm import GIB, format_bytes
+from splitlab.callbacks import Callback, State
+from splitlab.comm import GIB
 from splitlab.errors import UserError
+from splitlab.io import write_text
 
 SCALARS = ("test_accuracy", "test_loss", "test_f1", "test_mcc", "test_perplexity", "train_loss", "comm_gib")
+
+#: logger -> the package it imports (and the extra that installs it)
+PACKAGES = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 
 
 def installed(package: str) -> bool:
@@ -21,46 +31,109 @@ def installed(package: str) -> bool:
 
 def check_logger(name: str) -> None:
     """Fail before anything is written when the chosen logger cannot work here."""
-    if name == "tensorboard" and not installed("tensorboard"):
+    package = PACKAGES.get(name)
+    if package is not None and not installed(package):
         raise UserError(
-            "logger=tensorboard needs the tensorboard package (pip install tensorboard); "
-            "use logger=none to log to metrics.jsonl only"
+            f"logger={name} needs the {package} package (pip install 'splitlab[{name}]'); "
+            f"use logger=csv or logger=none to log to metrics.jsonl only"
         )
 
 
-class TensorBoardLogger:
+def scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers a tracker plots from a metrics row: SCALARS and GiB sent by kind."""
+    values = {key: float(row[key]) for key in SCALARS if row.get(key) is not None}
+    values.update({f"comm_gib/{kind}": n / GIB for kind, n in row["comm_bytes_by_kind"].items()})
+    return values
+
+
+class CsvLogger(Callback):
+    """OUT/metrics.csv: one row per evaluated round, nested values as `key/sub` columns; the whole
+    file rewritten atomically from the loop's rows, so a resumed run's file is an uninterrupted one's."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "metrics.csv"
+
+    def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
+        if row is None:
+            return
+        rows = [_flat(r) for r in state["metrics"]]
+        columns = list(dict.fromkeys(key for r in rows for key in r))
+        text = io.StringIO()
+        writer = csv.DictWriter(text, columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        write_text(self.path, text.getvalue())
+
+
+def _flat(row: dict[str, Any]) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in row.items():
+        if isinstance(value, dict):
+            flat.update({f"{key}/{sub}": v for sub, v in value.items()})
+        else:
+            flat[key] = value if not isinstance(value, list) else " ".join(map(str, value))
+    return flat
+
+
+class TensorBoardLogger(Callback):
     def __init__(self, out: Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(out / "tensorboard"))
 
-    def log(self, row: dict) -> None:
-        for key in SCALARS:
-            if row.get(key) is not None:
-                self.writer.add_scalar(key, row[key], row["round"])
-        for kind, nbytes in row["comm_bytes_by_kind"].items():
-            self.writer.add_scalar(f"comm_gib/{kind}", nbytes / GIB, row["round"])
-        self.writer.flush()
+    def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
+        if row is not None:
+            for key, value in scalars(row).items():
+                self.writer.add_scalar(key, value, row["round"])
+            self.writer.flush()
 
-    def close(self) -> None:
+    def on_run_end(self, state: State) -> None:
         self.writer.close()
 
 
-class NoLogger:
-    def log(self, row: dict) -> None:
-        pass
+class MlflowLogger(Callback):
+    """One MLflow run per splitlab run, in the file store OUT/mlruns (no tracking server)."""
 
-    def close(self) -> None:
-        pass
+    def __init__(self, out: Path, config: dict[str, Any]) -> None:
+        import mlflow
+
+        self.mlflow = mlflow
+        mlflow.set_tracking_uri((out / "mlruns").resolve().as_uri())
+        self.run = mlflow.start_run(run_name=out.name)
+        mlflow.log_params({key: str(value) for key, value in config.items()})
+
+    def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
+        if row is not None:
+            self.mlflow.log_metrics({k.replace("/", "."): v for k, v in scalars(row).items()}, step=row["round"])
+
+    def on_run_end(self, state: State) -> None:
+        self.mlflow.end_run()
 
 
-def make_logger(name: str, out: Path) -> TensorBoardLogger | NoLogger:
-    return TensorBoardLogger(out) if name == "tensorboard" else NoLogger()
+class WandbLogger(Callback):
+    """A W&B run in offline mode under OUT/wandb (no account, no network; `wandb sync` uploads it)."""
+
+    def __init__(self, out: Path, config: dict[str, Any]) -> None:
+        import wandb
+
+        self.run = wandb.init(mode="offline", dir=str(out), name=out.name, config=config, reinit=True)
+
+    def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
+        if row is not None:
+            self.run.log(scalars(row), step=row["round"])
+
+    def on_run_end(self, state: State) -> None:
+        self.run.finish()
 
 
-def round_line(row: dict, rounds: int) -> str:
-    """One plain line per evaluated round, for output that is not a terminal."""
-    return (
-        f"round {row['round']}/{rounds}  acc {100 * row['test_accuracy']:.2f}%  "
-        f"loss {row['test_loss']:.4f}  {format_bytes(row['comm_bytes'])}  {row['wall_seconds']:.1f} s"
-    )
+def make_logger(name: str, out: Path, config: dict[str, Any]) -> Callback | None:
+    """The tracker `logger=name` asks for; None for logger=none."""
+    if name == "csv":
+        return CsvLogger(out)
+    if name == "tensorboard":
+        return TensorBoardLogger(out)
+    if name == "mlflow":
+        return MlflowLogger(out, config)
+    if name == "wandb":
+        return WandbLogger(out, config)
+    return None

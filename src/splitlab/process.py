@@ -1,5 +1,8 @@
-"""Process-wide settings of a process that trains (malloc that keeps freed memory, torch threads),
-and its peak memory.
+"""Process-wide settings of a process that trains (malloc that keeps freed memory, torch threads,
+splitlab's log handler), and its peak memory.
+
+`prepare_process` is the one way in: the CLI, `splitlab.engine.run` called from Python, sweep
+workers and Ray actors all go through it, so a run is as fast from Python as from the command line.
 
 Training allocates tensors of the same large sizes at every step (gradients, activations, Adam's
 moments, a checkpoint's bytes). glibc's malloc hands a freed block above its mmap threshold (at
@@ -17,6 +20,8 @@ import ctypes
 import resource
 import sys
 from pathlib import Path
+
+from splitlab.logs import setup_logging
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -50,12 +55,25 @@ def peak_memory_mib() -> float:
     return maxrss / (2**20 if sys.platform == "darwin" else 1024)  # bytes on macOS, kB elsewhere
 
 
+def prepare_process() -> None:
+    """Set up this process for training, once: freed memory kept for reuse, splitlab's log handler
+    (unless one is set up already)."""
+    global _PREPARED
+    if not _PREPARED:
+        reuse_freed_memory()
+        _PREPARED = True
+    setup_logging()
+
+
+_PREPARED = False
+
+
 def set_worker_threads(threads: int) -> None:
-    """Set up a worker process (a sweep's, a Ray actor or task): freed memory kept for reuse, and
-    `threads` torch threads, so that workers side by side never ask for more cores than they got."""
+    """Set up a worker process (a sweep's, a Ray actor or task): `prepare_process`, and `threads`
+    torch threads, so that workers side by side never ask for more cores than they got."""
     import torch
 
-    reuse_freed_memory()
+    prepare_process()
     torch.set_num_threads(threads)
     with contextlib.suppress(RuntimeError):  # already set, or parallel work already started
         torch.set_num_interop_threads(1)

@@ -29,6 +29,7 @@ from splitlab.channel import Ledger
 from splitlab.config import ResolvedConfig, resolve_config
 from splitlab.errors import RoleLost, UserError
 from splitlab.metrics import TASK_METRICS
+from splitlab.plugins import ray_options
 from splitlab.process import peak_memory_mib, set_worker_threads
 from splitlab.roles import Blueprint, Role, State
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
@@ -264,7 +265,7 @@ def start_roles(
                 f"{key}, or add nodes"
             )
     algorithm_class = get_algorithm(run.algorithm)
-    Host = ray.remote(num_cpus=run.cpus_per_client, num_gpus=run.gpus_per_client)(RoleHost)
+    Host = ray.remote(num_cpus=run.cpus_per_client, num_gpus=run.gpus_per_client, **ray_options(run.plugins))(RoleHost)
     config_json = json.dumps(config.as_dict())
     shares = [{k: idx for k, idx in owners.items() if k % run.workers == w} for w in range(run.workers)]
     hosts = [

@@ -45,6 +45,7 @@ from splitlab.models import (
 from splitlab.privacy import defenses, keys
 from splitlab.privacy.defenses import Defense, decode
 from splitlab.privacy.record import Recorder
+from splitlab.schedules import Factor, lr_factor, parse_lr_schedule
 from splitlab.streams import register_stream
 from splitlab.transport import KEYED, verb
 
@@ -94,6 +95,14 @@ class Blueprint:
     noise_secret: bytes | None = None
     _initial: dict[str, nn.Module] = field(default_factory=dict)
     _pools: dict[str, list[nn.Module]] = field(default_factory=dict)
+
+    @functools.cached_property
+    def lr_schedule(self) -> list[Factor]:
+        """The factors of `lr_schedule=` (none: empty, and optimizers are left at their lr)."""
+        return parse_lr_schedule(self.config.lr_schedule)
+
+    def lr_factor(self, rnd: int) -> float:
+        return lr_factor(self.lr_schedule, rnd, self.config.rounds)
 
     @functools.cached_property
     def defense(self) -> Defense:
@@ -296,6 +305,7 @@ class Role(Generic[ParamsT]):
         self.models: dict[str, nn.Module] = {}
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.scratch: set[str] = set()
+        self.round = 0
 
     def lr(self, slot: str) -> float | None:
         """The learning rate of `slot`'s optimizer (None: the configured `lr`)."""
@@ -307,9 +317,20 @@ class Role(Generic[ParamsT]):
         return self.models[slot]
 
     def optimizer(self, slot: str) -> torch.optim.Optimizer:
+        """`slot`'s optimizer, its learning rate that of the current round (lr_schedule=)."""
         if slot not in self.optimizers:
             self.optimizers[slot] = self.blueprint.optimizer(self.model(slot), self.lr(slot))
-        return self.optimizers[slot]
+        optimizer = self.optimizers[slot]
+        if self.blueprint.lr_schedule:
+            factor = self.blueprint.lr_factor(self.round)
+            for group in optimizer.param_groups:
+                group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
+        return optimizer
+
+    @verb()
+    def begin_round(self, rnd: int) -> None:
+        """Round `rnd` begins: the learning rate follows it (called on servers only with lr_schedule=)."""
+        self.round = rnd
 
     def load_copy(self, slot: str, state: Mapping[str, torch.Tensor]) -> None:
         """Make `slot` a working copy of `state` (or, a kept slot, hold `state`), with a fresh optimizer.
@@ -380,7 +401,7 @@ class ClientNode(Role[ParamsT]):
         self.prepare = prepare
         self.stash: dict[int, Any] = {}
         self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
-        self.round, self._releases = 0, 0
+        self._releases = 0
 
     @property
     def num_samples(self) -> int:
@@ -407,8 +428,9 @@ class ClientNode(Role[ParamsT]):
 
     @verb()
     def begin_round(self, rnd: int) -> None:
+        super().begin_round(rnd)
         self._batches = self.batches(rnd)
-        self.round, self._releases = rnd, 0
+        self._releases = 0
 
     def release(
         self, x: torch.Tensor, y: torch.Tensor, smashed: torch.Tensor, step: int | None = None

@@ -22,23 +22,24 @@ from typing import TextIO
 
 from splitlab.errors import UserError
 from splitlab.io import TEMP_GLOB
+from splitlab.runfiles import RUN_FILES
 
 LOCK = ".lock"
-#: Every file or folder a run (engine) or `splitlab evaluate` writes into its directory.
+#: Every file or folder a run (engine, its trackers) or `splitlab evaluate` writes into its directory.
 WRITTEN = (
-    "config.yaml",
-    "partition.json",
-    "metrics.jsonl",
-    "summary.json",
-    "checkpoint.pt",
-    "weights.safetensors",
-    "clients.safetensors",
+    *RUN_FILES,
+    "metrics.csv",
     "evaluation.json",
     "tensorboard",
+    "mlruns",
+    "wandb",
     "record",
     "attack.json",
     "attack_inversion.png",
     "hf",
+    "report.md",
+    "results.csv",
+    "plots",
 )
 
 

@@ -260,3 +260,27 @@ def test_plots_share_y_mark_identical_curves_readable_log_ticks_and_honest_title
         "mean ± std over seeds"
         in curves_figure(Analysis(sweep, None), lambda m: m.get("round"), "round", "t")._suptitle.get_text()
     )
+
+
+def test_report_of_one_run_directory_writes_its_tables_and_curves_with_whole_round_ticks(tmp_path: Path):
+    from splitlab.experiments.analysis import Analysis
+    from splitlab.experiments.plots import curves_figure
+
+    run = fabricate(tmp_path, "one", {"algorithm": "sfl_v2", "cut": 1}, [0.3, 0.5, 0.6])
+    report = write_report(run)
+    assert report == run / "report.md"
+    assert [(row["run"], float(row["final_accuracy"])) for row in read_csv(run / "results.csv")] == [("one", 0.6)]
+    for name in ("accuracy_vs_round.png", "accuracy_vs_gib.png"):
+        assert (run / "plots" / name).read_bytes().startswith(PNG_SIGNATURE)
+    fig = curves_figure(Analysis(run, None), lambda m: m.get("round"), "round", "t", integer_x=True)
+    ticks = [t for t in fig.axes[0].get_xticks() if 1 <= t <= 3]
+    assert ticks == [1, 2, 3]
+
+
+def test_runs_stuck_at_chance_are_flagged(tmp_path: Path):
+    sweep = tmp_path / "sweep"
+    fabricate(sweep, "learned", {"algorithm": "fedavg", "cut": 1, "seed": 0}, [0.5, 0.9])  # 3 classes: chance 33.33%
+    fabricate(sweep, "stuck", {"algorithm": "fedavg", "cut": 1, "seed": 1}, [0.34, 0.35])
+    md = write_report(sweep).read_text()
+    _, rows = table(md, "Runs at chance level")
+    assert rows == {"stuck": ["35.00", "33.33"]}

@@ -1,10 +1,14 @@
-"""Algorithm registry: every `Algorithm` subclass with a `name` in this package, found by import.
+"""Algorithm registry: every `Algorithm` subclass with a `name`, wherever and whenever it is defined.
 
-Adding an algorithm is adding one file here.
+Adding an algorithm is adding one file here, or defining a subclass in a module of your own
+(loaded with `plugins=`, docs/extending.md). The registry is not cached: a subclass defined after
+a first run is known to the next one.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 import importlib
 import pkgutil
 from typing import TYPE_CHECKING
@@ -15,29 +19,39 @@ if TYPE_CHECKING:
     from splitlab.algorithms.base import Algorithm
 
 
-def _discover() -> dict[str, type[Algorithm]]:
-    from splitlab.algorithms.base import Algorithm
-
+@functools.cache
+def _import_builtin() -> None:
+    """Import every module of this package once, so that its algorithms are defined."""
     for module in pkgutil.iter_modules(__path__):
         importlib.import_module(f"{__name__}.{module.name}")
-    found: dict[str, type[Algorithm]] = {}
-    pending = list(Algorithm.__subclasses__())
-    while pending:
-        cls = pending.pop()
-        pending.extend(cls.__subclasses__())
-        if "name" in vars(cls):
-            found[cls.name] = cls
-    return found
-
-
-_REGISTRY: dict[str, type[Algorithm]] | None = None
 
 
 def algorithms() -> dict[str, type[Algorithm]]:
-    global _REGISTRY
-    if _REGISTRY is None:
-        _REGISTRY = _discover()
-    return _REGISTRY
+    """name -> class, for every subclass of `Algorithm` that sets its own `name`. Two classes
+    claiming one name is an error, unless one is a redefinition of the other (a module run again):
+    then the later one counts."""
+    from splitlab.algorithms.base import Algorithm
+
+    _import_builtin()
+    found: dict[str, type[Algorithm]] = {}
+    pending = collections.deque(Algorithm.__subclasses__())  # in the order they were defined
+    while pending:
+        cls = pending.popleft()
+        pending.extend(cls.__subclasses__())
+        if "name" not in vars(cls):
+            continue
+        earlier = found.get(cls.name)
+        if earlier is not None and _qualified(earlier) != _qualified(cls):
+            raise UserError(
+                f"algorithm name {cls.name!r} is taken twice: by {_qualified(earlier)} and by {_qualified(cls)}; "
+                f"rename one"
+            )
+        found[cls.name] = cls
+    return found
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def algorithm_names() -> list[str]:

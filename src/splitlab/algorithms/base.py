@@ -174,6 +174,8 @@ class Algorithm(Generic[ParamsT]):
     # --- the round, as the engine runs it ---------------------------------------------------
     def run_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.dropped = set()
+        if self.ctx.config.lr_schedule != "none":  # the server's optimizers follow the round too
+            self.server.begin_round(rnd)
         for client in clients:
             self.unless_dropped(client.id, "begin_round", rnd)
         self.train_round(rnd, clients)

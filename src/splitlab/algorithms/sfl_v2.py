@@ -16,14 +16,18 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from splitlab.algorithms.base import STREAM_ORDER, Algorithm, ClientInfo
 
 
 class SFLV2Params(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    server_schedule: Literal["interleaved", "sequential"] = "interleaved"
+    server_schedule: Literal["interleaved", "sequential"] = Field(
+        "interleaved",
+        description="interleaved: one batch of each client at a time, in a random order | sequential: clients "
+        "in a random order, each all its steps (the original SplitFed code)",
+    )
 
 
 class SFLV2(Algorithm[SFLV2Params]):

@@ -498,11 +498,35 @@ LOCATORS: dict[str, Callable[[Path | None], str]] = {
 }
 
 # The LEAF datasets (femnist, celeba, shakespeare) live in their own modules, which build on the
-# definitions above; hence the import down here.
-from splitlab.data import leaf  # noqa: E402
+# definitions above; splitlab.data (run before any of its modules) adds them here.
 
-DATASETS.update(leaf.LOADERS)
-LOCATORS.update(leaf.LOCATORS)
+
+def register_dataset(
+    name: str,
+    loader: Callable[[Path | None, int], Dataset],
+    *,
+    split_loader: Callable[[Path | None, str], Dataset] | None = None,
+    locator: Callable[[Path | None], str] | None = None,
+) -> None:
+    """Make `dataset=name` load `loader(data_dir, seed)`; optionally its `split_loader(data_dir,
+    "train" | "test")` (for data=own) and its `locator(data_dir)` (for `splitlab datasets`), the
+    three registry entries in one call. A plugin's name may be registered again (the later loader
+    counts), a built-in one may not."""
+    if not name.isidentifier() or _built_in(DATASETS.get(name)):
+        raise UserError(f"cannot register dataset {name!r}: expected a new name (letters, digits, _), not a built-in")
+    DATASETS[name] = loader
+    SPLIT_LOADERS.pop(name, None)
+    LOCATORS.pop(name, None)
+    if split_loader is not None:
+        SPLIT_LOADERS[name] = split_loader
+    if locator is not None:
+        LOCATORS[name] = locator
+    _load_cached.cache_clear()  # a name registered again must not return the earlier loader's data
+
+
+def _built_in(entry: object) -> bool:
+    return getattr(entry, "__module__", "").startswith("splitlab.")
+
 
 # Language datasets (shakespeare_lm, e2e) take a sequence length and, with model=hf, the model's tokenizer.
 from splitlab.data import language  # noqa: E402

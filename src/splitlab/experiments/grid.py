@@ -39,7 +39,7 @@ from typing import Any
 
 import yaml
 
-from splitlab.errors import UserError
+from splitlab.errors import UserError, unknown_key
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ def _check_spec(spec: Any, where: str) -> None:
         )
     unknown = [k for k in spec if k not in TOP_LEVEL_KEYS]
     if unknown:
-        raise UserError(f"{where}: unknown key {unknown[0]!r}; allowed: {', '.join(TOP_LEVEL_KEYS)}")
+        raise UserError(f"{where}: {unknown_key(unknown[0], TOP_LEVEL_KEYS)}")
     for key in ("base", "axes"):
         if key not in spec:
             raise UserError(f"{where}: missing '{key}:' (a sweep file needs 'base' and 'axes')")

@@ -128,14 +128,30 @@ def _legend(fig, axes) -> None:
 
 
 def plot_curves(
-    an: Analysis, path: Path, x_of: Callable[[dict], float | None], xlabel: str, title: str, logx: bool = False
+    an: Analysis,
+    path: Path,
+    x_of: Callable[[dict], float | None],
+    xlabel: str,
+    title: str,
+    logx: bool = False,
+    integer_x: bool = False,
 ) -> Path:
-    return _save(curves_figure(an, x_of, xlabel, title, logx), path)
+    return _save(curves_figure(an, x_of, xlabel, title, logx, integer_x), path)
 
 
-def curves_figure(an: Analysis, x_of: Callable[[dict], float | None], xlabel: str, title: str, logx: bool = False):
+def curves_figure(
+    an: Analysis,
+    x_of: Callable[[dict], float | None],
+    xlabel: str,
+    title: str,
+    logx: bool = False,
+    integer_x: bool = False,
+):
     """One panel per table column, one curve per row; a curve equal to one drawn before it in the
-    same panel (SFL-V1 under FedAvg vs rounds) is labelled "= <that one>" and drawn dashed on top."""
+    same panel (SFL-V1 under FedAvg vs rounds) is labelled "= <that one>" and drawn dashed on top.
+    `integer_x`: ticks at whole numbers only (rounds)."""
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = _figure(len(an.col_tuples))
     style = _Styler(an)
     for ax, col in zip(axes, an.col_tuples):
@@ -199,6 +215,8 @@ def curves_figure(an: Analysis, x_of: Callable[[dict], float | None], xlabel: st
                 transform=ax.transAxes,
             )
         ax.set_xlabel(xlabel)
+        if integer_x:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("test accuracy (%)")
         if an.col_keys:
             ax.set_title(an.col_label(col), fontsize=10)

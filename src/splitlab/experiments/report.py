@@ -14,8 +14,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import logging
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,8 @@ from splitlab.experiments.runs import num
 from splitlab.experiments.sweep import SNAPSHOT
 from splitlab.experiments.tables import PLOTS, REPORT, RESULTS, markdown
 from splitlab.io import write_text
+
+log = logging.getLogger(__name__)
 
 
 def _csv_value(value: Any) -> Any:
@@ -64,13 +66,14 @@ def _check_dir(sweep_dir: str | os.PathLike) -> Path:
 
 
 def _warn_stderr(message: str) -> None:
-    print(f"warning: {message}", file=sys.stderr)
+    log.warning(f"warning: {message}")
 
 
 def write_report(
     sweep_dir: str | os.PathLike, target_accuracy: float | None = None, warn: Callable[[str], None] = _warn_stderr
 ) -> Path:
-    """Write results.csv, report.md and plots/*.png into `sweep_dir`; return report.md's path.
+    """Write results.csv, report.md and plots/*.png into `sweep_dir` (or a single run's directory);
+    return report.md's path.
 
     `target_accuracy` (a fraction, e.g. 0.8) is the accuracy for the "GiB / rounds to target"
     tables; by default it comes from the sweep file's `report.target_accuracy`, else it is 80%
@@ -102,6 +105,7 @@ def write_report(
                     lambda m: num(m.get("round")),
                     "round",
                     "Test accuracy vs round",
+                    integer_x=True,
                 ),
             )
         )

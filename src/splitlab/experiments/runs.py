@@ -155,6 +155,9 @@ def _is_run_dir(path: Path) -> bool:
 
 
 def load_runs(sweep_dir: Path) -> tuple[list[RunData], dict]:
+    """The runs of a sweep directory, or the one run a run directory holds."""
+    if _is_run_dir(sweep_dir) and not (sweep_dir / SNAPSHOT).exists():
+        return [_load_run(sweep_dir, None)], {}
     snapshot = _read_yaml(sweep_dir / SNAPSHOT)
     snapshot = snapshot if isinstance(snapshot, dict) else {}
     planned: dict = snapshot.get("runs") or {}

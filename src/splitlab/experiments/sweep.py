@@ -34,6 +34,7 @@ from splitlab.experiments.grid import (
     run_name,
 )
 from splitlab.io import write_text
+from splitlab.plugins import ray_options
 from splitlab.process import set_worker_threads
 
 __all__ = [
@@ -158,9 +159,17 @@ def _run_on_ray(pending: list[tuple[str, dict]], resources: dict, finished: Call
     """Every pending run as a Ray task; a task whose worker process dies is started again (up to
     `RAY_RETRIES` times) and resumes from its run's last checkpoint."""
     ray = cluster.ray_module()
-    task = ray.remote(_run_on_ray_worker).options(max_retries=RAY_RETRIES, retry_exceptions=False, **resources)
+    task = ray.remote(_run_on_ray_worker)
     threads = int(resources["num_cpus"])
-    futures = {task.remote(name, json.dumps(config), threads): name for name, config in pending}
+    futures = {}
+    for name, config in pending:  # each run's plugins travel with it
+        options = {
+            "max_retries": RAY_RETRIES,
+            "retry_exceptions": False,
+            **resources,
+            **ray_options(config.get("plugins")),
+        }
+        futures[task.options(**options).remote(name, json.dumps(config), threads)] = name
     try:
         remaining = list(futures)
         while remaining:
@@ -172,7 +181,8 @@ def _run_on_ray(pending: list[tuple[str, dict]], resources: dict, finished: Call
                 finished(name, None, f"Ray worker died {RAY_RETRIES + 1} times (killed, or out of memory?)\n", 0.0)
             except ray.exceptions.RayError:
                 finished(name, None, traceback.format_exc(), 0.0)
-    except BaseException:
+    except BaseException:  # Ctrl-C: cancel the tasks (each run keeps its last checkpoint)
+        log.warning(f"cancelling {_plural(len(futures), 'Ray task')}; each run resumes from its checkpoint")
         for future in futures:
             ray.cancel(future, force=True)
         raise
@@ -249,12 +259,8 @@ def _run_points(
     )
     total, skipped = len(runs), len(runs) - len(pending)
 
-    console = None
     if progress:
-        from rich.console import Console
-
-        console = Console(stderr=True, highlight=False)
-        console.print(
+        log.info(
             f"sweep {where}: {total} runs in {sweep_dir}"
             + (f", {skipped} already finished" if skipped else "")
             + (f", {len(pending)} to run " if pending else "")
@@ -275,11 +281,9 @@ def _run_points(
             except OSError:
                 pass
             last = error.strip().splitlines()[-1] if error.strip() else "error"
-            log.error("run %s failed: %s", name, last)
-            if console:
-                console.print(f"[{done}/{len(pending)}] [red]FAILED[/red] {name}: {last}")
-        elif console:
-            console.print(f"[{done}/{len(pending)}] {name}: {_describe(summary)} ({seconds:.1f} s)")
+            log.error(f"[{done}/{len(pending)}] FAILED {name}: {last}")
+        elif progress:
+            log.info(f"[{done}/{len(pending)}] {name}: {_describe(summary)} ({seconds:.1f} s)")
 
     for name, _ in pending:  # a retried run is no longer failed
         (sweep_dir / name / ERROR_FILE).unlink(missing_ok=True)
@@ -311,8 +315,12 @@ def _run_points(
                     finished(name, None, "worker process died (killed, or out of memory?)\n", 0.0)
                 except Exception:
                     finished(name, None, traceback.format_exc(), 0.0)
-        except BaseException:
+        except BaseException:  # Ctrl-C: stop the workers now (each run keeps its last checkpoint)
+            running = multiprocessing.active_children()
+            log.warning(f"stopping {_plural(len(running), 'worker')}; each run resumes from its checkpoint")
             pool.shutdown(wait=False, cancel_futures=True)
+            for process in running:
+                process.terminate()
             raise
         pool.shutdown(wait=True)
 
@@ -321,6 +329,6 @@ def _run_points(
         write_text(failures_path, json.dumps(failures, indent=2))
         raise SweepFailed(sweep_dir, failures, total)
     failures_path.unlink(missing_ok=True)
-    if console:
-        console.print(f"sweep {where}: all {total} runs finished in {sweep_dir}")
+    if progress:
+        log.info(f"sweep {where}: all {total} runs finished in {sweep_dir}")
     return sweep_dir

@@ -239,8 +239,36 @@ def markdown(an: Analysis, path: Path, plots: list[tuple[str, Path]]) -> str:
         for caption, p in plots:
             rel = p.relative_to(path).as_posix()
             out += [f"### {caption}", "", f"![{caption}]({rel})", ""]
+    out += _at_chance(an)
     out += _unfinished(an)
     return "\n".join(out).rstrip() + "\n"
+
+
+CHANCE_MARGIN = 1.2
+"""A finished run whose final accuracy is at most this times chance (1 / classes) did not learn."""
+
+
+def _at_chance(an: Analysis) -> list[str]:
+    """The finished runs stuck at chance level: they enter the means above, and a reader must know."""
+    rows = []
+    for run in an.finished:
+        classes = (run.partition or {}).get("num_classes")
+        final = num((run.summary or {}).get("final_accuracy"))
+        if isinstance(classes, int) and classes > 1 and final is not None and final <= CHANCE_MARGIN / classes:
+            rows.append(f"| {_md(run.name)} | {100 * final:.2f} | {100 / classes:.2f} |")
+    if not rows:
+        return []
+    return [
+        "## Runs at chance level",
+        "",
+        f"These finished runs ended at most {CHANCE_MARGIN:g}x chance (1 / classes): they did not learn "
+        "(learning rate? partition?), yet they are in the means above.",
+        "",
+        "| run | final accuracy (%) | chance (%) |",
+        "|---|---:|---:|",
+        *rows,
+        "",
+    ]
 
 
 def _unfinished(an: Analysis) -> list[str]:

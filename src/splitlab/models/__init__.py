@@ -1,4 +1,5 @@
-"""Model zoo and splitting. `build_model` is the one entry point; add a model with one MODELS entry."""
+"""Model zoo and splitting. `build_model` is the one entry point; add a model with one MODELS entry,
+or from outside the package with `splitlab.register_model`."""
 
 from __future__ import annotations
 
@@ -13,11 +14,20 @@ from splitlab.models.hf import hf_model
 from splitlab.models.leaf import LEAF_MODELS
 from splitlab.models.staged import StagedModel, largest_activation_bytes, output_shape, split
 from splitlab.models.trainable import load_shared, share_frozen_copy, shared_state
-from splitlab.models.zoo import MODELS
+from splitlab.models.zoo import MODELS, ModelBuilder
 
 MODELS.update(LEAF_MODELS)  # lstm, celeba_cnn, resnet9 (models/leaf.py builds on the zoo's blocks)
 MODELS["gpt"] = gpt
 MODELS["hf"] = hf_model  # transformers is imported only when one is built
+
+
+def register_model(name: str, builder: ModelBuilder) -> None:
+    """Make `model=name` build `builder(input_shape, num_classes)`, a `StagedModel` (an ordered list
+    of named stages; a cut is an index into it). A plugin's name may be registered again (the
+    later builder counts), a built-in one may not."""
+    if not name.isidentifier() or getattr(MODELS.get(name), "__module__", "").startswith("splitlab."):
+        raise UserError(f"cannot register model {name!r}: expected a new name (letters, digits, _), not a built-in")
+    MODELS[name] = builder
 
 
 def model_names() -> list[str]:
@@ -66,6 +76,7 @@ def build_model(
 
 __all__ = [
     "MODELS",
+    "ModelBuilder",
     "StagedModel",
     "build_model",
     "largest_activation_bytes",
@@ -73,6 +84,7 @@ __all__ = [
     "model_names",
     "model_option_names",
     "output_shape",
+    "register_model",
     "share_frozen_copy",
     "shared_state",
     "split",

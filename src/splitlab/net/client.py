@@ -13,8 +13,8 @@ again and builds a fresh node, backing off while the server is unreachable or bu
 
 from __future__ import annotations
 
+import logging
 import queue
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -32,6 +32,8 @@ from splitlab.net.certs import client_name, read_pair
 from splitlab.net.checks import Refused, check_finite, data_report
 from splitlab.privacy import keys
 from splitlab.roles import ClientNode
+
+logger = logging.getLogger(__name__)
 
 MIB = 1 << 20
 
@@ -59,7 +61,7 @@ class ClientSettings(BaseModel):
 
 
 def log(client_id: int, line: str) -> None:
-    print(f"splitlab client {client_id}: {line}", file=sys.stderr, flush=True)
+    logger.info(f"splitlab client {client_id}: {line}")
 
 
 class _Finished(Exception):

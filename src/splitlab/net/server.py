@@ -24,9 +24,9 @@ OUT/connections.jsonl.
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import re
-import sys
 import threading
 import time
 import uuid
@@ -51,6 +51,8 @@ from splitlab.net.checks import Checks, Refused
 from splitlab.roles import Blueprint
 from splitlab.rundir import check_out_dir
 from splitlab.transport import ClientDropped, Proxy, Transport, VerbSpec
+
+logger = logging.getLogger(__name__)
 
 MIB = 1 << 20
 _BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED  # a refusal for now: the client backs off and tries again
@@ -96,7 +98,7 @@ def split_settings(raw: Mapping[str, Any], settings_class: type[BaseModel]) -> t
 
 
 def log(line: str) -> None:
-    print(f"splitlab server: {line}", file=sys.stderr, flush=True)
+    logger.info(f"splitlab server: {line}")
 
 
 class Session:

@@ -8,7 +8,7 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from splitlab.config import _one_line
-from splitlab.errors import UserError
+from splitlab.errors import UserError, unknown_key
 
 Settings = TypeVar("Settings", bound=BaseModel)
 
@@ -17,7 +17,7 @@ def parse_settings(cls: type[Settings], raw: dict) -> Settings:
     """KEY=VALUE settings of a command -> its settings model; a mistake is one UserError line."""
     unknown = sorted(set(raw) - set(cls.model_fields))
     if unknown:
-        raise UserError(f"unknown key {unknown[0]!r}; allowed: {', '.join(cls.model_fields)}")
+        raise unknown_key(unknown[0], cls.model_fields)
     try:
         return cls(**raw)
     except ValidationError as err:

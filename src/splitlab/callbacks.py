@@ -1,0 +1,118 @@
+"""Hooks into the round loop: what happens around training, apart from training itself.
+
+The engine's loop trains a round, evaluates it when due and checkpoints; everything else is a
+`Callback`: the progress bar, metrics.jsonl, the trackers (splitlab.loggers), the recorder of
+what the server saw, the communication budget. A callback of your own is passed to
+`splitlab.engine.run(config, callbacks=[...])`. Callbacks observe; none of them draws a random
+number or touches a role, so results are the same with or without them.
+
+`state` is the loop's state, as checkpointed: `round` (rounds finished), `metrics` (the rows so
+far), `wall_seconds`, `stopped_by`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from splitlab.comm import GIB, format_bytes
+from splitlab.io import write_jsonl
+
+State = dict[str, Any]
+log = logging.getLogger(__name__)
+
+
+class Callback:
+    """The hooks, each a no-op here; override those you need."""
+
+    def on_run_start(self, state: State) -> None:
+        """Before the first round of this process (a resumed run starts at `state["round"]`)."""
+
+    def on_round_trained(self, state: State) -> str | None:
+        """After a round's training, before its evaluation: a reason to stop the run here (it is
+        then evaluated and summarized), or None to go on."""
+        return None
+
+    def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
+        """After a round; `row` is its metrics row when it was evaluated, else None."""
+
+    def on_run_end(self, state: State) -> None:
+        """After the last round, or when the loop stops on an error (release what you hold)."""
+
+
+class MetricsFile(Callback):
+    """metrics.jsonl: every evaluated round's row, the whole file rewritten atomically."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / "metrics.jsonl"
+
+    def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
+        if row is not None:
+            write_jsonl(self.path, state["metrics"])
+
+
+class CommBudget(Callback):
+    """Stops the run once `budget_gib` has been communicated (comm_budget_gib)."""
+
+    def __init__(self, ledger: Any, budget_gib: float) -> None:
+        self.ledger, self.budget_bytes = ledger, budget_gib * GIB
+
+    def on_round_trained(self, state: State) -> str | None:
+        return "comm_budget" if self.ledger.total_bytes >= self.budget_bytes else None
+
+
+class RecorderFlush(Callback):
+    """Writes what the recorder saw at the cut in the round just trained (record=N)."""
+
+    def __init__(self, recorder: Any, out: Path) -> None:
+        self.recorder, self.out = recorder, out
+
+    def on_round_trained(self, state: State) -> str | None:
+        self.recorder.flush(self.out, state["round"] - 1)
+        return None
+
+
+class ProgressBar(Callback):
+    """A progress bar on a terminal; one line per evaluated round elsewhere (logs, CI, nohup)."""
+
+    def __init__(self, title: str, rounds: int, ledger: Any) -> None:
+        self.title, self.rounds, self.ledger = title, rounds, ledger
+        self.lines = not sys.stderr.isatty()
+        self.bar = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("acc {task.fields[acc]}  {task.fields[sent]}"),
+            TimeElapsedColumn(),
+            disable=self.lines,
+            transient=False,
+        )
+
+    def on_run_start(self, state: State) -> None:
+        self.bar.start()
+        self.task = self.bar.add_task(self.title, total=self.rounds, **self._fields(state))
+
+    def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
+        if self.lines and row is not None:
+            log.info(round_line(row, self.rounds))
+        self.bar.update(self.task, **self._fields(state))
+
+    def on_run_end(self, state: State) -> None:
+        self.bar.stop()
+
+    def _fields(self, state: State) -> dict[str, Any]:
+        rows = state["metrics"]
+        accuracy = f"{100 * rows[-1]['test_accuracy']:.2f}%" if rows else "-"
+        return {"completed": state["round"], "acc": accuracy, "sent": format_bytes(self.ledger.total_bytes)}
+
+
+def round_line(row: dict, rounds: int) -> str:
+    """One plain line per evaluated round, for output that is not a terminal."""
+    return (
+        f"round {row['round']}/{rounds}  acc {100 * row['test_accuracy']:.2f}%  "
+        f"loss {row['test_loss']:.4f}  {format_bytes(row['comm_bytes'])}  {row['wall_seconds']:.1f} s"
+    )

@@ -1,0 +1,83 @@
+"""Code from outside the package: user modules that define algorithms, models and datasets.
+
+A plugin is an ordinary Python module. Importing it is all it takes: an `Algorithm` subclass with
+a `name` is found by the registry, and `splitlab.register_model` / `splitlab.register_dataset`
+add to the model and dataset registries. Plugins come from two places, both imported before a
+config is resolved, in every process that resolves one (the CLI, sweep workers, networked
+clients, Ray actors): the `plugins=MODULE[,MODULE]` key, and the entry-point group
+`splitlab.plugins` of installed packages (docs/extending.md).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from splitlab.errors import UserError
+
+ENTRY_POINT_GROUP = "splitlab.plugins"
+
+
+def parse_plugins(value: str | None) -> list[str]:
+    """`a.b,c` -> ["a.b", "c"]; each a dotted module name."""
+    names = [name.strip() for name in (value or "").split(",") if name.strip()]
+    for name in names:
+        if not all(part.isidentifier() for part in name.split(".")):
+            raise UserError(f"invalid value {value!r} for plugins: {name!r} is not a module name (e.g. my_algorithms)")
+    return names
+
+
+def load_plugins(value: str | None) -> None:
+    """Import the installed packages' plugins (once per process) and the modules `value` names.
+    The current directory is searched first, as `python -m` does, so that a module in the folder a
+    command is started from is found."""
+    _load_entry_points()
+    names = parse_plugins(value)
+    if names and str(Path.cwd()) not in sys.path and "" not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    for name in names:
+        _import(name, f"plugins={value}")
+
+
+def ray_options(value: str | None) -> dict[str, Any]:
+    """Options of Ray actors and tasks under which their processes import the plugins `value` names
+    as this process did: a runtime_env with the folders they were imported from on PYTHONPATH (on a
+    cluster, those folders must exist on every node, as a sweep's directory must; an installed
+    plugin package needs none). No plugins: no options."""
+    folders = [str(_folder(name)) for name in parse_plugins(value)]
+    if not folders:
+        return {}
+    inherited = os.environ.get("PYTHONPATH")
+    paths = os.pathsep.join(dict.fromkeys([*folders, *filter(None, [inherited])]))
+    return {"runtime_env": {"env_vars": {"PYTHONPATH": paths}}}
+
+
+def _folder(name: str) -> Path:
+    """The sys.path entry module `name` (imported already) was found under."""
+    top = importlib.import_module(name.partition(".")[0])
+    origin = Path(str(top.__file__))
+    return origin.parent.parent if origin.name == "__init__.py" else origin.parent
+
+
+@functools.cache
+def _load_entry_points() -> None:
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        _import(entry.value.partition(":")[0], f"entry point {entry.name!r} of group {ENTRY_POINT_GROUP}")
+
+
+def _import(name: str, where: str) -> None:
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if name == missing or name.startswith(missing + "."):  # the plugin itself, not one of its imports
+            raise UserError(
+                f"plugin module {name!r} ({where}) is not importable from {str(Path.cwd())!r} or sys.path; "
+                f"start from its folder or add that folder to PYTHONPATH"
+            ) from None
+        raise

@@ -1,0 +1,101 @@
+"""The package has no import circle: module A importing B (at import time) while B imports A.
+
+The graph is built from the modules' source (top-level imports only: an import inside a
+function runs when it is called, and one under `if TYPE_CHECKING:` never runs), so a circle is
+caught before it happens to work by luck of import order.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import splitlab
+
+ROOT = Path(splitlab.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def top_level_imports(tree: ast.Module, name: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The splitlab modules `tree` imports when it is imported."""
+    found: set[str] = set()
+    pending: list[ast.stmt] = list(tree.body)
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            pending.extend(node.orelse)
+        elif isinstance(node, ast.If | ast.Try | ast.With):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                pending.extend(getattr(node, field, []))
+        elif isinstance(node, ast.ExceptHandler):
+            pending.extend(node.body)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            package = name if is_package else name.rpartition(".")[0]
+            for _ in range(node.level - 1):
+                package = package.rpartition(".")[0]
+            base = f"{package}.{node.module}" if node.level and node.module else package if node.level else node.module
+            for alias in node.names:
+                submodule = f"{base}.{alias.name}"
+                found.add(submodule if submodule in modules else str(base))
+    return {module for module in found if module in modules}
+
+
+def import_graph() -> dict[str, set[str]]:
+    paths = {module_name(path): path for path in ROOT.rglob("*.py")}
+    return {
+        name: top_level_imports(ast.parse(path.read_text()), name, path.name == "__init__.py", set(paths)) - {name}
+        for name, path in paths.items()
+    }
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each strongly connected group of modules (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for target in sorted(graph[node]):
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_circles_are_found():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_graph_sees_relative_and_submodule_imports():
+    graph = import_graph()
+    assert "splitlab.algorithms.base" in graph["splitlab.algorithms.fedavg"]
+    assert "splitlab.data.datasets" in graph["splitlab.data"]
+
+
+def test_the_package_has_no_import_circle():
+    assert circles(import_graph()) == []

@@ -1,0 +1,158 @@
+"""Extending splitlab from outside the package: a plugin module in a folder of the user's own
+defines an algorithm, a model and a dataset, and runs through `plugins=` exactly as the built-ins."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+import splitlab
+from helpers import quick
+from splitlab.algorithms import algorithm_names, get_algorithm
+from splitlab.algorithms.fedavg import FedAvg
+from splitlab.config import resolve_config
+from splitlab.engine import run
+from splitlab.errors import UserError
+
+PLUGIN = '''
+"""A user's plugin: FedAvg under another name, the MLP and the synthetic data under others."""
+import splitlab
+from splitlab.algorithms.fedavg import FedAvg
+from splitlab.data import DATASETS
+from splitlab.models.zoo import mlp
+
+
+class {cls}(FedAvg):
+    name = "{name}"
+
+
+splitlab.register_model("{name}_mlp", mlp)
+splitlab.register_dataset("{name}_data", DATASETS["synthetic"])
+'''
+
+
+def write_plugin(folder: Path, module: str, name: str) -> None:
+    cls = "".join(part.title() for part in name.split("_"))
+    (folder / f"{module}.py").write_text(PLUGIN.format(cls=cls, name=name))
+
+
+def same_run(a: Path, b: Path) -> None:
+    """Bit for bit: every metric but time, and every weight."""
+
+    def rows(path: Path) -> list[dict]:
+        lines = (path / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(line).items() if "seconds" not in k} for line in lines]
+
+    assert rows(a) == rows(b)
+    weights_a, weights_b = load_file(a / "weights.safetensors"), load_file(b / "weights.safetensors")
+    assert weights_a.keys() == weights_b.keys()
+    assert all(weights_a[k].equal(weights_b[k]) for k in weights_a)
+
+
+def test_a_plugin_algorithm_model_and_dataset_equal_the_builtins_bit_for_bit(tmp_path, monkeypatch):
+    plugins = tmp_path / "mine"
+    plugins.mkdir()
+    write_plugin(plugins, "my_plugin", "my_fedavg")
+    monkeypatch.syspath_prepend(str(plugins))
+    builtin = run(quick(algorithm="fedavg", out=str(tmp_path / "builtin")), progress=False)
+    mine = run(
+        quick(
+            plugins="my_plugin",
+            algorithm="my_fedavg",
+            model="my_fedavg_mlp",
+            dataset="my_fedavg_data",
+            out=str(tmp_path / "mine_run"),
+        ),
+        progress=False,
+    )
+    assert mine["algorithm"] == "my_fedavg" and builtin["final_accuracy"] == mine["final_accuracy"]
+    same_run(tmp_path / "builtin", tmp_path / "mine_run")
+
+
+def test_a_subclass_defined_after_a_first_run_is_found(tmp_path):
+    run(quick(algorithm="fedavg", rounds=1, out=str(tmp_path / "first")), progress=False)
+    assert "late_fedavg" not in algorithm_names()
+
+    class LateFedAvg(FedAvg):
+        name = "late_fedavg"
+
+    assert get_algorithm("late_fedavg") is LateFedAvg
+    run(quick(algorithm="late_fedavg", rounds=1, out=str(tmp_path / "late")), progress=False)
+    run(quick(algorithm="fedavg", rounds=1, out=str(tmp_path / "again")), progress=False)
+    same_run(tmp_path / "late", tmp_path / "again")
+
+
+def test_two_classes_claiming_one_name_is_a_user_error():
+    class First(FedAvg):
+        name = "claimed_twice"
+
+    class Second(FedAvg):
+        name = "claimed_twice"
+
+    with pytest.raises(UserError, match="algorithm name 'claimed_twice' is taken twice: by .*First and by .*Second"):
+        get_algorithm("fedavg")
+    del First, Second
+    import gc
+
+    gc.collect()  # the classes are gone: the registry is whole again
+    assert "claimed_twice" not in algorithm_names()
+
+
+def test_the_cli_imports_a_plugin_from_the_folder_it_is_started_in(tmp_path):
+    """As a user runs it: `splitlab run plugins=...` in their own folder, a fresh process."""
+    write_plugin(tmp_path, "cli_plugin", "cli_fedavg")
+    settings = [f"{k}={v}" for k, v in quick(algorithm="cli_fedavg", out="runs/x", plugins="cli_plugin").items()]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [Path(sys.executable).parent / "splitlab", "run", *settings],  # the console script: cwd not on sys.path
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    stored = (tmp_path / "runs/x/config.yaml").read_text()
+    assert "plugins: cli_plugin" in stored and "algorithm: cli_fedavg" in stored
+
+
+def test_a_missing_plugin_is_one_line_naming_it():
+    with pytest.raises(UserError, match="plugin module 'no_such_plugin_here' .* is not importable") as error:
+        resolve_config({"plugins": "no_such_plugin_here"})
+    assert "\n" not in str(error.value)
+    with pytest.raises(UserError, match="'a-b' is not a module name"):
+        resolve_config({"plugins": "a-b"})
+
+
+def test_built_in_names_cannot_be_registered_again():
+    with pytest.raises(UserError, match="cannot register model 'cnn'"):
+        splitlab.register_model("cnn", lambda shape, classes: None)  # type: ignore[arg-type,return-value]
+    with pytest.raises(UserError, match="cannot register dataset 'digits'"):
+        splitlab.register_dataset("digits", lambda data_dir, seed: None)  # type: ignore[arg-type,return-value]
+
+
+def test_entry_points_of_installed_packages_are_imported(tmp_path, monkeypatch):
+    """A package that declares `[project.entry-points."splitlab.plugins"]` is imported with no key set."""
+    dist = tmp_path / "site"
+    (dist / "ep_plugin_pkg-1.0.dist-info").mkdir(parents=True)
+    (dist / "ep_plugin_pkg-1.0.dist-info" / "METADATA").write_text("Name: ep-plugin-pkg\nVersion: 1.0\n")
+    (dist / "ep_plugin_pkg-1.0.dist-info" / "entry_points.txt").write_text(
+        textwrap.dedent(
+            """
+            [splitlab.plugins]
+            mine = ep_plugin
+            """
+        )
+    )
+    write_plugin(dist, "ep_plugin", "ep_fedavg")
+    monkeypatch.syspath_prepend(str(dist))
+    from splitlab import plugins
+
+    plugins._load_entry_points.cache_clear()
+    assert resolve_config({"algorithm": "ep_fedavg"}).run.algorithm == "ep_fedavg"
