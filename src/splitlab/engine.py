@@ -607,7 +607,7 @@ def _loop(experiment: Experiment, show_progress: bool) -> dict[str, Any]:
                 algorithm.run_round(rnd, clients)
             _check_enough_finished(experiment, clients, rnd + 1)
             if experiment.blueprint.recorder is not None:
-                experiment.blueprint.recorder.flush(out, rnd)
+                experiment.blueprint.recorder.flush(out, rnd + 1)  # numbered from 1, as metrics rows
             state.setdefault("dropped", []).extend([rnd + 1, k] for k in sorted(algorithm.dropped))
             train_loss = algorithm.pop_train_loss()
             _check_finite(train_loss, "training loss", rnd + 1)
@@ -746,7 +746,7 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         **dict(zip(("rounds_to_target", "gib_to_target"), to_target(rows, cfg.target_accuracy))),
         **privacy_summary(cfg),
     }
-    model = experiment.algorithm.global_model()
+    model = experiment.algorithm.shared_model()
     if model is not None:
         weights = {name: t for state in model for name, t in state.items()}
         save_safetensors(out / "weights.safetensors", weights)
