@@ -8,6 +8,7 @@ keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Callable
 
@@ -19,6 +20,9 @@ from splitlab.errors import UserError
 from splitlab.process import reuse_freed_memory
 
 console = Console()
+
+#: `splitlab certs clients=` at most: a certificate and key each (about 8 KB), made one by one
+MAX_CERT_CLIENTS = 1000
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -49,10 +53,12 @@ def _cmd_certs(args: argparse.Namespace) -> int:
     if unknown:
         raise UserError(f"unknown key {unknown[0]!r} for certs; allowed: clients, hosts, out")
     clients = keys.get("clients", 1)
-    if isinstance(clients, bool) or not isinstance(clients, int):
-        raise UserError(f"invalid value {clients!r} for clients: expected a whole number of clients")
+    if isinstance(clients, bool) or not isinstance(clients, int) or not 1 <= clients <= MAX_CERT_CLIENTS:
+        raise UserError(
+            f"invalid value {clients!r} for clients: expected a whole number of clients, 1 to {MAX_CERT_CLIENTS}"
+        )
     hosts = [h for h in str(keys.get("hosts") or "").split(",") if h]
-    written = make_certs(Path(str(keys.get("out", "certs"))), clients, hosts)
+    written = make_certs(Path(str(keys.get("out", "certs"))).expanduser(), clients, hosts)
     console.print(f"written to {written[0].parent}: {', '.join(p.stem for p in written)} (.pem and .key)")
     return 0
 
@@ -397,6 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     reuse_freed_memory()  # this process is splitlab's: keep freed tensors' memory for reuse (splitlab.process)
     parser = build_parser()
@@ -407,14 +417,26 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         args.overrides += rest
     handler: Callable[[argparse.Namespace], int] = args.handler
+    if args.command == "run":
+        signal.signal(signal.SIGTERM, _interrupt)  # a polite kill ends as Ctrl-C does: files complete, lock gone
     try:
         return handler(args)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return getattr(err, "exit_code", 2)
-    except KeyboardInterrupt:
-        again = "run the same sweep command again" if args.command == "sweep" else "add resume=true"
-        print(f"interrupted; to continue, {again}", file=sys.stderr)
+    except OSError as err:  # a command's files (sweep, report, attack, advise, certs): one line, exit 1
+        from splitlab.rundir import FILE_ERRNOS, describe_file_error
+
+        if err.errno not in FILE_ERRNOS:
+            raise
+        print(f"error: {describe_file_error(err, '.')}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as interrupted:
+        if interrupted.args:  # the engine says what the run kept (splitlab.rundir.kept_after_interruption)
+            print(f"interrupted; {interrupted}", file=sys.stderr)
+        else:
+            again = "run the same sweep command again" if args.command == "sweep" else "add resume=true"
+            print(f"interrupted; to continue, {again}", file=sys.stderr)
         return 130
 
 

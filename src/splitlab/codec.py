@@ -21,7 +21,7 @@ from safetensors.torch import save as save_tensors
 
 from splitlab.io import cpu_copy
 
-_SKELETON = "splitlab.skeleton"
+SKELETON = "splitlab.skeleton"
 
 
 class MessageError(ValueError):
@@ -68,7 +68,7 @@ def flatten(message: Any, copy: bool = False) -> tuple[dict[str, torch.Tensor], 
         raise TypeError(f"cannot encode a {type(value).__name__} in a message")
 
     nest = json.dumps(skeleton(message), allow_nan=False, separators=(",", ":"))
-    return tensors, {_SKELETON: nest}
+    return tensors, {SKELETON: nest}
 
 
 def _key(key: Any) -> Any:
@@ -81,7 +81,7 @@ def decode(data: bytes, device: torch.device | str = "cpu") -> Any:
     """The message in `data`, its tensors on `device`; MessageError if `data` is not one."""
     try:
         tensors = load_tensors(data)
-        nest = json.loads(_metadata(data)[_SKELETON])
+        nest = json.loads(_metadata(data)[SKELETON])
     except (SafetensorError, ValueError, KeyError, TypeError, OverflowError) as error:
         raise MessageError(f"not a splitlab message ({error})") from None
     used: set[str] = set()

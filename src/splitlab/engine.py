@@ -297,6 +297,8 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     config = resolve_config(raw)
     run = config.run
     rundir.check_out_dir(config.out_dir)
+    if run.resume and not run.overwrite:
+        rundir.check_resume_target(config.out_dir)
     check_logger(run.logger)
     if transport is not None and run.backend == "ray":
         raise UserError("backend=ray runs clients on Ray actors; a networked server takes backend=local")
@@ -420,6 +422,20 @@ class _RunDirectory:
     def clear(self) -> None:
         rundir.clear(self.path)
 
+    def summary(self) -> dict[str, Any]:
+        """The summary of the finished run here; UserError if summary.json is unreadable."""
+        file = self.path / "summary.json"
+        try:
+            summary = json.loads(file.read_text())
+            if not isinstance(summary, dict) or "final_accuracy" not in summary:
+                raise ValueError("not a run's summary")
+        except (ValueError, UnicodeDecodeError) as error:
+            raise UserError(
+                f"cannot resume {str(self.path)!r}: its summary.json is unreadable ({str(error)[:80]}); "
+                f"use overwrite=true to run it again"
+            ) from None
+        return summary
+
 
 def run(
     config: Mapping[str, Any],
@@ -439,7 +455,8 @@ def _run(experiment: Experiment, resume: bool | None, progress: bool) -> dict[st
     run_config = experiment.config.run
     resume = run_config.resume if resume is None else resume
     directory = _RunDirectory(experiment)
-    with rundir.locked(directory.path):
+    kept = lambda: rundir.kept_after_interruption(directory.path)  # noqa: E731
+    with rundir.file_errors(directory.path, kept), rundir.locked(directory.path):
         existing = directory.existing()
         if existing and run_config.overwrite:
             directory.clear()
@@ -451,8 +468,13 @@ def _run(experiment: Experiment, resume: bool | None, progress: bool) -> dict[st
         elif existing:
             directory.check_resumable()
             if "summary.json" in existing:
-                return json.loads((directory.path / "summary.json").read_text())
-        return _loop(experiment, progress)
+                return directory.summary()
+            if CHECKPOINT not in existing:
+                print(f"{str(directory.path)!r} holds no checkpoint: starting again at round 1", file=sys.stderr)
+        try:
+            return _loop(experiment, progress)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the CLI says what was kept
+            raise KeyboardInterrupt(rundir.kept_after_interruption(directory.path)) from None
 
 
 def role_states(experiment: Experiment) -> dict[str, Any]:
