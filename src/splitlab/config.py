@@ -3,16 +3,22 @@
 Keys common to every run live in `RunConfig`; each algorithm declares its own hyperparameters as
 a `Params` model next to its code, so a key is valid exactly when the chosen algorithm uses it.
 Every problem becomes a one-line `UserError` naming the bad value and what is allowed.
+
+Two rules hold for every key, and a test generated from the schema checks them (tests/test_config_schema.py):
+every number has a range (`ge`/`gt` and `le`/`lt` on its Field), and every key of RunConfig says
+where it applies: in `EVERYWHERE`, or in `ONLY_WHEN` with the test for the settings it applies
+to. A key given a value other than its default where it does not apply is refused, naming why.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -34,26 +40,28 @@ class RunConfig(BaseModel):
         "training samples in its own data_dir (splitlab server only)",
     )
     model: str = "cnn"
-    cut: int = Field(1, description="cut layer, in the model's numbering (see `splitlab models`)")
-    clients: int | Literal["all"] = Field(10, description="number of clients K; 'all' = one per natural user")
-    participation: float = Field(1.0, gt=0, le=1, description="fraction C of clients sampled per round")
-    rounds: int = Field(10, ge=1)
-    local_epochs: int = Field(1, ge=1)
-    local_steps: int | None = Field(
-        None, ge=1, description="cap on a client's mini-batches per round (after local_epochs); none = all of them"
+    cut: int = Field(1, ge=0, le=1000, description="cut layer, in the model's numbering (see `splitlab models`)")
+    clients: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["all"] = Field(
+        10, description="number of clients K (1 to 1,000,000); 'all' = one per natural user"
     )
-    batch_size: int = Field(64, ge=1)
+    participation: float = Field(1.0, gt=0, le=1, description="fraction C of clients sampled per round")
+    rounds: int = Field(10, ge=1, le=10_000_000)
+    local_epochs: int = Field(1, ge=1, le=100_000)
+    local_steps: int | None = Field(
+        None, ge=1, le=1_000_000_000, description="cap on a client's mini-batches per round (after local_epochs); none = all of them"
+    )
+    batch_size: int = Field(64, ge=1, le=1_000_000)
     optimizer: Literal["sgd", "adam"] = "adam"
-    lr: float = Field(1e-3, gt=0)
+    lr: float = Field(1e-3, gt=0, le=1e6)
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, le=1e3)
     partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="random seed (0 to 2**32-1, what numpy and torch both accept)")
     device: Literal["cpu", "cuda", "auto"] = "auto"
-    eval_every: int = Field(1, ge=1, description="evaluate every N rounds (and after the last)")
-    train_subset: int | None = Field(None, ge=1, description="use only N training samples (seeded choice)")
-    test_subset: int | None = Field(None, ge=1, description="evaluate on only N test samples (seeded choice)")
-    comm_budget_gib: float | None = Field(None, gt=0, description="stop once this much has been communicated")
+    eval_every: int = Field(1, ge=1, le=10_000_000, description="evaluate every N rounds (and after the last)")
+    train_subset: int | None = Field(None, ge=1, le=10**10, description="use only N training samples (seeded choice)")
+    test_subset: int | None = Field(None, ge=1, le=10**10, description="evaluate on only N test samples (seeded choice)")
+    comm_budget_gib: float | None = Field(None, gt=0, le=1e9, description="stop once this much has been communicated")
     test_split: str = Field(
         "global",
         description="global (the dataset's test set) | client:<fraction> (each "
@@ -83,10 +91,11 @@ class RunConfig(BaseModel):
         description="where roles live: local (this process) | ray (clients on `workers` Ray actors, the "
         "training server on its own; every message as bytes; same results; docs/ray.md)",
     )
-    workers: int = Field(2, ge=1, description="backend=ray: Ray actors holding the client nodes")
+    workers: int = Field(2, ge=1, le=10_000, description="backend=ray: Ray actors holding the client nodes")
     checkpoint_every: float = Field(
         60.0,
         ge=0,
+        le=10**8,
         description="seconds between checkpoints (0: after every round; never sooner than 50x the last snapshot's "
         "in-loop time); a resumed run replays from the last one",
     )
@@ -96,10 +105,16 @@ class RunConfig(BaseModel):
         "quantize:int8|fp16 topk:<fraction>; none = no defense (docs/privacy.md)",
     )
     record: int = Field(
-        0, ge=0, description="record what the server saw at the cut, up to N samples per round, for attacks"
+        0, ge=0, le=10**7, description="record what the server saw at the cut, up to N samples per round, for attacks"
     )
     resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
     overwrite: bool = Field(False, description="replace a finished or partial run in `out`")
+
+    @field_validator("out", "data_dir")
+    @classmethod
+    def _expand_home(cls, value: str | None) -> str | None:
+        """`~` and `~user` as a shell would expand them (a folder literally named `~` is never meant)."""
+        return None if value is None else os.path.expanduser(value)
 
     @field_validator("partition")
     @classmethod
@@ -122,6 +137,89 @@ class RunConfig(BaseModel):
     def _check_test_split(cls, value: str) -> str:
         parse_test_split(value)
         return value
+
+
+#: Algorithms whose model is not split: nothing crosses a cut (no smashed data to record or attack).
+UNSPLIT_ALGORITHMS = ("fedavg", "centralized")
+
+
+def _reads_files(dataset: str) -> bool:
+    from splitlab.data.datasets import WITHOUT_FILES
+
+    return dataset not in WITHOUT_FILES
+
+
+#: Keys of RunConfig that apply to every run.
+EVERYWHERE = frozenset(
+    {"algorithm", "dataset", "data", "model", "cut", "clients", "participation", "rounds", "local_epochs"}
+    | {"local_steps", "batch_size", "optimizer", "lr", "weight_decay", "seed", "device", "eval_every"}
+    | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
+    | {"backend", "checkpoint_every", "defense", "overwrite"}
+)
+
+#: Keys of RunConfig that apply only to some settings: key -> (does it apply to this config?, why
+#: not, and what would make it apply). Given a value other than its default where it does not
+#: apply, the key is refused in one line rather than silently ignored.
+ONLY_WHEN: dict[str, tuple[Callable[[RunConfig], bool], str]] = {
+    "momentum": (lambda r: r.optimizer == "sgd", "momentum is SGD's; it needs optimizer=sgd"),
+    "workers": (lambda r: r.backend == "ray", "workers are Ray actors; they need backend=ray"),
+    "transport": (
+        lambda r: r.backend == "local",
+        "with backend=ray every message travels as bytes, whatever transport says",
+    ),
+    "partition": (lambda r: r.clients != "all", "with clients=all each natural user is a client; nothing is partitioned"),
+    "train_subset": (lambda r: r.clients != "all", "with clients=all every natural user's samples are used"),
+    "data_dir": (lambda r: _reads_files(r.dataset), "this dataset is bundled or generated and reads no files"),
+    "record": (
+        lambda r: r.algorithm not in UNSPLIT_ALGORITHMS,
+        "this algorithm does not split the model: nothing crosses a cut to record",
+    ),
+    "resume": (lambda r: not r.overwrite, "overwrite=true replaces the run that resume=true would continue"),
+}
+
+
+def field_range(field: Any) -> tuple[float | None, float | None] | None:
+    """A numeric field's (lower, upper) bounds, None where one is missing; None if not numeric."""
+    import annotated_types as at
+
+    def numeric(annotation: Any) -> bool:  # a number, or a union with one (not a list of numbers)
+        if annotation in (int, float):
+            return True
+        if typing.get_origin(annotation) is list:
+            return False
+        return any(numeric(arg) for arg in typing.get_args(annotation) if arg is not bool)
+
+    if not numeric(field.annotation):
+        return None
+    constraints = list(field.metadata)
+    for arg in typing.get_args(field.annotation):  # Annotated[int, Field(ge=...)] | Literal[...]
+        constraints += [c for inner in getattr(arg, "__metadata__", ()) for c in getattr(inner, "metadata", [inner])]
+    lower = next((c.ge if isinstance(c, at.Ge) else c.gt for c in constraints if isinstance(c, (at.Ge, at.Gt))), None)
+    upper = next((c.le if isinstance(c, at.Le) else c.lt for c in constraints if isinstance(c, (at.Le, at.Lt))), None)
+    return lower, upper
+
+
+def check_applicable(run: RunConfig, given: Mapping[str, Any]) -> None:
+    """UserError for the first key in `given` set (to other than its default) where it does not apply."""
+    for key, (applies, why) in ONLY_WHEN.items():
+        if key in given and getattr(run, key) != RunConfig.model_fields[key].default and not applies(run):
+            raise UserError(f"{key}={given[key]} does not apply here: {why}")
+
+
+def check_finite(settings: BaseModel) -> None:
+    """UserError for a non-finite number among `settings` (inf and nan pass pydantic's bounds)."""
+    for key, value in settings.model_dump().items():
+        values = value if isinstance(value, list) else [value]
+        for item in values:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise UserError(f"invalid value {item!r} for {key}: expected a finite number")
+
+
+def check_no_booleans(fields: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    """true/false where a number is expected (pydantic would read True as 1) is refused."""
+    for key, value in raw.items():
+        if key in fields and isinstance(value, bool) and not _accepts_bool(fields[key].annotation):
+            raise UserError(f"invalid value {value!r} for {key}: expected a number or name, not a boolean")
 
 
 def parse_test_split(value: str) -> float | None:
@@ -178,7 +276,7 @@ class ResolvedConfig:
 
 def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
-    key = ".".join(str(part) for part in first["loc"]) or "config"
+    key = str(first["loc"][0]) if first["loc"] else "config"  # flat settings: the key (not a union branch)
     message = first["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
@@ -196,20 +294,15 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
         if key not in common and key not in own:
             allowed = ", ".join(sorted(common | own))
             raise UserError(f"unknown key {key!r} for algorithm {algorithm.name!r}; allowed: {allowed}")
-    fields = {**RunConfig.model_fields, **algorithm.Params.model_fields}
-    for key, value in raw.items():
-        if isinstance(value, bool) and not _accepts_bool(fields[key].annotation):
-            raise UserError(f"invalid value {value!r} for {key}: expected a number or name, not a boolean")
+    check_no_booleans({**RunConfig.model_fields, **algorithm.Params.model_fields}, raw)
     try:
         run = RunConfig(**{k: v for k, v in raw.items() if k in common})
         params = algorithm.Params(**{k: v for k, v in raw.items() if k in own})
     except ValidationError as err:
         raise UserError(_one_line(err)) from None
-    except UserError:
-        raise
-    for key, value in {**run.model_dump(), **params.model_dump()}.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"invalid value {value!r} for {key}: expected a finite number")
+    check_finite(run)
+    check_finite(params)
+    check_applicable(run, raw)
     return ResolvedConfig(run, params)
 
 

@@ -31,20 +31,20 @@ class AdviseSettings(BaseModel):
     model: str = "cnn"
     algorithm: str = "sfl_v2"
     defense: str = "none"
-    clients: int = Field(4, ge=1)
-    rounds: int = Field(2, ge=1)
-    train_subset: int | None = Field(2000, ge=1)
-    test_subset: int | None = Field(1500, ge=1)
-    batch_size: int = Field(64, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    seed: int = Field(0, ge=0)
+    clients: int = Field(4, ge=1, le=1_000_000)
+    rounds: int = Field(2, ge=1, le=10_000_000)
+    train_subset: int | None = Field(2000, ge=1, le=10**10)
+    test_subset: int | None = Field(1500, ge=1, le=10**10)
+    batch_size: int = Field(64, ge=1, le=1_000_000)
+    lr: float = Field(1e-3, gt=0, le=1e6)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
-    aux: int = Field(1000, ge=10, description="the attacker's auxiliary samples (test split)")
-    targets: int = Field(300, ge=10, description="held-out samples attacked")
-    epochs: int = Field(20, ge=1, description="decoder training epochs")
-    client_power: float = Field(20, gt=0, description="P_C (SplitGP's latency model)")
-    server_power: float = Field(100, gt=0, description="P_S")
-    rate: float = Field(1, gt=0, description="R, uplink rate")
+    aux: int = Field(1000, ge=10, le=10_000_000, description="the attacker's auxiliary samples (test split)")
+    targets: int = Field(300, ge=10, le=10_000_000, description="held-out samples attacked")
+    epochs: int = Field(20, ge=1, le=100_000, description="decoder training epochs")
+    client_power: float = Field(20, gt=0, le=1e18, description="P_C (SplitGP's latency model)")
+    server_power: float = Field(100, gt=0, le=1e18, description="P_S")
+    rate: float = Field(1, gt=0, le=1e18, description="R, uplink rate")
     beta: float = Field(0.1, ge=0, le=1, description="fraction of samples sent to the server")
     out: str | None = Field(None, description="default runs/advise_<dataset>_<model>")
 

@@ -41,16 +41,16 @@ class AttackSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     attack: Literal["inversion", "label_leak"]
     round: int | None = Field(
-        None, ge=1, description="recorded round to attack, numbered from 1 as in metrics.jsonl (default: the last)"
+        None, ge=1, le=10_000_000, description="recorded round to attack, numbered from 1 as in metrics.jsonl (default: the last)"
     )
     client: int = Field(
-        0, ge=0, description="with personal client parts (psl, sglr, ...): the client whose model is attacked"
+        0, ge=0, le=1_000_000, description="with personal client parts (psl, sglr, ...): the client whose model is attacked"
     )
-    aux: int = Field(2000, ge=10, description="auxiliary samples the server holds (from the test split)")
-    targets: int = Field(500, ge=10, description="held-out samples attacked when nothing was recorded")
-    epochs: int = Field(30, ge=1, description="decoder training epochs (inversion)")
+    aux: int = Field(2000, ge=10, le=10_000_000, description="auxiliary samples the server holds (from the test split)")
+    targets: int = Field(500, ge=10, le=10_000_000, description="held-out samples attacked when nothing was recorded")
+    epochs: int = Field(30, ge=1, le=100_000, description="decoder training epochs (inversion)")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
 
 
 def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:

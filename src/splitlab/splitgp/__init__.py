@@ -7,7 +7,7 @@ from typing import TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from splitlab.config import _one_line
+from splitlab.config import _one_line, check_finite, check_no_booleans
 from splitlab.errors import UserError
 
 Settings = TypeVar("Settings", bound=BaseModel)
@@ -18,7 +18,10 @@ def parse_settings(cls: type[Settings], raw: dict) -> Settings:
     unknown = sorted(set(raw) - set(cls.model_fields))
     if unknown:
         raise UserError(f"unknown key {unknown[0]!r}; allowed: {', '.join(cls.model_fields)}")
+    check_no_booleans(cls.model_fields, raw)
     try:
-        return cls(**raw)
+        settings = cls(**raw)
     except ValidationError as err:
         raise UserError(_one_line(err)) from None
+    check_finite(settings)
+    return settings

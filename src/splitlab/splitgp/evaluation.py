@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -76,9 +76,9 @@ class EvaluationSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     rho: list[float] = Field([0, 0.2, 0.4, 0.6, 0.8], description="out-of-distribution fractions")
-    entropy_threshold: float | str = Field("auto", description="E_th, or auto (chosen per rho on held-out data)")
-    validation_size: int = Field(200, ge=1, description="main-class held-out samples per client for auto")
-    finetune_rounds: int = Field(1, ge=0, description="local updates for the personalized baseline")
+    entropy_threshold: Annotated[float, Field(ge=0, le=1e6)] | str = Field("auto", description="E_th, or auto (chosen per rho on held-out data)")
+    validation_size: int = Field(200, ge=1, le=10_000_000, description="main-class held-out samples per client for auto")
+    finetune_rounds: int = Field(1, ge=0, le=100_000, description="local updates for the personalized baseline")
     device: str = "cpu"
 
     @field_validator("rho", mode="before")
