@@ -157,29 +157,60 @@ EVERYWHERE = frozenset(
     | {"backend", "checkpoint_every", "defense", "overwrite"}
 )
 
-#: Keys of RunConfig that apply only to some settings: key -> (does it apply to this config?, why
-#: not, and what would make it apply). Given a value other than its default where it does not
-#: apply, the key is refused in one line rather than silently ignored.
-ONLY_WHEN: dict[str, tuple[Callable[[RunConfig], bool], str]] = {
-    "momentum": (lambda r: r.optimizer == "sgd", "momentum is SGD's; it needs optimizer=sgd"),
-    "workers": (lambda r: r.backend == "ray", "workers are Ray actors; they need backend=ray"),
-    "transport": (
+class Applies(typing.NamedTuple):
+    """Where a key of RunConfig applies: `when` the resolved config says so; `why` not, said in the
+    refusal; `example`: settings where it does not apply (the schema test runs them)."""
+
+    when: Callable[[RunConfig], bool]
+    why: str
+    example: dict[str, Any]
+
+
+#: Keys of RunConfig that apply only to some settings. Given a value other than its default where
+#: it does not apply, the key is refused in one line rather than silently ignored.
+ONLY_WHEN: dict[str, Applies] = {
+    "momentum": Applies(
+        lambda r: r.optimizer == "sgd", "momentum is SGD's; it needs optimizer=sgd", {"momentum": 0.9}
+    ),
+    "workers": Applies(
+        lambda r: r.backend == "ray", "workers are Ray actors; they need backend=ray", {"workers": 4}
+    ),
+    "transport": Applies(
         lambda r: r.backend == "local",
         "with backend=ray every message travels as bytes, whatever transport says",
+        {"backend": "ray", "transport": "serialized"},
     ),
-    "partition": (lambda r: r.clients != "all", "with clients=all each natural user is a client; nothing is partitioned"),
-    "train_subset": (lambda r: r.clients != "all", "with clients=all every natural user's samples are used"),
-    "data_dir": (lambda r: _reads_files(r.dataset), "this dataset is bundled or generated and reads no files"),
-    "record": (
+    "partition": Applies(
+        lambda r: r.clients != "all",
+        "with clients=all each natural user is a client; nothing is partitioned",
+        {"clients": "all", "partition": "dirichlet:1"},
+    ),
+    "train_subset": Applies(
+        lambda r: r.clients != "all",
+        "with clients=all every natural user's samples are used",
+        {"clients": "all", "train_subset": 100},
+    ),
+    "data_dir": Applies(
+        lambda r: _reads_files(r.dataset),
+        "this dataset is bundled or generated and reads no files",
+        {"dataset": "digits", "data_dir": "/tmp"},
+    ),
+    "record": Applies(
         lambda r: r.algorithm not in UNSPLIT_ALGORITHMS,
         "this algorithm does not split the model: nothing crosses a cut to record",
+        {"algorithm": "fedavg", "record": 10},
     ),
-    "resume": (lambda r: not r.overwrite, "overwrite=true replaces the run that resume=true would continue"),
+    "resume": Applies(
+        lambda r: not r.overwrite,
+        "overwrite=true replaces the run that resume=true would continue",
+        {"overwrite": True, "resume": True},
+    ),
 }
 
 
-def field_range(field: Any) -> tuple[float | None, float | None] | None:
-    """A numeric field's (lower, upper) bounds, None where one is missing; None if not numeric."""
+def field_bounds(field: Any) -> tuple[Any, Any] | None:
+    """A numeric field's lower (Ge or Gt) and upper (Le or Lt) bounds, None where one is missing;
+    None for a field that takes no number."""
     import annotated_types as at
 
     def numeric(annotation: Any) -> bool:  # a number, or a union with one (not a list of numbers)
@@ -194,16 +225,21 @@ def field_range(field: Any) -> tuple[float | None, float | None] | None:
     constraints = list(field.metadata)
     for arg in typing.get_args(field.annotation):  # Annotated[int, Field(ge=...)] | Literal[...]
         constraints += [c for inner in getattr(arg, "__metadata__", ()) for c in getattr(inner, "metadata", [inner])]
-    lower = next((c.ge if isinstance(c, at.Ge) else c.gt for c in constraints if isinstance(c, (at.Ge, at.Gt))), None)
-    upper = next((c.le if isinstance(c, at.Le) else c.lt for c in constraints if isinstance(c, (at.Le, at.Lt))), None)
+    lower = next((c for c in constraints if isinstance(c, (at.Ge, at.Gt))), None)
+    upper = next((c for c in constraints if isinstance(c, (at.Le, at.Lt))), None)
     return lower, upper
+
+
+def bound_value(bound: Any) -> Any:
+    """The number of a Ge, Gt, Le or Lt bound."""
+    return next(getattr(bound, name) for name in ("ge", "gt", "le", "lt") if hasattr(bound, name))
 
 
 def check_applicable(run: RunConfig, given: Mapping[str, Any]) -> None:
     """UserError for the first key in `given` set (to other than its default) where it does not apply."""
-    for key, (applies, why) in ONLY_WHEN.items():
-        if key in given and getattr(run, key) != RunConfig.model_fields[key].default and not applies(run):
-            raise UserError(f"{key}={given[key]} does not apply here: {why}")
+    for key, rule in ONLY_WHEN.items():
+        if key in given and getattr(run, key) != RunConfig.model_fields[key].default and not rule.when(run):
+            raise UserError(f"{key}={given[key]} does not apply here: {rule.why}")
 
 
 def check_finite(settings: BaseModel) -> None:
@@ -281,6 +317,23 @@ def _one_line(err: ValidationError) -> str:
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     return f"invalid value {first.get('input')!r} for {key}: {message}"
+
+
+Settings = typing.TypeVar("Settings", bound=BaseModel)
+
+
+def parse_settings(cls: type[Settings], raw: Mapping[str, Any]) -> Settings:
+    """KEY=VALUE settings of a command -> its settings model; a mistake is one UserError line."""
+    unknown = sorted(set(raw) - set(cls.model_fields))
+    if unknown:
+        raise UserError(f"unknown key {unknown[0]!r}; allowed: {', '.join(cls.model_fields)}")
+    check_no_booleans(cls.model_fields, raw)
+    try:
+        settings = cls(**raw)
+    except ValidationError as err:
+        raise UserError(_one_line(err)) from None
+    check_finite(settings)
+    return settings
 
 
 def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:

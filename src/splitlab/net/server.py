@@ -29,11 +29,11 @@ from typing import Any
 import grpc
 import torch
 from google.protobuf.message import DecodeError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field
 
 from splitlab import codec
 from splitlab.channel import Ledger
-from splitlab.config import RUN_CONTROL_KEYS, resolve_config
+from splitlab.config import RUN_CONTROL_KEYS, parse_settings, resolve_config
 from splitlab.errors import UserError
 from splitlab.net import protocol
 from splitlab.net.certs import SERVER, client_name, read_pair
@@ -62,12 +62,7 @@ class ServerSettings(BaseModel):
 def split_settings(raw: Mapping[str, Any], settings_class: type[BaseModel]) -> tuple[BaseModel, dict[str, Any]]:
     """(the command's own settings, the run's config) from one flat set of KEY=VALUE settings."""
     own = {k: v for k, v in raw.items() if k in settings_class.model_fields}
-    try:
-        settings = settings_class(**own)
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise UserError(f"invalid value {first.get('input')!r} for {first['loc'][0]}: {first['msg']}") from None
-    return settings, {k: v for k, v in raw.items() if k not in own}
+    return parse_settings(settings_class, own), {k: v for k, v in raw.items() if k not in own}
 
 
 def log(line: str) -> None:
