@@ -23,7 +23,11 @@ def argv(command: str, tmp_path: Path, *pairs: str) -> list[str]:
     """The command line of `command` with `pairs`, aimed at places where nothing is (nothing may run)."""
     name, *fixed = command.split()
     where = {"evaluate": [str(tmp_path / "none")], "attack": [str(tmp_path / "none"), "attack=inversion"]}
-    out = [f"out={tmp_path / 'out'}"] if name in ("run", "advise") and not any(p.startswith("out=") for p in pairs) else []
+    out = (
+        [f"out={tmp_path / 'out'}"]
+        if name in ("run", "advise") and not any(p.startswith("out=") for p in pairs)
+        else []
+    )
     return [name, *where.get(name, []), *fixed, *out, *pairs]
 
 
@@ -80,3 +84,24 @@ def test_a_key_where_it_does_not_apply_is_refused(key, tmp_path, capsys):
 
 def test_the_ranges_in_the_docs_are_the_schemas():
     assert catalog.ranges_markdown() in Path(catalog.DOCS).read_text(), "run `python -m splitlab.catalog`"
+
+
+def test_odd_inputs_outside_the_schema_are_one_line(tmp_path, capsys, monkeypatch):
+    binary = tmp_path / "config.yaml"
+    binary.write_bytes(b"\x00\x01\xff\xfe\x80 not text")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for args, message in [
+        (["run", "--config", str(binary)], "is not a UTF-8 text file"),
+        (["run", "--config", str(tmp_path)], "does not exist"),
+        (["launch", "listen=0.0.0.0:7000"], "listen= does not apply to launch"),
+        (["launch", "certs=/tmp"], "certs= does not apply to launch"),
+        (["certs", "clients=100000", f"out={tmp_path / 'c'}"], "1 to 1000"),
+        (["certs", "clients=0", f"out={tmp_path / 'c'}"], "1 to 1000"),
+        (["run", "algorithm=[1]"], "unknown algorithm"),
+        (["run", "out=~/x", "dataset=digits", "data_dir=/tmp"], "data_dir=/tmp does not apply"),
+    ]:
+        refused(capsys, args, message)
+    assert not (tmp_path / "c").exists()
+    from splitlab.config import resolve_config
+
+    assert resolve_config({"out": "~/x"}).out_dir == tmp_path / "home" / "x"

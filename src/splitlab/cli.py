@@ -90,8 +90,14 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from splitlab.net.server import ServerSettings, split_settings
 
     settings, raw = split_settings(_run_config(args), LaunchSettings)
+    for key in ("listen", "certs"):
+        if key in raw:
+            raise UserError(
+                f"{key}= does not apply to launch: it listens on a free loopback port with certificates it makes "
+                f"in OUT/certs; use `splitlab server` to choose them"
+            )
     server_keys, raw = split_settings(raw, ServerSettings)
-    given = {k: v for k, v in server_keys.model_dump(exclude_defaults=True).items() if k not in ("listen", "certs")}
+    given = server_keys.model_dump(exclude_defaults=True)
     return launch(raw, given, settings, progress=not args.no_progress)  # type: ignore[arg-type]
 
 

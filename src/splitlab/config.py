@@ -48,7 +48,10 @@ class RunConfig(BaseModel):
     rounds: int = Field(10, ge=1, le=10_000_000)
     local_epochs: int = Field(1, ge=1, le=100_000)
     local_steps: int | None = Field(
-        None, ge=1, le=1_000_000_000, description="cap on a client's mini-batches per round (after local_epochs); none = all of them"
+        None,
+        ge=1,
+        le=1_000_000_000,
+        description="cap on a client's mini-batches per round (after local_epochs); none = all of them",
     )
     batch_size: int = Field(64, ge=1, le=1_000_000)
     optimizer: Literal["sgd", "adam"] = "adam"
@@ -60,7 +63,9 @@ class RunConfig(BaseModel):
     device: Literal["cpu", "cuda", "auto"] = "auto"
     eval_every: int = Field(1, ge=1, le=10_000_000, description="evaluate every N rounds (and after the last)")
     train_subset: int | None = Field(None, ge=1, le=10**10, description="use only N training samples (seeded choice)")
-    test_subset: int | None = Field(None, ge=1, le=10**10, description="evaluate on only N test samples (seeded choice)")
+    test_subset: int | None = Field(
+        None, ge=1, le=10**10, description="evaluate on only N test samples (seeded choice)"
+    )
     comm_budget_gib: float | None = Field(None, gt=0, le=1e9, description="stop once this much has been communicated")
     test_split: str = Field(
         "global",
@@ -157,6 +162,7 @@ EVERYWHERE = frozenset(
     | {"backend", "checkpoint_every", "defense", "overwrite"}
 )
 
+
 class Applies(typing.NamedTuple):
     """Where a key of RunConfig applies: `when` the resolved config says so; `why` not, said in the
     refusal; `example`: settings where it does not apply (the schema test runs them)."""
@@ -169,12 +175,8 @@ class Applies(typing.NamedTuple):
 #: Keys of RunConfig that apply only to some settings. Given a value other than its default where
 #: it does not apply, the key is refused in one line rather than silently ignored.
 ONLY_WHEN: dict[str, Applies] = {
-    "momentum": Applies(
-        lambda r: r.optimizer == "sgd", "momentum is SGD's; it needs optimizer=sgd", {"momentum": 0.9}
-    ),
-    "workers": Applies(
-        lambda r: r.backend == "ray", "workers are Ray actors; they need backend=ray", {"workers": 4}
-    ),
+    "momentum": Applies(lambda r: r.optimizer == "sgd", "momentum is SGD's; it needs optimizer=sgd", {"momentum": 0.9}),
+    "workers": Applies(lambda r: r.backend == "ray", "workers are Ray actors; they need backend=ray", {"workers": 4}),
     "transport": Applies(
         lambda r: r.backend == "local",
         "with backend=ray every message travels as bytes, whatever transport says",
@@ -242,11 +244,12 @@ def check_applicable(run: RunConfig, given: Mapping[str, Any]) -> None:
             raise UserError(f"{key}={given[key]} does not apply here: {rule.why}")
 
 
-def check_finite(settings: BaseModel) -> None:
-    """UserError for a non-finite number among `settings` (inf and nan pass pydantic's bounds)."""
-    for key, value in settings.model_dump().items():
-        values = value if isinstance(value, list) else [value]
-        for item in values:
+def check_finite(settings: BaseModel | Mapping[str, Any]) -> None:
+    """UserError for a non-finite number among `settings`, given (checked first, so that the message
+    says what is wrong) or parsed (pydantic reads the text 'inf' as a number)."""
+    values = settings.model_dump() if isinstance(settings, BaseModel) else settings
+    for key, value in values.items():
+        for item in value if isinstance(value, list) else [value]:
             if isinstance(item, float) and not math.isfinite(item):
                 raise UserError(f"invalid value {item!r} for {key}: expected a finite number")
 
@@ -328,6 +331,7 @@ def parse_settings(cls: type[Settings], raw: Mapping[str, Any]) -> Settings:
     if unknown:
         raise UserError(f"unknown key {unknown[0]!r}; allowed: {', '.join(cls.model_fields)}")
     check_no_booleans(cls.model_fields, raw)
+    check_finite(raw)
     try:
         settings = cls(**raw)
     except ValidationError as err:
@@ -348,6 +352,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
             allowed = ", ".join(sorted(common | own))
             raise UserError(f"unknown key {key!r} for algorithm {algorithm.name!r}; allowed: {allowed}")
     check_no_booleans({**RunConfig.model_fields, **algorithm.Params.model_fields}, raw)
+    check_finite(raw)
     try:
         run = RunConfig(**{k: v for k, v in raw.items() if k in common})
         params = algorithm.Params(**{k: v for k, v in raw.items() if k in own})
@@ -391,6 +396,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         content = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except _DuplicateKey as err:
         raise UserError(f"config file {str(path)!r}: {err}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"config file {str(path)!r} is not a UTF-8 text file of KEY: VALUE lines") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

@@ -289,6 +289,18 @@ def _stored_counts(config: ResolvedConfig) -> list[list[int]] | None:
     return counts
 
 
+def check(raw: Mapping[str, Any]) -> None:
+    """Everything about a run that can be checked without building its roles (settings, out,
+    logger, device, dataset, partition, cut, subsets): UserError if `build` would refuse it. A
+    sweep checks all its runs so before the first one starts."""
+    config = resolve_config(raw)
+    rundir.check_out_dir(config.out_dir)
+    check_logger(config.run.logger)
+    if config.run.data == "partition":
+        plan = _plan(config)
+        _seeded_subset(len(plan.data.test_y), config.run.test_subset, config.run.seed, "test_subset")
+
+
 def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Transport] | None = None) -> Experiment:
     """Validate the config and build data, roles, transport and algorithm; UserError on bad input.
     `transport` makes the transport (default: the config's); one with `remote` clients (a network)

@@ -347,3 +347,20 @@ def test_a_second_sweep_into_the_same_directory_is_refused(tmp_path: Path):
     with rundir.locked(out), pytest.raises(UserError, match=r"out '.*busy' is in use by PID \d+ on host"):
         run_sweep(path, out=out, progress=False)
     assert not any(out.iterdir())  # refused before any run started
+
+
+def test_a_sweep_checks_every_run_before_the_first_starts(tmp_path: Path, capsys):
+    """A value only the run itself would refuse (a cut the model lacks, more test samples than the
+    dataset has) in the last grid point stops the sweep before any run starts, in one line."""
+    from splitlab.cli import main
+
+    for axis, message in (("cut: [1, 9]", "cut"), ("test_subset: [10, 100000]", "test_subset=100000")):
+        file = tmp_path / "grid.yaml"
+        file.write_text(
+            "base: {dataset: digits, model: mlp, clients: 2, rounds: 1, train_subset: 100, device: cpu}\n"
+            f"axes: {{{axis}}}\n"
+        )
+        assert main(["sweep", str(file), "--out", str(tmp_path / "s"), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+        assert not any((tmp_path / "s").glob("*/metrics.jsonl"))

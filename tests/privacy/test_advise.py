@@ -27,3 +27,18 @@ def test_advise_writes_a_table_a_json_and_a_plot(tmp_path, capsys):
     assert (out / "advise.md").read_text().count("\n| ") == 3 and (out / "advise.png").is_file()
     assert "| 2 | 53,200 |" in capsys.readouterr().out
     assert main(["advise", "model=nope", f"out={tmp_path / 'x'}"]) == 2
+
+
+def test_advise_refuses_bad_settings_before_any_training(tmp_path, capsys):
+    probe = ["dataset=synthetic", "model=mlp", "rounds=1", "clients=2", "train_subset=200", f"out={tmp_path / 'a'}"]
+    for args, message in [
+        (["algorithm=fedavg"], "algorithm=fedavg does not split the model"),
+        (["test_subset=50"], "raise test_subset or lower aux/targets"),
+        (["lr=.nan"], "expected a finite number"),
+        (["batch_size=true"], "not a boolean"),
+        (["defense=blur"], "defense"),
+    ]:
+        assert main(["advise", *probe, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "a").exists()

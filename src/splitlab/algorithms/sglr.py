@@ -33,7 +33,8 @@ class SGLRParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     server_lr: float | None = Field(
         None,
-        gt=0, le=1e6,
+        gt=0,
+        le=1e6,
         description="server-side learning rate (default: lr, the "
         "client-side one); SGLR's acceleration is a larger value",
     )

@@ -47,7 +47,12 @@ class ClientSettings(BaseModel):
     threads: int | None = Field(None, ge=1, le=1024, description="torch threads (default: torch's)")
     server_name: str | None = Field(None, description="name in the server's certificate, if not the host")
     retry_seconds: float = Field(120.0, ge=0, le=604_800, description="how long to keep trying to (re)connect")
-    max_message_mib: int = Field(1024, ge=1, le=protocol.MAX_MESSAGE_MIB, description="largest message accepted, in MiB (gRPC carries at most 2047)")
+    max_message_mib: int = Field(
+        1024,
+        ge=1,
+        le=protocol.MAX_MESSAGE_MIB,
+        description="largest message accepted, in MiB (gRPC carries at most 2047)",
+    )
 
 
 def log(client_id: int, line: str) -> None:

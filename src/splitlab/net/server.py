@@ -51,12 +51,25 @@ class ServerSettings(BaseModel):
 
     listen: str = Field("127.0.0.1:7070", description="HOST:PORT to listen on (0.0.0.0:PORT: every interface)")
     certs: Path = Field(Path("certs"), description="directory of ca.pem, server.pem and server.key")
-    min_clients: int = Field(1, ge=1, le=1_000_000, description="fewest clients that must finish a round, or the run stops")
+    min_clients: int = Field(
+        1, ge=1, le=1_000_000, description="fewest clients that must finish a round, or the run stops"
+    )
     call_timeout: float = Field(120.0, gt=0, le=86_400, description="seconds a client has to answer one call")
-    heartbeat: float = Field(2.0, gt=0, le=3_600, description="seconds between a client's heartbeats; 3 missed: dropped")
-    join_timeout: float = Field(300.0, gt=0, le=604_800, description="seconds from the start for every client's first connection")
-    rejoin_wait: float = Field(5.0, ge=0, le=86_400, description="seconds a round waits for a sampled client that is away")
-    max_message_mib: int = Field(1024, ge=1, le=protocol.MAX_MESSAGE_MIB, description="largest message accepted, in MiB (gRPC carries at most 2047)")
+    heartbeat: float = Field(
+        2.0, gt=0, le=3_600, description="seconds between a client's heartbeats; 3 missed: dropped"
+    )
+    join_timeout: float = Field(
+        300.0, gt=0, le=604_800, description="seconds from the start for every client's first connection"
+    )
+    rejoin_wait: float = Field(
+        5.0, ge=0, le=86_400, description="seconds a round waits for a sampled client that is away"
+    )
+    max_message_mib: int = Field(
+        1024,
+        ge=1,
+        le=protocol.MAX_MESSAGE_MIB,
+        description="largest message accepted, in MiB (gRPC carries at most 2047)",
+    )
 
 
 def split_settings(raw: Mapping[str, Any], settings_class: type[BaseModel]) -> tuple[BaseModel, dict[str, Any]]:

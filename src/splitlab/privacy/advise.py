@@ -16,7 +16,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from splitlab import rundir
 from splitlab.channel import payload_bytes
+from splitlab.config import UNSPLIT_ALGORITHMS, resolve_config
 from splitlab.errors import UserError
 from splitlab.io import write_json, write_png, write_text
 from splitlab.models import build_model, output_shape, split
@@ -110,13 +112,25 @@ def advise(raw: dict) -> dict[str, Any]:
     from splitlab.splitgp import parse_settings
 
     settings = parse_settings(AdviseSettings, raw)
+    if settings.algorithm in UNSPLIT_ALGORITHMS:
+        raise UserError(
+            f"algorithm={settings.algorithm} does not split the model: advise compares cuts; use a split one"
+        )
     out = Path(settings.out or f"runs/advise_{settings.dataset}_{settings.model}")
-    data = load_dataset(settings.dataset, settings.data_dir, settings.seed)
-    rows = cut_costs(settings, data.input_shape, data.num_classes)
     probe = settings.model_dump(
         include={"dataset", "data_dir", "model", "algorithm", "defense", "clients", "rounds", "train_subset"}
         | {"test_subset", "batch_size", "lr", "seed", "device"}
     )
+    resolve_config({**probe, "out": str(out / "cut1")})  # every probe setting checked before any work
+    rundir.check_out_dir(out)
+    data = load_dataset(settings.dataset, settings.data_dir, settings.seed)
+    tested = min(settings.test_subset or len(data.test_y), len(data.test_y))
+    if tested < settings.aux + settings.targets:
+        raise UserError(
+            f"advise attacks {settings.targets} targets with {settings.aux} auxiliary samples, both from the "
+            f"{tested} test samples; raise test_subset or lower aux/targets"
+        )
+    rows = cut_costs(settings, data.input_shape, data.num_classes)
     attack = {"aux": settings.aux, "targets": settings.targets, "epochs": settings.epochs, "seed": settings.seed}
     for row in rows:
         run_dir = out / f"cut{row['cut']}"

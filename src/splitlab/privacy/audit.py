@@ -24,7 +24,7 @@ from torch import nn
 
 from splitlab import rundir
 from splitlab.algorithms import get_algorithm
-from splitlab.config import RunConfig
+from splitlab.config import UNSPLIT_ALGORITHMS, RunConfig
 from splitlab.errors import UserError
 from splitlab.io import write_json, write_png
 from splitlab.models import output_shape
@@ -41,10 +41,16 @@ class AttackSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     attack: Literal["inversion", "label_leak"]
     round: int | None = Field(
-        None, ge=1, le=10_000_000, description="recorded round to attack, numbered from 1 as in metrics.jsonl (default: the last)"
+        None,
+        ge=1,
+        le=10_000_000,
+        description="recorded round to attack, numbered from 1 as in metrics.jsonl (default: the last)",
     )
     client: int = Field(
-        0, ge=0, le=1_000_000, description="with personal client parts (psl, sglr, ...): the client whose model is attacked"
+        0,
+        ge=0,
+        le=1_000_000,
+        description="with personal client parts (psl, sglr, ...): the client whose model is attacked",
     )
     aux: int = Field(2000, ge=10, le=10_000_000, description="auxiliary samples the server holds (from the test split)")
     targets: int = Field(500, ge=10, le=10_000_000, description="held-out samples attacked when nothing was recorded")
@@ -64,8 +70,10 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     algorithm = stored.get("algorithm") or RunConfig().algorithm
     personal = get_algorithm(algorithm).personal_models
     if settings.client and not personal:
-        raise UserError(f"client={settings.client} does not apply: {algorithm} has one global model, not per-client ones")
-    if algorithm in ("fedavg", "centralized"):
+        raise UserError(
+            f"client={settings.client} does not apply: {algorithm} has one global model, not per-client ones"
+        )
+    if algorithm in UNSPLIT_ALGORITHMS:
         raise UserError(f"{str(path)!r} is a {algorithm} run: nothing is split, no cut to attack")
     record_files = _record_files(path)  # stray or misnamed files refused before any work
     experiment = load_run(path, settings.device)
@@ -86,9 +94,7 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     result: dict[str, Any] = {"attack": settings.attack, "targets": source, "defense": experiment.config.run.defense}
     if settings.attack == "label_leak":
         if recorded:
-            by_round = {
-                r: _load(file, shapes, experiment.blueprint.num_classes) for r, file in record_files.items()
-            }
+            by_round = {r: _load(file, shapes, experiment.blueprint.num_classes) for r, file in record_files.items()}
             result["by_round"] = {
                 r: attacks.label_leak(t["cut_grad"], t["labels"]) for r, t in by_round.items() if "cut_grad" in t
             }
@@ -135,7 +141,8 @@ def _record_files(path: Path) -> dict[int, Path]:
         match = _RECORD_NAME.fullmatch(entry.name)
         if match is None or not entry.is_file() or int(match[1]) < 1:
             raise UserError(
-                f"{str(entry)!r} is not a recorded round (round_<r>.safetensors, r from 1); move it out of {RECORD_DIR}/"
+                f"{str(entry)!r} is not a recorded round (round_<r>.safetensors, r from 1); "
+                f"move it out of {RECORD_DIR}/"
             )
         files[int(match[1])] = entry
     return files

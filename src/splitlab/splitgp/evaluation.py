@@ -76,8 +76,12 @@ class EvaluationSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     rho: list[float] = Field([0, 0.2, 0.4, 0.6, 0.8], description="out-of-distribution fractions")
-    entropy_threshold: Annotated[float, Field(ge=0, le=1e6)] | str = Field("auto", description="E_th, or auto (chosen per rho on held-out data)")
-    validation_size: int = Field(200, ge=1, le=10_000_000, description="main-class held-out samples per client for auto")
+    entropy_threshold: Annotated[float, Field(ge=0, le=1e6)] | str = Field(
+        "auto", description="E_th, or auto (chosen per rho on held-out data)"
+    )
+    validation_size: int = Field(
+        200, ge=1, le=10_000_000, description="main-class held-out samples per client for auto"
+    )
     finetune_rounds: int = Field(1, ge=0, le=100_000, description="local updates for the personalized baseline")
     device: str = "cpu"
 
@@ -308,8 +312,10 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
         _restore(algorithm.server, {"server_model": parts[-1]}, weights)
         clients_path = path / "clients.safetensors"
         tensors = _tensors(clients_path, experiment.blueprint.device)
-        own = (("client", "client_model"), ("exit", "aux_model")) if isinstance(algorithm, SplitGP) else (
-            ("client", "client_model"),
+        own = (
+            (("client", "client_model"), ("exit", "aux_model"))
+            if isinstance(algorithm, SplitGP)
+            else (("client", "client_model"),)
         )
         for client in experiment.clients:
             proxy = algorithm.client(client.id)
