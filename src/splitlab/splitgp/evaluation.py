@@ -76,7 +76,7 @@ class EvaluationSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     rho: list[float] = Field([0, 0.2, 0.4, 0.6, 0.8], description="out-of-distribution fractions")
-    entropy_threshold: Annotated[float, Field(ge=0, le=1e6)] | str = Field(
+    entropy_threshold: Annotated[float, Field(ge=0, le=1e18)] | str = Field(
         "auto", description="E_th, or auto (chosen per rho on held-out data)"
     )
     validation_size: int = Field(
