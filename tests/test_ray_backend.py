@@ -124,7 +124,7 @@ def test_past_max_restarts_the_run_stops_with_a_resume_hint(local_ray, tmp_path,
 
 
 def test_max_restarts_is_refused_without_ray(tmp_path):
-    with pytest.raises(UserError, match=r"max_restarts=1 applies to backend=ray only"):
+    with pytest.raises(UserError, match=r"max_restarts=1 does not apply here: .* it needs backend=ray"):
         run(config("fedavg", tmp_path / "o", max_restarts=1), progress=False)
 
 

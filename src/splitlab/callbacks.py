@@ -72,7 +72,7 @@ class RecorderFlush(Callback):
         self.recorder, self.out = recorder, out
 
     def on_round_trained(self, state: State) -> str | None:
-        self.recorder.flush(self.out, state["round"] - 1)
+        self.recorder.flush(self.out, state["round"])  # numbered from 1, as metrics rows
         return None
 
 

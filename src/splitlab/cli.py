@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 from collections.abc import Callable
 
@@ -22,6 +23,9 @@ from splitlab.process import prepare_process
 
 console = Console()
 log = logging.getLogger("splitlab.cli")
+
+#: `splitlab certs clients=` at most: a certificate and key each (about 8 KB), made one by one
+MAX_CERT_CLIENTS = 1000
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -59,10 +63,12 @@ def _cmd_certs(args: argparse.Namespace) -> int:
     if not isinstance(overwrite, bool):
         raise UserError(f"invalid value {overwrite!r} for overwrite: expected true or false")
     clients = keys.get("clients", 1)
-    if isinstance(clients, bool) or not isinstance(clients, int):
-        raise UserError(f"invalid value {clients!r} for clients: expected a whole number of clients")
+    if isinstance(clients, bool) or not isinstance(clients, int) or not 1 <= clients <= MAX_CERT_CLIENTS:
+        raise UserError(
+            f"invalid value {clients!r} for clients: expected a whole number of clients, 1 to {MAX_CERT_CLIENTS}"
+        )
     hosts = [h for h in str(keys.get("hosts") or "").split(",") if h]
-    written = make_certs(Path(str(keys.get("out", "certs"))), clients, hosts, overwrite)
+    written = make_certs(Path(str(keys.get("out", "certs"))).expanduser(), clients, hosts, overwrite)
     console.print(f"written to {written[0].parent}: {', '.join(p.stem for p in written)} (.pem and .key)")
     return 0
 
@@ -92,8 +98,14 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     from splitlab.net.server import ServerSettings, split_settings
 
     settings, raw = split_settings(_run_config(args), LaunchSettings)
+    for key in ("listen", "certs"):
+        if key in raw:
+            raise UserError(
+                f"{key}= does not apply to launch: it listens on a free loopback port with certificates it makes "
+                f"in OUT/certs; use `splitlab server` to choose them"
+            )
     server_keys, raw = split_settings(raw, ServerSettings)
-    given = {k: v for k, v in server_keys.model_dump(exclude_defaults=True).items() if k not in ("listen", "certs")}
+    given = server_keys.model_dump(exclude_defaults=True)
     return launch(raw, given, settings, progress=not args.no_progress)  # type: ignore[arg-type]
 
 
@@ -444,6 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # Flags may come anywhere among KEY=VALUE pairs: argparse stops the pairs at the first flag.
@@ -457,14 +473,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.quiet and hasattr(args, "no_progress"):
         args.no_progress = True
     handler: Callable[[argparse.Namespace], int] = args.handler
+    if args.command == "run":
+        signal.signal(signal.SIGTERM, _interrupt)  # a polite kill ends as Ctrl-C does: files complete, lock gone
     try:
         return handler(args)
     except UserError as err:
         log.error(f"error: {err}")
         return getattr(err, "exit_code", 2)
-    except KeyboardInterrupt:
-        again = "run the same sweep command again" if args.command == "sweep" else "add resume=true"
-        log.error(f"interrupted; to continue, {again}")
+    except OSError as err:  # a command's files (sweep, report, attack, advise, certs): one line, exit 1
+        from splitlab.rundir import FILE_ERRNOS, describe_file_error
+
+        if err.errno not in FILE_ERRNOS:
+            raise
+        log.error(f"error: {describe_file_error(err, '.')}")
+        return 1
+    except KeyboardInterrupt as interrupted:
+        if interrupted.args:  # the engine says what the run kept (splitlab.rundir.kept_after_interruption)
+            log.error(f"interrupted; {interrupted}")
+        else:
+            again = "run the same sweep command again" if args.command == "sweep" else "add resume=true"
+            log.error(f"interrupted; to continue, {again}")
         return 130
 
 

@@ -6,7 +6,7 @@ included). `encode` stores every tensor under a running number in one safetensor
 nest around them, with tensors replaced by their number, as strict JSON in the buffer's metadata.
 `decode` reverses it and refuses anything else: a truncated, empty or foreign buffer, a skeleton
 that is not strict JSON (NaN or Infinity literals, a key twice) or is larger or deeper than any
-message splitlab sends (MAX_SKELETON_BYTES, MAX_DEPTH: checked before it is parsed) is a
+message splitlab sends (MAXSKELETON_BYTES, MAX_DEPTH: checked before it is parsed) is a
 `MessageError`, never an object built from attacker-chosen code.
 """
 
@@ -24,8 +24,8 @@ from safetensors.torch import save as save_tensors
 
 from splitlab.io import cpu_copy
 
-_SKELETON = "splitlab.skeleton"
-MAX_SKELETON_BYTES = 16 << 20
+SKELETON = "splitlab.skeleton"
+MAXSKELETON_BYTES = 16 << 20
 """The largest skeleton accepted (a role state of thousands of tensors is well under 1 MiB)."""
 MAX_DEPTH = 64
 """The deepest nest accepted (a role state with its optimizers is about 8 deep)."""
@@ -75,7 +75,7 @@ def flatten(message: Any, copy: bool = False) -> tuple[dict[str, torch.Tensor], 
         raise TypeError(f"cannot encode a {type(value).__name__} in a message")
 
     nest = json.dumps(skeleton(message), allow_nan=False, separators=(",", ":"))
-    return tensors, {_SKELETON: nest}
+    return tensors, {SKELETON: nest}
 
 
 def _key(key: Any) -> Any:
@@ -88,7 +88,7 @@ def decode(data: bytes, device: torch.device | str = "cpu") -> Any:
     """The message in `data`, its tensors on `device`; MessageError if `data` is not one."""
     try:
         tensors = load_tensors(data)
-        nest = strict_json(_metadata(data)[_SKELETON])
+        nest = strict_json(_metadata(data)[SKELETON])
     except (SafetensorError, ValueError, KeyError, TypeError, OverflowError) as error:
         raise MessageError(f"not a splitlab message ({error})") from None
     used: set[str] = set()
@@ -122,10 +122,10 @@ def decode(data: bytes, device: torch.device | str = "cpu") -> Any:
 
 def strict_json(text: str) -> Any:
     """`text` parsed as strict JSON: ValueError for NaN or Infinity literals, a key given twice, or
-    a text over MAX_SKELETON_BYTES or nested deeper than MAX_DEPTH (both checked first, so that
+    a text over MAXSKELETON_BYTES or nested deeper than MAX_DEPTH (both checked first, so that
     no nest is ever deep enough to exhaust the parser's recursion)."""
-    if len(text) > MAX_SKELETON_BYTES:
-        raise ValueError(f"a skeleton of {len(text)} characters, over {MAX_SKELETON_BYTES}")
+    if len(text) > MAXSKELETON_BYTES:
+        raise ValueError(f"a skeleton of {len(text)} characters, over {MAXSKELETON_BYTES}")
     if _depth(text) > MAX_DEPTH:
         raise ValueError(f"a skeleton nested deeper than {MAX_DEPTH}")
     return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)

@@ -3,16 +3,22 @@
 Keys common to every run live in `RunConfig`; each algorithm declares its own hyperparameters as
 a `Params` model next to its code, so a key is valid exactly when the chosen algorithm uses it.
 Every problem becomes a one-line `UserError` naming the bad value and what is allowed.
+
+Two rules hold for every key, and a test generated from the schema checks them (tests/test_config_schema.py):
+every number has a range (`ge`/`gt` and `le`/`lt` on its Field), and every key of RunConfig says
+where it applies: in `EVERYWHERE`, or in `ONLY_WHEN` with the test for the settings it applies
+to. A key given a value other than its default where it does not apply is refused, naming why.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -69,31 +75,38 @@ class RunConfig(BaseModel):
     lora_targets: str | None = Field(
         None, description="with lora: comma-separated names of the projections to adapt (default: the model's)"
     )
-    cut: int = Field(1, description="cut layer, in the model's numbering (see `splitlab models`)")
-    clients: int | Literal["all"] = Field(10, description="number of clients K; 'all' = one per natural user")
-    participation: float = Field(1.0, gt=0, le=1, description="fraction C of clients sampled per round")
-    rounds: int = Field(10, ge=1, description="training rounds")
-    local_epochs: int = Field(1, ge=1, description="passes over its samples a client makes per round")
-    local_steps: int | None = Field(
-        None, ge=1, description="cap on a client's mini-batches per round (after local_epochs); none = all of them"
+    cut: int = Field(1, ge=0, le=1000, description="cut layer, in the model's numbering (see `splitlab models`)")
+    clients: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["all"] = Field(
+        10, description="number of clients K (1 to 1,000,000); 'all' = one per natural user"
     )
-    batch_size: int = Field(64, ge=1, description="samples per mini-batch")
+    participation: float = Field(1.0, gt=0, le=1, description="fraction C of clients sampled per round")
+    rounds: int = Field(10, ge=1, le=10_000_000, description="training rounds")
+    local_epochs: int = Field(1, ge=1, le=100_000, description="passes over its samples a client makes per round")
+    local_steps: int | None = Field(
+        None,
+        ge=1,
+        le=1_000_000_000,
+        description="cap on a client's mini-batches per round (after local_epochs); none = all of them",
+    )
+    batch_size: int = Field(64, ge=1, le=1_000_000, description="samples per mini-batch")
     optimizer: Literal["sgd", "adam"] = Field("adam", description="sgd | adam, for every part of the model")
-    lr: float = Field(1e-3, gt=0, description="learning rate")
+    lr: float = Field(1e-3, gt=0, le=1e6, description="learning rate")
     lr_schedule: str = Field(
         "none",
         description="the learning rate by round, as factors of lr joined by +: step:<every>:<gamma> | cosine | "
         "warmup:<rounds> (e.g. warmup:5+cosine); none = lr throughout",
     )
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
-    weight_decay: float = Field(0.0, ge=0, description="L2 penalty of the optimizer")
+    weight_decay: float = Field(0.0, ge=0, le=1e3, description="L2 penalty of the optimizer")
     partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="random seed (0 to 2**32-1, what numpy and torch both accept)")
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="cpu | cuda | auto (cuda when there is one)")
-    eval_every: int = Field(1, ge=1, description="evaluate every N rounds (and after the last)")
-    train_subset: int | None = Field(None, ge=1, description="use only N training samples (seeded choice)")
-    test_subset: int | None = Field(None, ge=1, description="evaluate on only N test samples (seeded choice)")
-    comm_budget_gib: float | None = Field(None, gt=0, description="stop once this much has been communicated")
+    eval_every: int = Field(1, ge=1, le=10_000_000, description="evaluate every N rounds (and after the last)")
+    train_subset: int | None = Field(None, ge=1, le=10**10, description="use only N training samples (seeded choice)")
+    test_subset: int | None = Field(
+        None, ge=1, le=10**10, description="evaluate on only N test samples (seeded choice)"
+    )
+    comm_budget_gib: float | None = Field(None, gt=0, le=1e9, description="stop once this much has been communicated")
     test_split: str = Field(
         "global",
         description="global (the dataset's test set) | client:<fraction> (each "
@@ -125,28 +138,32 @@ class RunConfig(BaseModel):
         description="where roles live: local (this process) | ray (clients on `workers` Ray actors, the "
         "training server on its own; every message as bytes; same results; docs/ray.md)",
     )
-    workers: int = Field(2, ge=1, description="backend=ray: Ray actors holding the client nodes")
+    workers: int = Field(2, ge=1, le=10_000, description="backend=ray: Ray actors holding the client nodes")
     cpus_per_client: int = Field(
         1,
         ge=1,
+        le=1024,
         description="backend=ray: CPUs (torch threads) of every actor: each client worker, which trains one "
         "client at a time, and the training server's (results equal in-process ones run with as many threads)",
     )
     gpus_per_client: float = Field(
         0.0,
         ge=0,
+        le=64,
         description="backend=ray: GPUs of every actor (fractions share one: 0.25 puts four actors on a GPU); "
         "with device=auto an actor uses CUDA exactly when Ray gave it a GPU",
     )
     max_restarts: int = Field(
         3,
         ge=0,
+        le=1000,
         description="backend=ray: times a run whose Ray actor (or node) was lost builds its roles again and "
         "replays from its last checkpoint, before it stops with a resume hint",
     )
     checkpoint_every: float = Field(
         60.0,
         ge=0,
+        le=10**8,
         description="seconds between checkpoints (0: after every round; never sooner than 50x the last snapshot's "
         "in-loop time); a resumed run replays from the last one",
     )
@@ -156,7 +173,7 @@ class RunConfig(BaseModel):
         "nopeek:<alpha> quantize:int8|fp16 topk:<fraction>; none = no defense (docs/privacy.md)",
     )
     record: int = Field(
-        0, ge=0, description="record what the server saw at the cut, up to N samples per round, for attacks"
+        0, ge=0, le=10**7, description="record what the server saw at the cut, up to N samples per round, for attacks"
     )
     noise_key: str | None = Field(
         None,
@@ -166,6 +183,12 @@ class RunConfig(BaseModel):
     )
     resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
     overwrite: bool = Field(False, description="replace a finished or partial run in `out`")
+
+    @field_validator("out", "data_dir")
+    @classmethod
+    def _expand_home(cls, value: str | None) -> str | None:
+        """`~` and `~user` as a shell would expand them (a folder literally named `~` is never meant)."""
+        return None if value is None else os.path.expanduser(value)
 
     @field_validator("partition")
     @classmethod
@@ -226,6 +249,142 @@ def parse_lora(value: str) -> tuple[int, float]:
     return parsed
 
 
+#: Algorithms whose model is not split: nothing crosses a cut (no smashed data to record or attack).
+UNSPLIT_ALGORITHMS = ("fedavg", "centralized")
+
+
+def _reads_files(dataset: str) -> bool:
+    from splitlab.data.datasets import WITHOUT_FILES
+
+    return dataset not in WITHOUT_FILES
+
+
+#: Keys of RunConfig that apply to every run.
+EVERYWHERE = frozenset(
+    {"algorithm", "dataset", "data", "model", "cut", "clients", "participation", "rounds", "local_epochs"}
+    | {"local_steps", "batch_size", "optimizer", "lr", "weight_decay", "seed", "device", "eval_every"}
+    | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
+    | {"backend", "checkpoint_every", "defense", "overwrite"}
+    | {"init", "seq_len", "lora", "lr_schedule", "noise_key", "plugins"}
+)
+
+
+class Applies(typing.NamedTuple):
+    """Where a key of RunConfig applies: `when` the resolved config says so; `why` not, said in the
+    refusal; `example`: settings where it does not apply (the schema test runs them)."""
+
+    when: Callable[[RunConfig], bool]
+    why: str
+    example: dict[str, Any]
+
+
+#: Keys of RunConfig that apply only to some settings. Given a value other than its default where
+#: it does not apply, the key is refused in one line rather than silently ignored.
+ONLY_WHEN: dict[str, Applies] = {
+    "momentum": Applies(lambda r: r.optimizer == "sgd", "momentum is SGD's; it needs optimizer=sgd", {"momentum": 0.9}),
+    "workers": Applies(lambda r: r.backend == "ray", "workers are Ray actors; they need backend=ray", {"workers": 4}),
+    "transport": Applies(
+        lambda r: r.backend == "local",
+        "with backend=ray every message travels as bytes, whatever transport says",
+        {"backend": "ray", "transport": "serialized"},
+    ),
+    "partition": Applies(
+        lambda r: r.clients != "all",
+        "with clients=all each natural user is a client; nothing is partitioned",
+        {"clients": "all", "partition": "dirichlet:1"},
+    ),
+    "train_subset": Applies(
+        lambda r: r.clients != "all",
+        "with clients=all every natural user's samples are used",
+        {"clients": "all", "train_subset": 100},
+    ),
+    "data_dir": Applies(
+        lambda r: _reads_files(r.dataset),
+        "this dataset is bundled or generated and reads no files",
+        {"dataset": "digits", "data_dir": "/tmp"},
+    ),
+    "record": Applies(
+        lambda r: r.algorithm not in UNSPLIT_ALGORITHMS,
+        "this algorithm does not split the model: nothing crosses a cut to record",
+        {"algorithm": "fedavg", "record": 10},
+    ),
+    **{
+        size: Applies(lambda r: r.model == "gpt", f"{size} sizes model=gpt", {"model": "mlp", size: 2})
+        for size in ("layers", "heads", "width", "context")
+    },
+    "model_dir": Applies(lambda r: r.model == "hf", "model_dir is where model=hf is read from", {"model_dir": "/tmp"}),
+    "lora_targets": Applies(
+        lambda r: r.lora is not None, "lora_targets needs lora=R:ALPHA", {"lora_targets": "c_attn"}
+    ),
+    **{
+        key: Applies(
+            lambda r: r.backend == "ray", f"{key} sets the Ray actors' resources; it needs backend=ray", example
+        )
+        for key, example in (
+            ("cpus_per_client", {"cpus_per_client": 2}),
+            ("gpus_per_client", {"gpus_per_client": 0.5}),
+            ("max_restarts", {"max_restarts": 1}),
+        )
+    },
+    "resume": Applies(
+        lambda r: not r.overwrite,
+        "overwrite=true replaces the run that resume=true would continue",
+        {"overwrite": True, "resume": True},
+    ),
+}
+
+
+def field_bounds(field: Any) -> tuple[Any, Any] | None:
+    """A numeric field's lower (Ge or Gt) and upper (Le or Lt) bounds, None where one is missing;
+    None for a field that takes no number."""
+    import annotated_types as at
+
+    def numeric(annotation: Any) -> bool:  # a number, or a union with one (not a list of numbers)
+        if annotation in (int, float):
+            return True
+        if typing.get_origin(annotation) is list:
+            return False
+        return any(numeric(arg) for arg in typing.get_args(annotation) if arg is not bool)
+
+    if not numeric(field.annotation):
+        return None
+    constraints = list(field.metadata)
+    for arg in typing.get_args(field.annotation):  # Annotated[int, Field(ge=...)] | Literal[...]
+        constraints += [c for inner in getattr(arg, "__metadata__", ()) for c in getattr(inner, "metadata", [inner])]
+    lower = next((c for c in constraints if isinstance(c, (at.Ge, at.Gt))), None)
+    upper = next((c for c in constraints if isinstance(c, (at.Le, at.Lt))), None)
+    return lower, upper
+
+
+def bound_value(bound: Any) -> Any:
+    """The number of a Ge, Gt, Le or Lt bound."""
+    return next(getattr(bound, name) for name in ("ge", "gt", "le", "lt") if hasattr(bound, name))
+
+
+def check_applicable(run: RunConfig, given: Mapping[str, Any]) -> None:
+    """UserError for the first key in `given` set (to other than its default) where it does not apply."""
+    for key, rule in ONLY_WHEN.items():
+        if key in given and getattr(run, key) != RunConfig.model_fields[key].default and not rule.when(run):
+            raise UserError(f"{key}={given[key]} does not apply here: {rule.why}")
+
+
+def check_finite(settings: BaseModel | Mapping[str, Any]) -> None:
+    """UserError for a non-finite number among `settings`, given (checked first, so that the message
+    says what is wrong) or parsed (pydantic reads the text 'inf' as a number)."""
+    values = settings.model_dump() if isinstance(settings, BaseModel) else settings
+    for key, value in values.items():
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, float) and not math.isfinite(item):
+                raise UserError(f"invalid value {item!r} for {key}: expected a finite number")
+
+
+def check_no_booleans(fields: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
+    """true/false where a number is expected (pydantic would read True as 1) is refused."""
+    for key, value in raw.items():
+        if key in fields and isinstance(value, bool) and not _accepts_bool(fields[key].annotation):
+            raise UserError(f"invalid value {value!r} for {key}: expected a number or name, not a boolean")
+
+
 def parse_test_split(value: str) -> float | None:
     """`global` -> None; `client:<fraction>` -> the fraction each client holds out (0 < f < 1)."""
     kind, _, fraction = value.partition(":")
@@ -283,11 +442,29 @@ class ResolvedConfig:
 
 def _one_line(err: ValidationError) -> str:
     first = err.errors()[0]
-    key = ".".join(str(part) for part in first["loc"]) or "config"
+    key = str(first["loc"][0]) if first["loc"] else "config"  # flat settings: the key (not a union branch)
     message = first["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
     return f"invalid value {first.get('input')!r} for {key}: {message}"
+
+
+Settings = typing.TypeVar("Settings", bound=BaseModel)
+
+
+def parse_settings(cls: type[Settings], raw: Mapping[str, Any]) -> Settings:
+    """KEY=VALUE settings of a command -> its settings model; a mistake is one UserError line."""
+    unknown = sorted(set(raw) - set(cls.model_fields))
+    if unknown:
+        raise unknown_key(unknown[0], cls.model_fields)
+    check_no_booleans(cls.model_fields, raw)
+    check_finite(raw)
+    try:
+        settings = cls(**raw)
+    except ValidationError as err:
+        raise UserError(_one_line(err)) from None
+    check_finite(settings)
+    return settings
 
 
 def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
@@ -307,23 +484,19 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     for key in raw:
         if key not in common and key not in own:
             raise unknown_key(key, common | own, f"algorithm {algorithm.name!r}")
-    fields = {**RunConfig.model_fields, **algorithm.Params.model_fields}
-    for key, value in raw.items():
-        if isinstance(value, bool) and not _accepts_bool(fields[key].annotation):
-            raise UserError(f"invalid value {value!r} for {key}: expected a number or name, not a boolean")
+    check_no_booleans({**RunConfig.model_fields, **algorithm.Params.model_fields}, raw)
+    check_finite(raw)
     try:
         run = RunConfig(**{k: v for k, v in raw.items() if k in common})
         params = algorithm.Params(**{k: v for k, v in raw.items() if k in own})
     except ValidationError as err:
         raise UserError(_one_line(err)) from None
-    except UserError:
-        raise
-    for key, value in {**run.model_dump(), **params.model_dump()}.items():
-        if isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"invalid value {value!r} for {key}: expected a finite number")
+    check_finite(run)
+    check_finite(params)
     from splitlab.privacy.defenses import check_applies
 
     check_applies(run, "server_model" in algorithm.models)
+    check_applicable(run, raw)
     return ResolvedConfig(run, params)
 
 
@@ -361,6 +534,8 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         content = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
     except _DuplicateKey as err:
         raise UserError(f"config file {str(path)!r}: {err}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"config file {str(path)!r} is not a UTF-8 text file of KEY: VALUE lines") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

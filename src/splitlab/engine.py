@@ -59,7 +59,6 @@ from splitlab.streams import register_stream
 from splitlab.transport import TRANSPORTS, ClientDropped, Transport
 
 STREAM_SAMPLING = register_stream("sampling", 0)
-RAY_ONLY_KEYS = ("cpus_per_client", "gpus_per_client", "max_restarts")  # refused with backend=local
 
 
 @dataclasses.dataclass
@@ -369,6 +368,18 @@ def _stored_counts(config: ResolvedConfig) -> list[list[int]] | None:
     return counts
 
 
+def check(raw: Mapping[str, Any]) -> None:
+    """Everything about a run that can be checked without building its roles (settings, out,
+    logger, device, dataset, partition, cut, subsets): UserError if `build` would refuse it. A
+    sweep checks all its runs so before the first one starts."""
+    config = resolve_config(raw)
+    rundir.check_out_dir(config.out_dir)
+    check_logger(config.run.logger)
+    if config.run.data == "partition":
+        plan = _plan(config)
+        _seeded_subset(len(plan.data.test_y), config.run.test_subset, config.run.seed, "test_subset")
+
+
 def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Transport] | None = None) -> Experiment:
     """Validate the config and build data, roles, transport and algorithm; UserError on bad input.
     `transport` makes the transport (default: the config's); one with `remote` clients (a network)
@@ -377,10 +388,9 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     config = resolve_config(raw)
     run = config.run
     rundir.check_out_dir(config.out_dir)
+    if run.resume and not run.overwrite:
+        rundir.check_resume_target(config.out_dir)
     check_logger(run.logger)
-    for key in RAY_ONLY_KEYS:
-        if run.backend != "ray" and getattr(run, key) != RunConfig.model_fields[key].default:
-            raise UserError(f"{key}={getattr(run, key)} applies to backend=ray only; add backend=ray or leave it out")
     if transport is not None and run.backend == "ray":
         raise UserError("backend=ray runs clients on Ray actors; a networked server takes backend=local")
     if run.data == "own" and transport is None:
@@ -546,6 +556,20 @@ class _RunDirectory:
     def clear(self) -> None:
         rundir.clear(self.path)
 
+    def summary(self) -> dict[str, Any]:
+        """The summary of the finished run here; UserError if summary.json is unreadable."""
+        file = self.path / "summary.json"
+        try:
+            summary = json.loads(file.read_text())
+            if not isinstance(summary, dict) or "final_accuracy" not in summary:
+                raise ValueError("not a run's summary")
+        except (ValueError, UnicodeDecodeError) as error:
+            raise UserError(
+                f"cannot resume {str(self.path)!r}: its summary.json is unreadable ({str(error)[:80]}); "
+                f"use overwrite=true to run it again"
+            ) from None
+        return summary
+
 
 def run(
     config: Mapping[str, Any],
@@ -592,7 +616,8 @@ def _run(
     run_config = experiment.config.run
     resume = run_config.resume if resume is None else resume
     directory = _RunDirectory(experiment)
-    with rundir.locked(directory.path):
+    kept = lambda: rundir.kept_after_interruption(directory.path)  # noqa: E731
+    with rundir.file_errors(directory.path, kept), rundir.locked(directory.path):
         existing = directory.existing()
         if existing and run_config.overwrite:
             directory.clear()
@@ -604,8 +629,13 @@ def _run(
         elif existing:
             directory.check_resumable()
             if "summary.json" in existing:
-                return json.loads((directory.path / "summary.json").read_text())
-        return _loop(experiment, progress, callbacks)
+                return directory.summary()
+            if CHECKPOINT not in existing:
+                LOGGER.info(f"{str(directory.path)!r} holds no checkpoint: starting again at round 1")
+        try:
+            return _loop(experiment, progress, callbacks)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the CLI says what was kept
+            raise KeyboardInterrupt(rundir.kept_after_interruption(directory.path)) from None
 
 
 def install_noise_secret(blueprint: Blueprint, transport: Transport, secret: bytes) -> None:
@@ -913,7 +943,7 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
     if "test_accuracy_deployed" in rows[-1]:
         summary["final_accuracy_deployed"] = rows[-1]["test_accuracy_deployed"]
         summary["accuracy_paths"] = DEPLOYED_NOTE
-    model = experiment.algorithm.global_model()
+    model = experiment.algorithm.shared_model()
     if model is not None:
         weights = experiment.full_state(model)
         save_safetensors(out / "weights.safetensors", weights)

@@ -35,6 +35,9 @@ def _atomic(path: Path, write: Callable[[str], object]) -> None:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+    except OSError as error:  # named after the file it was for, not its temporary name
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(error.errno, error.strerror, str(path)) from error
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

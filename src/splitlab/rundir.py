@@ -7,16 +7,23 @@
   A second process is refused with one line naming the holder's PID and host. While holding it,
   temporary files left by a killed writer (splitlab.io's `.<name>.<random>.tmp`) are removed.
 - `WRITTEN` is every file a run or `evaluate` writes, for `overwrite=true` to remove.
+- `kept_after_interruption` says, from the files alone, what an interrupted run kept and what
+  `resume=true` will do with it (the CLI's last line after Ctrl-C or SIGTERM).
+- `file_errors` is the one place where an OS error on a command's files (a full disk, a read-only
+  or forbidden place, a file where a folder should be) becomes one line, `FilesError`: the path,
+  the cause and what was kept; exit code 1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import json
 import os
 import shutil
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TextIO
 
@@ -130,6 +137,14 @@ def clear(path: Path) -> None:
     remove_temp_files(path)
 
 
+def check_resume_target(path: Path) -> None:
+    """resume=true needs a run to continue: a directory without one is refused (not started afresh)."""
+    from splitlab.runfiles import RUN_FILES
+
+    if not any((path / name).exists() for name in RUN_FILES):
+        raise UserError(f"cannot resume {str(path)!r}: it holds no run; leave out resume=true to start one there")
+
+
 def stored_config(path: Path, action: str = "resume", advice: str = "use overwrite=true to start over") -> dict:
     """The settings a run in `path` was started with; UserError (saying what could not be done:
     `action`, and what to do: `advice`) if config.yaml is missing or unusable."""
@@ -146,3 +161,69 @@ def stored_config(path: Path, action: str = "resume", advice: str = "use overwri
     except UserError as err:
         raise UserError(f"cannot {action} {str(path)!r}: config.yaml is unusable ({err}); {advice}") from None
     return stored
+
+
+def checkpoint_round(path: Path) -> int | None:
+    """The rounds finished when the checkpoint in run directory `path` was taken (None: there is none
+    or it is unreadable), read from its header alone."""
+    from safetensors import safe_open
+
+    from splitlab.codec import SKELETON
+    from splitlab.runfiles import CHECKPOINT
+
+    try:
+        with safe_open(str(path / CHECKPOINT), "pt") as file:
+            return int(json.loads(file.metadata()[SKELETON])["loop"]["round"])
+    except Exception:  # noqa: BLE001 (missing, damaged or foreign: no usable checkpoint)
+        return None
+
+
+def kept_after_interruption(path: Path) -> str:
+    """What an interrupted (or failed) run left in `path`, and what `resume=true` will do with it."""
+    if (path / "summary.json").is_file():
+        return f"the run in {str(path)!r} had finished; its files are complete"
+    done = checkpoint_round(path)
+    if done is not None:
+        return (
+            f"kept: the checkpoint after round {done} in {str(path)!r}; add resume=true to continue from round "
+            f"{done + 1} (rounds after it are replayed, with the same results)"
+        )
+    if (path / "config.yaml").is_file():
+        return (
+            f"nothing to continue from was saved in {str(path)!r} (no checkpoint yet: one is taken every "
+            f"checkpoint_every seconds, 0 = every round); resume=true will start again at round 1"
+        )
+    return f"nothing was written to {str(path)!r}; run the same command again"
+
+
+class FilesError(UserError):
+    """The files of a command could not be written or read (an OSError the user can fix: space,
+    permissions, a file in the way); nothing already written is lost."""
+
+    exit_code = 1
+
+
+#: OS errors about a place on disk that the user can fix, as opposed to a bug
+FILE_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EPERM, errno.EISDIR, errno.ENOTDIR, errno.EDQUOT}
+    | {errno.ENAMETOOLONG, errno.EEXIST, errno.ENOENT, errno.EIO, errno.EMFILE, errno.ENFILE, errno.EFBIG}
+)
+
+
+@contextlib.contextmanager
+def file_errors(where: Path | str, kept: Callable[[], str] | None = None) -> Iterator[None]:
+    """Turn an OSError on `where`'s files into one line: the file, the cause, and `kept()` (what is
+    still there). Other OS errors (not about a place on disk) keep their traceback."""
+    try:
+        yield
+    except OSError as error:
+        if error.errno not in FILE_ERRNOS:
+            raise
+        raise FilesError(describe_file_error(error, where, kept)) from None
+
+
+def describe_file_error(error: OSError, where: Path | str, kept: Callable[[], str] | None = None) -> str:
+    name = error.filename or where
+    cause = error.strerror or os.strerror(error.errno or 0)
+    note = kept() if kept is not None else "files written before it are complete"
+    return f"cannot write {str(name)!r}: {cause}; {note}"

@@ -135,7 +135,10 @@ def test_overrides_exclude_and_any_of(tmp_path: Path):
             {"base": BASE, "axes": {"cut": [1]}, "overrides": [{"when": {"cut": 1}, "set": {"lrr": 2}}]},
             "unknown key 'lrr'",
         ),
-        ({"base": BASE, "axes": {"data_dir": ["a:b", "a/b"]}}, "same run name 'data_dir=a-b'"),
+        (
+            {"base": {**BASE, "dataset": "fashion_mnist"}, "axes": {"data_dir": ["a:b", "a/b"]}},
+            "same run name 'data_dir=a-b'",
+        ),
         ({"base": BASE, "axes": {"cut": [1]}, "report": {"target_accuracy": 80}}, "fraction in"),
     ],
 )
@@ -180,6 +183,7 @@ def test_failing_run_is_recorded_and_others_go_on(tmp_path: Path, monkeypatch):
         return summary
 
     monkeypatch.setattr(splitlab.engine, "run", fake_run)
+    monkeypatch.setattr(splitlab.engine, "check", lambda config: None)  # cut=3 would be refused up front
     path = write_sweep(tmp_path, {"base": BASE, "axes": {"cut": [1, 2, 3]}})
     with pytest.raises(SweepFailed) as info:
         run_sweep(path, out=tmp_path / "out", progress=False)
@@ -330,13 +334,14 @@ def test_parallel_jobs_give_the_same_numbers(reference, tmp_path: Path):
 
 
 def test_parallel_failure_does_not_stop_the_others(tmp_path: Path):
-    """cut=9 passes config validation but fails inside the run (the MLP has cuts 1..2)."""
-    path = write_sweep(tmp_path, {"base": {**BASE, "rounds": 1, "algorithm": "sfl_v2"}, "axes": {"cut": [9, 1]}})
+    """lr=1e4 with SGD passes every check but diverges inside the run (NonFiniteLoss)."""
+    base = {**BASE, "rounds": 1, "algorithm": "sfl_v2", "optimizer": "sgd"}
+    path = write_sweep(tmp_path, {"base": base, "axes": {"lr": [10000.0, 0.01]}})
     with pytest.raises(SweepFailed) as info:
         run_sweep(path, out=tmp_path / "o", jobs=2, progress=False)
-    assert list(info.value.failures) == ["cut=9"]
-    assert (tmp_path / "o" / "cut=1" / "summary.json").exists()
-    assert "cut" in (tmp_path / "o" / "cut=9" / "error.txt").read_text()
+    (failed,) = info.value.failures
+    (finished,) = [p for p in (tmp_path / "o").iterdir() if (p / "summary.json").exists()]
+    assert failed != finished.name and "diverged" in (tmp_path / "o" / failed / "error.txt").read_text()
 
 
 def test_a_second_sweep_into_the_same_directory_is_refused(tmp_path: Path):
@@ -347,3 +352,20 @@ def test_a_second_sweep_into_the_same_directory_is_refused(tmp_path: Path):
     with rundir.locked(out), pytest.raises(UserError, match=r"out '.*busy' is in use by PID \d+ on host"):
         run_sweep(path, out=out, progress=False)
     assert not any(out.iterdir())  # refused before any run started
+
+
+def test_a_sweep_checks_every_run_before_the_first_starts(tmp_path: Path, capsys):
+    """A value only the run itself would refuse (a cut the model lacks, more test samples than the
+    dataset has) in the last grid point stops the sweep before any run starts, in one line."""
+    from splitlab.cli import main
+
+    for axis, message in (("cut: [1, 9]", "cut"), ("test_subset: [10, 100000]", "test_subset=100000")):
+        file = tmp_path / "grid.yaml"
+        file.write_text(
+            "base: {dataset: digits, model: mlp, clients: 2, rounds: 1, train_subset: 100, device: cpu}\n"
+            f"axes: {{{axis}}}\n"
+        )
+        assert main(["sweep", str(file), "--out", str(tmp_path / "s"), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+        assert not any((tmp_path / "s").glob("*/metrics.jsonl"))

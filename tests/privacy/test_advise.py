@@ -59,3 +59,18 @@ def test_the_pick_is_the_most_accurate_front_cut_within_the_budgets():
     assert recommend(AdviseSettings(), rows) == {"pareto_front": [1, 2], "pick": 1}
     assert recommend(AdviseSettings(max_ssim=0.6), rows)["pick"] == 2
     assert recommend(AdviseSettings(max_ssim=0.6, max_auc=0.7), rows)["pick"] is None
+
+
+def test_advise_refuses_bad_settings_before_any_training(tmp_path, capsys):
+    probe = ["dataset=synthetic", "model=mlp", "rounds=1", "clients=2", "train_subset=200", f"out={tmp_path / 'a'}"]
+    for args, message in [
+        (["algorithm=fedavg"], "algorithm=fedavg has none"),
+        (["test_subset=50"], "ask for fewer"),
+        (["lr=.nan"], "expected a finite number"),
+        (["batch_size=true"], "not a boolean"),
+        (["defense=blur"], "defense"),
+    ]:
+        assert main(["advise", *probe, *args]) == 2, args
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert not (tmp_path / "a").exists()

@@ -54,20 +54,22 @@ def test_label_leak_scores_separate_classes_by_gradient_direction():
 def test_record_and_the_attack_command(tmp_path, capsys):
     out = tmp_path / "run"
     run({**quick(algorithm="sfl_v2", record=50, defense="quantize:int8"), "out": str(out)}, progress=False)
-    record = load_file(out / "record" / "round_0001.safetensors")
+    record = load_file(out / "record" / "round_0002.safetensors")  # rounds numbered from 1, as metrics.jsonl
     assert set(record) == {"inputs", "smashed", "labels", "clients", "cut_grad"}
     assert len(record["labels"]) == 50 and record["smashed"].shape == record["cut_grad"].shape == (50, 200)
     assert record["smashed"].dtype == torch.float32 and record["inputs"].shape == (50, 1, 8, 8)
     assert main(["attack", str(out), "attack=label_leak"]) == 0
     assert main(["attack", str(out), "attack=inversion", "epochs=1", "aux=100"]) == 0
     results = json.loads((out / "attack.json").read_text())
-    assert set(results["label_leak"]["by_round"]) == {"0", "1"} and results["inversion"]["samples"] == 50
+    assert set(results["label_leak"]["by_round"]) == {"1", "2"} and results["inversion"]["samples"] == 50
     assert (out / "attack_inversion.png").is_file()
     capsys.readouterr()
     for args, message in [
         (["attack=blur"], "invalid value 'blur' for attack"),
         (["attack=inversion", "round=7"], "round 7 was not recorded"),
         (["attack=inversion", "bogus=1"], "unknown key 'bogus'"),
+        (["attack=inversion", "round=0"], "invalid value 0 for round"),
+        (["attack=inversion", "client=1"], "client=1 does not apply"),
     ]:
         assert main(["attack", str(out), *args]) == 2
         err = capsys.readouterr().err
@@ -77,17 +79,56 @@ def test_record_and_the_attack_command(tmp_path, capsys):
 def test_label_leak_is_refused_where_no_cut_gradient_is_sent(tmp_path, capsys):
     out = tmp_path / "cse"
     run({**quick(algorithm="cse_fsl", record=20, rounds=1), "out": str(out)}, progress=False)
-    assert "cut_grad" not in load_file(out / "record" / "round_0000.safetensors")
+    assert "cut_grad" not in load_file(out / "record" / "round_0001.safetensors")
     assert main(["attack", str(out), "attack=label_leak"]) == 2
     assert "sends no cut gradients" in capsys.readouterr().err
 
 
-def test_attack_is_refused_where_there_is_no_global_split_model(tmp_path, capsys):
-    for algorithm, message in (("psl", "personal client parts"), ("fedavg", "no cut to attack")):
-        out = tmp_path / algorithm
-        run({**quick(algorithm=algorithm, rounds=1), "out": str(out)}, progress=False)
-        assert main(["attack", str(out), "attack=inversion"]) == 2
-        assert message in capsys.readouterr().err
+def test_attack_is_refused_where_nothing_is_split(tmp_path, capsys):
+    out = tmp_path / "fedavg"
+    run({**quick(algorithm="fedavg", rounds=1), "out": str(out)}, progress=False)
+    assert main(["attack", str(out), "attack=inversion"]) == 2
+    assert "no cut to attack" in capsys.readouterr().err
+
+
+def test_attack_on_personal_client_parts_takes_the_chosen_clients_model(tmp_path, capsys):
+    out = tmp_path / "psl"
+    run({**quick(algorithm="psl", rounds=1, clients=2), "out": str(out)}, progress=False)
+    assert main(["attack", str(out), "attack=label_leak", "client=1"]) == 0
+    assert main(["attack", str(out), "attack=label_leak", "client=2"]) == 2
+    assert "client=2 is not a client" in capsys.readouterr().err
+
+
+def test_attack_checks_every_recorded_tensor_before_it_trusts_it(tmp_path, capsys):
+    """A record file that is not this run's (a stray file, wrong names, dtypes, widths, lengths,
+    NaN, labels out of range) is refused in one line, before any attack runs."""
+    from safetensors.torch import save_file
+
+    out = tmp_path / "run"
+    run({**quick(algorithm="sfl_v2", record=20, rounds=1), "out": str(out)}, progress=False)
+    good = load_file(out / "record" / "round_0001.safetensors")
+    damaged = {
+        "a NaN": {**good, "smashed": good["smashed"].clone().fill_(float("nan"))},
+        "too narrow": {**good, "smashed": good["smashed"][:, :7].contiguous()},
+        "float labels": {**good, "labels": good["labels"].float()},
+        "labels out of range": {**good, "labels": good["labels"] + 100},
+        "one length": {**good, "inputs": good["inputs"][:3].contiguous()},
+        "an extra name": {**good, "weights": good["smashed"].clone()},
+        "a missing name": {k: v for k, v in good.items() if k != "inputs"},
+    }
+    for case, tensors in damaged.items():
+        save_file(tensors, out / "record" / "round_0001.safetensors")
+        assert main(["attack", str(out), "attack=label_leak"]) == 2, case
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "is not a record of this run" in err, case
+    save_file(good, out / "record" / "round_0001.safetensors")
+    (out / "record" / "notes.txt").write_text("mine")
+    assert main(["attack", str(out), "attack=label_leak"]) == 2
+    assert "notes.txt' is not a recorded round" in capsys.readouterr().err
+    (out / "record" / "notes.txt").unlink()
+    (out / "record" / "round_0002.safetensors").write_bytes(b"garbage")
+    assert main(["attack", str(out), "attack=label_leak"]) == 2
+    assert "cannot read" in capsys.readouterr().err
 
 
 def test_epsilon_is_reported_where_clip_and_noise_apply(tmp_path):

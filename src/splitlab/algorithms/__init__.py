@@ -60,6 +60,6 @@ def algorithm_names() -> list[str]:
 
 def get_algorithm(name: object) -> type[Algorithm]:
     registry = algorithms()
-    if name not in registry:
+    if not isinstance(name, str) or name not in registry:
         raise UserError(f"unknown algorithm {name!r}; available: {', '.join(sorted(registry))}")
     return registry[name]

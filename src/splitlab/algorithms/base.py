@@ -160,6 +160,11 @@ class Algorithm(Generic[ParamsT]):
             raise NotImplementedError(f"{self.name} must implement personal_model()")
         return model
 
+    def shared_model(self) -> list[State] | None:
+        """The parts every client's model shares, kept as `weights.safetensors` (under the unsplit
+        model's names): the global model, or with personal client parts the server part alone."""
+        return self.global_model()
+
     def client_weights(self) -> dict[str, torch.Tensor] | None:
         """Per-client (personalized) weights a finished run keeps, as `clients.safetensors`; None if none."""
         return None

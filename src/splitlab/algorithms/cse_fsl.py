@@ -34,7 +34,10 @@ from splitlab.transport import KEYED, verb
 class CSEFSLParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     server_update_interval: int = Field(
-        5, ge=1, description="q: a client sends smashed data + labels at every q-th local step (authors: 5)"
+        5,
+        ge=1,
+        le=1_000_000,
+        description="q: a client sends smashed data + labels at every q-th local step (authors: 5)",
     )
     aux: str = Field(
         "stage",

@@ -39,9 +39,11 @@ STREAM_SERVER_BATCHES = register_stream("cyclesl.server_batches", 4)
 
 class CycleParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    server_epochs: int = Field(1, ge=1, description="passes of the server over the round's pooled features")
-    server_batch_size: int | None = Field(None, ge=1, description="server mini-batch size (default: batch_size)")
-    server_lr: float | None = Field(None, gt=0, description="server-side learning rate (default: lr)")
+    server_epochs: int = Field(1, ge=1, le=100_000, description="passes of the server over the round's pooled features")
+    server_batch_size: int | None = Field(
+        None, ge=1, le=1_000_000, description="server mini-batch size (default: batch_size)"
+    )
+    server_lr: float | None = Field(None, gt=0, le=1e6, description="server-side learning rate (default: lr)")
 
 
 class CycleSGLRParams(CycleParams, SGLRParams):

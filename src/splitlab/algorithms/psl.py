@@ -8,10 +8,14 @@ their copies are added into a running average in client order. With one client t
 
 `PersonalClients` is the part shared with SGLR and the cycle versions of both: a client's part
 starts from the initial weights the first time it trains (so memory grows with the clients that
-have trained, not with K), is checkpointed with its client, and is used for its evaluation.
+have trained, not with K), is checkpointed with its client, and is used for its evaluation. A
+finished run keeps the model client k would deploy as the shared server part (`weights.safetensors`)
+and every client's own part (`clients.safetensors`, `client.<k>.<name>`, the layout of SplitGP's).
 """
 
 from __future__ import annotations
+
+import torch
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.config import NoParams
@@ -34,6 +38,17 @@ class PersonalClients(Algorithm):
     def personal_model(self, client_id: int) -> list[State]:
         client_slot, server_slot = self.personal_slots
         return [self.client(client_id).snapshot(client_slot), self.server.snapshot(server_slot)]
+
+    def shared_model(self) -> list[State]:
+        return [self.server.snapshot("server_model")]
+
+    def client_weights(self) -> dict[str, torch.Tensor]:
+        """Every client's own part, as `client.<k>.<name>`."""
+        return {
+            f"client.{c.id}.{key}": t
+            for c in self.ctx.clients
+            for key, t in self.client(c.id).snapshot("client_model").items()
+        }
 
 
 class PSL(PersonalClients, Algorithm[NoParams]):

@@ -34,6 +34,7 @@ class SGLRParams(BaseModel):
     server_lr: float | None = Field(
         None,
         gt=0,
+        le=1e6,
         description="server-side learning rate (default: lr, the "
         "client-side one); SGLR's acceleration is a larger value",
     )

@@ -235,6 +235,8 @@ def run_sweep(
         sweep_dir = sweep_dir.absolute()  # the runs' `out`, the same path on every node
     runs = expand_points(spec, where, sweep_dir)
     _check_existing(runs, sweep_dir)
+    if ray is None:  # on Ray, the data may be only where the tasks run
+        _check_runs(runs, where)
 
     if ray is not None and on_ray is not None:  # before the lock: an unreachable cluster leaves nothing behind
         cluster.connect(ray)
@@ -243,6 +245,17 @@ def run_sweep(
         if on_ray is not None:
             cluster.check_shared_storage(sweep_dir)
         return _run_points(spec, where, sweep_dir, runs, jobs, progress, on_ray)
+
+
+def _check_runs(runs: list[GridPoint], where: str) -> None:
+    """Every run's config as its run would check it (dataset, cut, subsets, ...), before the first starts."""
+    from splitlab import engine
+
+    for point in runs:
+        try:
+            engine.check(point.config)
+        except UserError as error:
+            raise UserError(f"{where}: run {point.name}: {error}") from None
 
 
 def _run_points(

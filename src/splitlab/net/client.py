@@ -42,17 +42,22 @@ class ClientSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     connect: str = Field("127.0.0.1:7070", description="the server's HOST:PORT")
-    client_id: int = Field(0, ge=0, description="this client's id (its certificate must be client-<id>'s)")
+    client_id: int = Field(0, ge=0, le=999_999, description="this client's id (its certificate must be client-<id>'s)")
     certs: Path = Field(Path("certs"), description="directory of ca.pem, client-<id>.pem and client-<id>.key")
     data_dir: str | None = Field(None, description="where this client's dataset files are (default: the run's)")
     data: Literal["partition", "own"] = Field(
         "partition", description="own: data_dir holds this client's own samples | partition: the whole dataset"
     )
     device: str = Field("cpu", description="cpu | cuda")
-    threads: int | None = Field(None, ge=1, description="torch threads (default: torch's)")
+    threads: int | None = Field(None, ge=1, le=1024, description="torch threads (default: torch's)")
     server_name: str | None = Field(None, description="name in the server's certificate, if not the host")
-    retry_seconds: float = Field(120.0, ge=0, description="how long to keep trying to (re)connect")
-    max_message_mib: int = Field(1024, ge=1, description="largest message accepted, in MiB")
+    retry_seconds: float = Field(120.0, ge=0, le=604_800, description="how long to keep trying to (re)connect")
+    max_message_mib: int = Field(
+        1024,
+        ge=1,
+        le=protocol.MAX_MESSAGE_MIB,
+        description="largest message accepted, in MiB (gRPC carries at most 2047)",
+    )
 
     @field_validator("connect")
     @classmethod

@@ -25,7 +25,7 @@ from splitlab.net.certs import CA, make_certs
 class LaunchSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    threads: int = Field(1, ge=1, description="torch threads per process")
+    threads: int = Field(1, ge=1, le=1024, description="torch threads per process")
 
 
 def _free_port() -> int:

@@ -65,6 +65,10 @@ def envelope(kind: int, run_id: str = "", **fields: Any) -> Any:
     return Envelope(version=PROTOCOL_VERSION, kind=kind, run_id=run_id, **fields)
 
 
+#: The largest max_message_mib: gRPC's message lengths are signed 32-bit, at most 2**31 - 1 bytes.
+MAX_MESSAGE_MIB = (2**31 - 1) // 2**20
+
+
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Channel options both ends use: the message size limit, and keepalive pings so that a
     vanished peer is noticed even when no call is in flight."""

@@ -38,11 +38,11 @@ from typing import Any
 import grpc
 import torch
 from google.protobuf.message import DecodeError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from splitlab import codec
 from splitlab.channel import Ledger
-from splitlab.config import RUN_CONTROL_KEYS, resolve_config
+from splitlab.config import RUN_CONTROL_KEYS, parse_settings, resolve_config
 from splitlab.errors import UserError
 from splitlab.net import protocol
 from splitlab.net.audit import AuditLog, Identity, Revocations
@@ -65,15 +65,29 @@ class ServerSettings(BaseModel):
 
     listen: str = Field("127.0.0.1:7070", description="HOST:PORT to listen on (0.0.0.0:PORT: every interface)")
     certs: Path = Field(Path("certs"), description="directory of ca.pem, server.pem and server.key")
-    min_clients: int = Field(1, ge=1, description="fewest clients that must finish a round, or the run stops")
-    call_timeout: float = Field(120.0, gt=0, description="seconds a client has to answer one call")
-    heartbeat: float = Field(2.0, gt=0, description="seconds between a client's heartbeats; 3 missed: dropped")
-    join_timeout: float = Field(
-        300.0, gt=0, description="seconds from the start during which every client is waited for (also after it left)"
+    min_clients: int = Field(
+        1, ge=1, le=1_000_000, description="fewest clients that must finish a round, or the run stops"
     )
-    rejoin_wait: float = Field(5.0, ge=0, description="seconds a round waits for a sampled client that is away")
-    max_message_mib: int = Field(1024, ge=1, description="largest message accepted, in MiB")
-    hello_timeout: float = Field(10.0, gt=0, description="seconds a new stream has to say HELLO")
+    call_timeout: float = Field(120.0, gt=0, le=86_400, description="seconds a client has to answer one call")
+    heartbeat: float = Field(
+        2.0, gt=0, le=3_600, description="seconds between a client's heartbeats; 3 missed: dropped"
+    )
+    join_timeout: float = Field(
+        300.0,
+        gt=0,
+        le=604_800,
+        description="seconds from the start during which every client is waited for (also after it left)",
+    )
+    rejoin_wait: float = Field(
+        5.0, ge=0, le=86_400, description="seconds a round waits for a sampled client that is away"
+    )
+    max_message_mib: int = Field(
+        1024,
+        ge=1,
+        le=protocol.MAX_MESSAGE_MIB,
+        description="largest message accepted, in MiB (gRPC carries at most 2047)",
+    )
+    hello_timeout: float = Field(10.0, gt=0, le=3_600, description="seconds a new stream has to say HELLO")
     streams_per_client: int = Field(2, ge=1, le=64, description="streams one certificate may hold open at once")
     revoked: Path | None = Field(
         None, description="file of revoked client ids / certificate serials (serial=HEX), re-read while running"
@@ -88,13 +102,7 @@ class ServerSettings(BaseModel):
 def split_settings(raw: Mapping[str, Any], settings_class: type[BaseModel]) -> tuple[BaseModel, dict[str, Any]]:
     """(the command's own settings, the run's config) from one flat set of KEY=VALUE settings."""
     own = {k: v for k, v in raw.items() if k in settings_class.model_fields}
-    try:
-        settings = settings_class(**own)
-    except ValidationError as err:
-        first = err.errors()[0]
-        message = first["msg"].removeprefix("Value error, ")
-        raise UserError(f"invalid value {first.get('input')!r} for {first['loc'][0]}: {message}") from None
-    return settings, {k: v for k, v in raw.items() if k not in own}
+    return parse_settings(settings_class, own), {k: v for k, v in raw.items() if k not in own}
 
 
 def log(line: str) -> None:

@@ -16,7 +16,9 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from splitlab import rundir
 from splitlab.channel import payload_bytes
+from splitlab.config import resolve_config
 from splitlab.errors import UserError
 from splitlab.io import write_json, write_png, write_text
 from splitlab.models import build_model, output_shape, split
@@ -34,26 +36,32 @@ class AdviseSettings(BaseModel):
     model: str = "cnn"
     algorithm: str = "sfl_v2"
     defense: str = "none"
-    clients: int = Field(4, ge=1)
-    rounds: int = Field(2, ge=1)
-    train_subset: int | None = Field(None, ge=1, description="probe's training samples (default: 2000 or all)")
-    test_subset: int | None = Field(None, ge=1, description="probe's test samples (default: 1500 or all)")
-    batch_size: int = Field(64, ge=1)
-    lr: float = Field(1e-3, gt=0)
-    seed: int = Field(0, ge=0)
+    clients: int = Field(4, ge=1, le=1_000_000)
+    rounds: int = Field(2, ge=1, le=10_000_000)
+    train_subset: int | None = Field(
+        None, ge=1, le=10**10, description="probe's training samples (default: 2000 or all)"
+    )
+    test_subset: int | None = Field(None, ge=1, le=10**10, description="probe's test samples (default: 1500 or all)")
+    batch_size: int = Field(64, ge=1, le=1_000_000)
+    lr: float = Field(1e-3, gt=0, le=1e6)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     device: Literal["cpu", "cuda", "auto"] = "cpu"
-    aux: int | None = Field(None, ge=10, description="the attacker's auxiliary samples (default: 1000 or what fits)")
-    targets: int | None = Field(None, ge=10, description="held-out samples attacked (default: 300 or what fits)")
-    epochs: int = Field(20, ge=1, description="decoder training epochs")
+    aux: int | None = Field(
+        None, ge=10, le=10_000_000, description="the attacker's auxiliary samples (default: 1000 or what fits)"
+    )
+    targets: int | None = Field(
+        None, ge=10, le=10_000_000, description="held-out samples attacked (default: 300 or what fits)"
+    )
+    epochs: int = Field(20, ge=1, le=100_000, description="decoder training epochs")
     max_ssim: float | None = Field(
         None, ge=0, le=1, description="budget: pick only cuts whose inversion SSIM is <= this"
     )
     max_auc: float | None = Field(
         None, ge=0, le=1, description="budget: pick only cuts whose label-leak AUCs are <= this"
     )
-    client_power: float = Field(20, gt=0, description="P_C (SplitGP's latency model)")
-    server_power: float = Field(100, gt=0, description="P_S")
-    rate: float = Field(1, gt=0, description="R, uplink rate")
+    client_power: float = Field(20, gt=0, le=1e18, description="P_C (SplitGP's latency model)")
+    server_power: float = Field(100, gt=0, le=1e18, description="P_S")
+    rate: float = Field(1, gt=0, le=1e18, description="R, uplink rate")
     beta: float = Field(0.1, ge=0, le=1, description="fraction of samples sent to the server")
     out: str | None = Field(None, description="default runs/advise_<dataset>_<model>")
 
@@ -115,7 +123,6 @@ def advise(raw: dict) -> dict[str, Any]:
     """Probe every cut; write OUT/advise.md, advise.json, advise.png; return the rows. Every setting
     is checked, and the sizes fixed, before the first probe trains."""
     from splitlab.algorithms import get_algorithm
-    from splitlab.config import resolve_config
     from splitlab.data import load_dataset
     from splitlab.engine import run
     from splitlab.privacy.audit import attack_run, attack_sizes
@@ -129,6 +136,7 @@ def advise(raw: dict) -> dict[str, Any]:
             f"(use e.g. sfl_v2, sfl_v1 or sl)"
         )
     out = Path(settings.out or f"runs/advise_{settings.dataset}_{settings.model}")
+    rundir.check_out_dir(out)
     data = load_dataset(settings.dataset, settings.data_dir, settings.seed)
     sizes = {
         "train_subset": settings.train_subset or min(DEFAULT_TRAIN, len(data.train_y)),

@@ -10,6 +10,7 @@ Results go to RUN/attack.json (one entry per attack) and, for inversion, RUN/att
 from __future__ import annotations
 
 import json
+import re
 import typing
 from pathlib import Path
 from typing import Any, Literal
@@ -23,9 +24,10 @@ from torch import nn
 
 from splitlab import rundir
 from splitlab.algorithms import get_algorithm
-from splitlab.config import RunConfig
+from splitlab.config import UNSPLIT_ALGORITHMS, RunConfig
 from splitlab.errors import UserError
 from splitlab.io import write_json, write_png
+from splitlab.models import output_shape
 from splitlab.privacy import attacks
 from splitlab.privacy.record import RECORD_DIR
 
@@ -38,40 +40,61 @@ class AttackSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     attack: Literal["inversion", "label_leak"]
-    round: int | None = Field(None, ge=0, description="recorded round to attack (default: the last one recorded)")
+    round: int | None = Field(
+        None,
+        ge=1,
+        le=10_000_000,
+        description="recorded round to attack, numbered from 1 as in metrics.jsonl (default: the last)",
+    )
+    client: int = Field(
+        0,
+        ge=0,
+        le=1_000_000,
+        description="with personal client parts (psl, sglr, ...): the client whose model is attacked",
+    )
     aux: int | None = Field(
-        None, ge=10, description="auxiliary samples the server holds, from the test split (default: 2000 or what fits)"
+        None,
+        ge=10,
+        le=10_000_000,
+        description="auxiliary samples the server holds, from the test split (default: 2000 or what fits)",
     )
     targets: int | None = Field(
         None,
         ge=10,
+        le=10_000_000,
         description="held-out samples attacked when nothing was recorded (default: 500 or half the test split)",
     )
-    epochs: int = Field(30, ge=1, description="decoder training epochs (inversion)")
+    epochs: int = Field(30, ge=1, le=100_000, description="decoder training epochs (inversion)")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
 
 
 def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     """Run one attack on a finished run; returns its result, also merged into RUN/attack.json."""
     from splitlab.splitgp import parse_settings
-    from splitlab.splitgp.evaluation import global_states, load_run
+    from splitlab.splitgp.evaluation import final_states, load_run
 
     settings = parse_settings(AttackSettings, raw)
     path = Path(run_dir)
-    algorithm = rundir.stored_config(path, "attack", "point attack at a finished run's directory").get("algorithm")
-    if get_algorithm(algorithm or RunConfig().algorithm).personal_models:
+    stored = rundir.stored_config(path, "attack", "point attack at a finished run's directory")
+    algorithm = stored.get("algorithm") or RunConfig().algorithm
+    personal = get_algorithm(algorithm).personal_models
+    if settings.client and not personal:
         raise UserError(
-            f"{str(path)!r} is a {algorithm} run: its clients keep personal client parts, "
-            f"and attack needs a run with one global split model (weights.safetensors)"
+            f"client={settings.client} does not apply: {algorithm} has one global model, not per-client ones"
         )
+    if algorithm in UNSPLIT_ALGORITHMS:
+        raise UserError(f"{str(path)!r} is a {algorithm} run: nothing is split, no cut to attack")
+    record_files = _record_files(path)  # stray or misnamed files refused before any work
     experiment = load_run(path, settings.device)
-    states = global_states(experiment)
-    if len(states) != 2:
-        raise UserError(f"{str(path)!r} is a {experiment.config.run.algorithm} run: nothing is split, no cut to attack")
-    client, server = typing.cast(nn.Sequential, experiment.assemble(states))
+    if settings.client >= len(experiment.clients):
+        raise UserError(
+            f"client={settings.client} is not a client of {str(path)!r}; allowed: 0 to {len(experiment.clients) - 1}"
+        )
+    client, server = typing.cast(nn.Sequential, experiment.assemble(final_states(experiment, settings.client)))
     defense, data = experiment.blueprint.defense, experiment.data
-    recorded = _recorded(path, settings.round)
+    shapes = {"inputs": tuple(data.test_x.shape[1:]), "smashed": output_shape(client, tuple(data.test_x.shape[1:]))}
+    recorded = _recorded(path, record_files, settings.round, shapes, experiment.blueprint.num_classes)
     order = np.random.default_rng([settings.seed, len(data.test_y)]).permutation(len(data.test_y))
     held_out, aux = attack_sizes(len(order), settings.aux, settings.targets, held_out=recorded is None)
     aux_idx = torch.as_tensor(order[held_out : held_out + aux], device=data.test_y.device)
@@ -81,7 +104,7 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     result: dict[str, Any] = {"attack": settings.attack, "targets": source, "defense": experiment.config.run.defense}
     if settings.attack == "label_leak":
         if recorded:
-            by_round = {r: _load(path, r) for r in _recorded_rounds(path)}
+            by_round = {r: _load(file, shapes, experiment.blueprint.num_classes) for r, file in record_files.items()}
             result["by_round"] = {
                 r: attacks.label_leak(t["cut_grad"], t["labels"]) for r, t in by_round.items() if "cut_grad" in t
             }
@@ -131,31 +154,73 @@ def attack_sizes(
     return chosen_targets, chosen_aux
 
 
-def _recorded_rounds(path: Path) -> list[int]:
-    return sorted(int(f.stem.removeprefix("round_")) for f in (path / RECORD_DIR).glob("round_*.safetensors"))
+_RECORD_NAME = re.compile(r"round_(\d{4,})\.safetensors")
 
 
-def _load(path: Path, rnd: int) -> dict[str, torch.Tensor]:
-    file = path / RECORD_DIR / f"round_{rnd:04d}.safetensors"
+def _record_files(path: Path) -> dict[int, Path]:
+    """Round number -> its file in RUN/record/; anything else there is refused (a stray file could
+    be mistaken for a round)."""
+    folder = path / RECORD_DIR
+    if not folder.exists():
+        return {}
+    if not folder.is_dir():
+        raise UserError(f"{str(folder)!r} is not a folder of recorded rounds; move it away")
+    files = {}
+    for entry in sorted(folder.iterdir()):
+        match = _RECORD_NAME.fullmatch(entry.name)
+        if match is None or not entry.is_file() or int(match[1]) < 1:
+            raise UserError(
+                f"{str(entry)!r} is not a recorded round (round_<r>.safetensors, r from 1); "
+                f"move it out of {RECORD_DIR}/"
+            )
+        files[int(match[1])] = entry
+    return files
+
+
+def _load(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int) -> dict[str, torch.Tensor]:
+    """A recorded round, every tensor checked: names, dtypes, shapes, one length, finite, labels in range."""
     try:
         tensors = load_file(file)
     except (OSError, SafetensorError) as error:
-        raise UserError(f"cannot read {str(file)!r}: {error}") from None
-    n = len(tensors.get("labels", ()))
-    if {"inputs", "smashed", "labels"} - set(tensors) or any(len(t) != n for t in tensors.values()):
-        raise UserError(f"{str(file)!r} is not a splitlab record (inputs, smashed, labels of one length)")
+        raise UserError(f"cannot read {str(file)!r}: {str(error).splitlines()[0][:160]}") from None
+    problem = _record_problem(tensors, shapes, num_classes)
+    if problem:
+        raise UserError(f"{str(file)!r} is not a record of this run: {problem}")
     return tensors
 
 
-def _recorded(path: Path, rnd: int | None) -> tuple[int, dict[str, torch.Tensor]] | None:
-    rounds = _recorded_rounds(path)
+def _record_problem(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], num_classes: int) -> str:
+    """What is wrong with a record's tensors ('' if nothing)."""
+    names = set(tensors)
+    if {"inputs", "smashed", "labels"} - names or names - {"inputs", "smashed", "labels", "clients", "cut_grad"}:
+        return f"tensors {sorted(names)}, expected inputs, smashed, labels (and clients, cut_grad)"
+    n = len(tensors["labels"])
+    expected = {**shapes, "cut_grad": shapes["smashed"], "labels": (), "clients": ()}
+    for name, tensor in tensors.items():
+        integer = name in ("labels", "clients")
+        if tensor.dtype != torch.int64 if integer else not tensor.dtype.is_floating_point:
+            return f"{name} has dtype {tensor.dtype}, expected {'int64' if integer else 'a float type'}"
+        if tensor.dim() == 0 or len(tensor) != n or tuple(tensor.shape[1:]) != expected[name]:
+            return f"{name} has shape {tuple(tensor.shape)}, expected ({n}, {', '.join(map(str, expected[name]))})"
+        if not integer and not bool(torch.isfinite(tensor).all()):
+            return f"{name} holds NaN or infinite values"
+    labels = tensors["labels"]
+    if n == 0 or int(labels.min()) < 0 or int(labels.max()) >= num_classes:
+        return f"labels must be 0 to {num_classes - 1}, at least one"
+    return ""
+
+
+def _recorded(
+    path: Path, files: dict[int, Path], rnd: int | None, shapes: dict[str, tuple[int, ...]], num_classes: int
+) -> tuple[int, dict[str, torch.Tensor]] | None:
+    rounds = sorted(files)
     if rnd is not None and rnd not in rounds:
         have = f"recorded rounds: {rounds}" if rounds else "the run recorded nothing (run it with record=N)"
         raise UserError(f"round {rnd} was not recorded in {str(path)!r}; {have}")
     if not rounds:
         return None
     chosen = rounds[-1] if rnd is None else rnd
-    return chosen, _load(path, chosen)
+    return chosen, _load(files[chosen], shapes, num_classes)
 
 
 def _picture(file: Path, originals: torch.Tensor, reconstructed: torch.Tensor) -> None:

@@ -3,22 +3,6 @@ model (Section V). Training itself is `splitlab.algorithms.splitgp`."""
 
 from __future__ import annotations
 
-from typing import TypeVar
+from splitlab.config import parse_settings
 
-from pydantic import BaseModel, ValidationError
-
-from splitlab.config import _one_line
-from splitlab.errors import UserError, unknown_key
-
-Settings = TypeVar("Settings", bound=BaseModel)
-
-
-def parse_settings(cls: type[Settings], raw: dict) -> Settings:
-    """KEY=VALUE settings of a command -> its settings model; a mistake is one UserError line."""
-    unknown = sorted(set(raw) - set(cls.model_fields))
-    if unknown:
-        raise unknown_key(unknown[0], cls.model_fields)
-    try:
-        return cls(**raw)
-    except ValidationError as err:
-        raise UserError(_one_line(err)) from None
+__all__ = ["parse_settings"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -76,9 +76,13 @@ class EvaluationSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     rho: list[float] = Field([0, 0.2, 0.4, 0.6, 0.8], description="out-of-distribution fractions")
-    entropy_threshold: float | str = Field("auto", description="E_th, or auto (chosen per rho on held-out data)")
-    validation_size: int = Field(200, ge=1, description="main-class held-out samples per client for auto")
-    finetune_rounds: int = Field(1, ge=0, description="local updates for the personalized baseline")
+    entropy_threshold: Annotated[float, Field(ge=0, le=1e18)] | str = Field(
+        "auto", description="E_th, or auto (chosen per rho on held-out data)"
+    )
+    validation_size: int = Field(
+        200, ge=1, le=10_000_000, description="main-class held-out samples per client for auto"
+    )
+    finetune_rounds: int = Field(1, ge=0, le=100_000, description="local updates for the personalized baseline")
     device: str = "cpu"
 
     @field_validator("rho", mode="before")
@@ -258,12 +262,24 @@ def global_states(experiment: Experiment) -> list[State]:
     template = experiment.algorithm.global_model()
     if template is None:
         raise UserError(
-            f"{experiment.config.run.algorithm!r} runs keep no model that evaluate can read; "
-            f"use a splitgp run or one with a global model (e.g. fedavg)"
+            f"{experiment.config.run.algorithm!r} runs keep no global model; their clients' models are "
+            f"in clients.safetensors"
         )
+    return _read_parts(experiment, template)
+
+
+def _read_parts(experiment: Experiment, template: list[State]) -> list[State]:
     path = experiment.out / "weights.safetensors"
     weights = _tensors(path, experiment.blueprint.device)
     return [_named_like(part, weights, "", path) for part in template]
+
+
+def final_states(experiment: Experiment, client_id: int = 0) -> list[State]:
+    """The model client `client_id` of a run `load_run` rebuilt would deploy, client side first:
+    the global model, or with personal client parts its own part and the shared server part."""
+    if experiment.algorithm.personal_models:
+        return experiment.algorithm.personal_model(client_id)
+    return global_states(experiment)
 
 
 def _restore(proxy: Any, models: dict[str, State], path: Path) -> None:
@@ -276,26 +292,36 @@ def _restore(proxy: Any, models: dict[str, State], path: Path) -> None:
 
 
 def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
-    """Rebuild a finished run (data, roles) and load its final weights; a SplitGP run's go back into
-    its roles: theta to the server, the averaged phi to the sync server, phi_k and h_k to client k."""
+    """Rebuild a finished run (data, roles) and load its final weights; those of a run with personal
+    client parts go back into its roles: the server part to the server, client k's own part (SplitGP:
+    phi_k and h_k) to client k, and SplitGP's averaged phi to the sync server."""
     path = Path(run_dir)
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
     stored = rundir.stored_config(path, "evaluate", "point evaluate at the directory of a finished run")
     experiment = build({**stored, "device": device, "out": str(path), "backend": "local"})  # in this process
     algorithm = experiment.algorithm
-    parts = global_states(experiment)  # every evaluated run has one global model (SplitGP: phi, theta)
+    weights = path / "weights.safetensors"
+    shared = algorithm.shared_model()
+    if shared is None:
+        raise UserError(f"{experiment.config.run.algorithm!r} runs keep no model that evaluate can read")
+    parts = _read_parts(experiment, shared)  # fails on a run that did not write its model
     if isinstance(algorithm, SplitGP):
-        weights = path / "weights.safetensors"
         _restore(algorithm.sync, {"client_model": parts[0]}, weights)
-        _restore(algorithm.server, {"server_model": parts[1]}, weights)
+    if isinstance(algorithm, SplitGP) or algorithm.personal_models:
+        _restore(algorithm.server, {"server_model": parts[-1]}, weights)
         clients_path = path / "clients.safetensors"
         tensors = _tensors(clients_path, experiment.blueprint.device)
+        own = (
+            (("client", "client_model"), ("exit", "aux_model"))
+            if isinstance(algorithm, SplitGP)
+            else (("client", "client_model"),)
+        )
         for client in experiment.clients:
             proxy = algorithm.client(client.id)
             models = {
                 slot: _named_like(proxy.snapshot(slot), tensors, f"{name}.{client.id}.", clients_path)
-                for name, slot in (("client", "client_model"), ("exit", "aux_model"))
+                for name, slot in own
             }
             _restore(proxy, models, clients_path)
     return experiment
@@ -436,6 +462,18 @@ def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
         ]
         for name, thresholds in gated:
             add(name, [_deployed(experiment, test, rho, t) for rho, t in zip(rhos, thresholds)], thresholds)
+    elif experiment.algorithm.personal_models:  # each client's own model on its own view
+        batch = experiment.blueprint.inference_batch
+        outputs = [
+            ClientOutputs(
+                data.test_y[i],
+                n,
+                None,
+                logits_in_batches(experiment.assemble(final_states(experiment, k)), data.test_x[i], batch),
+            )
+            for k, (i, n) in enumerate(test_views)
+        ]
+        add("personal", [_accuracy(outputs, rho, None) for rho in rhos], [None] * len(rhos))
     else:
         states = global_states(experiment)
         global_logits = logits_in_batches(

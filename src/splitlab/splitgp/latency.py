@@ -50,16 +50,16 @@ class LatencySettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     model: str = "splitgp_cnn"
-    cut: int = 4
-    client_power: float = Field(20, gt=0, description="P_C")
-    server_power: float = Field(100, gt=0, description="P_S")
-    rate: float = Field(1, gt=0, description="R, uplink rate")
+    cut: int = Field(4, ge=0, le=1000)
+    client_power: float = Field(20, gt=0, le=1e18, description="P_C")
+    server_power: float = Field(100, gt=0, le=1e18, description="P_S")
+    rate: float = Field(1, gt=0, le=1e18, description="R, uplink rate")
     beta: float = Field(0.1, ge=0, le=1, description="fraction of samples sent to the server")
-    samples: int = Field(1, ge=1, description="|D|, test samples")
-    latency_budget: float | None = Field(None, gt=0, description="tau', latency per sample (Prop. 1)")
-    phi_min: int = Field(0, ge=0, description="|phi_min|, smallest client part that personalizes (Prop. 1)")
+    samples: int = Field(1, ge=1, le=10**12, description="|D|, test samples")
+    latency_budget: float | None = Field(None, gt=0, le=1e18, description="tau', latency per sample (Prop. 1)")
+    phi_min: int = Field(0, ge=0, le=10**12, description="|phi_min|, smallest client part that personalizes (Prop. 1)")
     input: str = Field("1x28x28", description="input shape CxHxW (or D)")
-    classes: int = Field(10, ge=2)
+    classes: int = Field(10, ge=2, le=1_000_000)
 
     @property
     def input_shape(self) -> tuple[int, ...]:

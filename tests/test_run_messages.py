@@ -1,0 +1,79 @@
+"""What a run says is true: after an interruption, what was kept and what resume=true will do;
+resume=true where there is nothing to resume, or a finished run's damaged summary, is one line."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+from splitlab.algorithms.base import Algorithm
+from splitlab.cli import main
+from splitlab.runfiles import CHECKPOINT
+
+ARGS = ["dataset=digits", "model=mlp", "clients=2", "train_subset=200", "device=cpu", "--no-progress"]
+
+
+def interrupted_at(round_number: int, args: list[str], monkeypatch, capsys) -> str:
+    """The CLI's stderr when Ctrl-C comes at the start of round `round_number` (counted from 1)."""
+    original = Algorithm.run_round
+
+    def crash(self, rnd, clients):
+        if rnd + 1 == round_number:
+            raise KeyboardInterrupt
+        return original(self, rnd, clients)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Algorithm, "run_round", crash)
+        assert main(["run", *args]) == 130
+    return capsys.readouterr().err
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_nothing_was_kept(tmp_path, monkeypatch, capsys):
+    args = [*ARGS, "rounds=4", f"out={tmp_path}/run"]  # checkpoint_every=60: no checkpoint in a short run
+    err = interrupted_at(3, args, monkeypatch, capsys)
+    assert "nothing to continue from was saved" in err and "resume=true will start again at round 1" in err
+    assert err.count("\n") == 1 and not (tmp_path / "run" / ".lock").exists()
+    assert main(["run", *args, "resume=true"]) == 0
+    assert "holds no checkpoint: starting again at round 1" in capsys.readouterr().err
+
+
+def test_ctrl_c_after_a_checkpoint_names_its_round(tmp_path, monkeypatch, capsys):
+    args = [*ARGS, "rounds=4", "checkpoint_every=0", f"out={tmp_path}/run"]
+    err = interrupted_at(3, args, monkeypatch, capsys)
+    assert "kept: the checkpoint after round 2" in err and "continue from round 3" in err
+
+
+def test_resume_where_there_is_no_run_is_refused(tmp_path, capsys):
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "notes.txt").write_text("not a run")
+    for out in ("empty", "foreign"):
+        assert main(["run", *ARGS, f"out={tmp_path / out}", "resume=true"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "holds no run" in err
+    assert not (tmp_path / "empty").exists()
+
+
+def test_a_finished_run_with_a_damaged_summary_is_refused_in_one_line(tmp_path, capsys):
+    args = [*ARGS, "rounds=1", f"out={tmp_path}/run"]
+    assert main(["run", *args]) == 0
+    for damage in (b"\x00\xff garbage", b"[1, 2]", b"{}"):
+        (tmp_path / "run" / "summary.json").write_bytes(damage)
+        capsys.readouterr()
+        assert main(["run", *args, "resume=true"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "summary.json is unreadable" in err
+
+
+def test_sigterm_ends_a_run_as_ctrl_c_does(tmp_path):
+    out = tmp_path / "run"
+    cli = [sys.executable, "-m", "splitlab", "run", *ARGS, "rounds=200", "checkpoint_every=0", f"out={out}"]
+    process = subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out / CHECKPOINT).exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate()
+    assert process.returncode == 130, err
+    assert "kept: the checkpoint after round" in err and not (out / ".lock").exists()
