@@ -115,15 +115,25 @@ class Assembler:
         self.blueprint = blueprint
         self._parts: list[nn.Module] = []
 
-    def __call__(self, states: list[State]) -> nn.Module:
-        if len(self._parts) != len(states):
+    def _made(self, count: int) -> list[nn.Module]:
+        """The whole model (count 1), or client part then server part (count 2)."""
+        if len(self._parts) != count:
             model = self.blueprint.new_model()
-            self._parts = [model] if len(states) == 1 else list(split(model, self.blueprint.config.cut))
+            self._parts = [model] if count == 1 else list(split(model, self.blueprint.config.cut))
             for part in self._parts:
                 part.eval()
-        for part, state in zip(self._parts, states):
+        return self._parts
+
+    def __call__(self, states: list[State]) -> nn.Module:
+        for part, state in zip(self._made(len(states)), states):
             load_shared(part, state)
         return nn.Sequential(*self._parts)
+
+    def server_state(self, state: State) -> dict[str, torch.Tensor]:
+        """The server part's whole state (a frozen base included) from what its role holds."""
+        server = self._made(2)[1]
+        load_shared(server, state)
+        return dict(server.state_dict())
 
     @property
     def parts(self) -> list[nn.Module]:
@@ -944,10 +954,11 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         summary["final_accuracy_deployed"] = rows[-1]["test_accuracy_deployed"]
         summary["accuracy_paths"] = DEPLOYED_NOTE
     model = experiment.algorithm.shared_model()
-    if model is not None:
-        weights = experiment.full_state(model)
+    if model is not None:  # with personal client parts, the server part alone
+        personal = experiment.algorithm.personal_models
+        weights = experiment.assembler.server_state(model[-1]) if personal else experiment.full_state(model)
         save_safetensors(out / "weights.safetensors", weights)
-        if _export_hf(experiment):
+        if not personal and _export_hf(experiment):  # one global model to export
             summary["hf_export"] = str(out / "hf")
     with _needs_the_client(cfg.algorithm, state["round"]):  # SplitGP's are fetched from the clients
         client_weights = experiment.algorithm.client_weights()
