@@ -55,7 +55,7 @@ BAD_INPUT = [
     (["optimizer=rmsprop"], "invalid value 'rmsprop' for optimizer"),
     (["rounds=0"], "invalid value 0 for rounds"),
     (["participation=1.5"], "invalid value 1.5 for participation"),
-    (["colour=blue"], "unknown key 'colour' for algorithm 'sfl_v2'; allowed: "),
+    (["colour=blue"], "unknown key 'colour' for algorithm 'sfl_v2'; "),
     (["server_schedule=sequential", "algorithm=fedavg"], "unknown key 'server_schedule' for algorithm 'fedavg'"),
     (["train_subset=99999"], "train_subset=99999 is more than the 1200 samples"),
     (["device=cuda"], "device 'cuda'"),

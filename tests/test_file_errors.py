@@ -11,9 +11,10 @@ import os
 
 import pytest
 
-from splitlab import engine
+from splitlab import callbacks, engine
 from splitlab.cli import main
 from splitlab.io import TEMP_GLOB
+from splitlab.net import certs
 from splitlab.runfiles import CHECKPOINT
 
 RUN = ["run", "dataset=digits", "model=mlp", "clients=2", "train_subset=200", "device=cpu", "--no-progress"]
@@ -52,7 +53,7 @@ def test_a_failure_at_the_start_of_a_run(tmp_path, monkeypatch, capsys, code):
 def test_a_failure_mid_run_says_which_checkpoint_was_kept_and_resume_finishes(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     with monkeypatch.context() as patch:
-        failing(patch, engine, "write_jsonl", errno.ENOSPC, after=2)  # rounds 1 and 2 logged, round 3 fails
+        failing(patch, callbacks, "write_jsonl", errno.ENOSPC, after=2)  # rounds 1 and 2 logged, round 3 fails
         one_line_exit_1(
             capsys, [*RUN, "rounds=4", "checkpoint_every=0", f"out={out}"], "metrics.jsonl", "checkpoint after round 2"
         )
@@ -95,5 +96,6 @@ def test_a_failure_in_sweep_report_attack_advise_and_certs(tmp_path, monkeypatch
         one_line_exit_1(
             capsys, ["advise", *probe, "aux=60", "targets=40", "epochs=1", f"out={tmp_path / 'adv'}"], "advise.json"
         )
-    (tmp_path / "certs").write_text("a file where the folder should be")
-    one_line_exit_1(capsys, ["certs", f"out={tmp_path / 'certs'}"], "certs")
+    with monkeypatch.context() as patch:
+        failing(patch, certs, "_write", errno.ENOSPC)
+        one_line_exit_1(capsys, ["certs", f"out={tmp_path / 'certs'}"], "certs", "No space left")

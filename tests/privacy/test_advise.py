@@ -65,7 +65,7 @@ def test_advise_refuses_bad_settings_before_any_training(tmp_path, capsys):
     probe = ["dataset=synthetic", "model=mlp", "rounds=1", "clients=2", "train_subset=200", f"out={tmp_path / 'a'}"]
     for args, message in [
         (["algorithm=fedavg"], "algorithm=fedavg has none"),
-        (["test_subset=50"], "ask for fewer"),
+        (["test_subset=50", "aux=40", "targets=20"], "ask for fewer"),
         (["lr=.nan"], "expected a finite number"),
         (["batch_size=true"], "not a boolean"),
         (["defense=blur"], "defense"),

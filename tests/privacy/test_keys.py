@@ -22,7 +22,7 @@ CONFIG = quick(algorithm="sfl_v2", rounds=1, defense=f"clip:1+noise:{NOISE}", re
 def first_release(run_dir) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Round 0's record and the clean (clipped, noise-free) activations of its samples: the first
     release of a client, made with the initial client part, which the test rebuilds from the seed."""
-    record = load_file(run_dir / "record" / "round_0000.safetensors")
+    record = load_file(run_dir / "record" / "round_0001.safetensors")
     client = build(CONFIG).blueprint.initial("client_model")
     with torch.no_grad():
         smashed = client(record["inputs"])
@@ -63,7 +63,7 @@ def test_same_seed_runs_release_different_noise_unless_a_noise_key_is_set(tmp_pa
     records = {}
     for name, extra in [("a", {}), ("b", {}), ("c", {"noise_key": "k"}), ("d", {"noise_key": "k"})]:
         run({**CONFIG, **extra, "out": str(tmp_path / name)}, progress=False)
-        records[name] = load_file(tmp_path / name / "record" / "round_0000.safetensors")
+        records[name] = load_file(tmp_path / name / "record" / "round_0001.safetensors")
     assert torch.equal(records["a"]["inputs"], records["b"]["inputs"])
     assert not torch.equal(records["a"]["smashed"], records["b"]["smashed"])
     assert torch.equal(records["c"]["smashed"], records["d"]["smashed"])

@@ -1,8 +1,11 @@
 """Datasets (in-memory tensors from offline files) and client partitioners."""
 
+import functools
+
 from splitlab.data.datasets import (
     DATASETS,
     LOCATORS,
+    SEQUENCE_DATASETS,
     Dataset,
     dataset_availability,
     dataset_names,
@@ -12,12 +15,21 @@ from splitlab.data.datasets import (
 )
 from splitlab.data.partition import counts_report, parse_partition_scheme, partition, partition_report
 
-from splitlab.data import leaf  # isort: skip (builds on datasets)
+from splitlab.data import language, leaf  # isort: skip (build on datasets)
 
 # The LEAF datasets (femnist, celeba, shakespeare), registered here so that datasets.py need not
 # import the modules that build on it.
 DATASETS.update(leaf.LOADERS)
 LOCATORS.update(leaf.LOCATORS)
+# The language datasets, likewise; listed among all datasets at their default sequence length.
+SEQUENCE_DATASETS.update(language.LOADERS)
+LOCATORS.update(language.LOCATORS)
+DATASETS.update(
+    {
+        name: functools.partial(lambda name, data_dir, seed: SEQUENCE_DATASETS[name](data_dir, None, None), name)
+        for name in SEQUENCE_DATASETS
+    }  # fmt: skip
+)
 
 __all__ = [
     "counts_report",

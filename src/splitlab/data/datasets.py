@@ -531,17 +531,9 @@ def _built_in(entry: object) -> bool:
     return getattr(entry, "__module__", "").startswith("splitlab.")
 
 
-# Language datasets (shakespeare_lm, e2e) take a sequence length and, with model=hf, the model's tokenizer.
-from splitlab.data import language  # noqa: E402
-
-SEQUENCE_DATASETS = language.LOADERS
-LOCATORS.update(language.LOCATORS)
-DATASETS.update(
-    {
-        name: functools.partial(lambda name, data_dir, seed: SEQUENCE_DATASETS[name](data_dir, None, None), name)
-        for name in SEQUENCE_DATASETS
-    }  # fmt: skip
-)  # at their default sequence length, in characters
+#: Language datasets (shakespeare_lm, e2e): name -> loader(data_dir, seq_len, tokenizer_dir); they
+#: take a sequence length and, with model=hf, the model's tokenizer (registered by splitlab.data).
+SEQUENCE_DATASETS: dict[str, Callable[..., Dataset]] = {}
 
 
 def dataset_names() -> list[str]:

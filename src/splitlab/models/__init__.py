@@ -69,8 +69,6 @@ def build_model(
             from splitlab.models.lora import apply_lora
 
             apply_lora(model, lora[0], lora[1], lora_targets)
-        elif lora_targets is not None:
-            raise UserError("lora_targets= chooses the projections LoRA adapts; it needs lora=R:ALPHA")
     return model
 
 
