@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from splitlab.comm import format_bytes
 from splitlab.engine import run
 from splitlab.privacy.audit import attack_run
+from splitlab.units import format_bytes
 
 DEFENSES = (
     "noise:0.5",

@@ -19,8 +19,8 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from splitlab.comm import GIB, format_bytes
 from splitlab.io import write_jsonl
+from splitlab.units import GIB, format_bytes
 
 State = dict[str, Any]
 log = logging.getLogger(__name__)

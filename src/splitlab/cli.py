@@ -16,10 +16,10 @@ from collections.abc import Callable
 from rich.console import Console
 from rich.table import Table
 
-from splitlab.comm import format_bytes
 from splitlab.errors import UserError, unknown_key
 from splitlab.logs import setup_logging
 from splitlab.process import prepare_process
+from splitlab.units import format_bytes
 
 console = Console()
 log = logging.getLogger("splitlab.cli")
@@ -51,8 +51,8 @@ def _run_config(args: argparse.Namespace) -> dict:
 def _cmd_certs(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from splitlab.command_help import CERTS_KEYS
     from splitlab.config import parse_overrides
-    from splitlab.keys import CERTS_KEYS
     from splitlab.net.certs import make_certs
 
     keys = parse_overrides(args.overrides)
@@ -321,14 +321,14 @@ def _cmd_advise(args: argparse.Namespace) -> int:
 
 class _CommandParser(argparse.ArgumentParser):
     """A command's parser whose --help ends with its keys, generated from its settings models
-    (splitlab.keys) when help is asked for, not at every start."""
+    (splitlab.command_help) when help is asked for, not at every start."""
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
     def format_help(self) -> str:
-        from splitlab.keys import command_keys
+        from splitlab.command_help import command_keys
 
         command = self.prog.split()[-1]
         self.epilog = command_keys(command) or None

@@ -28,8 +28,6 @@ from splitlab import codec, rundir
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.callbacks import Callback, CommBudget, MetricsFile, ProgressBar, RecorderFlush
-from splitlab.channel import Ledger
-from splitlab.comm import GIB, to_target
 from splitlab.config import (
     RUN_CONTROL_KEYS,
     ResolvedConfig,
@@ -45,6 +43,7 @@ from splitlab.io import (
     write_safetensors,
     write_yaml,
 )
+from splitlab.ledger import Ledger
 from splitlab.loggers import check_logger, make_logger
 from splitlab.logs import LOGGER
 from splitlab.metrics import TASK_METRICS, logits_in_batches
@@ -57,6 +56,7 @@ from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingSer
 from splitlab.runfiles import CHECKPOINT, RUN_FILES
 from splitlab.streams import register_stream
 from splitlab.transport import TRANSPORTS, ClientDropped, Transport
+from splitlab.units import GIB, to_target
 
 STREAM_SAMPLING = register_stream("sampling", 0)
 

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from splitlab.callbacks import Callback, State
-from splitlab.comm import GIB
 from splitlab.errors import UserError
 from splitlab.io import write_text
+from splitlab.units import GIB
 
 SCALARS = ("test_accuracy", "test_loss", "test_f1", "test_mcc", "test_perplexity", "train_loss", "comm_gib")
 

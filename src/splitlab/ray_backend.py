@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from splitlab import cluster, codec
-from splitlab.channel import Ledger
 from splitlab.config import ResolvedConfig, resolve_config
 from splitlab.errors import RoleLost, UserError
+from splitlab.ledger import Ledger
 from splitlab.metrics import TASK_METRICS
 from splitlab.plugins import ray_options
 from splitlab.process import peak_memory_mib, set_worker_threads

@@ -29,7 +29,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 
 from splitlab import codec
-from splitlab.channel import Ledger, payload_bytes
+from splitlab.ledger import Ledger, payload_bytes
 
 KEYED = "<result keys>"
 COUNTED_BY_SENDER = "<counted by the sending client's verb>"  # client to client (vanilla SL's relay)

@@ -28,7 +28,6 @@ from helpers import (
     train,
 )
 from splitlab.algorithms.fsl_sage import cut_gradient
-from splitlab.comm import GIB
 from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.io import read_jsonl
@@ -36,6 +35,7 @@ from splitlab.models import build_model, split
 from splitlab.models.aux import AUX_KINDS, build_aux
 from splitlab.models.staged import StagedModel
 from splitlab.roles import STREAM_BATCHES
+from splitlab.units import GIB
 
 CLIENTS, CLIENT_PART, AUX_LINEAR = 3, 52_000, 8_040
 SENT_SAMPLES = 3 * 68

@@ -215,9 +215,9 @@ def _label_boxes_overlap(fig) -> list[tuple[str, str]]:
 
 
 def test_plots_share_y_mark_identical_curves_readable_log_ticks_and_honest_titles(tmp_path: Path):
-    from splitlab.comm import row_gib
     from splitlab.experiments.analysis import Analysis
     from splitlab.experiments.plots import curves_figure
+    from splitlab.units import row_gib
 
     sweep = tmp_path / "sweep"
     accs = [0.2 + 0.05 * r for r in range(12)]

@@ -12,7 +12,6 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from splitlab.comm import GIB, to_target
 from splitlab.experiments.grid import check_target
 from splitlab.experiments.runs import (
     CONFIG_COLUMNS,
@@ -21,6 +20,7 @@ from splitlab.experiments.runs import (
     load_runs,
     num,
 )
+from splitlab.units import GIB, to_target
 
 #: keys that never distinguish experiments: the seed, and how a run was run (config.RUN_CONTROL_KEYS)
 _NOT_EXPERIMENT = ("seed", "out", "resume", "overwrite", "device")

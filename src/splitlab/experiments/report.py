@@ -20,7 +20,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from splitlab.comm import row_gib
 from splitlab.errors import UserError
 from splitlab.experiments.analysis import Analysis
 from splitlab.experiments.plots import plot_curves, plot_partitions, plot_vs_cut
@@ -28,6 +27,7 @@ from splitlab.experiments.runs import num
 from splitlab.experiments.sweep import SNAPSHOT
 from splitlab.experiments.tables import PLOTS, REPORT, RESULTS, markdown
 from splitlab.io import write_text
+from splitlab.units import row_gib
 
 log = logging.getLogger(__name__)
 

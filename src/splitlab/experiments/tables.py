@@ -1,7 +1,7 @@
 """report.md: the markdown tables (mean ± sample std over seeds, best bold, second underlined).
 
 A cell with one seed shows the value alone. Accuracies are shown in percent and communication in
-adaptive binary units (`splitlab.comm.format_bytes`); `results.csv` keeps the engine's numbers.
+adaptive binary units (`splitlab.units.format_bytes`); `results.csv` keeps the engine's numbers.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitlab.comm import GIB, byte_unit, format_bytes
 from splitlab.experiments.analysis import Analysis, hashable
 from splitlab.experiments.runs import num
 from splitlab.runfiles import CHECKPOINT
+from splitlab.units import GIB, byte_unit, format_bytes
 
 REPORT = "report.md"
 

@@ -41,9 +41,9 @@ from google.protobuf.message import DecodeError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from splitlab import codec
-from splitlab.channel import Ledger
 from splitlab.config import RUN_CONTROL_KEYS, parse_settings, resolve_config
 from splitlab.errors import UserError
+from splitlab.ledger import Ledger
 from splitlab.net import protocol
 from splitlab.net.audit import AuditLog, Identity, Revocations
 from splitlab.net.certs import SERVER, client_name, read_pair

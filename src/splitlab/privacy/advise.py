@@ -17,10 +17,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from splitlab import rundir
-from splitlab.channel import payload_bytes
 from splitlab.config import resolve_config
 from splitlab.errors import UserError
 from splitlab.io import write_json, write_png, write_text
+from splitlab.ledger import payload_bytes
 from splitlab.models import build_model, output_shape, split
 
 #: the probe's sizes when not given: these, or the whole split where it is smaller (the table says which)

@@ -1,8 +1,8 @@
-"""splitlab.comm: one byte formatter and one rounds/GiB-to-target for the summary and the report."""
+"""splitlab.units: one byte formatter and one rounds/GiB-to-target for the summary and the report."""
 
 from __future__ import annotations
 
-from splitlab.comm import format_bytes, to_target
+from splitlab.units import format_bytes, to_target
 
 
 def test_format_bytes_picks_adaptive_binary_units():
