@@ -24,13 +24,12 @@ def load() -> dict[str, list[list[str]]]:
 
 
 def generate() -> dict[str, list[list[str]]]:
-    """The rows of both tables, computed from the models and algorithms themselves."""
-    from splitlab.algorithms import algorithms
+    """The rows of both tables, computed from splitlab's own models and algorithms (not plugins')."""
     from splitlab.errors import UserError
-    from splitlab.models import MODELS, build_model
+    from splitlab.models import BUILT_IN, build_model
 
     models = []
-    for name in sorted(MODELS):
+    for name in sorted(BUILT_IN):
         try:
             model, note = build_model(name, (1, 28, 28), 10), ""
         except UserError:  # lstm and gpt take token sequences: shown for LEAF Shakespeare's shape
@@ -42,17 +41,23 @@ def generate() -> dict[str, list[list[str]]]:
         parameters = f"{sum(p.numel() for p in model.parameters()):,}{note}"
         models.append([name, ", ".join(map(str, model.valid_cuts)), parameters])
     rows = []
-    for name, cls in sorted(algorithms().items()):
+    for name, cls in _own_algorithms():
         own = ", ".join(f"{k}={_yaml_scalar(f.default)}" for k, f in cls.Params.model_fields.items())
         paragraph = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
         rows.append([name, own or "-", first_sentence(" ".join(paragraph.split()))])
     return {"models": models, "algorithms": rows}
 
 
+def _own_algorithms() -> list[tuple[str, Any]]:
+    """splitlab's own algorithms by name: a plugin's (defined in its own module) are not in its catalog."""
+    from splitlab.algorithms import algorithms
+
+    return sorted((name, cls) for name, cls in algorithms().items() if cls.__module__.startswith("splitlab."))
+
+
 def command_settings() -> dict[str, Any]:
     """Every command's settings model: `run` (RunConfig, then each algorithm's own keys as
     `run algorithm=<name>`), then the other commands'. A new command with keys is added here."""
-    from splitlab.algorithms import algorithms
     from splitlab.config import RunConfig
     from splitlab.net.client import ClientSettings
     from splitlab.net.launch import LaunchSettings
@@ -62,7 +67,7 @@ def command_settings() -> dict[str, Any]:
     from splitlab.splitgp.evaluation import EvaluationSettings
     from splitlab.splitgp.latency import LatencySettings
 
-    own = {f"run algorithm={name}": cls.Params for name, cls in sorted(algorithms().items()) if cls.Params.model_fields}
+    own = {f"run algorithm={name}": cls.Params for name, cls in _own_algorithms() if cls.Params.model_fields}
     return {
         "run": RunConfig,
         **own,

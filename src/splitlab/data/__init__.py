@@ -3,6 +3,7 @@
 import functools
 
 from splitlab.data.datasets import (
+    BUILT_IN,
     DATASETS,
     LOCATORS,
     SEQUENCE_DATASETS,
@@ -30,6 +31,7 @@ DATASETS.update(
         for name in SEQUENCE_DATASETS
     }  # fmt: skip
 )
+BUILT_IN.update(DATASETS)  # splitlab's own: a plugin may not replace them
 
 __all__ = [
     "counts_report",

@@ -515,7 +515,7 @@ def register_dataset(
     "train" | "test")` (for data=own) and its `locator(data_dir)` (for `splitlab datasets`), the
     three registry entries in one call. A plugin's name may be registered again (the later loader
     counts), a built-in one may not."""
-    if not name.isidentifier() or _built_in(DATASETS.get(name)):
+    if not name.isidentifier() or name in BUILT_IN:
         raise UserError(f"cannot register dataset {name!r}: expected a new name (letters, digits, _), not a built-in")
     DATASETS[name] = loader
     SPLIT_LOADERS.pop(name, None)
@@ -527,13 +527,12 @@ def register_dataset(
     _load_cached.cache_clear()  # a name registered again must not return the earlier loader's data
 
 
-def _built_in(entry: object) -> bool:
-    return getattr(entry, "__module__", "").startswith("splitlab.")
-
-
 #: Language datasets (shakespeare_lm, e2e): name -> loader(data_dir, seq_len, tokenizer_dir); they
 #: take a sequence length and, with model=hf, the model's tokenizer (registered by splitlab.data).
 SEQUENCE_DATASETS: dict[str, Callable[..., Dataset]] = {}
+#: splitlab's own dataset names (filled by splitlab.data once it has registered them all): never
+#: replaced by a plugin
+BUILT_IN: set[str] = set()
 
 
 def dataset_names() -> list[str]:

@@ -19,13 +19,15 @@ from splitlab.models.zoo import MODELS, ModelBuilder
 MODELS.update(LEAF_MODELS)  # lstm, celeba_cnn, resnet9 (models/leaf.py builds on the zoo's blocks)
 MODELS["gpt"] = gpt
 MODELS["hf"] = hf_model  # transformers is imported only when one is built
+#: splitlab's own model names: never replaced by a plugin, and the only ones in its catalog
+BUILT_IN = frozenset(MODELS)
 
 
 def register_model(name: str, builder: ModelBuilder) -> None:
     """Make `model=name` build `builder(input_shape, num_classes)`, a `StagedModel` (an ordered list
     of named stages; a cut is an index into it). A plugin's name may be registered again (the
     later builder counts), a built-in one may not."""
-    if not name.isidentifier() or getattr(MODELS.get(name), "__module__", "").startswith("splitlab."):
+    if not name.isidentifier() or name in BUILT_IN:
         raise UserError(f"cannot register model {name!r}: expected a new name (letters, digits, _), not a built-in")
     MODELS[name] = builder
 
