@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from processes import NONE, Rogue, credentials
+
 from helpers import play_with_roles, write_sdist
+from splitlab import codec
 from splitlab.data.datasets import IGNORED
 from splitlab.engine import build, run
+from splitlab.net.certs import make_certs
 from splitlab.net.checks import Checks, Refused, data_report
 from splitlab.net.launch import LaunchSettings, launch
 from splitlab.roles import ClientNode
@@ -78,6 +83,27 @@ def test_language_launch_is_bit_identical_to_run(tmp_path, lm, one_thread):
         assert b["dropped_clients"] == []
     # hidden states 4 B T D bytes each way, targets 8 B T, as in-process
     assert launched[0]["comm_bytes_by_kind"]["smashed"] > 0 and launched[0]["comm_bytes_by_kind"]["labels"] > 0
+
+
+def test_the_server_refuses_a_language_result_with_a_target_out_of_range_in_one_line(tmp_path, lm, servers):
+    make_certs(tmp_path / "certs", 2, [])
+    server = servers({**lm, "out": str(tmp_path / "run")}, rejoin_wait=60, join_timeout=60)
+    rogue = Rogue(server.address, credentials(tmp_path / "certs", "client-0"), 0)
+    assert rogue.first_reply().kind == 2  # WELCOME; it reports its true data
+    bad = codec.encode({"smashed": torch.zeros(8, 16, 16), "labels": torch.full((8, 16), 80)})
+    answering = threading.Thread(target=rogue.serve, args=(lambda verb: bad if verb == "forward" else NONE,))
+    answering.start()
+    honest = server.client(1)
+    server.wait_for_log("refused the result of forward")
+    answering.join()
+    rogue.close()
+    late = server.client(0)  # the real client 0 joins in round 2
+    assert server.process.wait() == 0 and honest.wait() == 0 and late.wait() == 0
+    refusals = [line for line in server.lines() if "refused" in line]
+    assert len(refusals) == 1 and refusals[0].endswith(
+        "refused the result of forward from client 0: labels outside [0, 80) or -100"
+    ), refusals
+    assert [row["dropped_clients"] for row in rows(tmp_path / "run")] == [[[1, 0]], []]
 
 
 @pytest.fixture(scope="module")
