@@ -10,9 +10,8 @@ import threading
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from processes import NONE, Rogue, credentials
+from safetensors.torch import load_file
 
 from helpers import play_with_roles, write_sdist
 from splitlab import codec
