@@ -36,6 +36,7 @@ from splitlab.config import (
     resolve_config,
 )
 from splitlab.data import Dataset, counts_report, load_dataset, load_split, partition, partition_report
+from splitlab.data.datasets import data_summary
 from splitlab.errors import NonFiniteLoss, RoleLost, RoundFailed, UserError
 from splitlab.io import (
     save_safetensors,
@@ -199,7 +200,9 @@ def _hold_out(indices: list[np.ndarray], fraction: float, seed: int) -> tuple[li
 
 def make_blueprint(config: ResolvedConfig, data: Dataset, device: torch.device) -> Blueprint:
     """The run's blueprint, the same in every process that builds roles for it."""
-    return blueprint_of(config, device, data.input_shape, data.num_classes, data.inputs(data.train_x[:1]).dtype)
+    return blueprint_of(
+        config, device, data.input_shape, data.num_classes, data.inputs(data.train_x[:1]).dtype, data.task
+    )
 
 
 def blueprint_of(
@@ -208,6 +211,7 @@ def blueprint_of(
     input_shape: tuple[int, ...],
     num_classes: int,
     input_dtype: torch.dtype,
+    task: str,
 ) -> Blueprint:
     """The run's blueprint from what it needs of the data: a role that holds no samples (the
     training server on Ray) gets these from the driver and never loads the dataset."""
@@ -219,6 +223,7 @@ def blueprint_of(
         input_shape,
         num_classes,
         input_dtype,
+        task,
         builders=get_algorithm(run.algorithm).models,
         recorder=Recorder(run.record) if run.record else None,
     )
@@ -262,6 +267,13 @@ class _Plan:
             return None
         labels = self.data.train_labels.numpy()
         return [np.bincount(labels[idx], minlength=self.blueprint.num_classes).tolist() for idx in self.owners]
+
+    def data_summaries(self) -> list[dict[str, Any]] | None:
+        """What identifies every client node's samples (`data_summary`; None: data=own)."""
+        if self.owners is None:
+            return None
+        data = self.data
+        return [data_summary(data.train_y[idx], data.task, data.num_classes) for idx in self.owners]
 
 
 def _plan(config: ResolvedConfig) -> _Plan:
@@ -363,7 +375,7 @@ def client_count(raw: Mapping[str, Any]) -> int:
     return _plan(resolve_config(raw)).client_count
 
 
-def _stored_counts(config: ResolvedConfig) -> list[list[int]] | None:
+def _stored_summaries(config: ResolvedConfig) -> list[dict[str, Any]] | None:
     """The class counts the clients of a data=own run reported when it began (its partition.json),
     which they must report again when it is resumed; None for a run that starts."""
     path = config.out_dir / "partition.json"
@@ -375,7 +387,7 @@ def _stored_counts(config: ResolvedConfig) -> list[list[int]] | None:
             raise ValueError(f"counts for {len(counts)} clients")
     except (ValueError, KeyError, TypeError, OSError) as error:
         raise UserError(f"cannot resume: {str(path)!r} does not hold the clients' class counts ({error})") from None
-    return counts
+    return [{"class_counts": held} for held in counts]
 
 
 def check(raw: Mapping[str, Any]) -> None:
@@ -423,9 +435,9 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         client_proxies = {k: transport_.connect(role, counted=True) for k, role in client_roles.items()}
     else:
         transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
-        if transport_.remote:  # each client must report the class counts it holds: the partition's, or a resumed run's
+        if transport_.remote:  # each client must report the data it holds: the partition's, or a resumed run's
             nodes: list[ClientNode] = []
-            expected = counts or _stored_counts(config)
+            expected = plan.data_summaries() or _stored_summaries(config)
             client_proxies = {
                 k: transport_.connect_remote(k, algorithm_class.Client, blueprint, expected[k] if expected else None)
                 for k in range(plan.client_count)

@@ -68,7 +68,7 @@ class RoleHost:
             shape = json.loads(data_shape)
             dtype = getattr(torch, shape["input_dtype"].removeprefix("torch."))
             self.blueprint = engine.blueprint_of(
-                config, self.device, tuple(shape["input_shape"]), shape["num_classes"], dtype
+                config, self.device, tuple(shape["input_shape"]), shape["num_classes"], dtype, shape["task"]
             )
             self.roles = {SERVER: algorithm.Server(self.blueprint)}
         else:
@@ -276,6 +276,7 @@ def start_roles(
         "input_shape": list(blueprint.input_shape),
         "num_classes": blueprint.num_classes,
         "input_dtype": str(blueprint.input_dtype),
+        "task": blueprint.task,
     }
     server_host = Host.remote(config_json, None, json.dumps(data_shape))
     transport.hosts = [*hosts, server_host]

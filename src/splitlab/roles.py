@@ -86,6 +86,8 @@ class Blueprint:
     input_shape: tuple[int, ...]
     num_classes: int
     input_dtype: torch.dtype
+    #: the dataset's task (`Dataset.task`): what a batch's targets are, for what checks them (splitlab.net)
+    task: str = "classification"
     #: slot -> how its initial model is built (the algorithm's `models` table)
     builders: Mapping[str, Callable[[Blueprint], nn.Module]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))

@@ -112,10 +112,10 @@ class Transport:
         return Proxy(self, role, counted)
 
     def connect_remote(
-        self, client_id: int, role_class: type, blueprint: Any, class_counts: list[int] | None = None
+        self, client_id: int, role_class: type, blueprint: Any, summary: dict[str, Any] | None = None
     ) -> Proxy:
         """A proxy to client `client_id`, a `role_class` node built in another process, which must
-        report holding `class_counts` samples of each class (None: whatever it holds, data=own)."""
+        report holding the data `summary` describes (`data_summary`; None: whatever it holds, data=own)."""
         raise NotImplementedError(f"the {self.name} transport reaches only roles in this process")
 
     def reported_counts(self) -> list[list[int]]:

@@ -128,6 +128,20 @@ def _state(**optimizer: object) -> dict:
         ),
         ("forward", FORWARD, (0,), {"smashed": torch.zeros(33, 200), "labels": LABELS}, "33 samples"),
         ("forward", FORWARD, (0,), {"smashed": torch.zeros(2, 200), "labels": torch.tensor([0, 99])}, "labels outside"),
+        (
+            "forward",
+            FORWARD,
+            (0,),
+            {"smashed": torch.zeros(1, 200), "labels": torch.tensor(3)},
+            "labels are torch.int64 ()",
+        ),
+        (
+            "forward",
+            FORWARD,
+            (0,),
+            {"smashed": torch.zeros(2, 200), "labels": torch.tensor([0, -100])},
+            "labels outside",
+        ),
         ("forward", FORWARD, (0,), {"smashed": torch.zeros(4, 200)}, "forward returns exactly ['labels', 'smashed']"),
         ("forward", FORWARD, (0,), {}, "the result holds []"),
         (

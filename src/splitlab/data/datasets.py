@@ -14,6 +14,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -125,6 +126,21 @@ class Dataset:
                     f"dataset {self.name!r} {split} split is malformed: x {tuple(x.shape)}, "
                     f"y {tuple(y.shape)} {y.dtype}, input_shape {self.input_shape}"
                 )
+
+
+#: task -> the keys of `data_summary`
+SUMMARY_KEYS = {"classification": ("class_counts",), "language": ("sequences", "token_counts")}
+
+
+def data_summary(targets: torch.Tensor, task: str, num_classes: int) -> dict[str, Any]:
+    """What identifies a client's samples by their targets, the same where they are and where the
+    run is planned: the count of each class; for a language task the number of sequences and the
+    count of each token id in the loss (IGNORED positions are not counted)."""
+    targets = targets.cpu()
+    if task == "language":
+        tokens = targets[targets != IGNORED]
+        return {"sequences": len(targets), "token_counts": torch.bincount(tokens, minlength=num_classes).tolist()}
+    return {"class_counts": torch.bincount(targets, minlength=num_classes).tolist()}
 
 
 # ---------------------------------------------------------------------------------------------

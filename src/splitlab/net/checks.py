@@ -4,11 +4,14 @@ The checks follow from the verb's declaration (splitlab.transport: its ledger ki
 result's exact keys) and the blueprint, and take a result as a whole: a keyed result holds exactly
 its verb's keys; smashed data is a tensor of the client part's output dtype and shape
 (B, *cut shape) with 1 <= B <= batch_size (a compressed form's claimed shape is checked before it
-is expanded); labels are int64 of shape (B,) within [0, classes); a loss is a scalar of the
+is expanded; a language model's cut shape is (T, D), T the sequence length); labels are the task's
+targets: int64 (B,) within [0, classes), or for a language task int64 (B, T) within
+[0, vocabulary) or IGNORED (-100); a loss is a scalar of the
 model's dtype; a model (uploaded, relayed, snapshot or checkpointed) has exactly the slot's tensor
 names, shapes and dtypes, and an optimizer state fits its model; a verb that declares no kind
 returns nothing; a verb with no check here is refused. Every floating tensor must be finite. A
-client's REPORT of its data must fit the run (`Checks.report`). A failed check is a `Refused`
+client's REPORT of its data must fit the run (`Checks.report`): class counts, or for a language
+task its number of sequences and count of each target token id. A failed check is a `Refused`
 with one line saying what was wrong.
 """
 
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 
+from splitlab.data.datasets import IGNORED, SUMMARY_KEYS, data_summary
 from splitlab.privacy import defenses
 from splitlab.roles import Blueprint, ClientNode, pooled
 from splitlab.transport import KEYED, VerbSpec
@@ -93,13 +97,7 @@ class Checks:
             most = args[0] if verb == "route" else self.blueprint.config.batch_size
             batch = self._smashed_batch(result["smashed"], 0 if verb == "route" else 1, most)
         if "labels" in result:
-            labels = _tensor(result, "labels")
-            if labels.dtype != torch.int64 or labels.dim() != 1 or (batch is not None and len(labels) != batch):
-                raise Refused(
-                    f"labels are {_form(labels)}, expected torch.int64 ({batch if batch is not None else 'B'},)"
-                )
-            if len(labels) and not (int(labels.min()) >= 0 and int(labels.max()) < self.blueprint.num_classes):
-                raise Refused(f"labels outside [0, {self.blueprint.num_classes})")
+            self._labels(_tensor(result, "labels"), batch)
         if "loss" in result:
             value = _tensor(result, "loss")
             if value.dim() != 0 or value.dtype != self._expected_smashed().dtype:
@@ -108,6 +106,27 @@ class Checks:
             routed = _tensor(result, "evaluation")
             if routed.dtype != torch.bool or tuple(routed.shape) != (args[0],) or int(routed.sum()) != batch:
                 raise Refused(f"evaluation is {_form(routed)}, expected torch.bool ({args[0]},) with {batch} set")
+
+    def _labels(self, labels: torch.Tensor, batch: int | None) -> None:
+        """The task's targets of `batch` samples: int64 (B,) classes in [0, classes), or for a
+        language task (B, T) next tokens in [0, vocabulary) or IGNORED (T: the sequence length)."""
+        blueprint = self.blueprint
+        language = blueprint.task == "language"
+        target_shape = tuple(blueprint.input_shape) if language else ()
+        if (
+            labels.dtype != torch.int64
+            or labels.dim() != 1 + len(target_shape)
+            or labels.shape[1:] != target_shape
+            or (batch is not None and len(labels) != batch)
+        ):
+            want = ", ".join(map(str, (batch if batch is not None else "B", *target_shape)))
+            raise Refused(f"labels are {_form(labels)}, expected torch.int64 ({want}{',' if not target_shape else ''})")
+        valid = (labels >= 0) & (labels < blueprint.num_classes)
+        if language:
+            valid |= labels == IGNORED
+        if not bool(valid.all()):
+            allowed = f"[0, {blueprint.num_classes})" + (f" or {IGNORED}" if language else "")
+            raise Refused(f"labels outside {allowed}")
 
     def _smashed_batch(self, smashed: Any, fewest: int, most: int) -> int:
         """The number of samples in smashed data of the cut's dtype and shape (B, *cut shape),
@@ -128,28 +147,48 @@ class Checks:
             raise Refused(f"smashed holds {batch} samples; a batch holds {fewest} to {most}")
         return batch
 
-    def report(self, report: Any, expected: list[int] | None) -> list[int]:
-        """The class counts of a client's REPORT (see `data_report`), if the run can use its data:
-        the run's data mode, the dataset's sample shape, one count per class, at least one sample,
-        and the counts the run has for the client (`expected`: its partition's, or what it
-        reported before), if any."""
-        config, shape, classes = self.blueprint.config, list(self.blueprint.input_shape), self.blueprint.num_classes
-        if not isinstance(report, dict) or set(report) != {"data", "input_shape", "class_counts"}:
-            raise Refused("a report holds exactly data, input_shape and class_counts")
+    def report(self, report: Any, expected: dict[str, Any] | None) -> dict[str, Any]:
+        """The summary of a client's data in its REPORT (see `data_report`), if the run can use it:
+        the run's data mode, the dataset's sample shape (a sequence's length for a language task),
+        the task's summary of the targets (`data_summary`) that holds at least one sample, and the
+        summary the run has for the client (`expected`: its partition's, or what it reported
+        before), if any."""
+        config, shape = self.blueprint.config, list(self.blueprint.input_shape)
+        *keys, last = ("data", "input_shape", *SUMMARY_KEYS[self.blueprint.task])
+        if not isinstance(report, dict) or set(report) != {*keys, last}:
+            raise Refused(f"a report holds exactly {', '.join(keys)} and {last}")
         if report["data"] != config.data:
             raise Refused(f"the client was started with data={report['data']!r}; this run has data={config.data}")
         if report["input_shape"] != shape or not _whole_numbers(report["input_shape"]):
             raise Refused(f"its samples have shape {report['input_shape']!r}; {config.dataset} samples have {shape}")
-        counts = report["class_counts"]
+        summary = {key: report[key] for key in SUMMARY_KEYS[self.blueprint.task]}
+        if self.blueprint.task == "language":
+            self._token_summary(summary)
+        else:
+            self._class_summary(summary)
+        if expected is not None and summary != expected:
+            raise Refused(f"it holds {_described(summary)}; the run has {_described(expected)} for it")
+        return summary
+
+    def _class_summary(self, summary: dict[str, Any]) -> None:
+        classes, counts = self.blueprint.num_classes, summary["class_counts"]
         if not _whole_numbers(counts) or len(counts) != classes or min(counts) < 0:
             raise Refused(f"its class counts are {counts!r}; expected {classes} counts (labels 0 to {classes - 1})")
         if sum(counts) < 1:
             raise Refused("it holds no samples")
-        if expected is not None and counts != expected:
+
+    def _token_summary(self, summary: dict[str, Any]) -> None:
+        vocabulary, sequences, counts = self.blueprint.num_classes, summary["sequences"], summary["token_counts"]
+        if not _whole_numbers([sequences]) or sequences < 1:
+            raise Refused(f"it holds {sequences!r} sequences; expected at least 1")
+        if not _whole_numbers(counts) or len(counts) != vocabulary or min(counts) < 0:
             raise Refused(
-                f"it holds {sum(counts)} samples, {counts} by class; the run has {sum(expected)} for it, {expected}"
+                f"its token counts are {str(counts)[:80]}; expected {vocabulary} counts (tokens 0 to {vocabulary - 1})"
             )
-        return counts
+        if sum(counts) > sequences * self.blueprint.input_shape[0]:
+            raise Refused(
+                f"it counts {sum(counts)} target tokens in {sequences} sequences of {self.blueprint.input_shape[0]}"
+            )
 
     def _model(self, slot: str, state: Any) -> None:
         expected = self.blueprint.initial_state(pooled(slot))
@@ -250,8 +289,27 @@ def _whole_numbers(value: Any) -> bool:
 
 def data_report(node: ClientNode, data: str) -> dict[str, Any]:
     """What a client says of its samples once it has built its node (`data`: how it got them)."""
-    counts = torch.bincount(node.y.cpu(), minlength=node.blueprint.num_classes)
-    return {"data": data, "input_shape": list(node.x.shape[1:]), "class_counts": counts.tolist()}
+    blueprint = node.blueprint
+    return {
+        "data": data,
+        "input_shape": list(node.x.shape[1:]),
+        **data_summary(node.y, blueprint.task, blueprint.num_classes),
+    }
+
+
+def held(summary: dict[str, Any]) -> str:
+    """How many samples a data summary holds, in words."""
+    if "class_counts" in summary:
+        return f"{sum(summary['class_counts'])} samples"
+    return f"{summary['sequences']} sequences"
+
+
+def _described(summary: dict[str, Any]) -> str:
+    """A summary in words: samples by class, or sequences and their target tokens."""
+    if "class_counts" in summary:
+        return f"{held(summary)}, {summary['class_counts']} by class"
+    counts = summary["token_counts"]
+    return f"{held(summary)}, {sum(counts)} target tokens, by id {str(counts)[:60]}..."
 
 
 def _count(value: Any) -> str:

@@ -47,7 +47,7 @@ from splitlab.ledger import Ledger
 from splitlab.net import protocol
 from splitlab.net.audit import AuditLog, Identity, Revocations
 from splitlab.net.certs import SERVER, client_name, read_pair
-from splitlab.net.checks import Checks, Refused
+from splitlab.net.checks import Checks, Refused, held
 from splitlab.roles import Blueprint
 from splitlab.rundir import check_out_dir
 from splitlab.transport import ClientDropped, Proxy, Transport, VerbSpec
@@ -149,7 +149,7 @@ class Hub:
         self._joined: set[int] = set()  # ids that connected at least once
         self._reported: set[int] = set()  # ids whose data was accepted at least once
         self._expected: set[int] | None = None
-        self._counts: dict[int, list[int]] = {}  # the class counts each client must report
+        self._summaries: dict[int, dict[str, Any]] = {}  # what each client must report of its data
         self._checks: Checks | None = None
         self._changed = threading.Condition()
         self._seq = itertools.count(1)
@@ -194,14 +194,14 @@ class Hub:
             threading.Thread(target=self._watch_revocations, daemon=True).start()
         log(f"listening on {self.settings.listen} (mutual TLS, run {self.run_id})")
 
-    def expect(self, client_id: int, ledger: Ledger, checks: Checks, class_counts: list[int] | None) -> None:
+    def expect(self, client_id: int, ledger: Ledger, checks: Checks, summary: dict[str, Any] | None) -> None:
         """Client `client_id` belongs to the run (the transport says so as it is built) and must
-        report holding `class_counts` (None: the counts it first reports, data=own)."""
+        report holding the data `summary` describes (`data_summary`; None: what it first reports, data=own)."""
         with self._changed:
             self._expected = (self._expected or set()) | {client_id}
             self.ledger, self._checks = ledger, checks
-            if class_counts is not None:
-                self._counts[client_id] = class_counts
+            if summary is not None:
+                self._summaries[client_id] = summary
             self._changed.notify_all()
 
     def reported_counts(self) -> list[list[int]]:
@@ -216,7 +216,7 @@ class Hub:
                 f"client(s) {', '.join(missing)} did not report their data within join_timeout="
                 f"{self.settings.join_timeout:g} s; with data=own the server needs every client's before round 1"
             )
-        return [self._counts[k] for k in ids]
+        return [self._summaries[k]["class_counts"] for k in ids]  # data=own: classification datasets only
 
     def close(self) -> None:
         """The run is over (or failed): BYE to every client, then stop."""
@@ -378,18 +378,18 @@ class Hub:
         assert self._checks is not None  # set before any client is admitted
         client_id = session.client_id
         try:
-            counts = self._checks.report(codec.decode(bytes(message.payload)), self._counts.get(client_id))
+            summary = self._checks.report(codec.decode(bytes(message.payload)), self._summaries.get(client_id))
         except (codec.MessageError, Refused) as refusal:
             log(f"refused client {client_id}'s data: {refusal}")
             session.refusal = f"its data: {refusal}"
             session.close(session.refusal)
             return
         with self._changed:
-            self._counts[client_id] = counts
+            self._summaries[client_id] = summary
             session.reported = True
             self._reported.add(client_id)
             self._changed.notify_all()
-        log(f"client {client_id} holds {sum(counts)} samples")
+        log(f"client {client_id} holds {held(summary)}")
 
     def _read(self, session: Session, requests: Iterator[Any]) -> None:
         """Replies and heartbeats from the client, until its stream ends."""
@@ -533,10 +533,10 @@ class NetworkTransport(Transport):
         self.checks: Checks | None = None
 
     def connect_remote(
-        self, client_id: int, role_class: type, blueprint: Blueprint, class_counts: list[int] | None = None
+        self, client_id: int, role_class: type, blueprint: Blueprint, summary: dict[str, Any] | None = None
     ) -> Proxy:
         self.checks = self.checks or Checks(blueprint)
-        self.hub.expect(client_id, self.ledger, self.checks, class_counts)
+        self.hub.expect(client_id, self.ledger, self.checks, summary)
         return RemoteProxy(self, client_id, role_class)
 
     def reported_counts(self) -> list[list[int]]:
