@@ -101,7 +101,7 @@ def test_non_finite_loss_stops_with_exit_3_and_strict_json(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["run", *cli(optimizer="sgd", lr=1e6, rounds=3, out=out), "--no-progress"]) == 3
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "nan" in err and "round 1" in err
+    assert err.count("\n") == 1 and "diverged" in err and "round 1" in err  # caught before any step: inf or nan
     assert not (out / "summary.json").exists()
     with pytest.raises(ValueError):
         write_json(tmp_path / "x.json", {"loss": float("nan")})

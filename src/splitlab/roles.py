@@ -33,6 +33,7 @@ from torch import nn
 
 from splitlab.config import RunConfig
 from splitlab.data.datasets import IGNORED
+from splitlab.errors import NonFiniteStep
 from splitlab.models import (
     StagedModel,
     build_model,
@@ -523,6 +524,31 @@ class TrainingServer(Role[ParamsT]):
         """What the server minimises given the batch loss (SplitGP scales it)."""
         return value
 
+    def step(self, slot: str, backward: Callable[[], None], inputs: tuple[torch.Tensor, ...] = ()) -> None:
+        """One optimizer step of `slot`, taken only if the norms of its gradients and of those of
+        `inputs` (the smashed data: the cut gradient) are finite; else NonFiniteStep, and the model
+        and its optimizer are untouched (a client's extreme data cannot corrupt them: a norm that
+        overflows would overflow Adam's moments or any clipping too)."""
+        optimizer = self.optimizer(slot)
+        optimizer.zero_grad(set_to_none=True)
+        backward()
+        grads = {"gradient norm": [p.grad for p in self.model(slot).parameters() if p.grad is not None]}
+        grads["cut-layer gradient norm"] = [z.grad for z in inputs if z.grad is not None]
+        for what, tensors in grads.items():
+            norm = (
+                float(
+                    torch.linalg.vector_norm(
+                        torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in tensors])
+                    )
+                )
+                if tensors
+                else 0.0
+            )
+            if not math.isfinite(norm):
+                optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteStep(what, norm)
+        optimizer.step()
+
     @verb()
     def train_step(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:
         """One server step on received smashed data; returns the cut gradient (compressed as
@@ -548,7 +574,9 @@ class TrainingServer(Role[ParamsT]):
         smashed = decode(smashed)
         with self.blueprint.timed("server"):
             value = loss(self.model(slot)(smashed), labels)
-            self.step(slot, self.objective(value).backward)
+            if not bool(value.isfinite()):
+                raise NonFiniteStep("loss", float(value.detach()))
+            self.step(slot, self.objective(value).backward, (smashed,) if smashed.requires_grad else ())
         return {"loss": value.detach()}
 
     @verb()
