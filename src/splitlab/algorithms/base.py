@@ -216,7 +216,7 @@ class Algorithm(Generic[ParamsT]):
         except NonFiniteStep as error:
             if self.ctx.drop_client is None:
                 raise
-            self.ctx.drop_client(client_id, f"its data made {error} in {verb}")
+            self.ctx.drop_client(client_id, f"its data in {verb} made the server's {error.what} {error.value}")
             self.dropped.add(client_id)
             self.non_finite.add(client_id)
             return None
