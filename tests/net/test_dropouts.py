@@ -82,6 +82,21 @@ def test_a_client_whose_data_makes_the_server_non_finite_is_dropped_not_the_run(
     assert net.keys() == local.keys() and all(torch.equal(net[k], local[k]) for k in local)
 
 
+def test_when_no_client_is_left_after_such_a_drop_the_run_stops_as_diverged(tmp_path, servers):
+    config = quick(clients=1, rounds=2, train_subset=100, test_subset=50)
+    make_certs(tmp_path / "certs", 1, [])
+    server = servers({**config, "out": str(tmp_path / "net")}, rejoin_wait=1, join_timeout=60)
+    rogue = Rogue(server.address, credentials(tmp_path / "certs", "client-0"), 0)
+    assert rogue.first_reply().kind == 2  # WELCOME
+    rogue.serve_as_node(
+        lambda verb, result: {**result, "smashed": result["smashed"] * 1e30} if verb == "forward" else result
+    )
+    rogue.close()
+    assert server.process.wait() == 3
+    (line,) = [line for line in server.lines() if line.startswith("error:")]
+    assert "round 1: no client is left: the data of client(s) 0 made the server's loss" in line
+
+
 def test_below_min_clients_the_run_stops_with_one_line(tmp_path, servers):
     config = quick(clients=2, rounds=50, train_subset=400, test_subset=50, eval_every=50)
     make_certs(tmp_path / "certs", 2, [])
