@@ -916,10 +916,11 @@ def _check_enough_finished(experiment: Experiment, clients: list[ClientInfo], ro
     finished = sum(c.id not in dropped for c in clients)  # (vanilla SL's holder may be of an earlier round)
     non_finite = experiment.algorithm.non_finite
     if finished == 0 and non_finite:
+        others = ", the others left" if len(non_finite) < len(clients) else ""
         raise NonFiniteLoss(
-            f"round {round_number}: no client is left: the data of client(s) "
-            f"{', '.join(map(str, sorted(non_finite)))} made the server's loss or gradients non-finite "
-            f"(the others dropped out); if every client's did, training diverged: lower lr"
+            f"round {round_number}: no client is left: client(s) {', '.join(map(str, sorted(non_finite)))} "
+            f"dropped, their data made the server's loss or gradients non-finite{others}; if every "
+            f"client's did, training diverged: lower lr (or use optimizer=adam) and start again"
         )
     if finished < needed:
         raise RoundFailed(

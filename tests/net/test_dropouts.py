@@ -94,7 +94,7 @@ def test_when_no_client_is_left_after_such_a_drop_the_run_stops_as_diverged(tmp_
     rogue.close()
     assert server.process.wait() == 3
     (line,) = [line for line in server.lines() if line.startswith("error:")]
-    assert "round 1: no client is left: the data of client(s) 0 made the server's loss" in line
+    assert "round 1: no client is left: client(s) 0 dropped, their data made the server's loss" in line
 
 
 def test_below_min_clients_the_run_stops_with_one_line(tmp_path, servers):
