@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
+import torch
 
 from splitlab.cli import main
 from splitlab.config import load_config_file, parse_overrides, resolve_config
-from splitlab.errors import UserError
+from splitlab.errors import NonFiniteStep, UserError
 
 
 @pytest.mark.parametrize(
@@ -59,7 +62,7 @@ from pathlib import Path  # noqa: E402
 
 from helpers import quick  # noqa: E402
 from splitlab import rundir  # noqa: E402
-from splitlab.engine import run  # noqa: E402
+from splitlab.engine import build, run  # noqa: E402
 from splitlab.io import write_json  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -97,11 +100,28 @@ def test_second_writer_is_refused_naming_the_holder(tmp_path, capsys):
     assert run(quick(rounds=1, out=str(out)), progress=False)["rounds_completed"] == 1
 
 
+@pytest.mark.parametrize("value", [1e30, float("nan")])
+def test_a_non_finite_server_step_is_refused_before_the_optimizer_steps(value):
+    """Smashed data of 1e30 (a gradient norm that overflows) or NaN: NonFiniteStep, and the
+    server's model and optimizer are as before (then an honest step goes on from them)."""
+    experiment = build(quick(clients=2, train_subset=100))
+    server, client = experiment.algorithm.server, experiment.algorithm.client(0)
+    client.begin_round(0)
+    sent = client.forward(0)
+    server.train_step(sent["smashed"], sent["labels"])  # Adam has moments to lose
+    before = copy.deepcopy(server.state_dict())
+    with pytest.raises(NonFiniteStep) as refused:
+        server.train_step(torch.full_like(sent["smashed"], value), sent["labels"])
+    assert refused.value.what == ("gradient norm" if value == 1e30 else "loss")
+    torch.testing.assert_close(server.state_dict(), before, rtol=0, atol=0)
+    assert torch.isfinite(server.train_step(sent["smashed"], sent["labels"])["loss"])
+
+
 def test_non_finite_loss_stops_with_exit_3_and_strict_json(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["run", *cli(optimizer="sgd", lr=1e6, rounds=3, out=out), "--no-progress"]) == 3
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "nan" in err and "round 1" in err
+    assert err.count("\n") == 1 and "diverged" in err and "round 1" in err  # caught before any step: inf or nan
     assert not (out / "summary.json").exists()
     with pytest.raises(ValueError):
         write_json(tmp_path / "x.json", {"loss": float("nan")})

@@ -37,7 +37,7 @@ from splitlab.config import (
 )
 from splitlab.data import Dataset, counts_report, load_dataset, load_split, partition, partition_report
 from splitlab.data.datasets import data_summary
-from splitlab.errors import NonFiniteLoss, RoleLost, RoundFailed, UserError
+from splitlab.errors import NonFiniteLoss, NonFiniteStep, RoleLost, RoundFailed, UserError
 from splitlab.io import (
     save_safetensors,
     write_json,
@@ -460,6 +460,7 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         transport_.connect(server, counted=False),
         transport_.connect(sync, counted=False),
         transport_.concurrency,
+        transport_.drop if transport_.remote else None,
     )
     algorithm = algorithm_class(context)
     transport_.on_rejoin = algorithm.rejoined
@@ -821,8 +822,11 @@ def _loop(experiment: Experiment, show_progress: bool, extra: Sequence[Callback]
                 experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING)
             )
             started = time.perf_counter()
-            with _needs_the_client(cfg.algorithm, rnd + 1):
-                algorithm.run_round(rnd, clients)
+            try:
+                with _needs_the_client(cfg.algorithm, rnd + 1):
+                    algorithm.run_round(rnd, clients)
+            except NonFiniteStep as step:  # in process, or no one client to blame: training diverged
+                _check_finite(step.value, f"server's {step.what}", rnd + 1)
             _check_enough_finished(experiment, clients, rnd + 1)
             state.setdefault("dropped", []).extend([rnd + 1, k] for k in sorted(algorithm.dropped))
             train_loss = algorithm.pop_train_loss()
@@ -922,6 +926,14 @@ def _check_enough_finished(experiment: Experiment, clients: list[ClientInfo], ro
     dropped = experiment.algorithm.dropped
     needed = min(experiment.transport.min_clients, len(clients))
     finished = sum(c.id not in dropped for c in clients)  # (vanilla SL's holder may be of an earlier round)
+    non_finite = experiment.algorithm.non_finite
+    if finished == 0 and non_finite:
+        others = ", the others left" if len(non_finite) < len(clients) else ""
+        raise NonFiniteLoss(
+            f"round {round_number}: no client is left: client(s) {', '.join(map(str, sorted(non_finite)))} "
+            f"dropped, their data made the server's loss or gradients non-finite{others}; if every "
+            f"client's did, training diverged: lower lr (or use optimizer=adam) and start again"
+        )
     if finished < needed:
         raise RoundFailed(
             f"round {round_number}: only {finished} of {len(clients)} clients finished "

@@ -20,6 +20,16 @@ class NonFiniteLoss(UserError):
     exit_code = 3
 
 
+class NonFiniteStep(NonFiniteLoss):
+    """A training server's loss or gradient norm came out non-finite, checked before its optimizer
+    steps (its model is untouched). Over a network, the client whose data it was is dropped
+    (splitlab.algorithms.base); in process, or where no one client is to blame, training diverged."""
+
+    def __init__(self, what: str, value: float) -> None:
+        super().__init__(f"the server's {what} became {value}")
+        self.what, self.value = what, value
+
+
 class RoundFailed(UserError):
     """A networked round could not finish (fewer than `min_clients` did, or a client dropped in a step
     its algorithm cannot skip): the run stops at its last checkpoint."""

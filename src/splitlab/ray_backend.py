@@ -26,7 +26,7 @@ import torch
 
 from splitlab import cluster, codec
 from splitlab.config import ResolvedConfig, resolve_config
-from splitlab.errors import RoleLost, UserError
+from splitlab.errors import NonFiniteStep, RoleLost, UserError
 from splitlab.ledger import Ledger
 from splitlab.metrics import TASK_METRICS
 from splitlab.plugins import ray_options
@@ -150,6 +150,10 @@ def wait_for(pending: Any, what: str) -> Any:
     except ray.exceptions.RayActorError as error:
         cause = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
         raise RoleLost(f"a Ray actor was lost during {what} ({type(error).__name__}: {cause})") from None
+    except ray.exceptions.RayTaskError as error:  # a diverging server step: exit 3, as in process
+        if isinstance(error.cause, NonFiniteStep):
+            raise NonFiniteStep(error.cause.what, error.cause.value) from None
+        raise
 
 
 class RemoteRole:

@@ -33,6 +33,7 @@ from torch import nn
 
 from splitlab.config import RunConfig
 from splitlab.data.datasets import IGNORED
+from splitlab.errors import NonFiniteStep
 from splitlab.models import (
     StagedModel,
     build_model,
@@ -514,6 +515,13 @@ class ClientNode(Role[ParamsT]):
         super().end_round()
 
 
+def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all of `grads` together, in float32 (0 for none), as gradient clipping takes it."""
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
+
+
 class TrainingServer(Role[ParamsT]):
     """The server part (slot `server_model`), trained on the smashed data clients send."""
 
@@ -524,6 +532,32 @@ class TrainingServer(Role[ParamsT]):
     def objective(self, value: torch.Tensor) -> torch.Tensor:
         """What the server minimises given the batch loss (SplitGP scales it)."""
         return value
+
+    def step(
+        self,
+        slot: str,
+        backward: Callable[[], None],
+        inputs: tuple[torch.Tensor, ...] = (),
+        value: torch.Tensor | None = None,
+    ) -> None:
+        """One optimizer step of `slot`, taken only if the loss `value`, the norm of its gradients
+        and that of `inputs`' (the smashed data: the cut gradient) are finite; else NonFiniteStep,
+        and the model and its optimizer are untouched (a client's extreme data cannot corrupt them:
+        a norm that overflows would overflow Adam's moments or any clipping too). One sync."""
+        optimizer = self.optimizer(slot)
+        optimizer.zero_grad(set_to_none=True)
+        backward()
+        figures = {
+            "loss": torch.zeros(()) if value is None else value.detach(),
+            "gradient norm": _norm([p.grad for p in self.model(slot).parameters() if p.grad is not None]),
+            "cut-layer gradient norm": _norm([z.grad for z in inputs if z.grad is not None]),
+        }
+        device = figures["gradient norm"].device
+        for what, figure in zip(figures, torch.stack([f.float().to(device) for f in figures.values()]).tolist()):
+            if not math.isfinite(figure):
+                optimizer.zero_grad(set_to_none=True)
+                raise NonFiniteStep(what, figure)
+        optimizer.step()
 
     @verb()
     def train_step(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:
@@ -550,7 +584,7 @@ class TrainingServer(Role[ParamsT]):
         smashed = decode(smashed)
         with self.blueprint.timed("server"):
             value = loss(self.model(slot)(smashed), labels)
-            self.step(slot, self.objective(value).backward)
+            self.step(slot, self.objective(value).backward, (smashed,) if smashed.requires_grad else (), value)
         return {"loss": value.detach()}
 
     @verb()

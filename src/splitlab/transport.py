@@ -122,6 +122,11 @@ class Transport:
         """The class counts every remote client reported, once all have (data=own)."""
         raise NotImplementedError(f"the {self.name} transport reaches only roles in this process")
 
+    def drop(self, client_id: int, reason: str) -> None:
+        """Drop client `client_id` (a transport whose clients can drop out): it is disconnected and
+        left out of the round; it may come back as a fresh node."""
+        raise NotImplementedError(f"the {self.name} transport's clients cannot drop out")
+
     def close(self) -> None:
         """Let go of what the transport started (nothing, in process)."""
 

@@ -96,23 +96,35 @@ class Rogue:
         except grpc.RpcError as error:
             return error
         if reply.kind == protocol.WELCOME:
-            config = codec.decode(bytes(reply.payload))["config"]
-            report = report or data_report(client_node(config, self.client_id), "partition")
+            self.config = codec.decode(bytes(reply.payload))["config"]
+            report = report or data_report(client_node(self.config, self.client_id), "partition")
             self.outgoing.put(protocol.envelope(protocol.REPORT, reply.run_id, payload=codec.encode(report)))
         return reply
 
-    def serve(self, answer: Callable[[str], bytes], quiet: bool = True) -> None:
-        """Answer calls until the server ends the stream (with an error, raised unless `quiet`)."""
+    def serve(self, answer: Callable[[Any], bytes], quiet: bool = True) -> None:
+        """Answer calls, `answer(call)` each, until the server ends the stream (with an error, raised
+        unless `quiet`)."""
         try:
             for message in self.replies:
                 if message.kind == protocol.CALL:
-                    reply = protocol.envelope(
-                        protocol.RESULT, message.run_id, seq=message.seq, payload=answer(message.verb)
-                    )
+                    reply = protocol.envelope(protocol.RESULT, message.run_id, seq=message.seq, payload=answer(message))
                     self.outgoing.put(reply)
         except grpc.RpcError:
             if not quiet:
                 raise
+
+    def serve_as_node(self, tamper: Callable[[str, Any], Any]) -> None:
+        """Answer calls as the run's client node would, each result passed through `tamper(verb,
+        result)` (after `first_reply`), until the server ends the stream."""
+        node = client_node(self.config, self.client_id)
+
+        def answer(message: Any) -> bytes:
+            request = codec.decode(bytes(message.payload))
+            return codec.encode(
+                tamper(message.verb, getattr(node, message.verb)(*request["args"], **request["kwargs"]))
+            )
+
+        self.serve(answer)
 
     def close(self) -> None:
         self.outgoing.put(None)

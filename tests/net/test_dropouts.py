@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import threading
+from typing import Any
 
 import torch
 from processes import NONE, Rogue, credentials
@@ -30,8 +31,8 @@ def test_a_silent_client_is_dropped_the_round_completes_and_it_rejoins(tmp_path,
     assert silent.first_reply().kind == 2  # WELCOME
     gone_quiet = threading.Event()
 
-    def answer(verb: str) -> bytes:
-        if verb == "forward":
+    def answer(call: Any) -> bytes:
+        if call.verb == "forward":
             gone_quiet.set()
             threading.Event().wait()  # never answers, never sends a heartbeat
         return NONE
@@ -51,6 +52,49 @@ def test_a_silent_client_is_dropped_the_round_completes_and_it_rejoins(tmp_path,
     local_rows = [json.loads(line) for line in (tmp_path / "local" / "metrics.jsonl").read_text().splitlines()]
     assert [row["dropped_clients"] for row in rows] == [[[1, 2]], []]
     assert [r["comm_bytes_by_kind"] for r in rows] == [r["comm_bytes_by_kind"] for r in local_rows]
+
+
+def test_a_client_whose_data_makes_the_server_non_finite_is_dropped_not_the_run(tmp_path, servers):
+    """A certified client sends smashed data of 1e30: finite, so it passes the checks, but the
+    server's gradient norm overflows. The server's step is refused before its optimizer steps, the
+    client is dropped with one line and its stream ended; the honest clients finish the run with
+    the weights of a run where it left at that call."""
+    config = quick(clients=3, rounds=1, train_subset=150, test_subset=50)
+    make_certs(tmp_path / "certs", 3, [])
+    server = servers({**config, "out": str(tmp_path / "net")}, rejoin_wait=1, join_timeout=60)
+    honest = [server.client(0), server.client(1)]
+    rogue = Rogue(server.address, credentials(tmp_path / "certs", "client-2"), 2)
+    assert rogue.first_reply().kind == 2  # WELCOME
+
+    def extreme(verb: str, result: Any) -> Any:
+        return {**result, "smashed": torch.full_like(result["smashed"], 1e30)} if verb == "forward" else result
+
+    rogue.serve_as_node(extreme)  # until the server ends its stream
+    rogue.close()
+    assert server.process.wait() == 0 and all(p.wait() == 0 for p in honest)
+
+    drops = [line for line in server.lines() if "dropped client 2" in line]
+    assert len(drops) == 1 and "train_step made the server's gradient norm inf" in drops[0], drops
+    rows = [json.loads(line) for line in (tmp_path / "net" / "metrics.jsonl").read_text().splitlines()]
+    assert [row["dropped_clients"] for row in rows] == [[[1, 2]]]
+    run({**config, "out": str(tmp_path / "local")}, progress=False, transport=DropsOut.at_call(at=1))
+    net, local = (load_file(tmp_path / d / "weights.safetensors") for d in ("net", "local"))
+    assert net.keys() == local.keys() and all(torch.equal(net[k], local[k]) for k in local)
+
+
+def test_when_no_client_is_left_after_such_a_drop_the_run_stops_as_diverged(tmp_path, servers):
+    config = quick(clients=1, rounds=2, train_subset=100, test_subset=50)
+    make_certs(tmp_path / "certs", 1, [])
+    server = servers({**config, "out": str(tmp_path / "net")}, rejoin_wait=1, join_timeout=60)
+    rogue = Rogue(server.address, credentials(tmp_path / "certs", "client-0"), 0)
+    assert rogue.first_reply().kind == 2  # WELCOME
+    rogue.serve_as_node(
+        lambda verb, result: {**result, "smashed": result["smashed"] * 1e30} if verb == "forward" else result
+    )
+    rogue.close()
+    assert server.process.wait() == 3
+    (line,) = [line for line in server.lines() if line.startswith("error:")]
+    assert "round 1: no client is left: client(s) 0 dropped, their data made the server's loss" in line
 
 
 def test_below_min_clients_the_run_stops_with_one_line(tmp_path, servers):

@@ -46,7 +46,7 @@ def test_server_refuses_bad_peers_and_messages_and_goes_on(tmp_path, servers):
     rogue = Rogue(server.address, credentials(certs, "client-0"), 0)
     assert rogue.first_reply().kind == 2  # WELCOME
     bad = codec.encode({"smashed": torch.zeros(32, 7), "labels": torch.zeros(32, dtype=torch.int64)})
-    answering = threading.Thread(target=rogue.serve, args=(lambda verb: bad if verb == "forward" else NONE,))
+    answering = threading.Thread(target=rogue.serve, args=(lambda call: bad if call.verb == "forward" else NONE,))
     answering.start()
     honest = server.client(1)
     server.wait_for_log("refused the result of forward")

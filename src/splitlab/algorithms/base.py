@@ -24,6 +24,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from splitlab.config import NoParams, RunConfig
+from splitlab.errors import NonFiniteStep
 from splitlab.roles import (
     SPLIT_MODELS,
     Blueprint,
@@ -60,6 +61,9 @@ class Context:
     sync: Proxy
     #: how many clients may train at once (the transport's say: 1 in process, `workers` on Ray)
     concurrency: int = 1
+    #: drops a client for good in its transport, with the reason (clients in other processes, that
+    #: can drop out); None in process, where a non-finite server step means training diverged
+    drop_client: Callable[[int, str], None] | None = None
 
     def rng(self, rnd: int, stream: int, *keys: int) -> np.random.Generator:
         return random_stream(self.config.seed, rnd, stream, *keys)
@@ -129,6 +133,8 @@ class Algorithm(Generic[ParamsT]):
         self._loss_count = 0
         #: clients that dropped out of the current round (over a network); the shared steps skip them
         self.dropped: set[int] = set()
+        #: those of them whose data made the server's computation non-finite
+        self.non_finite: set[int] = set()
         #: each client's kept slots as last checkpointed (`client_states`): what it gets back when it rejoins
         self._kept: dict[int, State] = {}
         #: clients reached through `client()` since their state was last kept: the only ones whose
@@ -178,7 +184,7 @@ class Algorithm(Generic[ParamsT]):
 
     # --- the round, as the engine runs it ---------------------------------------------------
     def run_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        self.dropped = set()
+        self.dropped, self.non_finite = set(), set()
         if self.ctx.config.lr_schedule != "none":  # the server's optimizers follow the round too
             self.server.begin_round(rnd)
         for client in clients:
@@ -200,6 +206,21 @@ class Algorithm(Generic[ParamsT]):
             self.dropped.add(client_id)
             return None
 
+    def on_data_of(self, client_id: int, verb: str, *args: Any) -> Any:
+        """The training server's `verb(*args)` on what client `client_id` sent. If that made the
+        server's loss or gradients non-finite (checked before its optimizer steps: the server's
+        model is untouched), the client is dropped as if it had left, and told so (None); in
+        process, where every client's data is the run's own, training diverged: the run stops."""
+        try:
+            return getattr(self.server, verb)(*args)
+        except NonFiniteStep as error:
+            if self.ctx.drop_client is None:
+                raise
+            self.ctx.drop_client(client_id, f"its data in {verb} made the server's {error.what} {error.value}")
+            self.dropped.add(client_id)
+            self.non_finite.add(client_id)
+            return None
+
     def finished(self, clients: list[ClientInfo]) -> list[ClientInfo]:
         """The clients that have not dropped out of the round (so far)."""
         return [client for client in clients if client.id not in self.dropped]
@@ -209,7 +230,9 @@ class Algorithm(Generic[ParamsT]):
         sent = self.unless_dropped(client_id, "forward", step)
         if sent is None:
             return
-        reply = self.server.train_step(sent["smashed"], sent["labels"], server_slot)
+        reply = self.on_data_of(client_id, "train_step", sent["smashed"], sent["labels"], server_slot)
+        if reply is None:
+            return
         self.unless_dropped(client_id, "backward", step, reply["cut_grad"])
         self.track(self.step_loss(sent, reply))
 

@@ -79,7 +79,9 @@ class AuxiliaryFSL(Algorithm):
         self.start_round(clients)
         for client, sent in self.interleaved_steps(rnd, clients, self.aux_step):
             if sent:  # smashed data and labels up, one server step; nothing goes back
-                self.track(self.server.learn_from(client.id, sent["smashed"], sent["labels"])["loss"])
+                reply = self.on_data_of(client.id, "learn_from", client.id, sent["smashed"], sent["labels"])
+                if reply is not None:
+                    self.track(reply["loss"])
         self.finish_round(rnd, clients)
 
     def aux_step(self, client: ClientInfo, step: int) -> State | None:

@@ -490,6 +490,14 @@ class Hub:
         if session is not None and session.close(f"its {verb} result was refused"):
             self.audit.write("refusal", session.who, client_id, verb, reason)
 
+    def expel(self, client_id: int, reason: str) -> None:
+        """The run drops the client (its data broke the server's step): its stream ends with the
+        reason; it may connect again, and is then used from the next round on."""
+        session = self._sessions.get(client_id)
+        if session is not None:
+            session.refusal = reason
+            self.drop(session, reason)
+
 
 def _first_line(error: BaseException) -> str:
     code = getattr(error, "code", None)
@@ -541,6 +549,9 @@ class NetworkTransport(Transport):
 
     def reported_counts(self) -> list[list[int]]:
         return self.hub.reported_counts()
+
+    def drop(self, client_id: int, reason: str) -> None:
+        self.hub.expel(client_id, reason)
 
     def remote_call(self, client_id: int, verb: str, spec: VerbSpec, *args: Any, **kwargs: Any) -> Any:
         if self.hub.rejoined(client_id):
