@@ -90,7 +90,7 @@ def test_the_server_refuses_a_language_result_with_a_target_out_of_range_in_one_
     rogue = Rogue(server.address, credentials(tmp_path / "certs", "client-0"), 0)
     assert rogue.first_reply().kind == 2  # WELCOME; it reports its true data
     bad = codec.encode({"smashed": torch.zeros(8, 16, 16), "labels": torch.full((8, 16), 80)})
-    answering = threading.Thread(target=rogue.serve, args=(lambda verb: bad if verb == "forward" else NONE,))
+    answering = threading.Thread(target=rogue.serve, args=(lambda call: bad if call.verb == "forward" else NONE,))
     answering.start()
     honest = server.client(1)
     server.wait_for_log("refused the result of forward")
