@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
+from torch.nn.utils import get_total_norm
 
 from splitlab.config import RunConfig
 from splitlab.data.datasets import IGNORED
@@ -515,13 +516,6 @@ class ClientNode(Role[ParamsT]):
         super().end_round()
 
 
-def _norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    """The 2-norm of all of `grads` together, in float32 (0 for none), as gradient clipping takes it."""
-    if not grads:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
-
-
 class TrainingServer(Role[ParamsT]):
     """The server part (slot `server_model`), trained on the smashed data clients send."""
 
@@ -549,8 +543,8 @@ class TrainingServer(Role[ParamsT]):
         backward()
         figures = {
             "loss": torch.zeros(()) if value is None else value.detach(),
-            "gradient norm": _norm([p.grad for p in self.model(slot).parameters() if p.grad is not None]),
-            "cut-layer gradient norm": _norm([z.grad for z in inputs if z.grad is not None]),
+            "gradient norm": get_total_norm([p.grad for p in self.model(slot).parameters() if p.grad is not None]),
+            "cut-layer gradient norm": get_total_norm([z.grad for z in inputs if z.grad is not None]),
         }
         device = figures["gradient norm"].device
         for what, figure in zip(figures, torch.stack([f.float().to(device) for f in figures.values()]).tolist()):
