@@ -542,11 +542,12 @@ DEPLOYED_NOTE = (
 def evaluate_deployed(experiment: Experiment, rnd: int) -> dict[str, float]:
     """`test_accuracy_deployed`: a defended global split model's test accuracy with the defense
     applied at the cut as deployed (clipping, noise, compression); `test_accuracy` is the
-    undefended path. Empty where the defense leaves the forward pass as it is."""
-    defense, model = experiment.blueprint.defense, experiment.algorithm.global_model()
-    if not defense.changes_forward or model is None or len(model) != 2 or experiment.algorithm.personal_models:
+    undefended path. Empty where the defense leaves the forward pass as it is. Called right after
+    `evaluate`, whose global model it reuses (assembled there: not fetched twice)."""
+    defense, parts = experiment.blueprint.defense, experiment.assembler.parts
+    if not defense.changes_forward or len(parts) != 2 or experiment.algorithm.personal_models:
         return {}
-    client, server = cast(nn.Sequential, experiment.assemble(model))
+    client, server = parts
     generator = torch.Generator(experiment.blueprint.device).manual_seed(experiment.config.run.seed * 1_000_003 + rnd)
     deployed = defense.deployed(client, server, generator)
     logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)
