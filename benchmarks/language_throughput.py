@@ -6,7 +6,7 @@ SFL-V2 written with bare modules (`benchmarks/throughput.py`'s), over the very b
 draws (read from the built experiment before timing); both sides' round loops are timed
 (splitlab's summary `wall_seconds`), alternating who goes first, and the medians compared.
 
-    .venv/bin/python benchmarks/language_throughput.py [--rounds 20] [--repeats 3] [--threads 1]
+    .venv/bin/python benchmarks/language_throughput.py [--rounds 20] [--repeats 3] [--threads 1] [--device cuda]
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from throughput import adam, average_into, schedule  # noqa: E402
 CLIENTS, BATCH, SEQ_LEN = 8, 16, 64
 
 
-def workload(rounds: int, out: str) -> dict:
+def workload(rounds: int, out: str, device: str = "cpu") -> dict:
     return dict(
         algorithm="sfl_v2", dataset="shakespeare_lm", model="gpt", cut=2, seq_len=SEQ_LEN, clients=CLIENTS,
-        batch_size=BATCH, local_steps=1, optimizer="adam", lr=1e-3, device="cpu", seed=0, rounds=rounds,
+        batch_size=BATCH, local_steps=1, optimizer="adam", lr=1e-3, device=device, seed=0, rounds=rounds,
         eval_every=rounds, test_subset=64, out=out, overwrite=True,
     )  # fmt: skip
 
@@ -40,8 +40,10 @@ def plain_seconds(config: dict) -> float:
     """SFL-V2 with bare modules: client copies loaded from the global client part, one server."""
     from splitlab.models import build_model, split
 
+    device = torch.device(config["device"])
     x, y, plan = schedule(config)
-    client, server = split(build_model("gpt", (SEQ_LEN,), 80, seed=0), 2)
+    x, y = x.to(device), y.to(device)
+    client, server = (part.to(device) for part in split(build_model("gpt", (SEQ_LEN,), 80, seed=0), 2))
     server_opt, copies = adam(server), [copy.deepcopy(client) for _ in range(CLIENTS)]
     started = time.perf_counter()
     for batches in plan:
@@ -60,6 +62,8 @@ def plain_seconds(config: dict) -> float:
             z.backward(received.grad)
             opts[k].step()
         average_into(client, [copies[k] for k, _ in batches])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - started
 
 
@@ -74,20 +78,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokens = args.rounds * CLIENTS * BATCH * SEQ_LEN
     times: dict[str, list[float]] = {"splitlab": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:
-        config = workload(args.rounds, str(Path(tmp) / "run"))
+        config = workload(args.rounds, str(Path(tmp) / "run"), args.device)
         for repeat in range(args.repeats):
             for side in sorted(times, reverse=repeat % 2 == 0):
                 times[side].append(splitlab_seconds(config) if side == "splitlab" else plain_seconds(config))
     ours, plain = statistics.median(times["splitlab"]), statistics.median(times["plain"])
     print(
         f"SFL-V2, model=gpt (4 x 128) cut 2, {CLIENTS} clients x {BATCH} x {SEQ_LEN} tokens per round, "
-        f"{args.rounds} rounds, {args.threads} thread(s), median of {args.repeats}: splitlab {tokens / ours:,.0f} "
-        f"tokens/s, plain torch {tokens / plain:,.0f} tokens/s, ratio {plain / ours:.3f} (1.0 = as fast)"
+        f"{args.rounds} rounds, {args.device}, {args.threads} thread(s), median of {args.repeats}: "
+        f"splitlab {tokens / ours:,.0f} tokens/s, plain torch {tokens / plain:,.0f} tokens/s, "
+        f"ratio {plain / ours:.3f} (1.0 = as fast)"
     )
 
 

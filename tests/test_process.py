@@ -1,5 +1,6 @@
 """splitlab.process: a training process keeps freed memory for reuse instead of faulting it in again."""
 
+import os
 import subprocess
 import sys
 
@@ -80,3 +81,21 @@ def test_a_run_from_python_sets_up_the_process_as_the_cli_does(tmp_path) -> None
     ).stdout
     default, kept = map(int, out.split())
     assert default >= 10 and kept * 20 <= default
+
+
+def test_a_cuda_device_turns_on_deterministic_kernels() -> None:
+    """Without it, two identical runs on a GPU differ after the first step (seen on an H200)."""
+    child = (
+        "import os, torch\n"
+        "from splitlab.process import prepare_process, training_device\n"
+        "prepare_process()\n"
+        "assert os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'\n"
+        "training_device(torch.device('cpu'))\n"
+        "assert not torch.are_deterministic_algorithms_enabled()\n"
+        "training_device(torch.device('cuda'))\n"
+        "assert torch.are_deterministic_algorithms_enabled()\n"
+        "assert torch.is_deterministic_algorithms_warn_only_enabled()\n"
+        "assert not torch.backends.cudnn.benchmark\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CUBLAS_WORKSPACE_CONFIG"}
+    subprocess.run([sys.executable, "-c", child], check=True, env=env)

@@ -52,7 +52,7 @@ from splitlab.models import load_shared, split
 from splitlab.privacy import keys
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.record import Recorder
-from splitlab.process import prepare_process
+from splitlab.process import prepare_process, training_device
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
 from splitlab.runfiles import CHECKPOINT, RUN_FILES
 from splitlab.streams import register_stream
@@ -156,10 +156,10 @@ def test_set(config: ResolvedConfig, data: Dataset, device: torch.device) -> tup
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    elif name == "cuda" and not torch.cuda.is_available():
         raise UserError("device 'cuda' was asked for but no CUDA GPU is available; use device=cpu or auto")
-    return torch.device(name)
+    return training_device(torch.device(name))
 
 
 def _seeded_subset(size: int, subset: int | None, seed: int, what: str) -> np.ndarray:

