@@ -70,7 +70,7 @@ class AttackSettings(BaseModel):
     iterations: int = Field(30, ge=1, le=100_000, description="alternations of input and surrogate descent (unsplit)")
     tv: float = Field(0.001, ge=0, le=1_000, description="weight of the total-variation prior (unsplit)")
     steps: int = Field(300, ge=10, le=10_000_000, description="client training steps under attack (fsha)")
-    guard: int = Field(5, ge=1, le=10_000, description="SplitGuard: a fake batch every this many steps (fsha)")
+    guard: int = Field(5, ge=2, le=10_000, description="SplitGuard: a fake batch every this many steps (fsha)")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     seed: int = Field(0, ge=0, le=2**32 - 1)
 
@@ -128,7 +128,7 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
             )
     elif settings.attack == "fsha":
         warmup = settings.steps // 5  # SplitGuard starts once training has settled a little
-        if (settings.steps - warmup) // settings.guard < 1 or settings.guard < 2:
+        if (settings.steps - warmup) // settings.guard < 1:
             raise UserError(
                 f"guard={settings.guard} leaves SplitGuard no fake batch and regular ones to compare in "
                 f"steps={settings.steps} (the first {warmup} are warm-up); allowed: 2 to {(settings.steps - warmup)}"
