@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitlab.privacy import defenses
 from splitlab.privacy.defenses import Defense, decode
 from splitlab.privacy.unsplit import surrogate_of
 
@@ -173,7 +174,8 @@ def simulate(
             y = (
                 y + torch.randint(1, setup.num_classes, y.shape, generator=generator, device=y.device)
             ) % setup.num_classes
-        defended = setup.defense.protect(client(x), generator)
+        smashed = client(x)
+        defended = setup.defense.protect(smashed, generator)
         received = decode(setup.defense.encode(defended)).detach().requires_grad_()
         task_loss = F.cross_entropy(head(received), y)
         head_optimizer.zero_grad(set_to_none=True)
@@ -186,23 +188,30 @@ def simulate(
             aux = setup.aux_x[torch.as_tensor(rng.choice(len(setup.aux_x), batch, replace=False))]
             grad = attacker.cut_gradient(received, aux, generator)
         grad = decode(setup.defense.send_gradient(grad, generator))
-        (fake_grads if fake else regular_grads if step > warmup else []).append(grad.flatten().float())
-        if not fake:  # SplitGuard's client discards the fake batch's gradient
+        if fake:  # SplitGuard's client keeps the fake batch's gradient and does not apply it
+            fake_grads.append(grad.flatten().float())
+        else:
+            if step > warmup:
+                regular_grads.append(grad.flatten().float())
             client_optimizer.zero_grad(set_to_none=True)
-            defended.backward(grad)
+            defenses.backward((defended, grad), (setup.defense.penalty(x, smashed), None))
             client_optimizer.step()
         if step in report_at:
+            client.eval()
+            head.eval()
             row = {"task_accuracy": _accuracy(client, head, setup)}
             if attacker is not None:
                 with torch.no_grad():
                     row.update(image_scores(attacker.reconstruct(client(targets)), targets, data_range))
             by_step[step] = row
+            client.train()
+            head.train()
     last = by_step[steps]
     result: dict[str, Any] = {**last, "by_step": by_step}
     if attacker is not None:
         result["baseline"] = floor
         with torch.no_grad():
-            result["reconstructed"] = attacker.reconstruct(client(targets[:16])).cpu()
+            result["reconstructed"] = attacker.reconstruct(client.eval()(targets[:16])).cpu()
     if fake_grads and len(regular_grads) >= 2:
         result["splitguard"] = splitguard_score(fake_grads, regular_grads, seed)
     return result
