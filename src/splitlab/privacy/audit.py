@@ -133,7 +133,8 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
                 f"guard={settings.guard} leaves SplitGuard no fake batch and regular ones to compare in "
                 f"steps={settings.steps} (the first {warmup} are warm-up); allowed: 2 to {(settings.steps - warmup)}"
             )
-        node = typing.cast(Any, experiment.roles).clients[settings.client]
+        assert experiment.roles is not None  # load_run builds every role in this process
+        node = experiment.roles.clients[settings.client]
         blueprint = experiment.blueprint
         setup = fsha.Simulation(
             client=client_part(blueprint),
