@@ -299,6 +299,23 @@ def _cmd_attack(args: argparse.Namespace) -> int:
         decoder, baseline = result["decoder"], result["baseline"]
         table.add_row("decoder", f"{decoder['ssim']:.3f} / {decoder['psnr']:.2f} dB")
         table.add_row("floor: mean image", f"{baseline['ssim']:.3f} / {baseline['psnr']:.2f} dB")
+    elif result["attack"] == "unsplit":
+        table.add_row("SSIM / PSNR (unsplit, no data)", f"{result['ssim']:.3f} / {result['psnr']:.2f} dB")
+        baseline = result["baseline"]
+        table.add_row("floor: mean image", f"{baseline['ssim']:.3f} / {baseline['psnr']:.2f} dB")
+    elif result["attack"] == "fsha":
+        malicious, honest = result["malicious"], result["honest"]
+        for step, row in malicious["by_step"].items():
+            table.add_row(f"  step {step}: SSIM / PSNR, task accuracy", _fsha_row(row))
+        table.add_row(
+            "floor: mean image", f"{malicious['baseline']['ssim']:.3f} / {malicious['baseline']['psnr']:.2f} dB"
+        )
+        table.add_row(
+            "task accuracy: honest / FSHA server", f"{honest['task_accuracy']:.2%} / {malicious['task_accuracy']:.2%}"
+        )
+        table.add_row(
+            "SplitGuard score: honest / FSHA server", f"{honest['splitguard']:.3f} / {malicious['splitguard']:.3f}"
+        )
     else:
         table.add_row("norm attack AUC", f"{result['norm_auc']:.3f} ({result['scored']})")
         table.add_row("direction attack AUC", f"{result['direction_auc']:.3f}")
@@ -307,6 +324,10 @@ def _cmd_attack(args: argparse.Namespace) -> int:
     console.print(table)
     console.print(f"written to {args.dir}/attack.json")
     return 0
+
+
+def _fsha_row(row: dict) -> str:
+    return f"{row['ssim']:.3f} / {row['psnr']:.2f} dB, {row['task_accuracy']:.2%}"
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
@@ -436,7 +457,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     attack = commands.add_parser(
         "attack",
-        help="a curious training server's attack on a finished run (inversion | label_leak)",
+        help="a training server's attack on a finished run (inversion | label_leak | unsplit | fsha)",
         description="A curious training server's attack on a finished run; see docs/privacy.md.",
     )
     attack.add_argument("dir")

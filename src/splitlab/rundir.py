@@ -43,6 +43,8 @@ WRITTEN = (
     "record",
     "attack.json",
     "attack_inversion.png",
+    "attack_unsplit.png",
+    "attack_fsha.png",
     "hf",
     "report.md",
     "results.csv",

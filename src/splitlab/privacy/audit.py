@@ -1,10 +1,12 @@
-"""`splitlab attack RUN attack=inversion|label_leak`: the curious server's attacks on a finished run.
+"""`splitlab attack RUN attack=...`: the server's attacks on a finished run.
 
 Targets are what the server saw during training when the run was made with `record=N` (the last
 recorded round by default, `round=` another), otherwise what it would see from the final model:
 held-out test samples through the final client part, with the run's defense applied. The
 server's auxiliary data is a seeded part of the test split, disjoint from those held-out samples.
-Results go to RUN/attack.json (one entry per attack) and, for inversion, RUN/attack_inversion.png.
+Results go to RUN/attack.json (one entry per attack) and, for the reconstructions, RUN/attack_<attack>.png.
+`fsha` is different: an active attack during training, simulated afresh on the run's configuration
+and data (splitlab.privacy.fsha), not played on what the run recorded.
 """
 
 from __future__ import annotations
@@ -28,18 +30,18 @@ from splitlab.config import UNSPLIT_ALGORITHMS, RunConfig
 from splitlab.errors import UserError
 from splitlab.io import write_json, write_png
 from splitlab.models import output_shape
-from splitlab.privacy import attacks
+from splitlab.privacy import attacks, fsha, unsplit
 from splitlab.privacy.record import RECORD_DIR
+from splitlab.roles import client_part, server_part
 
 RESULTS = "attack.json"
-PICTURE = "attack_inversion.png"
 
 
 class AttackSettings(BaseModel):
     """The `splitlab attack` keys."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    attack: Literal["inversion", "label_leak"]
+    attack: Literal["inversion", "label_leak", "unsplit", "fsha"]
     round: int | None = Field(
         None,
         ge=1,
@@ -65,6 +67,10 @@ class AttackSettings(BaseModel):
         description="held-out samples attacked when nothing was recorded (default: 500 or half the test split)",
     )
     epochs: int = Field(30, ge=1, le=100_000, description="decoder training epochs (inversion)")
+    iterations: int = Field(30, ge=1, le=100_000, description="alternations of input and surrogate descent (unsplit)")
+    tv: float = Field(0.001, ge=0, le=1_000, description="weight of the total-variation prior (unsplit)")
+    steps: int = Field(300, ge=10, le=10_000_000, description="client training steps under attack (fsha)")
+    guard: int = Field(5, ge=2, le=10_000, description="SplitGuard: a fake batch every this many steps (fsha)")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     seed: int = Field(0, ge=0, le=2**32 - 1)
 
@@ -96,11 +102,15 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     shapes = {"inputs": tuple(data.test_x.shape[1:]), "smashed": output_shape(client, tuple(data.test_x.shape[1:]))}
     recorded = _recorded(path, record_files, settings.round, shapes, experiment.blueprint.num_classes)
     order = np.random.default_rng([settings.seed, len(data.test_y)]).permutation(len(data.test_y))
-    held_out, aux = attack_sizes(len(order), settings.aux, settings.targets, held_out=recorded is None)
+    held_out, aux = attack_sizes(
+        len(order), settings.aux, settings.targets, held_out=recorded is None or settings.attack == "fsha"
+    )
     aux_idx = torch.as_tensor(order[held_out : held_out + aux], device=data.test_y.device)
     target_idx = torch.as_tensor(order[:held_out], device=data.test_y.device)
     x, y = data.test_x[target_idx], data.test_y[target_idx]
     source = f"recorded round {recorded[0]}" if recorded else f"{held_out} held-out test samples, final model"
+    if settings.attack == "fsha":
+        source = f"client {settings.client}'s training samples, {settings.steps} simulated steps"
     result: dict[str, Any] = {"attack": settings.attack, "targets": source, "defense": experiment.config.run.defense}
     if settings.attack == "label_leak":
         if recorded:
@@ -116,6 +126,37 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
             result.update(
                 attacks.label_leak(attacks.cut_gradients(client, server, x, y, defense, batch, settings.seed), y)
             )
+    elif settings.attack == "fsha":
+        warmup = settings.steps // 5  # SplitGuard starts once training has settled a little
+        if (settings.steps - warmup) // settings.guard < 1:
+            raise UserError(
+                f"guard={settings.guard} leaves SplitGuard no fake batch and regular ones to compare in "
+                f"steps={settings.steps} (the first {warmup} are warm-up); allowed: 2 to {(settings.steps - warmup)}"
+            )
+        assert experiment.roles is not None  # load_run builds every role in this process
+        node = experiment.roles.clients[settings.client]
+        blueprint = experiment.blueprint
+        setup = fsha.Simulation(
+            client=client_part(blueprint),
+            server=server_part(blueprint),
+            make_optimizer=blueprint.optimizer,
+            defense=defense,
+            private_x=node.inputs(node.x),
+            private_y=node.y,
+            aux_x=data.test_x[aux_idx],
+            test_x=x,
+            test_y=y,
+            num_classes=blueprint.num_classes,
+            batch_size=experiment.config.run.batch_size,
+        )
+        if setup.private_x.dim() != 4:
+            raise UserError(
+                f"cannot attack {str(path)!r}: FSHA reconstructs images, not inputs of shape "
+                f"{tuple(setup.private_x.shape[1:])}"
+            )
+        result["malicious"] = fsha.simulate(setup, True, settings.steps, 5, warmup, settings.guard, settings.seed)
+        result["honest"] = fsha.simulate(setup, False, settings.steps, 5, warmup, settings.guard, settings.seed)
+        _picture(path / "attack_fsha.png", setup.private_x[:16].cpu(), result["malicious"].pop("reconstructed"))
     else:
         if recorded:
             _, tensors = recorded
@@ -123,12 +164,23 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
         else:
             smashed = attacks.defended_smashed(client, x, defense, settings.seed)
         try:
-            scores = attacks.inversion(
-                client, defense, data.test_x[aux_idx], smashed, x, settings.epochs, settings.seed
-            )
+            if settings.attack == "unsplit":
+                scores = unsplit.scored_unsplit(
+                    client,
+                    smashed,
+                    x,
+                    (float(data.test_x.min()), float(data.test_x.max())),  # the input format's range
+                    data.test_x[aux_idx].mean(0, keepdim=True),
+                    {"iterations": settings.iterations, "tv": settings.tv},
+                    settings.seed,
+                )
+            else:
+                scores = attacks.inversion(
+                    client, defense, data.test_x[aux_idx], smashed, x, settings.epochs, settings.seed
+                )
         except ValueError as error:
             raise UserError(f"cannot attack {str(path)!r}: {error}") from None
-        _picture(path / PICTURE, x[:16].cpu(), scores.pop("reconstructed"))
+        _picture(path / f"attack_{settings.attack}.png", x[:16].cpu(), scores.pop("reconstructed"))
         result.update(scores)
     results = json.loads((path / RESULTS).read_text()) if (path / RESULTS).is_file() else {}
     write_json(path / RESULTS, {**results, settings.attack: {"settings": settings.model_dump(), **result}})
