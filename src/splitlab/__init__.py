@@ -1,7 +1,7 @@
 """splitlab: split learning and split federated learning, exact and measurable.
 
 Extending it from a module of your own (docs/extending.md): subclass `splitlab.algorithms.base.
-Algorithm` with a `name`, and call `register_model` / `register_dataset`; load the module with
+Algorithm` with a `name`, and call `register_model` / `register_dataset` / `register_loss`; load the module with
 `plugins=MODULE` or the entry-point group `splitlab.plugins`.
 """
 
@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from splitlab.data import Dataset
+    from splitlab.losses import Loss
     from splitlab.models import ModelBuilder
 
 __version__ = "0.1.0"
@@ -43,4 +44,12 @@ def register_dataset(
     register_dataset(name, loader, split_loader=split_loader, locator=locator)
 
 
-__all__ = ["__version__", "register_dataset", "register_model"]
+def register_loss(name: str, make: Callable[..., Loss], form: str | None = None) -> None:
+    """`loss=name[:a[:b...]]` trains with `make(a, b, ...)` (floats), a `splitlab.losses.Loss` built from
+    per-target terms; `form` shows its arguments in messages, e.g. "mine:<alpha>"."""
+    from splitlab.losses import register_loss
+
+    register_loss(name, make, form)
+
+
+__all__ = ["__version__", "register_dataset", "register_loss", "register_model"]

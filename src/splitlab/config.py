@@ -96,6 +96,11 @@ class RunConfig(BaseModel):
         description="the learning rate by round, as factors of lr joined by +: step:<every>:<gamma> | cosine | "
         "warmup:<rounds> (e.g. warmup:5+cosine); none = lr throughout",
     )
+    loss: str = Field(
+        "cross_entropy",
+        description="the training loss: cross_entropy | label_smoothing:<eps> | focal:<gamma> (or a plugin's); "
+        "evaluation reports cross-entropy",
+    )
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0, le=1e3, description="L2 penalty of the optimizer")
     partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
@@ -206,6 +211,14 @@ class RunConfig(BaseModel):
         parse_lr_schedule(value)
         return value
 
+    @field_validator("loss")
+    @classmethod
+    def _check_loss(cls, value: str) -> str:
+        from splitlab.losses import parse_loss
+
+        parse_loss(value)
+        return value
+
     @field_validator("defense")
     @classmethod
     def _check_defense(cls, value: str) -> str:
@@ -265,7 +278,7 @@ EVERYWHERE = frozenset(
     | {"local_steps", "batch_size", "optimizer", "lr", "weight_decay", "seed", "device", "eval_every"}
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
     | {"backend", "checkpoint_every", "defense", "overwrite"}
-    | {"init", "seq_len", "lora", "lr_schedule", "noise_key", "plugins"}
+    | {"init", "seq_len", "lora", "lr_schedule", "noise_key", "plugins", "loss"}
 )
 
 
