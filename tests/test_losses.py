@@ -86,7 +86,7 @@ def scaled_loss():
         "scaled", lambda k: Loss(lambda logits, y: k * F.cross_entropy(logits, y, reduction="none")), "scaled:<k>"
     )
     yield
-    del LOSSES["scaled"]
+    del LOSSES.entries["scaled"]
 
 
 @pytest.mark.parametrize("algorithm", ["fedavg", "cse_fsl", "cycle_sfl"])

@@ -1,8 +1,9 @@
 """splitlab: split learning and split federated learning, exact and measurable.
 
 Extending it from a module of your own (docs/extending.md): subclass `splitlab.algorithms.base.
-Algorithm` with a `name`, and call `register_model` / `register_dataset` / `register_loss`; load the module with
-`plugins=MODULE` or the entry-point group `splitlab.plugins`.
+Algorithm` with a `name`, and call `register_model` / `register_dataset` / `register_loss` /
+`register_augmentation`; load the module with `plugins=MODULE` or the entry-point group
+`splitlab.plugins`.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
+    from splitlab.augment import Augmentation
     from splitlab.data import Dataset
     from splitlab.losses import Loss
     from splitlab.models import ModelBuilder
@@ -52,4 +54,12 @@ def register_loss(name: str, make: Callable[..., Loss], form: str | None = None)
     register_loss(name, make, form)
 
 
-__all__ = ["__version__", "register_dataset", "register_loss", "register_model"]
+def register_augmentation(name: str, make: Callable[..., Augmentation], form: str | None = None) -> None:
+    """`augment=name[:a...]` applies `make(a, ...)` (floats), a `splitlab.augment.Augmentation`, to
+    clients' training batches; `form` shows its arguments in messages, e.g. "noise:<sigma>"."""
+    from splitlab.augment import register_augmentation
+
+    register_augmentation(name, make, form)
+
+
+__all__ = ["__version__", "register_augmentation", "register_dataset", "register_loss", "register_model"]

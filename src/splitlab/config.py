@@ -101,6 +101,11 @@ class RunConfig(BaseModel):
         description="the training loss: cross_entropy | label_smoothing:<eps> | focal:<gamma> (or a plugin's); "
         "evaluation reports cross-entropy",
     )
+    augment: str = Field(
+        "none",
+        description="augment clients' training batches, +-joined in order: flip | crop:<pad> (or a plugin's; e.g. "
+        "crop:4+flip); images only; none = as stored",
+    )
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0, le=1e3, description="L2 penalty of the optimizer")
     partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
@@ -219,6 +224,14 @@ class RunConfig(BaseModel):
         parse_loss(value)
         return value
 
+    @field_validator("augment")
+    @classmethod
+    def _check_augment(cls, value: str) -> str:
+        from splitlab.augment import parse_augment
+
+        parse_augment(value)
+        return value
+
     @field_validator("defense")
     @classmethod
     def _check_defense(cls, value: str) -> str:
@@ -278,7 +291,7 @@ EVERYWHERE = frozenset(
     | {"local_steps", "batch_size", "optimizer", "lr", "weight_decay", "seed", "device", "eval_every"}
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
     | {"backend", "checkpoint_every", "defense", "overwrite"}
-    | {"init", "seq_len", "lora", "lr_schedule", "noise_key", "plugins", "loss"}
+    | {"init", "seq_len", "lora", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
 )
 
 

@@ -13,14 +13,13 @@ it is the same whatever the transport. Evaluation still reports cross-entropy (a
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from splitlab.data.datasets import IGNORED
-from splitlab.errors import UserError
+from splitlab.named_options import Registry
 
 Terms = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(logits (N, C), targets (N,), each a class) -> the loss of each target (N,)."""
@@ -78,37 +77,24 @@ def _focal(gamma: float) -> Loss:
     return Loss(terms)
 
 
-#: name -> (make(*numbers) -> Loss, its form for messages); `loss=name:1:2` calls make(1.0, 2.0)
-LOSSES: dict[str, tuple[Callable[..., Loss], str]] = {
-    "cross_entropy": (CrossEntropy, "cross_entropy"),
-    "label_smoothing": (_label_smoothing, "label_smoothing:<eps>"),
-    "focal": (_focal, "focal:<gamma>"),
-}
-BUILT_IN = frozenset(LOSSES)
+#: `loss=name:1:2` trains with make(1.0, 2.0)
+LOSSES: Registry[Loss] = Registry(
+    "loss",
+    {
+        "cross_entropy": (CrossEntropy, "cross_entropy"),
+        "label_smoothing": (_label_smoothing, "label_smoothing:<eps>"),
+        "focal": (_focal, "focal:<gamma>"),
+    },
+)
 
 
 def register_loss(name: str, make: Callable[..., Loss], form: str | None = None) -> None:
     """Make `loss=name[:a[:b...]]` train with `make(a, b, ...)` (the numbers as floats), a `Loss`
     built from per-target terms; `form` shows its arguments in messages (e.g. "mine:<alpha>").
     A plugin's name may be registered again (the later one counts), a built-in one may not."""
-    if not name.isidentifier() or name in BUILT_IN:
-        raise UserError(f"cannot register loss {name!r}: expected a new name (letters, digits, _), not a built-in")
-    LOSSES[name] = (make, form or name)
+    LOSSES.register(name, make, form)
 
 
 def parse_loss(value: str) -> Loss:
     """The loss `value` names; ValueError saying what is allowed."""
-    name, *args = value.split(":")
-    allowed = ", ".join(form for _, form in LOSSES.values())
-    if name not in LOSSES:
-        raise ValueError(f"unknown loss {name!r}; expected one of {allowed}")
-    make, form = LOSSES[name]
-    try:
-        numbers = [float(arg) for arg in args]
-        inspect.signature(make).bind(*numbers)
-    except (TypeError, ValueError):
-        raise ValueError(f"{value!r} is not {form}; expected one of {allowed}") from None
-    try:
-        return make(*numbers)
-    except ValueError as error:
-        raise ValueError(f"{value!r}: {error} ({form})") from None
+    return LOSSES.make(value)

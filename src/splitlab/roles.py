@@ -31,6 +31,7 @@ from pydantic import BaseModel
 from torch import nn
 from torch.nn.utils import get_total_norm
 
+from splitlab.augment import STREAM_AUGMENT, Augmentation, augmented, parse_augment
 from splitlab.config import RunConfig
 from splitlab.errors import NonFiniteStep
 from splitlab.losses import Loss, parse_loss
@@ -111,6 +112,11 @@ class Blueprint:
     def loss(self) -> Loss:
         """The `loss=` every role trains with (splitlab.losses): `loss(logits, targets)`, `loss.weighted(...)`."""
         return parse_loss(self.config.loss)
+
+    @functools.cached_property
+    def augment(self) -> list[Augmentation]:
+        """The `augment=` every client applies to its training batches (splitlab.augment)."""
+        return parse_augment(self.config.augment)
 
     @functools.cached_property
     def defense(self) -> Defense:
@@ -402,14 +408,17 @@ class ClientNode(Role[ParamsT]):
 
     def batches(self, rnd: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This round's mini-batches: `local_epochs` seeded passes over the local data, capped by
-        `local_steps`."""
-        cfg = self.blueprint.config
+        `local_steps`, each augmented as configured (`augment=`) from its own keyed stream."""
+        cfg, augment = self.blueprint.config, self.blueprint.augment
 
         def passes() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for epoch in range(cfg.local_epochs):
                 order = self.blueprint.rng(rnd, STREAM_BATCHES, self.id, epoch).permutation(self.num_samples)
-                for idx in torch.as_tensor(order, device=self.y.device).split(cfg.batch_size):
-                    yield self.inputs(self.x[idx]), self.y[idx]
+                for batch, idx in enumerate(torch.as_tensor(order, device=self.y.device).split(cfg.batch_size)):
+                    x = self.x[idx]
+                    if augment:
+                        x = augmented(augment, x, self.blueprint.rng(rnd, STREAM_AUGMENT, self.id, epoch, batch))
+                    yield self.inputs(x), self.y[idx]
 
         return itertools.islice(passes(), self.blueprint.steps_per_round(cfg, self.num_samples))
 
