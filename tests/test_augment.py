@@ -12,9 +12,9 @@ import torch
 from helpers import global_weights, node, quick, straight_and_resumed, train
 from splitlab.augment import check_augment, parse_augment
 from splitlab.cli import main
-from splitlab.config import resolve_config
 from splitlab.engine import build
 from splitlab.errors import UserError
+from splitlab.resolve import resolve_config
 
 
 def test_flip_and_crop_by_hand():

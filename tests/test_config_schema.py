@@ -102,6 +102,6 @@ def test_odd_inputs_outside_the_schema_are_one_line(tmp_path, capsys, monkeypatc
     ]:
         refused(capsys, args, message)
     assert not (tmp_path / "c").exists()
-    from splitlab.config import resolve_config
+    from splitlab.resolve import resolve_config
 
     assert resolve_config({"out": "~/x"}).out_dir == tmp_path / "home" / "x"

@@ -29,8 +29,8 @@ MAX_CERT_CLIENTS = 1000
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from splitlab.config import resolve_config
     from splitlab.engine import run
+    from splitlab.resolve import resolve_config
 
     raw = _run_config(args)
     summary = run(raw, progress=not args.no_progress)

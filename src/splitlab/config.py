@@ -466,7 +466,7 @@ class ResolvedConfig:
         return Path(r.out or f"runs/{r.algorithm}_{r.dataset}_{r.model}_cut{r.cut}_seed{r.seed}")
 
 
-def _one_line(err: ValidationError) -> str:
+def one_line(err: ValidationError) -> str:
     first = err.errors()[0]
     key = str(first["loc"][0]) if first["loc"] else "config"  # flat settings: the key (not a union branch)
     message = first["msg"]
@@ -488,42 +488,9 @@ def parse_settings(cls: type[Settings], raw: Mapping[str, Any]) -> Settings:
     try:
         settings = cls(**raw)
     except ValidationError as err:
-        raise UserError(_one_line(err)) from None
+        raise UserError(one_line(err)) from None
     check_finite(settings)
     return settings
-
-
-def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
-    """Validate a flat dict of settings against RunConfig and the algorithm's Params, after
-    importing the plugins it names (they may define the algorithm, model or dataset it uses)."""
-    from splitlab.algorithms import get_algorithm
-    from splitlab.plugins import load_plugins
-
-    plugins = raw.get("plugins")
-    if plugins is not None and not isinstance(plugins, str):
-        raise UserError(f"invalid value {plugins!r} for plugins: expected module names, comma-separated")
-    load_plugins(plugins)
-
-    algorithm = get_algorithm(raw.get("algorithm", RunConfig.model_fields["algorithm"].default))
-    common = set(RunConfig.model_fields)
-    own = set(algorithm.Params.model_fields)
-    for key in raw:
-        if key not in common and key not in own:
-            raise unknown_key(key, common | own, f"algorithm {algorithm.name!r}")
-    check_no_booleans({**RunConfig.model_fields, **algorithm.Params.model_fields}, raw)
-    check_finite(raw)
-    try:
-        run = RunConfig(**{k: v for k, v in raw.items() if k in common})
-        params = algorithm.Params(**{k: v for k, v in raw.items() if k in own})
-    except ValidationError as err:
-        raise UserError(_one_line(err)) from None
-    check_finite(run)
-    check_finite(params)
-    from splitlab.privacy.defenses import check_applies
-
-    check_applies(run, "server_model" in algorithm.models)
-    check_applicable(run, raw)
-    return ResolvedConfig(run, params)
 
 
 def _accepts_bool(annotation: Any) -> bool:

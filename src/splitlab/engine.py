@@ -34,7 +34,6 @@ from splitlab.config import (
     ResolvedConfig,
     RunConfig,
     parse_test_split,
-    resolve_config,
 )
 from splitlab.data import Dataset, counts_report, load_dataset, load_split, partition, partition_report
 from splitlab.data.datasets import data_summary
@@ -54,6 +53,7 @@ from splitlab.privacy import keys
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.record import Recorder
 from splitlab.process import prepare_process
+from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
 from splitlab.runfiles import CHECKPOINT, RUN_FILES
 from splitlab.streams import register_stream

@@ -16,11 +16,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from splitlab.config import RunConfig, resolve_config
+from splitlab.config import RunConfig
 from splitlab.engine import load_data
 from splitlab.errors import UserError
 from splitlab.models import MODELS, StagedModel, build_model, split
 from splitlab.models.lora import merge_lora
+from splitlab.resolve import resolve_config
 from splitlab.rundir import stored_config
 
 
