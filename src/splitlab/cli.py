@@ -420,7 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser(
         "generate",
         help="continue a prompt with a finished language run's model (client stages, then server stages)",
-        description='Keys: prompt="TEXT" max_tokens=100 temperature=0 (greedy) seed=0; see docs/language.md.',
+        description="Continue a prompt with a finished language run's model; see docs/language.md.",
     )
     generate.add_argument("dir")
     generate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")

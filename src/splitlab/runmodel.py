@@ -131,4 +131,4 @@ class GenerateSettings(BaseModel):
     prompt: str = Field(description="the text to continue")
     max_tokens: int = Field(100, ge=1, le=100_000, description="tokens to generate")
     temperature: float = Field(0.0, ge=0, le=100, description="0: greedy; else sample from softmax(logits / T)")
-    seed: int = Field(0, ge=0, description="seed of the sampling (temperature > 0)")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the sampling (temperature > 0)")
