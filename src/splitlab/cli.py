@@ -29,14 +29,17 @@ MAX_CERT_CLIENTS = 1000
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from splitlab.callbacks import CURVES, CurvesFile
     from splitlab.engine import run
     from splitlab.resolve import resolve_config
 
     raw = _run_config(args)
-    summary = run(raw, progress=not args.no_progress)
+    resolved = resolve_config(raw)
+    settings, out = resolved.run, resolved.out_dir
+    title = f"{settings.algorithm} on {settings.dataset} ({settings.model}, cut {settings.cut}, seed {settings.seed})"
+    summary = run(raw, progress=not args.no_progress, callbacks=[CurvesFile(out, title, settings.rounds)])
     _print_summary(summary, raw)
-    out = resolve_config(raw).out_dir
-    console.print(f"written to {out}  (curves: splitlab report {out})", soft_wrap=True)
+    console.print(f"written to {out}  (curves: {out / CURVES})", soft_wrap=True)
     return 0
 
 

@@ -36,6 +36,7 @@ LOCK = ".lock"
 WRITTEN = (
     *RUN_FILES,
     "metrics.csv",
+    "curves.png",
     "evaluation.json",
     "tensorboard",
     "mlruns",
