@@ -476,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quiet and hasattr(args, "no_progress"):
         args.no_progress = True
     handler: Callable[[argparse.Namespace], int] = args.handler
-    if args.command == "run":
+    if args.command in ("run", "sweep"):
         signal.signal(signal.SIGTERM, _interrupt)  # a polite kill ends as Ctrl-C does: files complete, lock gone
     try:
         return handler(args)
