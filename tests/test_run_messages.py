@@ -9,9 +9,8 @@ import sys
 import time
 
 from splitlab.algorithms.base import Algorithm
-from splitlab.callbacks import CURVES
 from splitlab.cli import main
-from splitlab.runfiles import CHECKPOINT
+from splitlab.runfiles import CHECKPOINT, CURVES
 
 ARGS = ["dataset=digits", "model=mlp", "clients=2", "train_subset=200", "device=cpu", "--no-progress"]
 

@@ -23,7 +23,6 @@ from splitlab.io import write_jsonl
 from splitlab.units import GIB, format_bytes
 
 State = dict[str, Any]
-CURVES = "curves.png"
 log = logging.getLogger(__name__)
 
 
@@ -54,21 +53,6 @@ class MetricsFile(Callback):
     def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
         if row is not None:
             write_jsonl(self.path, state["metrics"])
-
-
-class CurvesFile(Callback):
-    """curves.png beside metrics.jsonl once the run has finished: its test accuracy by round and by
-    GiB communicated (splitlab.experiments.plots; `splitlab run` adds it, `report` draws sweeps)."""
-
-    def __init__(self, out: Path, title: str, rounds: int) -> None:
-        self.path, self.title, self.rounds = out / CURVES, title, rounds
-
-    def on_run_end(self, state: State) -> None:
-        finished = state["round"] >= self.rounds or state["stopped_by"] != "rounds"
-        if finished and state["metrics"]:  # not when the loop stops on an error
-            from splitlab.experiments.plots import plot_run
-
-            plot_run(state["metrics"], self.path, self.title)
 
 
 class CommBudget(Callback):

@@ -29,16 +29,19 @@ MAX_CERT_CLIENTS = 1000
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from splitlab.callbacks import CURVES, CurvesFile
     from splitlab.engine import run
+    from splitlab.experiments.plots import plot_run
+    from splitlab.io import read_jsonl
     from splitlab.resolve import resolve_config
+    from splitlab.runfiles import CURVES
 
     raw = _run_config(args)
+    summary = run(raw, progress=not args.no_progress)
+    _print_summary(summary, raw)
     resolved = resolve_config(raw)
     settings, out = resolved.run, resolved.out_dir
     title = f"{settings.algorithm} on {settings.dataset} ({settings.model}, cut {settings.cut}, seed {settings.seed})"
-    summary = run(raw, progress=not args.no_progress, callbacks=[CurvesFile(out, title, settings.rounds)])
-    _print_summary(summary, raw)
+    plot_run(read_jsonl(out / "metrics.jsonl"), out / CURVES, title)
     console.print(f"written to {out}  (curves: {out / CURVES})", soft_wrap=True)
     return 0
 

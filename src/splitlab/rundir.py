@@ -29,14 +29,14 @@ from typing import TextIO
 
 from splitlab.errors import UserError
 from splitlab.io import TEMP_GLOB
-from splitlab.runfiles import RUN_FILES
+from splitlab.runfiles import CURVES, RUN_FILES
 
 LOCK = ".lock"
 #: Every file or folder a run (engine, its trackers) or `splitlab evaluate` writes into its directory.
 WRITTEN = (
     *RUN_FILES,
     "metrics.csv",
-    "curves.png",
+    CURVES,
     "evaluation.json",
     "tensorboard",
     "mlruns",
