@@ -130,7 +130,13 @@ def test_run_help_lists_every_key_with_its_default_and_description(capsys):
 
 @pytest.mark.parametrize(
     ("command", "key"),
-    [("latency", "client_power"), ("attack", "targets"), ("certs", "hosts"), ("evaluate", "rho")],
+    [
+        ("latency", "client_power"),
+        ("attack", "targets"),
+        ("certs", "hosts"),
+        ("evaluate", "rho"),
+        ("generate", "prompt"),
+    ],
 )
 def test_every_commands_help_lists_its_keys(capsys, command, key):
     with pytest.raises(SystemExit):

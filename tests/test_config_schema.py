@@ -22,7 +22,11 @@ CASES = [(command, key) for command, model in SETTINGS.items() for key in model.
 def argv(command: str, tmp_path: Path, *pairs: str) -> list[str]:
     """The command line of `command` with `pairs`, aimed at places where nothing is (nothing may run)."""
     name, *fixed = command.split()
-    where = {"evaluate": [str(tmp_path / "none")], "attack": [str(tmp_path / "none"), "attack=inversion"]}
+    where = {
+        "evaluate": [str(tmp_path / "none")],
+        "attack": [str(tmp_path / "none"), "attack=inversion"],
+        "generate": [str(tmp_path / "none")] + ([] if any(p.startswith("prompt=") for p in pairs) else ["prompt=x"]),
+    }
     out = (
         [f"out={tmp_path / 'out'}"]
         if name in ("run", "advise") and not any(p.startswith("out=") for p in pairs)
@@ -102,6 +106,6 @@ def test_odd_inputs_outside_the_schema_are_one_line(tmp_path, capsys, monkeypatc
     ]:
         refused(capsys, args, message)
     assert not (tmp_path / "c").exists()
-    from splitlab.config import resolve_config
+    from splitlab.resolve import resolve_config
 
     assert resolve_config({"out": "~/x"}).out_dir == tmp_path / "home" / "x"

@@ -1,8 +1,10 @@
-"""The package has no import circle: module A importing B (at import time) while B imports A.
+"""The package has no import circle: module A importing B while B imports A.
 
-The graph is built from the modules' source (top-level imports only: an import inside a
-function runs when it is called, and one under `if TYPE_CHECKING:` never runs), so a circle is
-caught before it happens to work by luck of import order.
+The graph is built from the modules' source, so a circle is caught before it happens to work by
+luck of import order. At import time (top-level imports; one under `if TYPE_CHECKING:` never runs)
+there is none. Counting imports inside functions too, the layers still form no circle but for the
+few edges in `TO_REMOVE`, each an upward call still to be taken out (the test fails once one is
+gone, so that it leaves the list, and for any new one).
 """
 
 from __future__ import annotations
@@ -20,14 +22,19 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def top_level_imports(tree: ast.Module, name: str, is_package: bool, modules: set[str]) -> set[str]:
-    """The splitlab modules `tree` imports when it is imported."""
+def top_level_imports(
+    tree: ast.Module, name: str, is_package: bool, modules: set[str], in_functions: bool = False
+) -> set[str]:
+    """The splitlab modules `tree` imports when it is imported (`in_functions`: or when any of its
+    functions runs)."""
     found: set[str] = set()
-    pending: list[ast.stmt] = list(tree.body)
+    pending: list[ast.AST] = list(tree.body)
     while pending:
         node = pending.pop()
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             pending.extend(node.orelse)
+        elif in_functions and not isinstance(node, ast.Import | ast.ImportFrom):
+            pending.extend(ast.iter_child_nodes(node))
         elif isinstance(node, ast.If | ast.Try | ast.With):
             for field in ("body", "orelse", "finalbody", "handlers"):
                 pending.extend(getattr(node, field, []))
@@ -46,12 +53,25 @@ def top_level_imports(tree: ast.Module, name: str, is_package: bool, modules: se
     return {module for module in found if module in modules}
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(in_functions: bool = False) -> dict[str, set[str]]:
     paths = {module_name(path): path for path in ROOT.rglob("*.py")}
     return {
-        name: top_level_imports(ast.parse(path.read_text()), name, path.name == "__init__.py", set(paths)) - {name}
+        name: top_level_imports(ast.parse(path.read_text()), name, path.name == "__init__.py", set(paths), in_functions)
+        - {name}
         for name, path in paths.items()
     }
+
+
+#: (importer, imported) inside a function, against the layers; each closes a circle.
+TO_REMOVE = {
+    ("splitlab.engine", "splitlab.ray_backend"): "the Ray actors build roles with engine helpers: move those "
+    "(blueprint, client nodes, test set, assembler) below both, with the engine's split by concern",
+    ("splitlab.engine", "splitlab.runmodel"): "out/hf export at the end of a run; runmodel imports the engine",
+    ("splitlab.roles", "splitlab.runmodel"): "init= loads a finished run's weights from inside the Blueprint",
+    ("splitlab.data.download", "splitlab.data.datasets"): "download checks files with the loaders it feeds",
+    ("splitlab.privacy.defenses", "splitlab.privacy.accounting"): "dp:epsilon= calibration reaches back for "
+    "the accountant, which builds on the defenses",
+}
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -99,3 +119,17 @@ def test_the_graph_sees_relative_and_submodule_imports():
 
 def test_the_package_has_no_import_circle():
     assert circles(import_graph()) == []
+
+
+def test_imports_inside_functions_close_no_circle_but_the_listed_ones():
+    graph = import_graph(in_functions=True)
+    assert [edge for edge in TO_REMOVE if edge[1] not in graph[edge[0]]] == [], "gone: take it off TO_REMOVE"
+    for importer, imported in TO_REMOVE:
+        graph[importer].discard(imported)
+    assert circles(graph) == []
+
+
+def test_neither_the_settings_schema_nor_the_algorithms_reach_the_other_way():
+    """config (the schema) is below the algorithms (whose Params build on it); splitlab.resolve joins them."""
+    graph = import_graph(in_functions=True)
+    assert not any(module.startswith("splitlab.algorithms") for module in graph["splitlab.config"])

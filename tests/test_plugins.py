@@ -17,9 +17,9 @@ import splitlab
 from helpers import quick
 from splitlab.algorithms import algorithm_names, get_algorithm
 from splitlab.algorithms.fedavg import FedAvg
-from splitlab.config import resolve_config
 from splitlab.engine import run
 from splitlab.errors import UserError
+from splitlab.resolve import resolve_config
 
 PLUGIN = '''
 """A user's plugin: FedAvg under another name, the MLP and the synthetic data under others."""

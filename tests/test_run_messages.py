@@ -10,7 +10,7 @@ import time
 
 from splitlab.algorithms.base import Algorithm
 from splitlab.cli import main
-from splitlab.runfiles import CHECKPOINT
+from splitlab.runfiles import CHECKPOINT, CURVES
 
 ARGS = ["dataset=digits", "model=mlp", "clients=2", "train_subset=200", "device=cpu", "--no-progress"]
 
@@ -37,6 +37,15 @@ def test_ctrl_c_before_the_first_checkpoint_says_nothing_was_kept(tmp_path, monk
     assert err.count("\n") == 1 and not (tmp_path / "run" / ".lock").exists()
     assert main(["run", *args, "resume=true"]) == 0
     assert "holds no checkpoint: starting again at round 1" in capsys.readouterr().err
+
+
+def test_a_run_draws_its_curves_and_says_where_its_files_are(tmp_path, capsys, monkeypatch):
+    """curves.png beside metrics.jsonl, once the run has finished (never for an interrupted one)."""
+    interrupted_at(2, [*ARGS, "rounds=3", f"out={tmp_path}/cut"], monkeypatch, capsys)
+    assert not (tmp_path / "cut" / CURVES).exists()
+    assert main(["run", *ARGS, "rounds=3", f"out={tmp_path}/run"]) == 0
+    assert f"written to {tmp_path}/run  (curves: {tmp_path}/run/{CURVES})" in capsys.readouterr().out
+    assert (tmp_path / "run" / CURVES).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_ctrl_c_after_a_checkpoint_names_its_round(tmp_path, monkeypatch, capsys):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from splitlab.cli import main
-from splitlab.config import load_config_file, parse_overrides, resolve_config
+from splitlab.config import load_config_file, parse_overrides
 from splitlab.errors import NonFiniteStep, UserError
 
 
@@ -64,6 +64,7 @@ from helpers import quick  # noqa: E402
 from splitlab import rundir  # noqa: E402
 from splitlab.engine import build, run  # noqa: E402
 from splitlab.io import write_json  # noqa: E402
+from splitlab.resolve import resolve_config  # noqa: E402
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 

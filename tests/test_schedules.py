@@ -8,8 +8,8 @@ import math
 import pytest
 
 from helpers import global_weights, quick, train
-from splitlab.config import resolve_config
 from splitlab.errors import UserError
+from splitlab.resolve import resolve_config
 from splitlab.schedules import lr_factor, parse_lr_schedule
 
 

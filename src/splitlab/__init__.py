@@ -1,8 +1,9 @@
 """splitlab: split learning and split federated learning, exact and measurable.
 
 Extending it from a module of your own (docs/extending.md): subclass `splitlab.algorithms.base.
-Algorithm` with a `name`, and call `register_model` / `register_dataset`; load the module with
-`plugins=MODULE` or the entry-point group `splitlab.plugins`.
+Algorithm` with a `name`, and call `register_model` / `register_dataset` / `register_loss` /
+`register_augmentation`; load the module with `plugins=MODULE` or the entry-point group
+`splitlab.plugins`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ if TYPE_CHECKING:
     from collections.abc import Callable
     from pathlib import Path
 
+    from splitlab.augment import Augmentation
     from splitlab.data import Dataset
+    from splitlab.losses import Loss
     from splitlab.models import ModelBuilder
 
 __version__ = "0.1.0"
@@ -43,4 +46,20 @@ def register_dataset(
     register_dataset(name, loader, split_loader=split_loader, locator=locator)
 
 
-__all__ = ["__version__", "register_dataset", "register_model"]
+def register_loss(name: str, make: Callable[..., Loss], form: str | None = None) -> None:
+    """`loss=name[:a[:b...]]` trains with `make(a, b, ...)` (floats), a `splitlab.losses.Loss` built from
+    per-target terms; `form` shows its arguments in messages, e.g. "mine:<alpha>"."""
+    from splitlab.losses import register_loss
+
+    register_loss(name, make, form)
+
+
+def register_augmentation(name: str, make: Callable[..., Augmentation], form: str | None = None) -> None:
+    """`augment=name[:a...]` applies `make(a, ...)` (floats), a `splitlab.augment.Augmentation`, to
+    clients' training batches; `form` shows its arguments in messages, e.g. "noise:<sigma>"."""
+    from splitlab.augment import register_augmentation
+
+    register_augmentation(name, make, form)
+
+
+__all__ = ["__version__", "register_augmentation", "register_dataset", "register_loss", "register_model"]

@@ -64,6 +64,7 @@ def command_settings() -> dict[str, Any]:
     from splitlab.net.server import ServerSettings
     from splitlab.privacy.advise import AdviseSettings
     from splitlab.privacy.audit import AttackSettings
+    from splitlab.runmodel import GenerateSettings
     from splitlab.splitgp.evaluation import EvaluationSettings
     from splitlab.splitgp.latency import LatencySettings
 
@@ -78,6 +79,7 @@ def command_settings() -> dict[str, Any]:
         "latency": LatencySettings,
         "attack": AttackSettings,
         "advise": AdviseSettings,
+        "generate": GenerateSettings,
     }
 
 

@@ -29,14 +29,20 @@ MAX_CERT_CLIENTS = 1000
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from splitlab.config import resolve_config
     from splitlab.engine import run
+    from splitlab.experiments.plots import plot_run
+    from splitlab.io import read_jsonl
+    from splitlab.resolve import resolve_config
+    from splitlab.runfiles import CURVES
 
     raw = _run_config(args)
     summary = run(raw, progress=not args.no_progress)
     _print_summary(summary, raw)
-    out = resolve_config(raw).out_dir
-    console.print(f"written to {out}  (curves: splitlab report {out})", soft_wrap=True)
+    resolved = resolve_config(raw)
+    settings, out = resolved.run, resolved.out_dir
+    title = f"{settings.algorithm} on {settings.dataset} ({settings.model}, cut {settings.cut}, seed {settings.seed})"
+    plot_run(read_jsonl(out / "metrics.jsonl"), out / CURVES, title)
+    console.print(f"written to {out}  (curves: {out / CURVES})", soft_wrap=True)
     return 0
 
 
@@ -441,7 +447,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser(
         "generate",
         help="continue a prompt with a finished language run's model (client stages, then server stages)",
-        description='Keys: prompt="TEXT" max_tokens=100 temperature=0 (greedy) seed=0; see docs/language.md.',
+        description="Continue a prompt with a finished language run's model; see docs/language.md.",
     )
     generate.add_argument("dir")
     generate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
@@ -494,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quiet and hasattr(args, "no_progress"):
         args.no_progress = True
     handler: Callable[[argparse.Namespace], int] = args.handler
-    if args.command == "run":
+    if args.command in ("run", "sweep"):
         signal.signal(signal.SIGTERM, _interrupt)  # a polite kill ends as Ctrl-C does: files complete, lock gone
     try:
         return handler(args)

@@ -30,13 +30,14 @@ SETTINGS = {
     "latency": ["splitlab.splitgp.latency:LatencySettings"],
     "attack": ["splitlab.privacy.audit:AttackSettings"],
     "advise": ["splitlab.privacy.advise:AdviseSettings"],
+    "generate": ["splitlab.runmodel:GenerateSettings"],
 }
 
 
 def rows(model: type[BaseModel]) -> list[tuple[str, Any, str]]:
-    """(key, default, description) of every field of a settings model."""
+    """(key, default, description) of every field of a settings model ("(required)" where none)."""
     return [
-        (name, None if field.default is PydanticUndefined else field.default, field.description or "")
+        (name, "(required)" if field.default is PydanticUndefined else field.default, field.description or "")
         for name, field in model.model_fields.items()
     ]
 

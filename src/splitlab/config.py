@@ -96,6 +96,16 @@ class RunConfig(BaseModel):
         description="the learning rate by round, as factors of lr joined by +: step:<every>:<gamma> | cosine | "
         "warmup:<rounds> (e.g. warmup:5+cosine); none = lr throughout",
     )
+    loss: str = Field(
+        "cross_entropy",
+        description="the training loss: cross_entropy | label_smoothing:<eps> | focal:<gamma> (or a plugin's); "
+        "evaluation reports cross-entropy",
+    )
+    augment: str = Field(
+        "none",
+        description="augment clients' training batches, +-joined in order: flip | crop:<pad> (or a plugin's; e.g. "
+        "crop:4+flip); images only; none = as stored",
+    )
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
     weight_decay: float = Field(0.0, ge=0, le=1e3, description="L2 penalty of the optimizer")
     partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
@@ -206,6 +216,22 @@ class RunConfig(BaseModel):
         parse_lr_schedule(value)
         return value
 
+    @field_validator("loss")
+    @classmethod
+    def _check_loss(cls, value: str) -> str:
+        from splitlab.losses import parse_loss
+
+        parse_loss(value)
+        return value
+
+    @field_validator("augment")
+    @classmethod
+    def _check_augment(cls, value: str) -> str:
+        from splitlab.augment import parse_augment
+
+        parse_augment(value)
+        return value
+
     @field_validator("defense")
     @classmethod
     def _check_defense(cls, value: str) -> str:
@@ -265,7 +291,7 @@ EVERYWHERE = frozenset(
     | {"local_steps", "batch_size", "optimizer", "lr", "weight_decay", "seed", "device", "eval_every"}
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
     | {"backend", "checkpoint_every", "defense", "overwrite"}
-    | {"init", "seq_len", "lora", "lr_schedule", "noise_key", "plugins"}
+    | {"init", "seq_len", "lora", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
 )
 
 
@@ -440,7 +466,7 @@ class ResolvedConfig:
         return Path(r.out or f"runs/{r.algorithm}_{r.dataset}_{r.model}_cut{r.cut}_seed{r.seed}")
 
 
-def _one_line(err: ValidationError) -> str:
+def one_line(err: ValidationError) -> str:
     first = err.errors()[0]
     key = str(first["loc"][0]) if first["loc"] else "config"  # flat settings: the key (not a union branch)
     message = first["msg"]
@@ -462,42 +488,9 @@ def parse_settings(cls: type[Settings], raw: Mapping[str, Any]) -> Settings:
     try:
         settings = cls(**raw)
     except ValidationError as err:
-        raise UserError(_one_line(err)) from None
+        raise UserError(one_line(err)) from None
     check_finite(settings)
     return settings
-
-
-def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
-    """Validate a flat dict of settings against RunConfig and the algorithm's Params, after
-    importing the plugins it names (they may define the algorithm, model or dataset it uses)."""
-    from splitlab.algorithms import get_algorithm
-    from splitlab.plugins import load_plugins
-
-    plugins = raw.get("plugins")
-    if plugins is not None and not isinstance(plugins, str):
-        raise UserError(f"invalid value {plugins!r} for plugins: expected module names, comma-separated")
-    load_plugins(plugins)
-
-    algorithm = get_algorithm(raw.get("algorithm", RunConfig.model_fields["algorithm"].default))
-    common = set(RunConfig.model_fields)
-    own = set(algorithm.Params.model_fields)
-    for key in raw:
-        if key not in common and key not in own:
-            raise unknown_key(key, common | own, f"algorithm {algorithm.name!r}")
-    check_no_booleans({**RunConfig.model_fields, **algorithm.Params.model_fields}, raw)
-    check_finite(raw)
-    try:
-        run = RunConfig(**{k: v for k, v in raw.items() if k in common})
-        params = algorithm.Params(**{k: v for k, v in raw.items() if k in own})
-    except ValidationError as err:
-        raise UserError(_one_line(err)) from None
-    check_finite(run)
-    check_finite(params)
-    from splitlab.privacy.defenses import check_applies
-
-    check_applies(run, "server_model" in algorithm.models)
-    check_applicable(run, raw)
-    return ResolvedConfig(run, params)
 
 
 def _accepts_bool(annotation: Any) -> bool:

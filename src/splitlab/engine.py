@@ -27,13 +27,13 @@ from torch import nn
 from splitlab import codec, rundir
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
+from splitlab.augment import check_augment
 from splitlab.callbacks import Callback, CommBudget, MetricsFile, ProgressBar, RecorderFlush
 from splitlab.config import (
     RUN_CONTROL_KEYS,
     ResolvedConfig,
     RunConfig,
     parse_test_split,
-    resolve_config,
 )
 from splitlab.data import Dataset, counts_report, load_dataset, load_split, partition, partition_report
 from splitlab.data.datasets import data_summary
@@ -53,6 +53,7 @@ from splitlab.privacy import keys
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.record import Recorder
 from splitlab.process import prepare_process, training_device
+from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer, random_stream
 from splitlab.runfiles import CHECKPOINT, RUN_FILES
 from splitlab.streams import register_stream
@@ -200,6 +201,7 @@ def _hold_out(indices: list[np.ndarray], fraction: float, seed: int) -> tuple[li
 
 def make_blueprint(config: ResolvedConfig, data: Dataset, device: torch.device) -> Blueprint:
     """The run's blueprint, the same in every process that builds roles for it."""
+    check_augment(config.run.augment, data.name, data.input_shape, data.task)
     return blueprint_of(
         config, device, data.input_shape, data.num_classes, data.inputs(data.train_x[:1]).dtype, data.task
     )

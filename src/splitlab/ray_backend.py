@@ -25,12 +25,13 @@ import numpy as np
 import torch
 
 from splitlab import cluster, codec
-from splitlab.config import ResolvedConfig, resolve_config
+from splitlab.config import ResolvedConfig
 from splitlab.errors import NonFiniteStep, RoleLost, UserError
 from splitlab.ledger import Ledger
 from splitlab.metrics import TASK_METRICS
 from splitlab.plugins import ray_options
 from splitlab.process import peak_memory_mib, set_worker_threads, training_device
+from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint, Role, State
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
 

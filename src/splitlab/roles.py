@@ -27,14 +27,14 @@ from typing import Any, ClassVar, Generic, TypeVar, cast
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
 from torch.nn.utils import get_total_norm
 
+from splitlab.augment import STREAM_AUGMENT, Augmentation, augmented, parse_augment
 from splitlab.config import RunConfig
-from splitlab.data.datasets import IGNORED
 from splitlab.errors import NonFiniteStep
+from splitlab.losses import Loss, parse_loss
 from splitlab.models import (
     StagedModel,
     build_model,
@@ -107,6 +107,16 @@ class Blueprint:
 
     def lr_factor(self, rnd: int) -> float:
         return lr_factor(self.lr_schedule, rnd, self.config.rounds)
+
+    @functools.cached_property
+    def loss(self) -> Loss:
+        """The `loss=` every role trains with (splitlab.losses): `loss(logits, targets)`, `loss.weighted(...)`."""
+        return parse_loss(self.config.loss)
+
+    @functools.cached_property
+    def augment(self) -> list[Augmentation]:
+        """The `augment=` every client applies to its training batches (splitlab.augment)."""
+        return parse_augment(self.config.augment)
 
     @functools.cached_property
     def defense(self) -> Defense:
@@ -238,21 +248,6 @@ def server_copy(client_id: int) -> str:
 def pooled(slot: str) -> str:
     """The slot whose model and pool a working copy uses: `server_copy@3` -> `server_copy`."""
     return slot.partition("@")[0]
-
-
-def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy, the mean over every target that is not IGNORED: per sample for classification
-    (logits (B, C), targets (B,)), per masked token for a language task (logits (B, T, V), targets
-    (B, T)): the loss mask travels in the targets, so no verb or algorithm knows the task."""
-    return F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORED)
-
-
-def weighted_loss(logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`loss` with every sample's terms weighted by `weight` (B,): sum w l / sum w over the targets in
-    the loss (per token for a language task, each token weighted by its sample's weight)."""
-    per_target = F.cross_entropy(logits.flatten(0, -2), targets.flatten(), ignore_index=IGNORED, reduction="none")
-    counted = weight.view(-1, *[1] * (targets.dim() - 1)) * (targets != IGNORED)
-    return (per_target * counted.flatten()).sum() / counted.sum()
 
 
 class ModelAverage:
@@ -413,14 +408,17 @@ class ClientNode(Role[ParamsT]):
 
     def batches(self, rnd: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This round's mini-batches: `local_epochs` seeded passes over the local data, capped by
-        `local_steps`."""
-        cfg = self.blueprint.config
+        `local_steps`, each augmented as configured (`augment=`) from its own keyed stream."""
+        cfg, augment = self.blueprint.config, self.blueprint.augment
 
         def passes() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for epoch in range(cfg.local_epochs):
                 order = self.blueprint.rng(rnd, STREAM_BATCHES, self.id, epoch).permutation(self.num_samples)
-                for idx in torch.as_tensor(order, device=self.y.device).split(cfg.batch_size):
-                    yield self.inputs(self.x[idx]), self.y[idx]
+                for batch, idx in enumerate(torch.as_tensor(order, device=self.y.device).split(cfg.batch_size)):
+                    x = self.x[idx]
+                    if augment:
+                        x = augmented(augment, x, self.blueprint.rng(rnd, STREAM_AUGMENT, self.id, epoch, batch))
+                    yield self.inputs(x), self.y[idx]
 
         return itertools.islice(passes(), self.blueprint.steps_per_round(cfg, self.num_samples))
 
@@ -505,7 +503,7 @@ class ClientNode(Role[ParamsT]):
         """One ordinary step of the whole model in `client_model` on the next batch (FedAvg)."""
         x, y = self.next_batch()
         with self.blueprint.timed("client"):
-            value = loss(self.model("client_model")(x), y)
+            value = self.blueprint.loss(self.model("client_model")(x), y)
             self.step("client_model", value.backward)
         return {"loss": value.detach()}
 
@@ -577,7 +575,7 @@ class TrainingServer(Role[ParamsT]):
         """One server step on received smashed data; nothing goes back but the loss."""
         smashed = decode(smashed)
         with self.blueprint.timed("server"):
-            value = loss(self.model(slot)(smashed), labels)
+            value = self.blueprint.loss(self.model(slot)(smashed), labels)
             self.step(slot, self.objective(value).backward, (smashed,) if smashed.requires_grad else (), value)
         return {"loss": value.detach()}
 

@@ -29,13 +29,14 @@ from typing import TextIO
 
 from splitlab.errors import UserError
 from splitlab.io import TEMP_GLOB
-from splitlab.runfiles import RUN_FILES
+from splitlab.runfiles import CURVES, RUN_FILES
 
 LOCK = ".lock"
 #: Every file or folder a run (engine, its trackers) or `splitlab evaluate` writes into its directory.
 WRITTEN = (
     *RUN_FILES,
     "metrics.csv",
+    CURVES,
     "evaluation.json",
     "tensorboard",
     "mlruns",
@@ -150,7 +151,8 @@ def check_resume_target(path: Path) -> None:
 def stored_config(path: Path, action: str = "resume", advice: str = "use overwrite=true to start over") -> dict:
     """The settings a run in `path` was started with; UserError (saying what could not be done:
     `action`, and what to do: `advice`) if config.yaml is missing or unusable."""
-    from splitlab.config import load_config_file, resolve_config
+    from splitlab.config import load_config_file
+    from splitlab.resolve import resolve_config
 
     file = path / "config.yaml"
     if not file.is_file():

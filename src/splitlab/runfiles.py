@@ -12,3 +12,5 @@ RUN_FILES = (
     "weights.safetensors",
     "clients.safetensors",
 )
+#: A finished run's curves, drawn by `splitlab run` (splitlab.experiments.plots.plot_run).
+CURVES = "curves.png"

@@ -16,11 +16,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from splitlab.config import RunConfig, resolve_config
+from splitlab.config import RunConfig
 from splitlab.engine import load_data
 from splitlab.errors import UserError
 from splitlab.models import MODELS, StagedModel, build_model, split
 from splitlab.models.lora import merge_lora
+from splitlab.resolve import resolve_config
 from splitlab.rundir import stored_config
 
 
@@ -130,4 +131,4 @@ class GenerateSettings(BaseModel):
     prompt: str = Field(description="the text to continue")
     max_tokens: int = Field(100, ge=1, le=100_000, description="tokens to generate")
     temperature: float = Field(0.0, ge=0, le=100, description="0: greedy; else sample from softmax(logits / T)")
-    seed: int = Field(0, ge=0, description="seed of the sampling (temperature > 0)")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the sampling (temperature > 0)")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
-from splitlab.config import resolve_config
+from splitlab.resolve import resolve_config
 
 CLIENTS = [ClientInfo(k, 10 * (k + 1)) for k in range(5)]
 

@@ -144,10 +144,11 @@ def test_the_initial_full_aux_estimate_is_the_true_cut_gradient():
     experiment = build(quick(algorithm="fsl_sage", aux="full"))
     x, y = node(experiment, 0).x[:50], node(experiment, 0).y[:50]
     smashed = sync_model(experiment)(x).detach()
-    truth = cut_gradient(server_model(experiment), smashed, y)
+    loss = experiment.blueprint.loss
+    truth = cut_gradient(loss, server_model(experiment), smashed, y)
     for client in experiment.clients:
-        assert torch.equal(cut_gradient(client_model(experiment, client.id, "aux_model"), smashed, y), truth)
-        assert torch.equal(cut_gradient(experiment.roles.server.aux_model(client.id), smashed, y), truth)
+        assert torch.equal(cut_gradient(loss, client_model(experiment, client.id, "aux_model"), smashed, y), truth)
+        assert torch.equal(cut_gradient(loss, experiment.roles.server.aux_model(client.id), smashed, y), truth)
 
 
 def test_cse_fsl_never_sends_cut_gradients_and_trains():

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from helpers import play_with_roles, write_sdist
-from splitlab.config import resolve_config
 from splitlab.data import load_dataset
 from splitlab.data.shakespeare import (
     SEQ_LEN,
@@ -26,6 +25,7 @@ from splitlab.data.shakespeare import (
 )
 from splitlab.engine import _client_indices, build, run
 from splitlab.errors import UserError
+from splitlab.resolve import resolve_config
 
 PLAY = """\
 THE TRAGEDY OF TESTING

@@ -10,14 +10,16 @@ import torch
 
 from helpers import play_with_roles, write_sdist
 from splitlab.data import load_dataset
+from splitlab.data.datasets import IGNORED
 from splitlab.data.shakespeare import VOCAB, build_shakespeare_lm, encode, extract_roles, read_plays, role_text
 from splitlab.errors import UserError
+from splitlab.losses import CrossEntropy
 from splitlab.metrics import language_metrics
-from splitlab.roles import IGNORED, loss, weighted_loss
 
 # one sequence of three positions over a vocabulary of two; the first position is context (not in the loss)
 LOGITS = torch.tensor([[[0.0, 1.0], [2.0, 0.0], [0.5, 0.5]]])
 TARGETS = torch.tensor([[IGNORED, 1, 0]])
+loss = CrossEntropy()
 
 
 def nll(logits: list[float], target: int) -> float:
@@ -30,7 +32,7 @@ def test_masked_loss_is_the_mean_over_the_tokens_in_the_loss_by_hand():
     # a batch's loss weights every token in it alike, whichever sequence it is in
     batch = torch.cat([LOGITS, LOGITS]), torch.tensor([[IGNORED, 1, 0], [IGNORED, IGNORED, 0]])
     assert float(loss(*batch)) == pytest.approx((by_hand * 2 + nll([0.5, 0.5], 0)) / 3, rel=1e-6)
-    weighted = weighted_loss(*batch, torch.tensor([1.0, 3.0]))
+    weighted = loss.weighted(*batch, torch.tensor([1.0, 3.0]))
     assert float(weighted) == pytest.approx((by_hand * 2 + 3 * nll([0.5, 0.5], 0)) / 5, rel=1e-6)
 
 

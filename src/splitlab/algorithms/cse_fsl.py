@@ -27,7 +27,7 @@ from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.errors import UserError
 from splitlab.models.aux import build_aux, parse_aux
 from splitlab.privacy import defenses
-from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, loss, sent_if
+from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, sent_if
 from splitlab.transport import KEYED, verb
 
 
@@ -103,7 +103,7 @@ class CSEFSLClient(ClientNode[CSEFSLParams]):
         x, y = self.next_batch()
         with self.blueprint.timed("client"):
             smashed = self.model("client_model")(x)
-            value = loss(self.model("aux_model")(smashed), y)
+            value = self.blueprint.loss(self.model("aux_model")(smashed), y)
             client, aux = self.optimizer("client_model"), self.optimizer("aux_model")
             client.zero_grad(set_to_none=True)
             aux.zero_grad(set_to_none=True)

@@ -30,7 +30,7 @@ from splitlab.algorithms.psl import PersonalClients
 from splitlab.algorithms.sglr import ServerWithOwnLR, SGLRParams, average_cut_grads, averaged_clients
 from splitlab.algorithms.sl import Relay
 from splitlab.privacy.defenses import decode
-from splitlab.roles import State, loss, weighted_loss
+from splitlab.roles import State
 from splitlab.streams import register_stream
 from splitlab.transport import verb
 
@@ -83,7 +83,7 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
             for epoch in range(params.server_epochs):
                 order = self.blueprint.rng(rnd, STREAM_SERVER_BATCHES, first_client, epoch).permutation(len(y))
                 for idx in torch.as_tensor(order, device=x.device).split(batch_size):
-                    value = weighted_loss(model(x[idx]), y[idx], weight[idx])
+                    value = self.blueprint.loss.weighted(model(x[idx]), y[idx], weight[idx])
                     self.step("server_model", value.backward)
                     losses.append(value.detach())
         return losses
@@ -91,7 +91,7 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
     def frozen_cut_grad(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """d loss / d features through the server, computing no gradient for its weights."""
         features = features.detach().requires_grad_()
-        return torch.autograd.grad(loss(self.model("server_model")(features), labels), features)[0]
+        return torch.autograd.grad(self.blueprint.loss(self.model("server_model")(features), labels), features)[0]
 
 
 class CycleSL(Algorithm):

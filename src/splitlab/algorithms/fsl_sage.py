@@ -35,10 +35,11 @@ from torch import nn
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.algorithms.cse_fsl import AuxiliaryFSL, CSEFSLParams
+from splitlab.losses import Loss
 from splitlab.models import load_shared, shared_state
 from splitlab.privacy import defenses
 from splitlab.privacy.defenses import decode
-from splitlab.roles import ClientNode, State, TrainingServer, loss, sent_if
+from splitlab.roles import ClientNode, State, TrainingServer, sent_if
 from splitlab.streams import register_stream
 from splitlab.transport import KEYED, verb
 
@@ -69,7 +70,7 @@ class FSLSAGEParams(CSEFSLParams):
 
 
 def cut_gradient(
-    model: nn.Module, smashed: torch.Tensor, labels: torch.Tensor, create_graph: bool = False
+    loss: Loss, model: nn.Module, smashed: torch.Tensor, labels: torch.Tensor, create_graph: bool = False
 ) -> torch.Tensor:
     """d loss(model(z), y) / dz of the batch-mean loss, as a SplitFed server sends it back,
     leaving the model's buffers (BatchNorm statistics) as they are."""
@@ -137,7 +138,7 @@ class SageClient(ClientNode[FSLSAGEParams]):
         x, y = self.next_batch()
         with self.blueprint.timed("client"):
             smashed = self.model("client_model")(x)
-            estimate = cut_gradient(self.model("aux_model"), smashed, y)
+            estimate = cut_gradient(self.blueprint.loss, self.model("aux_model"), smashed, y)
             penalty = self.blueprint.defense.penalty(x, smashed)
             self.step("client_model", lambda: defenses.backward((smashed, estimate), (penalty, None)))
         return self.release(x, y, smashed.detach())[1] if send else {}
@@ -181,7 +182,9 @@ class SageServer(TrainingServer[FSLSAGEParams]):
             for epoch in range(params.align_epochs):
                 order = self.blueprint.rng(rnd, STREAM_ALIGNMENT, client_id, epoch).permutation(len(labels))
                 for idx in torch.as_tensor(order, device=labels.device).split(params.align_batch_size):
-                    estimate = cut_gradient(aux, smashed[idx], labels[idx], create_graph=True) * len(idx)
+                    estimate = cut_gradient(
+                        self.blueprint.loss, aux, smashed[idx], labels[idx], create_graph=True
+                    ) * len(idx)
                     value = F.mse_loss(estimate, target[idx], reduction="sum") / len(idx)
                     optimizer.zero_grad(set_to_none=True)
                     value.backward()
@@ -192,7 +195,12 @@ class SageServer(TrainingServer[FSLSAGEParams]):
         """`model`'s per-sample cut gradients of a buffer, in mini-batches of `align_batch_size`
         (with the server part: the true z_b of the paper)."""
         size = self.params.align_batch_size
-        return torch.cat([cut_gradient(model, z, y) * len(y) for z, y in zip(smashed.split(size), labels.split(size))])
+        return torch.cat(
+            [
+                cut_gradient(self.blueprint.loss, model, z, y) * len(y)
+                for z, y in zip(smashed.split(size), labels.split(size))
+            ]
+        )
 
     @verb()
     def estimation_error(self, client_id: int) -> float:

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.algorithms.psl import PersonalClients
 from splitlab.privacy.defenses import decode
-from splitlab.roles import ParamsT, State, TrainingServer, loss
+from splitlab.roles import ParamsT, State, TrainingServer
 from splitlab.streams import register_stream
 from splitlab.transport import verb
 
@@ -84,7 +84,9 @@ class SGLRServer(ServerWithOwnLR[SGLRParams]):
         smashed = [decode(z).requires_grad_() for z in smashed]
         model = self.model("server_model")
         with self.blueprint.timed("server"):
-            total = torch.stack([alpha * loss(model(z), y) for alpha, z, y in zip(alphas, smashed, labels)]).sum()
+            total = torch.stack(
+                [alpha * self.blueprint.loss(model(z), y) for alpha, z, y in zip(alphas, smashed, labels)]
+            ).sum()
             self.step("server_model", total.backward)
             grads = [typing.cast(torch.Tensor, z.grad) / alpha for z, alpha in zip(smashed, alphas)]  # d(own loss)/dz
         cut_grads = average_cut_grads(grads, sizes, set(averaged))

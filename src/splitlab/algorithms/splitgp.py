@@ -44,7 +44,6 @@ from splitlab.roles import (
     ModelAverage,
     State,
     TrainingServer,
-    loss,
     server_copy,
 )
 from splitlab.transport import KEYED, verb
@@ -127,7 +126,7 @@ class SplitGPClient(ClientNode[SplitGPParams]):
         x, y = self.next_batch()
         with self.blueprint.timed("client"):
             smashed = self.model("client_model")(x)
-            client_loss = loss(self.model("aux_model")(smashed), y)
+            client_loss = self.blueprint.loss(self.model("aux_model")(smashed), y)
             defended, message = self.release(x, y, smashed, step)
             self.stash[step] = defended, client_loss, self.blueprint.defense.penalty(x, smashed)
         return {**message, "loss": client_loss.detach()}

@@ -243,7 +243,7 @@ def _grid(spec: dict) -> list[dict]:
 
 def _resolve(config: dict) -> dict:
     """The fully validated config with every default, as a flat dict; raises UserError."""
-    from splitlab.config import resolve_config
+    from splitlab.resolve import resolve_config
 
     return resolve_config(config).as_dict()
 

@@ -15,6 +15,7 @@ from typing import Any
 from splitlab.experiments.analysis import Analysis, hashable
 from splitlab.experiments.runs import RunData, num
 from splitlab.experiments.tables import mean_std
+from splitlab.units import row_gib
 
 
 def _figure(n_panels: int, width: float = 5.2, height: float = 3.8, max_cols: int = 3):
@@ -224,6 +225,30 @@ def curves_figure(
     fig.suptitle(title + _over_seeds(an), fontsize=11)
     _legend(fig, axes)
     return fig
+
+
+def plot_run(rows: list[dict], path: Path, title: str) -> Path:
+    """One run's curves from its metrics rows: test accuracy vs round (whole-number ticks) and vs
+    GiB communicated (log scale), side by side with one y-axis."""
+    from matplotlib.ticker import MaxNLocator
+
+    fig, (by_round, by_gib) = _figure(2)
+    accuracy = [100 * float(row["test_accuracy"]) for row in rows]
+    by_round.plot([row["round"] for row in rows], accuracy, marker="o", markersize=3, linewidth=1.4)
+    by_round.xaxis.set_major_locator(MaxNLocator(integer=True))
+    by_round.set_xlabel("round")
+    by_round.set_ylabel("test accuracy (%)")
+    sent = [(gib, acc) for gib, acc in zip(map(row_gib, rows), accuracy) if gib is not None and gib > 0]
+    if sent:
+        by_gib.plot(*zip(*sent), marker="o", markersize=3, linewidth=1.4)
+        _log_x(by_gib)
+    else:
+        by_gib.text(0.5, 0.5, "no communication recorded", ha="center", va="center", transform=by_gib.transAxes)
+    by_gib.set_xlabel("communication (GiB, cumulative, log scale)")
+    for ax in (by_round, by_gib):
+        ax.grid(True, alpha=0.3, which="both")
+    fig.suptitle(title, fontsize=11)
+    return _save(fig, path)
 
 
 def plot_vs_cut(an: Analysis, path: Path) -> Path:

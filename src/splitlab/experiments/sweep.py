@@ -14,6 +14,7 @@ import json
 import logging
 import multiprocessing
 import os
+import signal
 import time
 import traceback
 from collections.abc import Callable, Mapping
@@ -137,13 +138,38 @@ def available_cpus() -> int:
         return max(1, os.cpu_count() or 1)
 
 
+#: In a worker process: whether a run is in progress (what SIGTERM then interrupts).
+_running = False
+#: Seconds a stopped sweep waits for its workers to close their runs, before it kills them.
+STOP_WAIT = 30
+
+
 def _run_in_worker(name: str, config: dict) -> tuple[str, dict | None, str | None, float]:
+    global _running
     start = time.perf_counter()
+    _running = True
     try:
         summary = _call_engine(config, progress=False)
         return name, dict(summary) if summary is not None else {}, None, time.perf_counter() - start
     except Exception:  # a failing run must not take the others down
         return name, None, traceback.format_exc(), time.perf_counter() - start
+    finally:
+        _running = False
+
+
+def _start_worker(threads: int) -> None:
+    """A pool worker: Ctrl-C (which a terminal sends to every process of the group) is the parent's
+    to handle; the parent's SIGTERM ends the run in progress as Ctrl-C ends a run (its files whole,
+    its checkpoint kept, its lock removed), or an idle worker quietly."""
+    set_worker_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _stop_worker)
+
+
+def _stop_worker(signum: int, frame: object) -> None:
+    if _running:
+        raise KeyboardInterrupt
+    raise SystemExit(0)
 
 
 def _run_on_ray_worker(name: str, config_json: str, threads: int) -> str:
@@ -244,7 +270,14 @@ def run_sweep(
     with rundir.locked(sweep_dir):  # a second sweep into the same directory is refused, naming the holder
         if on_ray is not None:
             cluster.check_shared_storage(sweep_dir)
-        return _run_points(spec, where, sweep_dir, runs, jobs, progress, on_ray)
+        try:
+            return _run_points(spec, where, sweep_dir, runs, jobs, progress, on_ray)
+        except KeyboardInterrupt:  # what the CLI says, in one line
+            done = sum((sweep_dir / point.name / "summary.json").is_file() for point in runs)
+            raise KeyboardInterrupt(
+                f"{done} of {len(runs)} runs finished in {str(sweep_dir)!r}; to continue, run the same sweep "
+                f"command again (each unfinished run resumes from its last checkpoint)"
+            ) from None
 
 
 def _check_runs(runs: list[GridPoint], where: str) -> None:
@@ -316,7 +349,7 @@ def _run_points(
         threads = max(1, available_cpus() // workers)
         ctx = multiprocessing.get_context("spawn")
         pool = cf.ProcessPoolExecutor(
-            max_workers=workers, mp_context=ctx, initializer=set_worker_threads, initargs=(threads,)
+            max_workers=workers, mp_context=ctx, initializer=_start_worker, initargs=(threads,)
         )
         try:
             futures = {pool.submit(_run_in_worker, n, c): n for n, c in pending}
@@ -328,12 +361,15 @@ def _run_points(
                     finished(name, None, "worker process died (killed, or out of memory?)\n", 0.0)
                 except Exception:
                     finished(name, None, traceback.format_exc(), 0.0)
-        except BaseException:  # Ctrl-C: stop the workers now (each run keeps its last checkpoint)
+        except BaseException:  # Ctrl-C: stop the workers' runs now (each keeps its last checkpoint)
             running = multiprocessing.active_children()
-            log.warning(f"stopping {_plural(len(running), 'worker')}; each run resumes from its checkpoint")
             pool.shutdown(wait=False, cancel_futures=True)
             for process in running:
                 process.terminate()
+            for process in running:  # each closes its run's files within seconds
+                process.join(STOP_WAIT)
+                if process.is_alive():
+                    process.kill()
             raise
         pool.shutdown(wait=True)
 

@@ -17,9 +17,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from splitlab.config import resolve_config
 from splitlab.errors import UserError
 from splitlab.net.certs import CA, make_certs
+from splitlab.resolve import resolve_config
 
 
 class LaunchSettings(BaseModel):

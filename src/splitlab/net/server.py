@@ -41,13 +41,14 @@ from google.protobuf.message import DecodeError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from splitlab import codec
-from splitlab.config import RUN_CONTROL_KEYS, parse_settings, resolve_config
+from splitlab.config import RUN_CONTROL_KEYS, parse_settings
 from splitlab.errors import UserError
 from splitlab.ledger import Ledger
 from splitlab.net import protocol
 from splitlab.net.audit import AuditLog, Identity, Revocations
 from splitlab.net.certs import SERVER, client_name, read_pair
 from splitlab.net.checks import Checks, Refused, held
+from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint
 from splitlab.rundir import check_out_dir
 from splitlab.transport import ClientDropped, Proxy, Transport, VerbSpec

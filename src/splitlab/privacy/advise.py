@@ -17,11 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from splitlab import rundir
-from splitlab.config import resolve_config
 from splitlab.errors import UserError
 from splitlab.io import write_json, write_png, write_text
 from splitlab.ledger import payload_bytes
 from splitlab.models import build_model, output_shape, split
+from splitlab.resolve import resolve_config
 
 #: the probe's sizes when not given: these, or the whole split where it is smaller (the table says which)
 DEFAULT_TRAIN, DEFAULT_TEST, DEFAULT_AUX, DEFAULT_TARGETS = 2000, 1500, 1000, 300

@@ -49,7 +49,7 @@ from splitlab.errors import UserError
 from splitlab.io import write_json
 from splitlab.metrics import logits_in_batches
 from splitlab.models import split
-from splitlab.roles import ClientNode, State, loss
+from splitlab.roles import ClientNode, State
 from splitlab.splitgp import parse_settings
 from splitlab.streams import register_stream
 
@@ -422,7 +422,7 @@ def _finetuned(experiment: Experiment, states: list[State], train: TrainingSet, 
         for rnd in range(cfg.rounds, cfg.rounds + rounds):
             for x, y in node.batches(rnd):
                 optimizer.zero_grad(set_to_none=True)
-                loss(model(x), y).backward()
+                blueprint.loss(model(x), y).backward()
                 optimizer.step()
         models.append(model.eval())
     return models

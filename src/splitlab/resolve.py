@@ -1,0 +1,52 @@
+"""A run's settings resolved: its plugins imported, then RunConfig and the chosen algorithm's
+Params validated together, and every key checked to apply. It sits above both the settings schema
+(splitlab.config) and the algorithms (whose Params build on that schema), so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from splitlab.algorithms import get_algorithm
+from splitlab.config import (
+    ResolvedConfig,
+    RunConfig,
+    check_applicable,
+    check_finite,
+    check_no_booleans,
+    one_line,
+)
+from splitlab.errors import UserError, unknown_key
+from splitlab.plugins import load_plugins
+from splitlab.privacy.defenses import check_applies
+
+
+def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
+    """Validate a flat dict of settings against RunConfig and the algorithm's Params, after
+    importing the plugins it names (they may define the algorithm, model or dataset it uses)."""
+    plugins = raw.get("plugins")
+    if plugins is not None and not isinstance(plugins, str):
+        raise UserError(f"invalid value {plugins!r} for plugins: expected module names, comma-separated")
+    load_plugins(plugins)
+
+    algorithm = get_algorithm(raw.get("algorithm", RunConfig.model_fields["algorithm"].default))
+    common = set(RunConfig.model_fields)
+    own = set(algorithm.Params.model_fields)
+    for key in raw:
+        if key not in common and key not in own:
+            raise unknown_key(key, common | own, f"algorithm {algorithm.name!r}")
+    check_no_booleans({**RunConfig.model_fields, **algorithm.Params.model_fields}, raw)
+    check_finite(raw)
+    try:
+        run = RunConfig(**{k: v for k, v in raw.items() if k in common})
+        params = algorithm.Params(**{k: v for k, v in raw.items() if k in own})
+    except ValidationError as err:
+        raise UserError(one_line(err)) from None
+    check_finite(run)
+    check_finite(params)
+    check_applies(run, "server_model" in algorithm.models)
+    check_applicable(run, raw)
+    return ResolvedConfig(run, params)
