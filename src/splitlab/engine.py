@@ -328,6 +328,11 @@ def _check_task(config: ResolvedConfig, data: Dataset) -> None:
         raise UserError(
             f"partition={run.partition} splits by class; {run.dataset}'s sequences have none: use iid or clients=all"
         )
+    if data.task == "language" and "dp:" in run.defense:
+        raise UserError(
+            f"defense={run.defense}: no epsilon holds for {run.dataset}, whose targets (the text shifted by one "
+            f"token) reach the server in the clear; clip, noise and nopeek still apply, without a guarantee"
+        )
 
 
 def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
