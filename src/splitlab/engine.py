@@ -33,6 +33,7 @@ from splitlab.config import (
     ResolvedConfig,
     RunConfig,
     parse_test_split,
+    parse_train_range,
     resolve_config,
 )
 from splitlab.data import Dataset, counts_report, load_dataset, load_split, partition, partition_report
@@ -180,6 +181,11 @@ def _client_indices(config: ResolvedConfig, data: Dataset) -> list[np.ndarray]:
     # With natural users, only their samples are drawn (Shakespeare's windows straddling two roles
     # belong to nobody); otherwise all of them.
     users = np.arange(len(data.train_y)) if data.train_groups is None else np.sort(np.concatenate(data.train_groups))
+    if run.train_range is not None:  # a stretch in the dataset's order (shakespeare_lm: play by play)
+        start, stop = parse_train_range(run.train_range)
+        users = users[round(start * len(users)) : round(stop * len(users))]
+        if len(users) == 0:
+            raise UserError(f"train_range={run.train_range} holds none of the {len(data.train_y)} training samples")
     pool = users[_seeded_subset(len(users), run.train_subset, run.seed, "train_subset")]
     parts = partition(data.train_labels.numpy()[pool], run.clients, run.partition, run.seed)
     return [pool[part] for part in parts]
@@ -343,6 +349,7 @@ def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
         "clients": (run.clients == "all", "data=own needs clients=K, the number of clients that will report"),
         "partition": (run.partition != "iid", "data=own: each client's samples are its own, not a partition's"),
         "train_subset": (run.train_subset is not None, "data=own: each client uses every sample in its data_dir"),
+        "train_range": (run.train_range is not None, "data=own: each client uses every sample in its data_dir"),
         "test_split": (run.test_split != "global", "data=own: the server evaluates on the dataset's test set"),
     }
     for key, (refused, why) in refusals.items():
