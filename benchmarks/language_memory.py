@@ -104,8 +104,8 @@ def main() -> None:
     grown, expected = large["peak_mib"] - small["peak_mib"], (large_k - small_k) * set_mib
     base_copies = (large_k - small_k) * 4 * small["frozen"] / MIB  # a client part + a server part each
     print(
-        f"growth K={small_k} -> {large_k}: {grown:.1f} MiB; {large_k - small_k} adapter sets with Adam: {expected:.1f} MiB; "
-        f"had every client and server copy its own base: {base_copies:.0f} MiB more"
+        f"growth K={small_k} -> {large_k}: {grown:.1f} MiB; {large_k - small_k} adapter sets with Adam: "
+        f"{expected:.1f} MiB; had every client and server copy its own base: {base_copies:.0f} MiB more"
     )
 
 
