@@ -9,11 +9,6 @@ Fig. 5) against `centralized` taking the same number of batches; both with and w
 Tokens/s = tokens trained / the round loop's `wall_seconds`, after a one-round run of the same
 setting in the same process (warm-up: CUDA context, kernels, allocator) that is not counted.
 
-With `--device cuda` it also measures peak GPU memory (`torch.cuda.max_memory_allocated`) of one
-round of SFL-V1 + LoRA (8:16, cut 1, one batch per client) with 10 and with 100 clients: the base is
-held once and each client adds its adapter sets only, so the difference per extra client is
-compared with the adapters' size (trainable parameters x 4 bytes, optimizer state excluded).
-
     python benchmarks/gpt2_split_vs_centralized.py --device cuda [--rounds 5] [--steps 4]
 """
 
@@ -63,23 +58,6 @@ def tokens_per_second(config: dict, tokens_per_round: int) -> float:
     return tokens_per_round * config["rounds"] / run(config, progress=False)["wall_seconds"]
 
 
-def peak_memory_mib(config: dict) -> float:
-    from splitlab.engine import run
-
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    run(config, progress=False)
-    return torch.cuda.max_memory_allocated() / 2**20
-
-
-def adapter_mib(folder: Path) -> float:
-    """Trainable (LoRA) parameters of the whole model, in MiB of float32."""
-    from splitlab.models import build_model
-
-    model = build_model("hf", (128,), 0, seed=0, lora=(8, 16.0), model_dir=str(folder))
-    return sum(p.numel() for p in model.parameters() if p.requires_grad) * 4 / 2**20
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
@@ -112,29 +90,6 @@ def main() -> None:
                 f"GPT-2 124M (random weights), {args.device}, lora={lora or 'none'}, {args.clients} clients x "
                 f"{args.steps} steps x {args.batch} x {args.seq_len} tokens per round: sfl_v2 cut 1 {split:,.0f} "
                 f"tokens/s, centralized {central:,.0f} tokens/s, ratio {split / central:.3f}",
-                flush=True,
-            )
-        if args.device == "cuda":
-            memory = {
-                k: peak_memory_mib(
-                    {
-                        **common,
-                        "algorithm": "sfl_v1",
-                        "cut": 1,
-                        "lora": "8:16",
-                        "clients": k,
-                        "local_steps": 1,
-                        "rounds": 1,
-                        "eval_every": 1,
-                        "seq_len": 128,
-                    }  # fmt: skip
-                )
-                for k in (10, 100)
-            }
-            print(
-                f"SFL-V1 + LoRA 8:16, one round, peak GPU memory: K=10 {memory[10]:,.0f} MiB, K=100 "
-                f"{memory[100]:,.0f} MiB, {(memory[100] - memory[10]) / 90:.2f} MiB per extra client; "
-                f"one adapter set (whole model) {adapter_mib(folder):.2f} MiB",
                 flush=True,
             )
 

@@ -15,7 +15,7 @@ from splitlab.experiments import expand_sweep
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP_FILES = sorted((ROOT / "experiments").rglob("*.yaml"))
 CPU_FILES = [p for p in SWEEP_FILES if p.parent.name == "cpu"]
-OFFLINE_DATASETS = {"fashion_mnist", "digits", "synthetic", "shakespeare"}
+OFFLINE_DATASETS = {"fashion_mnist", "digits", "synthetic", "shakespeare", "shakespeare_lm"}  # the plays: data/
 
 
 def _ids(paths: list[Path]) -> list[str]:

@@ -113,6 +113,11 @@ class RunConfig(BaseModel):
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="cpu | cuda | auto (cuda when there is one)")
     eval_every: int = Field(1, ge=1, le=10_000_000, description="evaluate every N rounds (and after the last)")
     train_subset: int | None = Field(None, ge=1, le=10**10, description="use only N training samples (seeded choice)")
+    train_range: str | None = Field(
+        None,
+        description="A:B, fractions 0 <= A < B <= 1: only that stretch of the training samples in the dataset's "
+        "order (shakespeare_lm: play by play), e.g. 0:0.5 to pretrain and 0.5:1 to fine-tune on the rest",
+    )
     test_subset: int | None = Field(
         None, ge=1, le=10**10, description="evaluate on only N test samples (seeded choice)"
     )
@@ -262,6 +267,25 @@ class RunConfig(BaseModel):
         parse_test_split(value)
         return value
 
+    @field_validator("train_range")
+    @classmethod
+    def _check_train_range(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_train_range(value)
+        return value
+
+
+def parse_train_range(value: str) -> tuple[float, float]:
+    """`A:B` -> (A, B) with 0 <= A < B <= 1."""
+    start, _, stop = str(value).partition(":")
+    try:
+        parsed = float(start), float(stop)
+    except ValueError:
+        parsed = (1.0, 0.0)
+    if not 0 <= parsed[0] < parsed[1] <= 1:
+        raise ValueError("expected A:B with fractions 0 <= A < B <= 1, e.g. 0:0.5")
+    return parsed
+
 
 def parse_lora(value: str) -> tuple[int, float]:
     """`R:ALPHA` -> (rank >= 1, alpha > 0)."""
@@ -323,6 +347,11 @@ ONLY_WHEN: dict[str, Applies] = {
         lambda r: r.clients != "all",
         "with clients=all every natural user's samples are used",
         {"clients": "all", "train_subset": 100},
+    ),
+    "train_range": Applies(
+        lambda r: r.clients != "all",
+        "with clients=all every natural user's samples are used",
+        {"clients": "all", "train_range": "0:0.5"},
     ),
     "data_dir": Applies(
         lambda r: _reads_files(r.dataset),

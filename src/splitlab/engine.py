@@ -34,6 +34,7 @@ from splitlab.config import (
     ResolvedConfig,
     RunConfig,
     parse_test_split,
+    parse_train_range,
 )
 from splitlab.data import Dataset, counts_report, load_dataset, load_split, partition, partition_report
 from splitlab.data.datasets import data_summary
@@ -181,6 +182,11 @@ def _client_indices(config: ResolvedConfig, data: Dataset) -> list[np.ndarray]:
     # With natural users, only their samples are drawn (Shakespeare's windows straddling two roles
     # belong to nobody); otherwise all of them.
     users = np.arange(len(data.train_y)) if data.train_groups is None else np.sort(np.concatenate(data.train_groups))
+    if run.train_range is not None:  # a stretch in the dataset's order (shakespeare_lm: play by play)
+        start, stop = parse_train_range(run.train_range)
+        users = users[round(start * len(users)) : round(stop * len(users))]
+        if len(users) == 0:
+            raise UserError(f"train_range={run.train_range} holds none of the {len(data.train_y)} training samples")
     pool = users[_seeded_subset(len(users), run.train_subset, run.seed, "train_subset")]
     parts = partition(data.train_labels.numpy()[pool], run.clients, run.partition, run.seed)
     return [pool[part] for part in parts]
@@ -330,6 +336,11 @@ def _check_task(config: ResolvedConfig, data: Dataset) -> None:
         raise UserError(
             f"partition={run.partition} splits by class; {run.dataset}'s sequences have none: use iid or clients=all"
         )
+    if data.task == "language" and "dp:" in run.defense:
+        raise UserError(
+            f"defense={run.defense}: no epsilon holds for {run.dataset}, whose targets (the text shifted by one "
+            f"token) reach the server in the clear; clip, noise and nopeek still apply, without a guarantee"
+        )
 
 
 def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
@@ -340,6 +351,7 @@ def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
         "clients": (run.clients == "all", "data=own needs clients=K, the number of clients that will report"),
         "partition": (run.partition != "iid", "data=own: each client's samples are its own, not a partition's"),
         "train_subset": (run.train_subset is not None, "data=own: each client uses every sample in its data_dir"),
+        "train_range": (run.train_range is not None, "data=own: each client uses every sample in its data_dir"),
         "test_split": (run.test_split != "global", "data=own: the server evaluates on the dataset's test set"),
     }
     for key, (refused, why) in refusals.items():

@@ -284,3 +284,48 @@ def test_runs_stuck_at_chance_are_flagged(tmp_path: Path):
     md = write_report(sweep).read_text()
     _, rows = table(md, "Runs at chance level")
     assert rows == {"stuck": ["35.00", "33.33"]}
+
+
+def test_language_runs_get_test_loss_and_perplexity_against_rounds_and_communication(tmp_path: Path):
+    """FSL-SAGE's Fig. 5 axes: masked test loss (and perplexity) against bytes, for runs that log perplexity."""
+    import json
+    import math
+
+    from splitlab.experiments.analysis import Analysis
+    from splitlab.experiments.plots import LOSS, PERPLEXITY, curves_figure
+    from splitlab.units import row_gib
+
+    sweep = tmp_path / "lm"
+    losses = {"fsl_sage": [3.0, 2.5, 2.2], "sfl_v1": [3.1, 2.9, 2.8]}
+    for algorithm, planted in losses.items():
+        run = fabricate(
+            sweep,
+            algorithm,
+            {"algorithm": algorithm, "cut": 1, "dataset": "shakespeare_lm", "model": "gpt"},
+            [0.2, 0.3, 0.35],  # token accuracy: what the accuracy plots show
+            gib_per_round=0.1 if algorithm == "fsl_sage" else 0.4,
+        )
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        for row, loss in zip(rows, planted, strict=True):
+            row.update(test_loss=loss, test_perplexity=math.exp(loss))
+        (run / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    md = write_report(sweep).read_text()
+    for name in ("loss_vs_round", "loss_vs_gib", "perplexity_vs_round", "perplexity_vs_gib"):
+        assert (sweep / "plots" / f"{name}.png").read_bytes()[:8] == PNG_SIGNATURE, name
+        assert f"(plots/{name}.png)" in md
+
+    an = Analysis(sweep, None)
+    fig = curves_figure(an, row_gib, "communication (GiB)", "Test loss vs GiB", logx=True, metric=LOSS)
+    ax = fig.axes[0]
+    assert ax.get_ylabel() == "test loss (masked cross-entropy)" and ax.get_xscale() == "log"
+    drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines}
+    assert drawn["fsl_sage"][0] == pytest.approx([0.1, 0.2, 0.3]) and drawn["fsl_sage"][1] == losses["fsl_sage"]
+    assert drawn["sfl_v1"][1] == losses["sfl_v1"]  # the loss, not the accuracy planted beside it
+    perplexity = curves_figure(an, row_gib, "GiB", "t", logx=True, metric=PERPLEXITY).axes[0]
+    assert perplexity.get_yscale() == "log"
+    assert list(perplexity.lines[0].get_ydata()) == [math.exp(v) for v in losses["fsl_sage"]]
+
+
+def test_image_runs_get_no_loss_plots(planted: Path):
+    write_report(planted, target_accuracy=0.75)
+    assert not (planted / "plots" / "loss_vs_gib.png").exists()

@@ -17,6 +17,9 @@ A sweep file (YAML; the format is documented in docs/experiments.md):
         set: {optimizer: sgd, lr: 0.01}
     report:                    # optional: defaults for `splitlab report`
       target_accuracy: 0.8
+    pretrain:                  # optional: a run config of its own (not merged with base), run
+      algorithm: centralized   #   first into <sweep dir>/pretrain; every grid point then starts
+      train_range: "0:0.5"     #   from its model (init = that directory)
     description: free text     # optional
 
 Everything is validated, and every grid point is resolved with `resolve_config`, before the
@@ -44,7 +47,10 @@ from splitlab.errors import UserError, unknown_key
 log = logging.getLogger(__name__)
 
 
-TOP_LEVEL_KEYS = ("base", "axes", "exclude", "overrides", "report", "description")
+TOP_LEVEL_KEYS = ("base", "axes", "exclude", "overrides", "report", "description", "pretrain")
+
+
+PRETRAIN = "pretrain"  # the pretraining run's name (a grid point's name always holds "=")
 
 
 REPORT_KEYS = ("target_accuracy",)
@@ -121,6 +127,7 @@ def _check_spec(spec: Any, where: str) -> None:
                 raise UserError(f"{where}: axes.{key} lists {v!r} twice")
     _check_exclude(spec, where)
     _check_overrides(spec, where)
+    _check_pretrain(spec, where)
     report = spec.get("report")
     if report is not None:
         if not isinstance(report, dict):
@@ -191,6 +198,20 @@ def _check_overrides(spec: dict, where: str) -> None:
                 )
             if key in _RESERVED:
                 raise UserError(f"{where}: overrides[{i}].set may not set {key!r}; it is set per run")
+
+
+def _check_pretrain(spec: dict, where: str) -> None:
+    pretrain = spec.get(PRETRAIN)
+    if pretrain is None:
+        return
+    if not isinstance(pretrain, dict) or not pretrain:
+        raise UserError(f"{where}: 'pretrain' must be a non-empty mapping of run keys (the pretraining run's config)")
+    for key in _RESERVED:
+        if key in pretrain:
+            raise UserError(f"{where}: pretrain.{key} is set by the sweep (out = <sweep dir>/pretrain); remove it")
+    sets_init = "init" in spec["base"] or "init" in spec["axes"] or any("init" in o["set"] for o in spec["overrides"])
+    if sets_init:
+        raise UserError(f"{where}: 'init' is set by 'pretrain' (every run starts from <sweep dir>/pretrain); remove it")
 
 
 def _matches(config: Mapping, conditions: Mapping) -> bool:
@@ -265,6 +286,15 @@ def expand_points(spec: dict, where: str, sweep_dir: Path) -> list[GridPoint]:
     used = [False] * len(spec["overrides"])
     seen: dict[str, dict] = {}
     out = []
+    start: dict[str, Any] = {}
+    if spec.get(PRETRAIN) is not None:  # first, as the others start from its model
+        config = {**spec[PRETRAIN], "out": str(sweep_dir / PRETRAIN)}
+        try:
+            resolved = _resolve(config)
+        except UserError as e:
+            raise UserError(f"{where}: pretrain: {e}") from None
+        out.append(GridPoint(PRETRAIN, config, resolved, {}))
+        start = {"init": str(sweep_dir / PRETRAIN)}
     for point in points:
         name = run_name(point)
         if name in seen:
@@ -273,7 +303,7 @@ def expand_points(spec: dict, where: str, sweep_dir: Path) -> list[GridPoint]:
                 f"name {name!r}; make the values differ in letters or digits"
             )
         seen[name] = point
-        config = {**spec["base"], **point}
+        config = {**spec["base"], **point, **start}
         for i, entry in enumerate(spec["overrides"]):
             if _matches(config, entry["when"]):
                 config.update(entry["set"])

@@ -1,4 +1,5 @@
-"""plots/*.png: accuracy vs round and vs communication, accuracy vs cut, label distribution.
+"""plots/*.png: accuracy vs round and vs communication, accuracy vs cut, label distribution;
+for language runs also test loss and perplexity vs round and vs communication (FSL-SAGE's Fig. 5).
 
 One panel per table column, sharing the y-axis; matplotlib's Agg canvas (no display needed).
 """
@@ -10,12 +11,26 @@ import os
 import statistics
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from splitlab.experiments.analysis import Analysis, hashable
 from splitlab.experiments.runs import RunData, num
 from splitlab.experiments.tables import mean_std
 from splitlab.units import row_gib
+
+
+class Metric(NamedTuple):
+    """A per-round metric a curve plots: its key in metrics.jsonl, a factor, the axis label."""
+
+    key: str
+    scale: float
+    label: str
+    log: bool = False  # a log y-axis (perplexity spans orders of magnitude early in training)
+
+
+ACCURACY = Metric("test_accuracy", 100.0, "test accuracy (%)")
+LOSS = Metric("test_loss", 1.0, "test loss (masked cross-entropy)")
+PERPLEXITY = Metric("test_perplexity", 1.0, "test perplexity (log scale)", log=True)
 
 
 def _figure(n_panels: int, width: float = 5.2, height: float = 3.8, max_cols: int = 3):
@@ -92,14 +107,16 @@ class _Styler:
         }
 
 
-def _curve(runs: list[RunData], x_of: Callable[[dict], float | None]) -> tuple[list, list, list]:
-    """Mean over seeds per round: (x, mean accuracy %, std %)."""
+def _curve(
+    runs: list[RunData], x_of: Callable[[dict], float | None], metric: Metric = ACCURACY
+) -> tuple[list, list, list]:
+    """Mean over seeds per round: (x, mean of the metric, std), accuracy in %."""
     by_round: dict[int, list[tuple[float, float]]] = {}
     for run in runs:
         for m in run.metrics:
-            acc, x = num(m.get("test_accuracy")), x_of(m)
-            if acc is not None and x is not None:
-                by_round.setdefault(int(m["round"]), []).append((x, 100 * acc))
+            value, x = num(m.get(metric.key)), x_of(m)
+            if value is not None and x is not None:
+                by_round.setdefault(int(m["round"]), []).append((x, metric.scale * value))
     xs, ys, ss = [], [], []
     for r in sorted(by_round):
         pts = by_round[r]
@@ -136,8 +153,9 @@ def plot_curves(
     title: str,
     logx: bool = False,
     integer_x: bool = False,
+    metric: Metric = ACCURACY,
 ) -> Path:
-    return _save(curves_figure(an, x_of, xlabel, title, logx, integer_x), path)
+    return _save(curves_figure(an, x_of, xlabel, title, logx, integer_x, metric), path)
 
 
 def curves_figure(
@@ -147,8 +165,9 @@ def curves_figure(
     title: str,
     logx: bool = False,
     integer_x: bool = False,
+    metric: Metric = ACCURACY,
 ):
-    """One panel per table column, one curve per row; a curve equal to one drawn before it in the
+    """One panel per table column, one curve per row of `metric`; a curve equal to one drawn before it in the
     same panel (SFL-V1 under FedAvg vs rounds) is labelled "= <that one>" and drawn dashed on top.
     `integer_x`: ticks at whole numbers only (rounds)."""
     from matplotlib.ticker import MaxNLocator
@@ -161,7 +180,7 @@ def curves_figure(
             g = an.cells.get((row, col))
             if g is None:
                 continue
-            xs, ys, ss = _curve(an.group_runs(g), x_of)
+            xs, ys, ss = _curve(an.group_runs(g), x_of, metric)
             if logx:
                 keep = [i for i, x in enumerate(xs) if x > 0]
                 xs, ys, ss = [xs[i] for i in keep], [ys[i] for i in keep], [ss[i] for i in keep]
@@ -218,7 +237,9 @@ def curves_figure(
         ax.set_xlabel(xlabel)
         if integer_x:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("test accuracy (%)")
+        ax.set_ylabel(metric.label)
+        if metric.log and drawn:
+            ax.set_yscale("log")
         if an.col_keys:
             ax.set_title(an.col_label(col), fontsize=10)
         ax.grid(True, alpha=0.3, which="both")

@@ -22,7 +22,7 @@ from typing import Any
 
 from splitlab.errors import UserError
 from splitlab.experiments.analysis import Analysis
-from splitlab.experiments.plots import plot_curves, plot_partitions, plot_vs_cut
+from splitlab.experiments.plots import LOSS, PERPLEXITY, plot_curves, plot_partitions, plot_vs_cut
 from splitlab.experiments.runs import num
 from splitlab.experiments.sweep import SNAPSHOT
 from splitlab.experiments.tables import PLOTS, REPORT, RESULTS, markdown
@@ -122,6 +122,37 @@ def write_report(
                 ),
             )
         )
+        if any(num(m.get(PERPLEXITY.key)) is not None for r in an.finished for m in r.metrics):  # language runs
+            for metric, name in ((LOSS, "loss"), (PERPLEXITY, "perplexity")):
+                title = f"Test {name} vs"
+                plots.append(
+                    (
+                        f"{title} round",
+                        plot_curves(
+                            an,
+                            plot_dir / f"{name}_vs_round.png",
+                            lambda m: num(m.get("round")),
+                            "round",
+                            f"{title} round",
+                            integer_x=True,
+                            metric=metric,
+                        ),
+                    )
+                )
+                plots.append(
+                    (
+                        f"{title} communication",
+                        plot_curves(
+                            an,
+                            plot_dir / f"{name}_vs_gib.png",
+                            row_gib,
+                            "communication (GiB, cumulative, log scale)",
+                            f"{title} GiB communicated",
+                            logx=True,
+                            metric=metric,
+                        ),
+                    )
+                )
         if any("cut" in r.config for r in an.finished):
             plots.append(("Final test accuracy vs cut layer", plot_vs_cut(an, plot_dir / "accuracy_vs_cut.png")))
         part = plot_partitions(an, plot_dir / "label_distribution.png")

@@ -27,6 +27,7 @@ import yaml
 from splitlab import cluster, rundir
 from splitlab.errors import UserError
 from splitlab.experiments.grid import (
+    PRETRAIN,
     GridPoint,
     check_target,
     expand_points,
@@ -116,6 +117,7 @@ def _write_snapshot(sweep_dir: Path, spec: dict, source: str, runs: list[GridPoi
         "exclude": spec["exclude"],
         "overrides": spec["overrides"],
         "report": spec.get("report") or {},
+        **({PRETRAIN: spec[PRETRAIN]} if spec.get(PRETRAIN) is not None else {}),
         "runs": {p.name: p.axis_values for p in runs},
     }
     snapshot = json.loads(json.dumps(snapshot, default=str))  # plain types only (Path -> str)
@@ -284,9 +286,11 @@ def _check_runs(runs: list[GridPoint], where: str) -> None:
     """Every run's config as its run would check it (dataset, cut, subsets, ...), before the first starts."""
     from splitlab import engine
 
+    pretrained = any(point.name == PRETRAIN for point in runs)  # its model, each run's init, is not made yet
     for point in runs:
+        config = {k: v for k, v in point.config.items() if not (pretrained and k == "init")}
         try:
-            engine.check(point.config)
+            engine.check(config)
         except UserError as error:
             raise UserError(f"{where}: run {point.name}: {error}") from None
 
@@ -298,12 +302,15 @@ def _run_points(
     _write_snapshot(sweep_dir, spec, where, runs)
     # seed-major order, so that an interrupted sweep has every configuration's first seeds
     seed_axis = spec["axes"].get("seed")
-    order = {p.name: (seed_axis.index(p.axis_values["seed"]) if seed_axis else 0, i) for i, p in enumerate(runs)}
+    order = {
+        p.name: (seed_axis.index(p.axis_values["seed"]) if seed_axis and p.name != PRETRAIN else -1, i)
+        for i, p in enumerate(runs)
+    }
     pending = sorted(
         ((p.name, p.config) for p in runs if not (sweep_dir / p.name / "summary.json").is_file()),
         key=lambda nc: order[nc[0]],
     )
-    total, skipped = len(runs), len(runs) - len(pending)
+    total, skipped, to_run = len(runs), len(runs) - len(pending), len(pending)
 
     if progress:
         log.info(
@@ -327,12 +334,22 @@ def _run_points(
             except OSError:
                 pass
             last = error.strip().splitlines()[-1] if error.strip() else "error"
-            log.error(f"[{done}/{len(pending)}] FAILED {name}: {last}")
+            log.error(f"[{done}/{to_run}] FAILED {name}: {last}")
         elif progress:
-            log.info(f"[{done}/{len(pending)}] {name}: {_describe(summary)} ({seconds:.1f} s)")
+            log.info(f"[{done}/{to_run}] {name}: {_describe(summary)} ({seconds:.1f} s)")
 
     for name, _ in pending:  # a retried run is no longer failed
         (sweep_dir / name / ERROR_FILE).unlink(missing_ok=True)
+
+    if pending and pending[0][0] == PRETRAIN:  # the others start from its model: it runs first, here
+        name, config = pending.pop(0)
+        start = time.perf_counter()
+        try:
+            finished(name, _call_engine(config, progress=progress), None, time.perf_counter() - start)
+        except Exception:
+            finished(name, None, traceback.format_exc(), time.perf_counter() - start)
+            write_text(sweep_dir / FAILURES, json.dumps(failures, indent=2))
+            raise SweepFailed(sweep_dir, failures, total) from None
 
     workers = min(jobs, len(pending))
     if on_ray is not None:

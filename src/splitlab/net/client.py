@@ -56,7 +56,7 @@ class ClientSettings(BaseModel):
         1024,
         ge=1,
         le=protocol.MAX_MESSAGE_MIB,
-        description="largest message accepted, in MiB (gRPC carries at most 2047)",
+        description="largest message accepted, in MiB (past the server's chunk_kib it comes in chunks)",
     )
 
     @field_validator("connect")
@@ -115,10 +115,12 @@ def _session(settings: ClientSettings, connect: Any) -> bool:
     """One connection, until its stream ends; whether the server welcomed this client."""
     outgoing: queue.Queue[Any] = queue.Queue()
     stop = threading.Event()
+    chunk_bytes = protocol.GRPC_MAX_BYTES  # until WELCOME gives the server's: only HELLO goes before
+    chunks = protocol.Assembler(settings.max_message_mib * MIB, f"max_message_mib={settings.max_message_mib}")
 
     def requests() -> Iterator[Any]:
         while (message := outgoing.get()) is not None:
-            yield message
+            yield from protocol.chunked(message, chunk_bytes)
 
     outgoing.put(protocol.envelope(protocol.HELLO, client_id=settings.client_id))
     replies = connect(requests())
@@ -126,7 +128,13 @@ def _session(settings: ClientSettings, connect: Any) -> bool:
     node: ClientNode | None = None
     run_id = ""
     try:
-        for message in replies:
+        for piece in replies:
+            try:
+                message = chunks.add(piece)
+            except protocol.ChunkError as error:
+                raise UserError(f"the server sent {error}") from None
+            if message is None:
+                continue
             if message.version != protocol.PROTOCOL_VERSION:
                 raise UserError(
                     f"the server speaks protocol {message.version}, this client {protocol.PROTOCOL_VERSION}"
@@ -136,6 +144,7 @@ def _session(settings: ClientSettings, connect: Any) -> bool:
             if message.kind == protocol.WELCOME:
                 welcomed, run_id = True, message.run_id
                 welcome = codec.decode(bytes(message.payload))
+                chunk_bytes = chunks.chunk_bytes = _chunk_bytes(welcome.get("chunk_bytes"))
                 _heartbeats(outgoing, run_id, float(welcome["heartbeat"]), stop)
                 node = _build_node(settings, welcome["config"])
                 report = codec.encode(data_report(node, settings.data))
@@ -151,6 +160,13 @@ def _session(settings: ClientSettings, connect: Any) -> bool:
         stop.set()
         outgoing.put(None)
     return welcomed
+
+
+def _chunk_bytes(value: Any) -> int:
+    """The server's chunk size from its WELCOME, checked: a whole number of bytes gRPC carries."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= protocol.MAX_CHUNK_KIB * 1024:
+        raise UserError(f"the server's WELCOME gives chunk_bytes={value!r}, not 1 to {protocol.MAX_CHUNK_KIB * 1024}")
+    return value
 
 
 def _heartbeats(outgoing: queue.Queue, run_id: str, every: float, stop: threading.Event) -> None:

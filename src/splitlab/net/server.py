@@ -86,7 +86,13 @@ class ServerSettings(BaseModel):
         1024,
         ge=1,
         le=protocol.MAX_MESSAGE_MIB,
-        description="largest message accepted, in MiB (gRPC carries at most 2047)",
+        description="largest message accepted, in MiB (past chunk_kib it comes in chunks)",
+    )
+    chunk_kib: int = Field(
+        65_536,
+        ge=1,
+        le=protocol.MAX_CHUNK_KIB,
+        description="messages larger than this many KiB go in chunks of it, both ways (gRPC carries < 2 GiB at once)",
     )
     hello_timeout: float = Field(10.0, gt=0, le=3_600, description="seconds a new stream has to say HELLO")
     streams_per_client: int = Field(2, ge=1, le=64, description="streams one certificate may hold open at once")
@@ -144,7 +150,9 @@ class Hub:
         self._streams: dict[str, int] = {}  # open streams by certificate fingerprint
         self.run_id = uuid.uuid4().hex
         self.max_bytes = settings.max_message_mib * MIB
-        self._welcome = codec.encode({"config": client_config, "heartbeat": settings.heartbeat})
+        self.chunk_bytes = settings.chunk_kib * 1024
+        welcome = {"config": client_config, "heartbeat": settings.heartbeat, "chunk_bytes": self.chunk_bytes}
+        self._welcome = codec.encode(welcome)
         self._clients = client_config["clients"]  # K, or "all" (known once the dataset is read)
         self._sessions: dict[int, Session] = {}
         self._joined: set[int] = set()  # ids that connected at least once
@@ -173,7 +181,7 @@ class Hub:
                 )
             },
         )
-        grpc_limit = min(2 * self.max_bytes, 2**31 - 1)  # up to 2x: refused by _parse, with the reason
+        grpc_limit = min(2 * self.max_bytes, protocol.GRPC_MAX_BYTES)  # up to 2x: refused by _parse, with the reason
         options = [
             *protocol.grpc_options(grpc_limit),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
@@ -317,10 +325,12 @@ class Hub:
         log(f"client {session.client_id} connected from {who.peer}")
         self.audit.write("connect", who, session.client_id)
         threading.Thread(target=self._read, args=(session, requests), daemon=True).start()
-        yield protocol.envelope(protocol.WELCOME, self.run_id, payload=self._welcome)
+        yield from protocol.chunked(
+            protocol.envelope(protocol.WELCOME, self.run_id, payload=self._welcome), self.chunk_bytes
+        )
         try:
             while (message := session.outgoing.get()) is not None:
-                yield message
+                yield from protocol.chunked(message, self.chunk_bytes)
             if session.refusal:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED, session.refusal)
         finally:
@@ -394,9 +404,19 @@ class Hub:
 
     def _read(self, session: Session, requests: Iterator[Any]) -> None:
         """Replies and heartbeats from the client, until its stream ends."""
+        chunks = protocol.Assembler(
+            self.max_bytes, f"max_message_mib={self.settings.max_message_mib}", self.chunk_bytes
+        )
         try:
-            for message in requests:
+            for piece in requests:
                 session.last_seen = time.monotonic()
+                try:
+                    message = chunks.add(piece)
+                except protocol.ChunkError as error:
+                    self.drop(session, str(error))
+                    break
+                if message is None:
+                    continue
                 if message.kind == protocol.INVALID:
                     self.drop(session, message.error)
                 elif message.version != protocol.PROTOCOL_VERSION or message.run_id != self.run_id:

@@ -106,8 +106,15 @@ def privacy_summary(config: RunConfig) -> dict[str, Any]:
         if config.noise_key is not None
         else "each party's noise key is its own (OS secure generator), never sent or written where the server reads"
     )
-    if defense.clip is None or defense.noise == 0:
-        why = "no clip + noise defense: no differential privacy guarantee"
+    from splitlab.data import SEQUENCE_DATASETS
+
+    if defense.clip is None or defense.noise == 0 or config.dataset in SEQUENCE_DATASETS:
+        why = (
+            "a language run's targets (the text shifted by one token) reach the server in the clear"
+            if config.dataset in SEQUENCE_DATASETS
+            else "no clip + noise defense"
+        )
+        why += ": no differential privacy guarantee"
         return {"privacy": {"epsilon": None, "why": why, **({"noise_key": key} if defense.random else {})}}
     count = releases(config)
     multiplier = defense.noise / 2  # sensitivity 2C under replacement of one sample's input, noise std S * C

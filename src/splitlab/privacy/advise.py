@@ -125,10 +125,11 @@ def advise(raw: dict) -> dict[str, Any]:
     from splitlab.algorithms import get_algorithm
     from splitlab.data import load_dataset
     from splitlab.engine import run
-    from splitlab.privacy.audit import attack_run, attack_sizes
+    from splitlab.privacy.audit import attack_run, attack_sizes, check_classification
     from splitlab.splitgp import parse_settings
 
     settings = parse_settings(AdviseSettings, raw)
+    check_classification(settings.dataset, "advise (its probes run inversion and label_leak)")
     algorithm = get_algorithm(settings.algorithm)
     if "server_model" not in algorithm.models or algorithm.personal_models:
         raise UserError(

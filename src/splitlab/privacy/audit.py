@@ -83,6 +83,7 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     settings = parse_settings(AttackSettings, raw)
     path = Path(run_dir)
     stored = rundir.stored_config(path, "attack", "point attack at a finished run's directory")
+    check_classification(stored.get("dataset") or RunConfig().dataset, f"attack={settings.attack}")
     algorithm = stored.get("algorithm") or RunConfig().algorithm
     personal = get_algorithm(algorithm).personal_models
     if settings.client and not personal:
@@ -185,6 +186,18 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     results = json.loads((path / RESULTS).read_text()) if (path / RESULTS).is_file() else {}
     write_json(path / RESULTS, {**results, settings.attack: {"settings": settings.model_dump(), **result}})
     return result
+
+
+def check_classification(dataset: str, what: str) -> None:
+    """Refuse, in one line, these attacks on a language dataset: they are image classification's."""
+    from splitlab.data import SEQUENCE_DATASETS
+
+    if dataset in SEQUENCE_DATASETS:
+        raise UserError(
+            f"{what} does not apply to dataset={dataset}: inversion rebuilds images (scored by SSIM/PSNR) and "
+            f"label_leak infers class labels from cut gradients, but a language run's inputs are tokens, and its "
+            f"targets (the text shifted by one token) already reach the server in the clear"
+        )
 
 
 def attack_sizes(

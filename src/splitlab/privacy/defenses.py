@@ -17,7 +17,8 @@ layer's tensors are compressed on the wire.
 All noise is drawn from the applying party's own secret (splitlab.privacy.keys), never from the
 run's seed, which the other side knows.
 - `nopeek:A`: NoPeek (Vepakomma et al. 2020): A * distance correlation between the client's
-  inputs and its smashed data is added to the client's objective;
+  inputs (token sequences as their one-hot encodings) and its smashed data is added to the
+  client's objective;
 - `quantize:int8` (per-sample scale, symmetric) or `quantize:fp16`, and `topk:F` (each sample
   keeps its ceil(F * d) largest-magnitude entries): compression of both smashed data (up) and cut
   gradients (down). The compressed form is what travels through the verbs, so the ledger counts
@@ -101,7 +102,7 @@ class Defense:
         """NoPeek's term of the client's objective (None without NoPeek)."""
         if self.nopeek == 0:
             return None
-        return self.nopeek * distance_correlation(inputs.flatten(1).float(), smashed.flatten(1))
+        return self.nopeek * distance_correlation(inputs, smashed.flatten(1))
 
     # --- at the training server, before a cut gradient goes down ---------------------------
     def send_gradient(self, grad: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor | dict[str, Any]:
@@ -201,10 +202,15 @@ def backward(*pairs: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
 
 
 def distance_correlation(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-    """Sample distance correlation of two batches (rows are samples): 0 iff independent, in the limit."""
+    """Sample distance correlation of two batches (rows are samples): 0 iff independent, in the limit.
+    Integer `x` are token sequences, compared as their one-hot encodings (a token id's size means
+    nothing): distance sqrt(2 x the positions where they differ), without building the encodings."""
 
     def centered(a: torch.Tensor) -> torch.Tensor:
-        d = torch.cdist(a, a)
+        if a.dtype.is_floating_point:
+            d = torch.cdist(a.flatten(1).float(), a.flatten(1).float())
+        else:
+            d = (2 * (a[:, None] != a[None]).flatten(2).sum(-1)).float().sqrt()
         return d - d.mean(0, keepdim=True) - d.mean(1, keepdim=True) + d.mean()
 
     a, b = centered(x), centered(z)
