@@ -10,10 +10,10 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from splitlab.config import resolve_config
 from splitlab.engine import _client_indices, load_data, run
 from splitlab.errors import UserError
 from splitlab.experiments import run_sweep
+from splitlab.resolve import resolve_config
 
 
 def _spec(lm: dict) -> dict:
