@@ -16,7 +16,15 @@ from splitlab import ray_backend
 from splitlab.engine import run
 from splitlab.errors import RoundFailed, UserError
 
-TIMING = ("wall_seconds", "round_compute_seconds", "envelope_bytes", "driver_actor_bytes", "ray_startup_seconds")
+TIMING = (
+    "wall_seconds",
+    "round_compute_seconds",
+    "envelope_bytes",
+    "driver_actor_bytes",
+    "ray_startup_seconds",
+    "ray_worker_seconds",
+    "ray_client_moves",
+)
 
 
 @pytest.fixture(scope="module")

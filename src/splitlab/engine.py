@@ -431,7 +431,7 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
 
         transport_ = ray_backend.RayTransport(ledger, device, run.workers)
         assert plan.owners is not None
-        client_roles, server = ray_backend.start_roles(config, dict(enumerate(plan.owners)), blueprint, transport_)
+        client_roles, server = ray_backend.start_roles(config, plan.data, plan.owners, blueprint, transport_)
         client_proxies = {k: transport_.connect(role, counted=True) for k, role in client_roles.items()}
     else:
         transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
@@ -461,6 +461,7 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         transport_.connect(sync, counted=False),
         transport_.concurrency,
         transport_.drop if transport_.remote else None,
+        transport_.lease,
     )
     algorithm = algorithm_class(context)
     transport_.on_rejoin = algorithm.rejoined
