@@ -66,6 +66,50 @@ def test_ray_backend_is_bit_identical_to_in_process(local_ray, algorithm, tmp_pa
     assert all(row["driver_actor_bytes"] > 0 and row["round_compute_seconds"]["client"] > 0 for row in rows)
 
 
+def always_elsewhere(monkeypatch) -> None:
+    """Every client that trains goes to a free worker other than the one holding it, where there is one."""
+
+    def pick(self, client):
+        others = sorted(self._free - {client.worker})
+        return others[0] if others else client.worker
+
+    monkeypatch.setattr(ray_backend.RayTransport, "_pick", pick)
+
+
+@pytest.mark.parametrize("algorithm", ["psl", "cse_fsl", "splitgp"])
+def test_clients_moved_between_workers_end_bit_for_bit(local_ray, algorithm, tmp_path: Path, monkeypatch):
+    """Clients moved whenever they train: their kept models and optimizers (PSL, SplitGP, whose
+    optimizers start afresh each round), the working copies downloaded before they train (CSE-FSL)
+    and the round go with them; every number and the weights as in process."""
+    run(config(algorithm, tmp_path / "local"), progress=False)
+    always_elsewhere(monkeypatch)
+    run(config(algorithm, tmp_path / "ray", backend="ray", workers=2), progress=False)
+    assert results(tmp_path / "local") == results(tmp_path / "ray")
+    rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["ray_client_moves"] > 0 and len(row["ray_worker_seconds"]) == 2 for row in rows)
+
+
+def test_workers_on_nodes_without_the_data_files_run_from_the_object_store(local_ray, tmp_path: Path, monkeypatch):
+    """The dataset's files are gone once the driver has read them, before any actor starts: the
+    workers get the samples through Ray's object store (and the server never needs them)."""
+    from splitlab.data.datasets import FASHION_MNIST_SYSTEM_DIR
+
+    data = tmp_path / "data"
+    shutil.copytree(FASHION_MNIST_SYSTEM_DIR, data)
+    start_roles = ray_backend.start_roles
+
+    def without_files(*args, **kwargs):
+        shutil.rmtree(data)
+        return start_roles(*args, **kwargs)
+
+    fashion = {"dataset": "fashion_mnist", "data_dir": str(data), "train_subset": 200, "test_subset": 100}
+    run(config("sfl_v1", tmp_path / "local", **fashion), progress=False)
+    monkeypatch.setattr(ray_backend, "start_roles", without_files)
+    run(config("sfl_v1", tmp_path / "ray", backend="ray", workers=2, **fashion), progress=False)
+    assert not data.exists()
+    assert results(tmp_path / "local") == results(tmp_path / "ray")
+
+
 def test_a_run_resumed_on_ray_ends_as_an_uninterrupted_one(local_ray, tmp_path: Path, monkeypatch):
     """FSL-SAGE, aligning every round: the checkpoint (server buffers, aux models, client parts)
     goes into the actors, and the resumed rounds end bit for bit as in process."""
