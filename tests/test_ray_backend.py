@@ -138,9 +138,9 @@ def test_more_workers_than_free_cpus_are_refused(local_ray, tmp_path: Path):
     assert not (tmp_path / "o").exists()
 
 
-def kill_an_actor_mid_round(monkeypatch, round_index: int = 1) -> list[str]:
-    """ray.kill the actor of the first client to send its cut gradient request after round
-    `round_index` began (once); returns the killed actor's verb calls, for the test to check."""
+def kill_an_actor_mid_round(monkeypatch, round_index: int = 1, kill=ray.kill) -> list[str]:
+    """`kill` (default: ray.kill) the actor of the first client to send its cut gradient request
+    after round `round_index` began (once); returns what happened, for the test to check."""
     call = ray_backend.RayTransport.call
     seen: list[str] = []
 
@@ -149,7 +149,7 @@ def kill_an_actor_mid_round(monkeypatch, round_index: int = 1) -> list[str]:
             if method.name == "begin_round" and args == (round_index,) and not seen:
                 seen.append("round")
             elif method.name == "backward" and seen == ["round"]:
-                ray.kill(method.host)
+                kill(method.host)
                 seen.append(f"killed client {method.key}'s actor")
         return call(self, method, spec, counted, *args, **kwargs)
 
