@@ -110,6 +110,25 @@ def test_workers_on_nodes_without_the_data_files_run_from_the_object_store(local
     assert results(tmp_path / "local") == results(tmp_path / "ray")
 
 
+def test_personal_models_on_held_out_samples_are_evaluated_on_the_workers(local_ray, tmp_path, monkeypatch):
+    """test_split=client, PSL: each client's personal model runs on the worker holding it, on the
+    samples it holds out; only logits come back. The same metrics as in process; the driver fetches
+    no client model but for the finished run's clients.safetensors (one per client)."""
+    held = {"test_split": "client:0.2"}
+    run(config("psl", tmp_path / "local", **held), progress=False)
+    call, fetched = ray_backend.RayTransport.call, []
+
+    def counting(self, method, spec, counted, *args, **kwargs):
+        if isinstance(method, ray_backend.RemoteVerb) and method.name == "snapshot" and method.key != "server":
+            fetched.append(method.key)
+        return call(self, method, spec, counted, *args, **kwargs)
+
+    monkeypatch.setattr(ray_backend.RayTransport, "call", counting)
+    run(config("psl", tmp_path / "ray", backend="ray", workers=2, **held), progress=False)
+    assert results(tmp_path / "local") == results(tmp_path / "ray")
+    assert sorted(fetched) == [0, 1, 2, 3]
+
+
 def test_a_run_resumed_on_ray_ends_as_an_uninterrupted_one(local_ray, tmp_path: Path, monkeypatch):
     """FSL-SAGE, aligning every round: the checkpoint (server buffers, aux models, client parts)
     goes into the actors, and the resumed rounds end bit for bit as in process."""

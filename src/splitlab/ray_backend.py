@@ -36,7 +36,7 @@ from splitlab.config import ResolvedConfig, resolve_config
 from splitlab.data.datasets import Dataset
 from splitlab.errors import NonFiniteStep, RoleLost, UserError
 from splitlab.ledger import Ledger
-from splitlab.metrics import TASK_METRICS
+from splitlab.metrics import TASK_METRICS, logits_in_batches
 from splitlab.models import shared_state
 from splitlab.plugins import ray_options
 from splitlab.process import peak_memory_mib, set_worker_threads
@@ -84,7 +84,7 @@ class RoleHost:
             )
             self.roles = {SERVER: algorithm.Server(self.blueprint)}
             return
-        self.data, self.owners = dataset_of(shared["dataset"]), shared["owners"]
+        self.data, self.owners, self.held_out = dataset_of(shared["dataset"]), shared["owners"], shared["held_out"]
         self.metrics = TASK_METRICS[self.data.task]
         self.blueprint = engine.make_blueprint(config, self.data, self.device)
         self.roles = {node.id: node for node in self._nodes(placed)}
@@ -142,6 +142,18 @@ class RoleHost:
             node.load_copy(slot, weights)
         self.roles[client_id] = node
 
+    def personal_logits(self, request: bytes) -> bytes:
+        """test_split=client: the logits of the personal models of the clients the request names (all
+        held here) on the samples each holds out, with the server part the request holds (encoded)."""
+        message = codec.decode(request, self.device)
+        slot, server = message["slot"], message["server"]
+        logits = {}
+        for k in message["clients"]:
+            x = self.data.inputs(self.data.train_x[self.held_out[k]].to(self.device))
+            model = self.assemble([self.roles[k].snapshot(slot), server])
+            logits[str(k)] = logits_in_batches(model, x, self.blueprint.inference_batch)
+        return codec.encode(logits)
+
     def personal_metrics(self, request: bytes) -> str:
         """The test metrics of the personal models here (each client's `slot`, then the server part
         the request holds), as JSON: {"trained": {client id: metrics}, "untrained": metrics}. The
@@ -163,16 +175,20 @@ class RoleHost:
         return json.dumps({"trained": trained, "untrained": untrained})
 
 
-def shared_data(data: Dataset, owners: list[np.ndarray], with_test: bool) -> dict[str, Any]:
+def shared_data(
+    data: Dataset, owners: list[np.ndarray], held_out: list[np.ndarray] | None, with_test: bool
+) -> dict[str, Any]:
     """What every client worker gets through Ray's object store (one copy per node): the dataset's
     fields, its tensors as numpy arrays (which actors map without copying), the test split only
-    where the actors evaluate (`with_test`), and every client's sample indices."""
+    where the actors evaluate (`with_test`), every client's sample indices, and those it holds
+    out (test_split=client; None: none)."""
     fields = {field.name: getattr(data, field.name) for field in dataclasses.fields(data)}
     fields["train_groups"] = None  # the partition is the driver's: the owners below
     if not with_test:
         fields["test_x"], fields["test_y"] = data.test_x[:0], data.test_y[:0]
     arrays = {name: value.numpy() if isinstance(value, torch.Tensor) else value for name, value in fields.items()}
-    return {"dataset": arrays, "owners": dict(enumerate(owners))}
+    held = dict(enumerate(held_out)) if held_out is not None else None
+    return {"dataset": arrays, "owners": dict(enumerate(owners)), "held_out": held}
 
 
 def dataset_of(fields: dict[str, Any]) -> Dataset:
@@ -339,6 +355,25 @@ class RayTransport(SerializedTransport):
         )
         return [by_id.get(k, untrained) for k in client_ids]
 
+    def personal_logits(self, algorithm: Any, client_ids: list[int]) -> list[torch.Tensor]:
+        """test_split=client: every client's personal-model logits on the samples it holds out,
+        computed on the workers holding the clients (the server part goes once to each worker that
+        holds one; no client model travels), in the order of `client_ids`."""
+        client_slot, server_slot = algorithm.personal_slots
+        server = algorithm.server.snapshot(server_slot)
+        by_worker: dict[int, list[int]] = {}
+        for k in client_ids:
+            by_worker.setdefault(self.clients[k].worker, []).append(k)
+        requests = {
+            w: codec.encode({"slot": client_slot, "server": server, "clients": ks}) for w, ks in by_worker.items()
+        }
+        pending = [self.hosts[w].personal_logits.remote(request) for w, request in requests.items()]
+        replies = wait_for(pending, "evaluation")
+        with self._lock:
+            self.remote_bytes += sum(map(len, requests.values())) + sum(map(len, replies))
+        logits = {int(k): t for reply in replies for k, t in codec.decode(reply, self.device).items()}
+        return [logits[k] for k in client_ids]
+
     def connect(self, role: object, counted: bool) -> Proxy:
         if isinstance(role, RemoteRole):
             return Proxy(self, role, counted, role.role_class)
@@ -367,7 +402,12 @@ def install_noise_secret(transport: RayTransport, secret: bytes) -> None:
 
 
 def start_roles(
-    config: ResolvedConfig, data: Dataset, owners: list[np.ndarray], blueprint: Blueprint, transport: RayTransport
+    config: ResolvedConfig,
+    data: Dataset,
+    owners: list[np.ndarray],
+    held_out: list[np.ndarray] | None,
+    blueprint: Blueprint,
+    transport: RayTransport,
 ) -> tuple[dict[int, RemoteRole], RemoteRole]:
     """Start `workers` client actors (client k first on worker k mod `workers`) and the training
     server's actor (local Ray, or the cluster RAY_ADDRESS names), the dataset going to the client
@@ -392,7 +432,7 @@ def start_roles(
     algorithm_class = get_algorithm(run.algorithm)
     Host = ray.remote(num_cpus=run.cpus_per_client, num_gpus=run.gpus_per_client, **ray_options(run.plugins))(RoleHost)
     config_json = json.dumps(config.as_dict())
-    shared = ray.put(shared_data(data, owners, with_test=algorithm_class.personal_models))
+    shared = ray.put(shared_data(data, owners, held_out, with_test=algorithm_class.personal_models))
     hosts = [Host.remote(config_json, shared, list(range(w, len(owners), run.workers)), "") for w in range(run.workers)]
     data_shape = {
         "input_shape": list(blueprint.input_shape),
