@@ -71,7 +71,7 @@ def always_elsewhere(monkeypatch) -> None:
 
     def pick(self, client):
         others = sorted(self._free - {client.worker})
-        return others[0] if others else client.worker
+        return others[0] if others else (client.worker if client.worker in self._free else None)
 
     monkeypatch.setattr(ray_backend.RayTransport, "_pick", pick)
 

@@ -284,8 +284,9 @@ class RayTransport(SerializedTransport):
         one busy least so far (the client's state moves there); its time there is the worker's load."""
         client = self.clients[client_id]
         with self._freed:
-            self._freed.wait_for(lambda: bool(self._free))
-            worker = self._pick(client)
+            while (picked := self._pick(client)) is None:
+                self._freed.wait()
+            worker = picked
             self._free.remove(worker)
         started = time.perf_counter()
         try:
@@ -298,13 +299,14 @@ class RayTransport(SerializedTransport):
                 self.busy_seconds[worker] += seconds
                 self._load[worker] += seconds
                 self._free.add(worker)
-                self._freed.notify()
+                self._freed.notify_all()
 
-    def _pick(self, client: RemoteRole) -> int:
-        """The free client worker `client` trains on: its own, else the one busy least so far."""
+    def _pick(self, client: RemoteRole) -> int | None:
+        """The free client worker `client` trains on: its own, else the one busy least so far (None:
+        none is free)."""
         if client.worker in self._free:
             return client.worker
-        return min(self._free, key=lambda worker: (self.busy_seconds[worker], worker))
+        return min(self._free, key=lambda worker: (self.busy_seconds[worker], worker), default=None)
 
     def _move(self, client: RemoteRole, worker: int) -> None:
         """`client`'s state from the actor holding it to client worker `worker`, actor to actor."""
