@@ -3,7 +3,7 @@
 The dataset goes into Ray's object store once (each node gets one copy, which the actors there
 map without copying): a node without the data files runs clients, and the training server's
 actor, which holds no samples, is built from the data's shape alone. Each of the `workers` actors
-starts with clients k = w mod workers, built in the actor from the run's configuration and the
+starts with the clients k with k mod workers = w, built in the actor from the run's configuration and the
 indices of their samples; a client that trains goes to whichever worker is free
 (`RayTransport.lease`), its state (kept models, optimizers, working copies, round) moving from
 actor to actor through the object store, never through the driver. The sync server and the
