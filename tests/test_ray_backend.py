@@ -76,17 +76,38 @@ def always_elsewhere(monkeypatch) -> None:
     monkeypatch.setattr(ray_backend.RayTransport, "_pick", pick)
 
 
-@pytest.mark.parametrize("algorithm", ["psl", "cse_fsl", "splitgp"])
-def test_clients_moved_between_workers_end_bit_for_bit(local_ray, algorithm, tmp_path: Path, monkeypatch):
+def fetching_client_models(monkeypatch) -> list:
+    """The ids of the clients whose models the driver fetches (`snapshot`), as they are fetched."""
+    call, fetched = ray_backend.RayTransport.call, []
+
+    def counting(self, method, spec, counted, *args, **kwargs):
+        if isinstance(method, ray_backend.RemoteVerb) and method.name == "snapshot" and method.key != "server":
+            fetched.append(method.key)
+        return call(self, method, spec, counted, *args, **kwargs)
+
+    monkeypatch.setattr(ray_backend.RayTransport, "call", counting)
+    return fetched
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "extra"), [("psl", {"test_split": "client:0.2"}), ("cse_fsl", {}), ("splitgp", {})]
+)
+def test_clients_moved_between_workers_end_bit_for_bit(local_ray, algorithm, extra, tmp_path: Path, monkeypatch):
     """Clients moved whenever they train: their kept models and optimizers (PSL, SplitGP, whose
     optimizers start afresh each round), the working copies downloaded before they train (CSE-FSL)
-    and the round go with them; every number and the weights as in process."""
-    run(config(algorithm, tmp_path / "local"), progress=False)
+    and the round go with them; every number and the weights as in process. PSL with
+    test_split=client: each personal model runs on its worker on the samples its client holds out
+    (logits come back); the driver fetches client models only for the finished run's
+    clients.safetensors, one per client."""
+    run(config(algorithm, tmp_path / "local", **extra), progress=False)
     always_elsewhere(monkeypatch)
-    run(config(algorithm, tmp_path / "ray", backend="ray", workers=2), progress=False)
+    fetched = fetching_client_models(monkeypatch)
+    run(config(algorithm, tmp_path / "ray", backend="ray", workers=2, **extra), progress=False)
     assert results(tmp_path / "local") == results(tmp_path / "ray")
     rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
     assert all(row["ray_client_moves"] > 0 and len(row["ray_worker_seconds"]) == 2 for row in rows)
+    if extra:
+        assert sorted(fetched) == [0, 1, 2, 3]
 
 
 def test_workers_on_nodes_without_the_data_files_run_from_the_object_store(local_ray, tmp_path: Path, monkeypatch):
@@ -108,25 +129,6 @@ def test_workers_on_nodes_without_the_data_files_run_from_the_object_store(local
     run(config("sfl_v1", tmp_path / "ray", backend="ray", workers=2, **fashion), progress=False)
     assert not data.exists()
     assert results(tmp_path / "local") == results(tmp_path / "ray")
-
-
-def test_personal_models_on_held_out_samples_are_evaluated_on_the_workers(local_ray, tmp_path, monkeypatch):
-    """test_split=client, PSL: each client's personal model runs on the worker holding it, on the
-    samples it holds out; only logits come back. The same metrics as in process; the driver fetches
-    no client model but for the finished run's clients.safetensors (one per client)."""
-    held = {"test_split": "client:0.2"}
-    run(config("psl", tmp_path / "local", **held), progress=False)
-    call, fetched = ray_backend.RayTransport.call, []
-
-    def counting(self, method, spec, counted, *args, **kwargs):
-        if isinstance(method, ray_backend.RemoteVerb) and method.name == "snapshot" and method.key != "server":
-            fetched.append(method.key)
-        return call(self, method, spec, counted, *args, **kwargs)
-
-    monkeypatch.setattr(ray_backend.RayTransport, "call", counting)
-    run(config("psl", tmp_path / "ray", backend="ray", workers=2, **held), progress=False)
-    assert results(tmp_path / "local") == results(tmp_path / "ray")
-    assert sorted(fetched) == [0, 1, 2, 3]
 
 
 def test_a_run_resumed_on_ray_ends_as_an_uninterrupted_one(local_ray, tmp_path: Path, monkeypatch):
