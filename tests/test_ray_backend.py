@@ -16,7 +16,15 @@ from splitlab import ray_backend
 from splitlab.engine import run
 from splitlab.errors import RoundFailed, UserError
 
-TIMING = ("wall_seconds", "round_compute_seconds", "envelope_bytes", "driver_actor_bytes", "ray_startup_seconds")
+TIMING = (
+    "wall_seconds",
+    "round_compute_seconds",
+    "envelope_bytes",
+    "driver_actor_bytes",
+    "ray_startup_seconds",
+    "ray_worker_seconds",
+    "ray_client_moves",
+)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +66,71 @@ def test_ray_backend_is_bit_identical_to_in_process(local_ray, algorithm, tmp_pa
     assert all(row["driver_actor_bytes"] > 0 and row["round_compute_seconds"]["client"] > 0 for row in rows)
 
 
+def always_elsewhere(monkeypatch) -> None:
+    """Every client that trains goes to a free worker other than the one holding it, where there is one."""
+
+    def pick(self, client):
+        others = sorted(self._free - {client.worker})
+        return others[0] if others else (client.worker if client.worker in self._free else None)
+
+    monkeypatch.setattr(ray_backend.RayTransport, "_pick", pick)
+
+
+def fetching_client_models(monkeypatch) -> list:
+    """The ids of the clients whose models the driver fetches (`snapshot`), as they are fetched."""
+    call, fetched = ray_backend.RayTransport.call, []
+
+    def counting(self, method, spec, counted, *args, **kwargs):
+        if isinstance(method, ray_backend.RemoteVerb) and method.name == "snapshot" and method.key != "server":
+            fetched.append(method.key)
+        return call(self, method, spec, counted, *args, **kwargs)
+
+    monkeypatch.setattr(ray_backend.RayTransport, "call", counting)
+    return fetched
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "extra"), [("psl", {"test_split": "client:0.2"}), ("cse_fsl", {}), ("splitgp", {})]
+)
+def test_clients_moved_between_workers_end_bit_for_bit(local_ray, algorithm, extra, tmp_path: Path, monkeypatch):
+    """Clients moved whenever they train: their kept models and optimizers (PSL, SplitGP, whose
+    optimizers start afresh each round), the working copies downloaded before they train (CSE-FSL)
+    and the round go with them; every number and the weights as in process. PSL with
+    test_split=client: each personal model runs on its worker on the samples its client holds out
+    (logits come back); the driver fetches client models only for the finished run's
+    clients.safetensors, one per client."""
+    run(config(algorithm, tmp_path / "local", **extra), progress=False)
+    always_elsewhere(monkeypatch)
+    fetched = fetching_client_models(monkeypatch)
+    run(config(algorithm, tmp_path / "ray", backend="ray", workers=2, **extra), progress=False)
+    assert results(tmp_path / "local") == results(tmp_path / "ray")
+    rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
+    assert all(row["ray_client_moves"] > 0 and len(row["ray_worker_seconds"]) == 2 for row in rows)
+    if extra:
+        assert sorted(fetched) == [0, 1, 2, 3]
+
+
+def test_workers_on_nodes_without_the_data_files_run_from_the_object_store(local_ray, tmp_path: Path, monkeypatch):
+    """The dataset's files are gone once the driver has read them, before any actor starts: the
+    workers get the samples through Ray's object store (and the server never needs them)."""
+    from splitlab.data.datasets import FASHION_MNIST_SYSTEM_DIR
+
+    data = tmp_path / "data"
+    shutil.copytree(FASHION_MNIST_SYSTEM_DIR, data)
+    start_roles = ray_backend.start_roles
+
+    def without_files(*args, **kwargs):
+        shutil.rmtree(data)
+        return start_roles(*args, **kwargs)
+
+    fashion = {"dataset": "fashion_mnist", "data_dir": str(data), "train_subset": 200, "test_subset": 100}
+    run(config("sfl_v1", tmp_path / "local", **fashion), progress=False)
+    monkeypatch.setattr(ray_backend, "start_roles", without_files)
+    run(config("sfl_v1", tmp_path / "ray", backend="ray", workers=2, **fashion), progress=False)
+    assert not data.exists()
+    assert results(tmp_path / "local") == results(tmp_path / "ray")
+
+
 def test_a_run_resumed_on_ray_ends_as_an_uninterrupted_one(local_ray, tmp_path: Path, monkeypatch):
     """FSL-SAGE, aligning every round: the checkpoint (server buffers, aux models, client parts)
     goes into the actors, and the resumed rounds end bit for bit as in process."""
@@ -86,9 +159,9 @@ def test_more_workers_than_free_cpus_are_refused(local_ray, tmp_path: Path):
     assert not (tmp_path / "o").exists()
 
 
-def kill_an_actor_mid_round(monkeypatch, round_index: int = 1) -> list[str]:
-    """ray.kill the actor of the first client to send its cut gradient request after round
-    `round_index` began (once); returns the killed actor's verb calls, for the test to check."""
+def kill_an_actor_mid_round(monkeypatch, round_index: int = 1, kill=ray.kill) -> list[str]:
+    """`kill` (default: ray.kill) the actor of the first client to send its cut gradient request
+    after round `round_index` began (once); returns what happened, for the test to check."""
     call = ray_backend.RayTransport.call
     seen: list[str] = []
 
@@ -97,7 +170,7 @@ def kill_an_actor_mid_round(monkeypatch, round_index: int = 1) -> list[str]:
             if method.name == "begin_round" and args == (round_index,) and not seen:
                 seen.append("round")
             elif method.name == "backward" and seen == ["round"]:
-                ray.kill(method.host)
+                kill(method.host)
                 seen.append(f"killed client {method.key}'s actor")
         return call(self, method, spec, counted, *args, **kwargs)
 

@@ -4,6 +4,9 @@ exit 2, before any run or sweep directory (or lock) is made; no Ray is started."
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import ray
@@ -38,4 +41,39 @@ def test_sweep_on_a_ray_address_where_nothing_listens(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert f"nothing answers at Ray address {NOBODY!r}" in err
+    assert not out.exists()
+
+
+HEAD = """
+import sys
+from ray.cluster_utils import Cluster
+cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+print(cluster.address, flush=True)
+sys.stdin.read()
+cluster.shutdown()
+"""
+
+
+def test_backend_ray_without_the_token_of_a_token_auth_cluster(tmp_path):
+    """A head started with token authentication (RAY_AUTH_MODE=token, its token in RAY_AUTH_TOKEN);
+    a run without the token (none in the environment nor in ~/.ray) fails at once, in one line
+    naming the cause and what to set, exit 2, nothing written."""
+    ray_free = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0123456789abcdef0123456789abcdef"}
+    pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+    head = subprocess.Popen([sys.executable, "-c", HEAD], env={**ray_free, **token}, **pipes)
+    try:
+        address = head.stdout.readline().strip()
+        home = tmp_path / "home"  # no ~/.ray/auth_token
+        home.mkdir()
+        out = tmp_path / "run"
+        run = [sys.executable, "-m", "splitlab", "run", "dataset=synthetic", "model=mlp", "backend=ray", f"out={out}"]
+        env = {**ray_free, "HOME": str(home), "RAY_ADDRESS": address, "PYTHONPATH": os.pathsep.join(sys.path)}
+        refused = subprocess.run(run, env=env, capture_output=True, text=True)
+    finally:
+        head.communicate("")
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:") or "Traceback" in line]
+    assert refused.returncode == 2 and len(errors) == 1
+    assert f"Ray at {address!r} uses token authentication and refused this process" in errors[0]
+    assert "set RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN" in errors[0]
     assert not out.exists()

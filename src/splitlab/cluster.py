@@ -9,9 +9,12 @@ token into the directory and a task pinned to every node reads it back.
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import os
 import secrets
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -44,6 +47,8 @@ def connect(address: str) -> ModuleType:
         named = os.environ.get("RAY_ADDRESS", "") if address == "auto" else address
         if named and named not in ("auto", "local"):
             check_answers(named)
+            if not named.startswith("ray://"):  # a cluster's own address: its GCS, which can say at once
+                check_authentication(named)
         try:
             ray.init(address=None if address == "auto" else address, include_dashboard=False, log_to_driver=False)
         except ray.exceptions.AuthenticationError as error:
@@ -79,6 +84,41 @@ def check_answers(address: str) -> None:
             f"nothing answers at Ray address {address!r} ({error.strerror or error}); start the cluster "
             f"(`ray start --head`) or correct the address"
         ) from None
+
+
+def check_authentication(address: str) -> None:
+    """UserError if the Ray cluster at `address` (its GCS, host:port) refuses this process's
+    authentication: one request, answered at once, where ray.init would retry for 30 s and print
+    a warning a second. Anything else is left to ray.init to report."""
+    ray = ray_module()
+    gcs_client = getattr(importlib.import_module("ray._raylet"), "GcsClient", None)  # Ray's own; not public
+    if gcs_client is None:
+        return
+    try:
+        with _quiet_stderr():  # Ray's C++ client prints the refusal too, as a warning
+            gcs_client(address=address)
+    except ray.exceptions.AuthenticationError as error:
+        cause = str(error).removeprefix("RPC error: ").split(". ")[0]
+        raise UserError(
+            f"Ray at {address!r} uses token authentication and refused this process ({cause}): set "
+            f"RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN (or a file named by "
+            f"RAY_AUTH_TOKEN_PATH), as on its nodes"
+        ) from None
+    except Exception:  # noqa: BLE001 - not an authentication failure: ray.init says what it is
+        return
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """File descriptor 2 to /dev/null (what C++ libraries write there too), then back."""
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def this_node() -> str:

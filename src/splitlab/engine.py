@@ -259,6 +259,7 @@ class _Plan:
     partition_report: dict | None  # data=own: from the clients' reports
     algorithm_class: type[Algorithm]
     blueprint: Blueprint
+    held_out: list[np.ndarray] | None = None  # test_split=client: the samples each client holds out
 
     @property
     def client_count(self) -> int:
@@ -293,7 +294,7 @@ def _plan(config: ResolvedConfig) -> _Plan:
     _check_task(config, data)
     indices = _client_indices(config, data)
     held_out = parse_test_split(run.test_split)
-    client_test = None
+    client_test, held = None, None
     if held_out is not None:
         indices, held = _hold_out(indices, held_out, run.seed)  # prepared once, for every evaluation
         client_test = [(data.inputs(data.train_x[idx].to(device)), data.train_y[idx].to(device)) for idx in held]
@@ -302,7 +303,7 @@ def _plan(config: ResolvedConfig) -> _Plan:
     blueprint = make_blueprint(config, data, device)
     _check_cut(blueprint, algorithm_class)
     owners = algorithm_class.data_owners(indices)
-    return _Plan(config, data, owners, client_test, report, algorithm_class, blueprint)
+    return _Plan(config, data, owners, client_test, report, algorithm_class, blueprint, held)
 
 
 def load_data(run: RunConfig) -> Dataset:
@@ -445,7 +446,9 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
 
         transport_ = ray_backend.RayTransport(ledger, device, run.workers)
         assert plan.owners is not None
-        client_roles, server = ray_backend.start_roles(config, dict(enumerate(plan.owners)), blueprint, transport_)
+        client_roles, server = ray_backend.start_roles(
+            config, plan.data, plan.owners, plan.held_out, blueprint, transport_
+        )
         client_proxies = {k: transport_.connect(role, counted=True) for k, role in client_roles.items()}
     else:
         transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
@@ -475,6 +478,7 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         transport_.connect(sync, counted=False),
         transport_.concurrency,
         transport_.drop if transport_.remote else None,
+        transport_.lease,
     )
     algorithm = algorithm_class(context)
     transport_.on_rejoin = algorithm.rejoined
@@ -511,10 +515,13 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     metrics = TASK_METRICS[data.task]
     if experiment.client_test is not None:
         held = [(k, x, y) for k, (x, y) in enumerate(experiment.client_test) if len(y)]
-        logits = torch.cat(
-            [logits_in_batches(experiment.assemble(algorithm.personal_model(k)), x, batch) for k, x, _ in held]
+        where_they_are = getattr(experiment.transport, "personal_logits", None)  # backend=ray: on the actors
+        logits = (
+            where_they_are(algorithm, [k for k, _, _ in held])
+            if where_they_are is not None and algorithm.personal_models
+            else [logits_in_batches(experiment.assemble(algorithm.personal_model(k)), x, batch) for k, x, _ in held]
         )
-        return metrics(logits, torch.cat([y for _, _, y in held]))
+        return metrics(torch.cat(logits), torch.cat([y for _, _, y in held]))
     if algorithm.personal_models:
         ids = [c.id for c in experiment.clients]
         where_they_are = getattr(experiment.transport, "personal_metrics", None)  # backend=ray: on the actors

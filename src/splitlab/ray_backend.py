@@ -1,50 +1,60 @@
-"""backend=ray: client nodes on a fixed pool of long-lived Ray actors, the training server on its own.
+"""backend=ray: client nodes on a pool of long-lived Ray actors, the training server on its own.
 
-Each of the `workers` actors holds many virtual clients (client k on actor k mod workers), built
-in the actor from the run's configuration and the indices of its clients' samples: the samples
-never leave the machine that loads them. The training server is one more actor, built from the
-data's shape alone (it holds no samples); the sync server and the algorithm stay in the driver,
-with the engine. Personal models are evaluated on the actors that hold them (only metrics come
-back), and a lost actor raises `RoleLost`, on which the engine builds the actors again and
-replays from the last checkpoint. Every verb call and its result travel as
-`splitlab.codec` bytes (safetensors + JSON), as through the serialized transport, so results are
-bit for bit those of an in-process run. Ray itself pickles what it carries (here: those bytes,
-client ids and verb names), between processes of a cluster the user started and trusts.
+The dataset goes into Ray's object store once (each node gets one copy, which the actors there
+map without copying): a node without the data files runs clients, and the training server's
+actor, which holds no samples, is built from the data's shape alone. Each of the `workers` actors
+starts with the clients k with k mod workers = w, built in the actor from the run's configuration and the
+indices of their samples; a client that trains goes to whichever worker is free
+(`RayTransport.lease`), its state (kept models, optimizers, working copies, round) moving from
+actor to actor through the object store, never through the driver. The sync server and the
+algorithm stay in the driver, with the engine. Personal models are evaluated on the actors that
+hold them (only metrics come back), and a lost actor raises `RoleLost`, on which the engine
+builds the actors again and replays from the last checkpoint. Every verb call and its result
+travel as `splitlab.codec` bytes (safetensors + JSON), as through the serialized transport, so
+results are bit for bit those of an in-process run. Ray itself pickles what it carries (here:
+those bytes, client ids, verb names and the dataset's arrays), between processes of a cluster
+the user started and trusts.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib
 import json
 import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import numpy as np
 import torch
 
 from splitlab import cluster, codec
 from splitlab.config import ResolvedConfig
+from splitlab.data.datasets import Dataset
 from splitlab.errors import NonFiniteStep, RoleLost, UserError
 from splitlab.ledger import Ledger
-from splitlab.metrics import TASK_METRICS
+from splitlab.metrics import TASK_METRICS, logits_in_batches
+from splitlab.models import shared_state
 from splitlab.plugins import ray_options
 from splitlab.process import peak_memory_mib, set_worker_threads, training_device
 from splitlab.resolve import resolve_config
-from splitlab.roles import Blueprint, Role, State
+from splitlab.roles import Blueprint, ClientNode, Role, State
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
 
 SERVER = "server"  # the training server's key in its actor
 
 
 class RoleHost:
-    """A Ray actor's roles: the client nodes of `owners` (client id -> sample indices), or, without
-    owners, the training server, from the data's shape alone (`data_shape`, JSON); built from the
-    configuration, as in the driver. A bad setting found while building (a node without the
-    dataset) is kept, not raised, for `ready` to report with the node's id and hostname."""
+    """A Ray actor's roles: the client nodes `placed` here (a client worker, given the run's
+    `shared` data: `SharedData`), or, without data, the training server, from the data's shape
+    alone (`data_shape`, JSON); built from the configuration, as in the driver. A bad setting
+    found while building (a device this node lacks) is kept, not raised, for `ready` to report
+    with the node's id and hostname."""
 
-    def __init__(self, config_json: str, owners: bytes | None, data_shape: str) -> None:
+    def __init__(self, config_json: str, shared: dict[str, Any] | None, placed: list[int], data_shape: str) -> None:
         from splitlab import engine
 
         config = resolve_config(json.loads(config_json))
@@ -54,33 +64,39 @@ class RoleHost:
         importlib.import_module("torch._dynamo")
         self.failure: str | None = None
         try:
-            self._build(config, owners, data_shape, engine)
+            self._build(config, shared, placed, data_shape, engine)
         except UserError as error:
             self.failure = f"{cluster.this_node()}: {error}"
 
-    def _build(self, config: ResolvedConfig, owners: bytes | None, data_shape: str, engine: Any) -> None:
+    def _build(
+        self, config: ResolvedConfig, shared: dict[str, Any] | None, placed: list[int], data_shape: str, engine: Any
+    ) -> None:
         from splitlab.algorithms import get_algorithm
 
         run = config.run
         algorithm = get_algorithm(run.algorithm)
         self.device = assigned_device() if run.device == "auto" else engine.resolve_device(run.device)
         self.roles: dict[int | str, Role]
-        if owners is None:  # the training server holds no samples: it never loads them
+        if shared is None:  # the training server holds no samples: it never loads them
             shape = json.loads(data_shape)
             dtype = getattr(torch, shape["input_dtype"].removeprefix("torch."))
             self.blueprint = engine.blueprint_of(
                 config, self.device, tuple(shape["input_shape"]), shape["num_classes"], dtype, shape["task"]
             )
             self.roles = {SERVER: algorithm.Server(self.blueprint)}
-        else:
-            data = engine.load_data(run)
-            self.metrics = TASK_METRICS[data.task]
-            self.blueprint = engine.make_blueprint(config, data, self.device)
-            indices = {int(k): idx.numpy() for k, idx in codec.decode(owners).items()}
-            self.roles = {node.id: node for node in engine.client_nodes(self.blueprint, data, indices)}
-            if algorithm.personal_models:  # evaluated here, where the personal models are
-                self.test = engine.test_set(config, data, self.device)
-                self.assemble = engine.Assembler(self.blueprint)
+            return
+        self.data, self.owners, self.held_out = dataset_of(shared["dataset"]), shared["owners"], shared["held_out"]
+        self.metrics = TASK_METRICS[self.data.task]
+        self.blueprint = engine.make_blueprint(config, self.data, self.device)
+        self.roles = {node.id: node for node in self._nodes(placed)}
+        if algorithm.personal_models:  # evaluated here, where the personal models are
+            self.test = engine.test_set(config, self.data, self.device)
+            self.assemble = engine.Assembler(self.blueprint)
+
+    def _nodes(self, client_ids: list[int]) -> list[ClientNode]:
+        from splitlab import engine
+
+        return engine.client_nodes(self.blueprint, self.data, {k: self.owners[k] for k in client_ids})
 
     def ready(self) -> str | None:
         """None once the roles are built; else why they could not be, naming this node."""
@@ -106,6 +122,39 @@ class RoleHost:
         message = codec.decode(request, self.device)
         return codec.encode(getattr(role, name)(*message["args"], **message["kwargs"]))
 
+    def give_up(self, client_id: int) -> bytes:
+        """Client `client_id` leaves this actor for another (`adopt`): what it holds, encoded (its
+        kept models and optimizers, the working copies it was given this round, and the round)."""
+        node = cast(ClientNode, self.roles.pop(client_id))
+        copies = {slot: shared_state(node.models[slot]) for slot in sorted(node.scratch)}
+        moving = codec.encode({"state": node.state_dict(), "copies": copies, "round": node.round})
+        for slot in copies:
+            node.return_copy(slot)
+        return moving
+
+    def adopt(self, client_id: int, moving: bytes) -> None:
+        """Client `client_id` comes here with what `give_up` encoded, before it trains in its round:
+        built afresh from its samples, it gets its state, the round begins, its copies are loaded."""
+        (node,) = self._nodes([client_id])
+        message = codec.decode(moving, self.device)
+        node.load_state_dict(message["state"])
+        node.begin_round(message["round"])
+        for slot, weights in message["copies"].items():
+            node.load_copy(slot, weights)
+        self.roles[client_id] = node
+
+    def personal_logits(self, request: bytes) -> bytes:
+        """test_split=client: the logits of the personal models of the clients the request names (all
+        held here) on the samples each holds out, with the server part the request holds (encoded)."""
+        message = codec.decode(request, self.device)
+        slot, server = message["slot"], message["server"]
+        logits = {}
+        for k in message["clients"]:
+            x = self.data.inputs(self.data.train_x[self.held_out[k]].to(self.device))
+            model = self.assemble([self.roles[k].snapshot(slot), server])
+            logits[str(k)] = logits_in_batches(model, x, self.blueprint.inference_batch)
+        return codec.encode(logits)
+
     def personal_metrics(self, request: bytes) -> str:
         """The test metrics of the personal models here (each client's `slot`, then the server part
         the request holds), as JSON: {"trained": {client id: metrics}, "untrained": metrics}. The
@@ -127,6 +176,33 @@ class RoleHost:
         return json.dumps({"trained": trained, "untrained": untrained})
 
 
+def shared_data(
+    data: Dataset, owners: list[np.ndarray], held_out: list[np.ndarray] | None, with_test: bool
+) -> dict[str, Any]:
+    """What every client worker gets through Ray's object store (one copy per node): the dataset's
+    fields, its tensors as numpy arrays (which actors map without copying), the test split only
+    where the actors evaluate (`with_test`), every client's sample indices, and those it holds
+    out (test_split=client; None: none)."""
+    fields = {field.name: getattr(data, field.name) for field in dataclasses.fields(data)}
+    fields["train_groups"] = None  # the partition is the driver's: the owners below
+    if not with_test:
+        fields["test_x"], fields["test_y"] = data.test_x[:0], data.test_y[:0]
+    arrays = {name: value.numpy() if isinstance(value, torch.Tensor) else value for name, value in fields.items()}
+    held = dict(enumerate(held_out)) if held_out is not None else None
+    return {"dataset": arrays, "owners": dict(enumerate(owners)), "held_out": held}
+
+
+def dataset_of(fields: dict[str, Any]) -> Dataset:
+    """The dataset `shared_data` sent, its tensors over the object store's read-only memory (nothing
+    writes to them: a client's samples and the test set are copies indexed out of them)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        tensors: dict[str, Any] = {
+            name: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for name, v in fields.items()
+        }
+    return Dataset(**tensors)
+
+
 def assigned_device() -> torch.device:
     """device=auto in an actor: the GPU Ray gave it (gpus_per_client > 0), else the CPU, even on a node
     with GPUs (Ray no longer hides them from actors that asked for none)."""
@@ -134,10 +210,19 @@ def assigned_device() -> torch.device:
 
 
 class RemoteVerb:
-    """One verb of a role in a Ray actor: request bytes in, result bytes out (waits for the result)."""
+    """One verb of a role in a Ray actor: request bytes in, result bytes out (waits for the result),
+    sent to the actor that holds the role when called (a client moves between workers)."""
 
-    def __init__(self, host: Any, key: int | str, name: str) -> None:
-        self.host, self.key, self.name = host, key, name
+    def __init__(self, role: RemoteRole, name: str) -> None:
+        self.role, self.name = role, name
+
+    @property
+    def host(self) -> Any:
+        return self.role.host
+
+    @property
+    def key(self) -> int | str:
+        return self.role.key
 
     def __call__(self, request: bytes) -> bytes:
         return wait_for(self.host.call.remote(self.key, self.name, request), f"{self.key} {self.name}")
@@ -158,20 +243,25 @@ def wait_for(pending: Any, what: str) -> Any:
 
 
 class RemoteRole:
-    """A role in a Ray actor, as the driver's proxies reach it: its verbs are `RemoteVerb`s."""
+    """A role in a Ray actor, as the driver's proxies reach it: its verbs are `RemoteVerb`s, to the
+    actor that holds it now (a client moves between `worker`s; the server's is -1)."""
 
-    def __init__(self, role_class: type, host: Any, key: int | str) -> None:
-        self.role_class, self.host, self.key = role_class, host, key
+    def __init__(self, role_class: type, host: Any, key: int | str, worker: int = -1) -> None:
+        self.role_class, self.host, self.key, self.worker = role_class, host, key, worker
 
     def __getattr__(self, name: str) -> RemoteVerb:
         if name.startswith("__"):
             raise AttributeError(name)
-        return RemoteVerb(self.host, self.key, name)
+        return RemoteVerb(self, name)
 
 
 class RayTransport(SerializedTransport):
     """Verb calls to roles in Ray actors as codec bytes; to roles in this process (the sync server)
-    encoded and decoded here, as by the serialized transport. Safe to call from several threads."""
+    encoded and decoded here, as by the serialized transport. Safe to call from several threads.
+
+    Clients train on whichever client worker is free (`lease`): their own if it is, else the free
+    one that has worked least, to which their state moves. The results do not depend on where a
+    client trains, so this needs no order: every worker computes alike, bit for bit."""
 
     name = "ray"
 
@@ -180,8 +270,52 @@ class RayTransport(SerializedTransport):
         self.concurrency = workers  # clients on different actors train at once
         self._lock = threading.Lock()  # the ledger's counts, when clients run concurrently
         self.hosts: list[Any] = []  # the actors, stopped by close(): the client workers, then the server's
+        self.clients: dict[int, RemoteRole] = {}  # every client, on the worker that holds it now
         self.remote_bytes = 0  # request and reply bytes between the driver and the actors, since the last row
         self.startup_seconds: float | None = None  # building the roles on the actors, waiting for CPUs included
+        self._free = set(range(workers))  # the client workers no client trains on now
+        self._freed = threading.Condition()
+        self.busy_seconds = [0.0] * workers  # by client worker, since the start: what `lease` balances
+        self._load = [0.0] * workers  # by client worker, since the last row
+        self.moves = 0  # clients moved to another worker, since the last row
+
+    @contextlib.contextmanager
+    def lease(self, client_id: int) -> Iterator[None]:
+        """Client `client_id` trains on a free client worker: the one holding it if free, else the free
+        one busy least so far (the client's state moves there); its time there is the worker's load."""
+        client = self.clients[client_id]
+        with self._freed:
+            while (picked := self._pick(client)) is None:
+                self._freed.wait()
+            worker = picked
+            self._free.remove(worker)
+        started = time.perf_counter()
+        try:
+            if worker != client.worker:
+                self._move(client, worker)
+            yield
+        finally:
+            with self._freed:
+                seconds = time.perf_counter() - started
+                self.busy_seconds[worker] += seconds
+                self._load[worker] += seconds
+                self._free.add(worker)
+                self._freed.notify_all()
+
+    def _pick(self, client: RemoteRole) -> int | None:
+        """The free client worker `client` trains on: its own, else the one busy least so far (None:
+        none is free)."""
+        if client.worker in self._free:
+            return client.worker
+        return min(self._free, key=lambda worker: (self.busy_seconds[worker], worker), default=None)
+
+    def _move(self, client: RemoteRole, worker: int) -> None:
+        """`client`'s state from the actor holding it to client worker `worker`, actor to actor."""
+        moving = client.host.give_up.remote(client.key)
+        wait_for(self.hosts[worker].adopt.remote(client.key, moving), f"moving client {client.key}")
+        client.host, client.worker = self.hosts[worker], worker
+        with self._lock:
+            self.moves += 1
 
     def close(self) -> None:
         """Stop the actors now (not when Ray notices the run let go of them): their CPUs are free for the next run."""
@@ -198,10 +332,14 @@ class RayTransport(SerializedTransport):
         return seconds
 
     def pop_telemetry(self) -> dict[str, Any]:
-        figures: dict[str, Any] = {"driver_actor_bytes": self.remote_bytes}
+        figures: dict[str, Any] = {
+            "driver_actor_bytes": self.remote_bytes,
+            "ray_worker_seconds": [round(seconds, 4) for seconds in self._load],
+            "ray_client_moves": self.moves,
+        }
         if self.startup_seconds is not None:  # in the first row only
             figures["ray_startup_seconds"], self.startup_seconds = self.startup_seconds, None
-        self.remote_bytes = 0
+        self.remote_bytes, self.moves, self._load = 0, 0, [0.0] * len(self._load)
         return figures
 
     def personal_metrics(self, algorithm: Any, client_ids: list[int]) -> list[dict[str, float]]:
@@ -219,6 +357,25 @@ class RayTransport(SerializedTransport):
             (answer["untrained"] for answer in answers if answer["untrained"] is not None), {}
         )
         return [by_id.get(k, untrained) for k in client_ids]
+
+    def personal_logits(self, algorithm: Any, client_ids: list[int]) -> list[torch.Tensor]:
+        """test_split=client: every client's personal-model logits on the samples it holds out,
+        computed on the workers holding the clients (the server part goes once to each worker that
+        holds one; no client model travels), in the order of `client_ids`."""
+        client_slot, server_slot = algorithm.personal_slots
+        server = algorithm.server.snapshot(server_slot)
+        by_worker: dict[int, list[int]] = {}
+        for k in client_ids:
+            by_worker.setdefault(self.clients[k].worker, []).append(k)
+        requests = {
+            w: codec.encode({"slot": client_slot, "server": server, "clients": ks}) for w, ks in by_worker.items()
+        }
+        pending = [self.hosts[w].personal_logits.remote(request) for w, request in requests.items()]
+        replies = wait_for(pending, "evaluation")
+        with self._lock:
+            self.remote_bytes += sum(map(len, requests.values())) + sum(map(len, replies))
+        logits = {int(k): t for reply in replies for k, t in codec.decode(reply, self.device).items()}
+        return [logits[k] for k in client_ids]
 
     def connect(self, role: object, counted: bool) -> Proxy:
         if isinstance(role, RemoteRole):
@@ -248,10 +405,16 @@ def install_noise_secret(transport: RayTransport, secret: bytes) -> None:
 
 
 def start_roles(
-    config: ResolvedConfig, owners: Mapping[int, np.ndarray], blueprint: Blueprint, transport: RayTransport
+    config: ResolvedConfig,
+    data: Dataset,
+    owners: list[np.ndarray],
+    held_out: list[np.ndarray] | None,
+    blueprint: Blueprint,
+    transport: RayTransport,
 ) -> tuple[dict[int, RemoteRole], RemoteRole]:
-    """Start `workers` client actors and the training server's actor (local Ray, or the cluster
-    RAY_ADDRESS names); return the remote client roles by id, and the remote server."""
+    """Start `workers` client actors (client k first on worker k mod `workers`) and the training
+    server's actor (local Ray, or the cluster RAY_ADDRESS names), the dataset going to the client
+    workers through Ray's object store; return the remote client roles by id, and the remote server."""
     from splitlab.algorithms import get_algorithm
 
     ray = cluster.connect("auto")
@@ -272,18 +435,15 @@ def start_roles(
     algorithm_class = get_algorithm(run.algorithm)
     Host = ray.remote(num_cpus=run.cpus_per_client, num_gpus=run.gpus_per_client, **ray_options(run.plugins))(RoleHost)
     config_json = json.dumps(config.as_dict())
-    shares = [{k: idx for k, idx in owners.items() if k % run.workers == w} for w in range(run.workers)]
-    hosts = [
-        Host.remote(config_json, codec.encode({str(k): torch.as_tensor(idx) for k, idx in share.items()}), "")
-        for share in shares
-    ]
+    shared = ray.put(shared_data(data, owners, held_out, with_test=algorithm_class.personal_models))
+    hosts = [Host.remote(config_json, shared, list(range(w, len(owners), run.workers)), "") for w in range(run.workers)]
     data_shape = {
         "input_shape": list(blueprint.input_shape),
         "num_classes": blueprint.num_classes,
         "input_dtype": str(blueprint.input_dtype),
         "task": blueprint.task,
     }
-    server_host = Host.remote(config_json, None, json.dumps(data_shape))
+    server_host = Host.remote(config_json, None, [], json.dumps(data_shape))
     transport.hosts = [*hosts, server_host]
     started = time.perf_counter()
     failures = sorted(
@@ -293,5 +453,7 @@ def start_roles(
         transport.close()
         raise UserError("; ".join(failures))
     transport.startup_seconds = time.perf_counter() - started
-    clients = {k: RemoteRole(algorithm_class.Client, hosts[k % run.workers], k) for k in owners}
-    return clients, RemoteRole(algorithm_class.Server, server_host, SERVER)
+    transport.clients = {
+        k: RemoteRole(algorithm_class.Client, hosts[k % run.workers], k, k % run.workers) for k in range(len(owners))
+    }
+    return dict(transport.clients), RemoteRole(algorithm_class.Server, server_host, SERVER)

@@ -21,6 +21,7 @@ Transports:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -110,6 +111,11 @@ class Transport:
 
     def connect(self, role: object, counted: bool) -> Proxy:
         return Proxy(self, role, counted)
+
+    def lease(self, client_id: int) -> contextlib.AbstractContextManager[None]:
+        """Client `client_id` trains (a stretch of its round's work) inside this: a transport
+        that runs clients on a pool of workers gives it a free one (backend=ray); here, nothing."""
+        return contextlib.nullcontext()
 
     def connect_remote(
         self, client_id: int, role_class: type, blueprint: Any, summary: dict[str, Any] | None = None

@@ -64,6 +64,8 @@ class Context:
     #: drops a client for good in its transport, with the reason (clients in other processes, that
     #: can drop out); None in process, where a non-finite server step means training diverged
     drop_client: Callable[[int, str], None] | None = None
+    #: a client trains inside `lease(client_id)`: the transport's (a free worker on Ray), else nothing
+    lease: Callable[[int], contextlib.AbstractContextManager[None]] = lambda client_id: contextlib.nullcontext()
 
     def rng(self, rnd: int, stream: int, *keys: int) -> np.random.Generator:
         return random_stream(self.config.seed, rnd, stream, *keys)
@@ -296,10 +298,10 @@ class Algorithm(Generic[ParamsT]):
 
         In process, clients go one after another (train, fold, next client): one working copy at
         a time. Where the transport runs clients at once (backend=ray), up to `concurrency` train
-        in parallel threads; a client's fold waits for the folds of the clients before it, and the
-        losses its training tracked are counted then, so every sum is added in the same order:
-        the same results, bit for bit. At most 2 x `concurrency` clients are ahead of the folds,
-        so memory stays flat in K."""
+        in parallel threads, each on a free worker (`ctx.lease`); a client's fold waits for the
+        folds of the clients before it, and the losses its training tracked are counted then, so
+        every sum is added in the same order: the same results, bit for bit. At most 2 x
+        `concurrency` clients are ahead of the folds, so memory stays flat in K."""
         alphas = self.ctx.weights(clients)
         if self.ctx.concurrency <= 1:
             for client, alpha in zip(clients, alphas):
@@ -334,8 +336,9 @@ class Algorithm(Generic[ParamsT]):
 
         def take_steps(k: int) -> None:
             try:
-                for i in range(self.ctx.local_steps(clients[k])):
-                    results[k].put(step(clients[k], i))
+                with self.ctx.lease(clients[k].id):
+                    for i in range(self.ctx.local_steps(clients[k])):
+                        results[k].put(step(clients[k], i))
             except BaseException as error:  # raised in the driver's thread when its turn comes
                 results[k].put(error)
 
@@ -378,7 +381,8 @@ class Algorithm(Generic[ParamsT]):
         """`train(client)` in a worker thread; the losses it tracked, in order."""
         self._training.losses = []
         try:
-            train(client)
+            with self.ctx.lease(client.id):
+                train(client)
             return self._training.losses
         finally:
             del self._training.losses
