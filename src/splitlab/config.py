@@ -75,7 +75,20 @@ class RunConfig(BaseModel):
     lora_targets: str | None = Field(
         None, description="with lora: comma-separated names of the projections to adapt (default: the model's)"
     )
-    cut: int = Field(1, ge=0, le=1000, description="cut layer, in the model's numbering (see `splitlab models`)")
+    cut: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="cut layer, in the model's numbering (see `splitlab models`); cut=A,B: a U-shaped split, "
+        "cut A and tail_cut B",
+    )
+    tail_cut: int | None = Field(
+        None,
+        ge=1,
+        le=1000,
+        description="U-shaped split (also written cut=A,B): the client also holds the stages from this second "
+        "cut on, with the labels and the loss; the server only those between (docs/configurations.md)",
+    )
     clients: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["all"] = Field(
         10, description="number of clients K (1 to 1,000,000); 'all' = one per natural user"
     )
@@ -326,6 +339,11 @@ ONLY_WHEN: dict[str, Applies] = {
             ("max_restarts", {"max_restarts": 1}),
         )
     },
+    "tail_cut": Applies(
+        lambda r: not u_shape_refusal(r.algorithm),
+        "a U-shaped split needs an algorithm that runs one (docs/configurations.md)",
+        {"algorithm": "fedavg", "tail_cut": 3},
+    ),
     "resume": Applies(
         lambda r: not r.overwrite,
         "overwrite=true replaces the run that resume=true would continue",
@@ -437,7 +455,8 @@ class ResolvedConfig:
     @property
     def out_dir(self) -> Path:
         r = self.run
-        return Path(r.out or f"runs/{r.algorithm}_{r.dataset}_{r.model}_cut{r.cut}_seed{r.seed}")
+        cut = r.cut if r.tail_cut is None else f"{r.cut}-{r.tail_cut}"
+        return Path(r.out or f"runs/{r.algorithm}_{r.dataset}_{r.model}_cut{cut}_seed{r.seed}")
 
 
 def _one_line(err: ValidationError) -> str:
@@ -479,6 +498,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     load_plugins(plugins)
 
     algorithm = get_algorithm(raw.get("algorithm", RunConfig.model_fields["algorithm"].default))
+    raw = two_cuts(raw)
     common = set(RunConfig.model_fields)
     own = set(algorithm.Params.model_fields)
     for key in raw:
@@ -496,8 +516,47 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     from splitlab.privacy.defenses import check_applies
 
     check_applies(run, "server_model" in algorithm.models)
+    check_u_shape(run)
     check_applicable(run, raw)
     return ResolvedConfig(run, params)
+
+
+def two_cuts(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`cut=A,B` (or a YAML list [A, B]) -> cut=A, tail_cut=B; anything else as given."""
+    cut = raw.get("cut")
+    if isinstance(cut, list) or (isinstance(cut, str) and "," in cut):
+        items = cut if isinstance(cut, list) else cut.split(",")
+        try:
+            first, second = (int(str(item).strip()) for item in items)
+        except ValueError:
+            raise UserError(f"invalid value {cut!r} for cut: expected a cut C, or two cuts A,B (U-shaped)") from None
+        if "tail_cut" in raw:
+            raise UserError(f"cut={cut} and tail_cut={raw['tail_cut']} both give the second cut; give it once")
+        return {**raw, "cut": first, "tail_cut": second}
+    return raw
+
+
+def u_shape_refusal(algorithm: str) -> str:
+    """Why `algorithm` cannot run a U-shaped split ('' where it can)."""
+    from splitlab.algorithms import get_algorithm
+
+    return get_algorithm(algorithm).not_u_shaped
+
+
+def check_u_shape(run: RunConfig) -> None:
+    """A U-shaped split's cuts in order, on an algorithm it fits, or one line saying what is wrong."""
+    if run.tail_cut is None:
+        return
+    if run.tail_cut <= run.cut:
+        raise UserError(
+            f"cut={run.cut},{run.tail_cut}: the cuts are out of order; a U-shaped split needs cut=A,B with A < B"
+        )
+    why = u_shape_refusal(run.algorithm)
+    if why:
+        raise UserError(
+            f"tail_cut={run.tail_cut} (cut={run.cut},{run.tail_cut}, U-shaped) does not fit "
+            f"algorithm={run.algorithm}: {why}"
+        )
 
 
 def _accepts_bool(annotation: Any) -> bool:

@@ -94,6 +94,7 @@ class SGLRServer(ServerWithOwnLR[SGLRParams]):
 class SGLR(PersonalClients, Algorithm[SGLRParams]):
     name = "sglr"
     Server = SGLRServer
+    not_u_shaped = "its server steps on the round's clients' losses at once, which needs their labels at the server"
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         averaged = averaged_clients(self.ctx, rnd, clients, self.params.average_fraction)
