@@ -11,6 +11,7 @@ down, its gradient (800 bytes) up, and the cut gradient at cut 1 (800 bytes) dow
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from safetensors.torch import load_file
@@ -132,4 +133,8 @@ def test_label_leak_attacks_the_gradient_at_the_second_cut(tmp_path):
     assert recorded["tail_grad"].shape == (40, 200) and recorded["labels"].shape == (40,)
     assert main(["attack", str(out), "attack=label_leak"]) == 0
     result = json.loads((out / "attack.json").read_text())["label_leak"]
-    assert result["gradient"] == "tail_grad" and 0 <= result["norm_auc"] <= 1
+    assert result["gradient"] == "tail_grad" and result["samples"] == 40 and 0 <= result["norm_auc"] <= 1
+    shutil.rmtree(out / "record")  # unrecorded: held-out samples through the final model, gradients at B
+    assert main(["attack", str(out), "attack=label_leak", "targets=50", "aux=50"]) == 0
+    result = json.loads((out / "attack.json").read_text())["label_leak"]
+    assert result["gradient"] == "tail_grad" and result["samples"] == 50
