@@ -14,6 +14,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
@@ -21,6 +22,8 @@ from splitlab.cli import main
 from splitlab.config import resolve_config
 from splitlab.engine import run
 from splitlab.errors import UserError
+from splitlab.net.checks import Checks, Refused
+from splitlab.roles import ClientNode
 
 OPTIMIZERS = [dict(optimizer="sgd", lr=0.05), dict(optimizer="adam", lr=1e-3)]
 
@@ -138,3 +141,22 @@ def test_label_leak_attacks_the_gradient_at_the_second_cut(tmp_path):
     assert main(["attack", str(out), "attack=label_leak", "targets=50", "aux=50"]) == 0
     result = json.loads((out / "attack.json").read_text())["label_leak"]
     assert result["gradient"] == "tail_grad" and result["samples"] == 50
+
+
+def test_a_u_shaped_server_refuses_labels_and_a_misshapen_gradient_at_the_second_cut():
+    """What a server over a network checks (splitlab.net.checks): a U-shaped client's smashed data
+    comes without labels, and its gradient at B has the shape and dtype of the output it answers."""
+    experiment = train(0, **quick(algorithm="psl", cut="1,2", clients=2, train_subset=100))
+    checks, node = Checks(experiment.blueprint), experiment.roles.clients[0]
+    node.begin_round(0)
+    forward, tail_step = ClientNode.forward.__verb__, ClientNode.tail_step.__verb__
+    sent = node.forward(0)
+    checks.result("forward", forward, (0,), sent)  # honest: smashed only
+    with pytest.raises(Refused, match=r"forward returns exactly \['smashed'\]"):
+        checks.result("forward", forward, (0,), {**sent, "labels": torch.zeros(32, dtype=torch.int64)})
+    output = torch.zeros(32, 200)
+    reply = node.tail_step(0, output)
+    checks.result("tail_step", tail_step, (0, output), reply)
+    for wrong in (torch.zeros(31, 200), torch.zeros(32, 200, dtype=torch.float64)):
+        with pytest.raises(Refused, match="tail_grad is .*, expected torch.float32 \\(32, 200\\)"):
+            checks.result("tail_step", tail_step, (0, output), {**reply, "tail_grad": wrong})
