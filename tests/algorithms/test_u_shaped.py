@@ -141,6 +141,10 @@ def test_label_leak_attacks_the_gradient_at_the_second_cut(tmp_path):
     assert main(["attack", str(out), "attack=label_leak", "targets=50", "aux=50"]) == 0
     result = json.loads((out / "attack.json").read_text())["label_leak"]
     assert result["gradient"] == "tail_grad" and result["samples"] == 50
+    assert main(["evaluate", str(out), "rho=0"]) == 0  # the global model assembled head, middle, tail
+    evaluation = json.loads((out / "evaluation.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert evaluation["rows"]["generalized"]["accuracy"] == [pytest.approx(summary["final_accuracy"])]
 
 
 def test_a_u_shaped_server_refuses_labels_and_a_misshapen_gradient_at_the_second_cut():
