@@ -398,7 +398,7 @@ def _model(experiment: Experiment, states: list[State]) -> nn.Module:
     """A new module holding the global model `states` (the whole model, or client then server part)."""
     model = experiment.blueprint.new_model()
     run = experiment.config.run
-    parts = [model] if len(states) == 1 else list(split(model, run.cut, run.tail_cut))
+    parts: list[nn.Module] = [model] if len(states) == 1 else list(split(model, run.cut, run.tail_cut))
     for part, state in zip(parts, states):
         part.load_state_dict(state)
     return joined(parts)
