@@ -213,3 +213,11 @@ def test_ray_workers_import_the_plugins_of_the_run(local_ray, tmp_path: Path, mo
     run(config("fedavg", tmp_path / "builtin"), progress=False)
     run(config("ray_fedavg", tmp_path / "ray", plugins="ray_plugin", backend="ray", workers=2), progress=False)
     assert results(tmp_path / "builtin") == results(tmp_path / "ray")
+
+
+def test_a_u_shaped_run_on_ray_is_bit_identical_to_in_process(local_ray, tmp_path: Path):
+    """U-shaped (cut=A,B): clients training at once each reach their own server copy through the
+    two extra messages; the same rows and weights."""
+    run(config("sfl_v1", tmp_path / "local", cut="1,2"), progress=False)
+    run(config("sfl_v1", tmp_path / "ray", cut="1,2", backend="ray", workers=2), progress=False)
+    assert results(tmp_path / "local") == results(tmp_path / "ray")

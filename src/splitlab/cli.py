@@ -115,9 +115,14 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     return launch(raw, given, settings, progress=not args.no_progress)  # type: ignore[arg-type]
 
 
+def _cuts(summary: dict) -> str:
+    """The run's cut, or a U-shaped run's two cuts A,B."""
+    return f"{summary['cut']},{summary['tail_cut']}" if "tail_cut" in summary else str(summary["cut"])
+
+
 def _print_summary(summary: dict, raw: dict) -> None:
     table = Table(
-        title=f"{summary['algorithm']} on {summary['dataset']} ({summary['model']}, cut {summary['cut']})",
+        title=f"{summary['algorithm']} on {summary['dataset']} ({summary['model']}, cut {_cuts(summary)})",
         show_header=False,
     )
     table.add_row("rounds", f"{summary['rounds_completed']} (stopped by {summary['stopped_by']})")

@@ -75,7 +75,20 @@ class RunConfig(BaseModel):
     lora_targets: str | None = Field(
         None, description="with lora: comma-separated names of the projections to adapt (default: the model's)"
     )
-    cut: int = Field(1, ge=0, le=1000, description="cut layer, in the model's numbering (see `splitlab models`)")
+    cut: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="cut layer, in the model's numbering (see `splitlab models`); cut=A,B: a U-shaped split, "
+        "cut A and tail_cut B",
+    )
+    tail_cut: int | None = Field(
+        None,
+        ge=1,
+        le=1000,
+        description="U-shaped split (also written cut=A,B): the client also holds the stages from this second "
+        "cut on, with the labels and the loss; the server only those between (docs/configurations.md)",
+    )
     clients: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["all"] = Field(
         10, description="number of clients K (1 to 1,000,000); 'all' = one per natural user"
     )
@@ -381,6 +394,11 @@ ONLY_WHEN: dict[str, Applies] = {
             ("max_restarts", {"max_restarts": 1}),
         )
     },
+    "tail_cut": Applies(  # which split algorithms run one: splitlab.resolve.check_u_shape, which comes first
+        lambda r: r.algorithm not in UNSPLIT_ALGORITHMS,
+        "a U-shaped split needs an algorithm that runs one (docs/configurations.md)",
+        {"algorithm": "fedavg", "tail_cut": 3},
+    ),
     "resume": Applies(
         lambda r: not r.overwrite,
         "overwrite=true replaces the run that resume=true would continue",
@@ -492,7 +510,8 @@ class ResolvedConfig:
     @property
     def out_dir(self) -> Path:
         r = self.run
-        return Path(r.out or f"runs/{r.algorithm}_{r.dataset}_{r.model}_cut{r.cut}_seed{r.seed}")
+        cut = r.cut if r.tail_cut is None else f"{r.cut}-{r.tail_cut}"
+        return Path(r.out or f"runs/{r.algorithm}_{r.dataset}_{r.model}_cut{cut}_seed{r.seed}")
 
 
 def one_line(err: ValidationError) -> str:

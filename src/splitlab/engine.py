@@ -49,7 +49,7 @@ from splitlab.ledger import Ledger
 from splitlab.loggers import check_logger, make_logger
 from splitlab.logs import LOGGER
 from splitlab.metrics import TASK_METRICS, logits_in_batches
-from splitlab.models import load_shared, split
+from splitlab.models import HeadAndTail, joined, load_shared, split
 from splitlab.privacy import keys
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.record import Recorder
@@ -122,7 +122,8 @@ class Assembler:
         """The whole model (count 1), or client part then server part (count 2)."""
         if len(self._parts) != count:
             model = self.blueprint.new_model()
-            self._parts = [model] if count == 1 else list(split(model, self.blueprint.config.cut))
+            cuts = self.blueprint.config.cut, self.blueprint.config.tail_cut
+            self._parts = [model] if count == 1 else list(split(model, *cuts))
             for part in self._parts:
                 part.eval()
         return self._parts
@@ -130,7 +131,7 @@ class Assembler:
     def __call__(self, states: list[State]) -> nn.Module:
         for part, state in zip(self._made(len(states)), states):
             load_shared(part, state)
-        return nn.Sequential(*self._parts)
+        return joined(self._parts)
 
     def server_state(self, state: State) -> dict[str, torch.Tensor]:
         """The server part's whole state (a frozen base included) from what its role holds."""
@@ -316,6 +317,7 @@ def _check_cut(blueprint: Blueprint, algorithm_class: type[Algorithm]) -> None:
     base whose adapters are all on the client side), fails here."""
     cut = blueprint.config.cut
     blueprint.new_model().client_stage_count(cut)
+    blueprint.new_split()  # a U-shaped split's second cut
     if "server_model" in algorithm_class.models and not any(
         p.requires_grad for p in blueprint.new_split()[1].parameters()
     ):
@@ -571,6 +573,8 @@ def evaluate_deployed(experiment: Experiment, rnd: int) -> dict[str, float]:
     client, server = parts
     generator = torch.Generator(experiment.blueprint.device).manual_seed(experiment.config.run.seed * 1_000_003 + rnd)
     deployed = defense.deployed(client, server, generator)
+    if isinstance(client, HeadAndTail):  # U-shaped: the client's tail after the server's stages
+        deployed = nn.Sequential(deployed, client.tail_part())
     logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)
     metrics = TASK_METRICS[experiment.data.task](logits, experiment.data.test_y)
     return {"test_accuracy_deployed": metrics["accuracy"]}
@@ -974,6 +978,7 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         "dataset": cfg.dataset,
         "model": cfg.model,
         "cut": cfg.cut,
+        **({"tail_cut": cfg.tail_cut} if cfg.tail_cut is not None else {}),
         "seed": cfg.seed,
         "partition": cfg.partition,
         "clients": len(experiment.clients),

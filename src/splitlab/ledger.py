@@ -17,6 +17,8 @@ KINDS: dict[str, str] = {
     "smashed": "up",  # activations at the cut
     "labels": "up",  # the labels that go with them
     "cut_grad": "down",  # gradient of the loss at the cut
+    "server_output": "down",  # U-shaped: the server's output at the second cut, for the client's tail
+    "tail_grad": "up",  # U-shaped: gradient of the loss at the second cut, from the client's tail
     "client_model_down": "down",  # (part of the) model a client trains, from the sync server
     "client_model_up": "up",  # ... and back for averaging
     "client_model_relay": "peer",  # vanilla SL: client model handed to the next client

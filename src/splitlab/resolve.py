@@ -33,6 +33,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     load_plugins(plugins)
 
     algorithm = get_algorithm(raw.get("algorithm", RunConfig.model_fields["algorithm"].default))
+    raw = two_cuts(raw)
     common = set(RunConfig.model_fields)
     own = set(algorithm.Params.model_fields)
     for key in raw:
@@ -48,5 +49,37 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_finite(run)
     check_finite(params)
     check_applies(run, "server_model" in algorithm.models)
+    check_u_shape(run)
     check_applicable(run, raw)
     return ResolvedConfig(run, params)
+
+
+def two_cuts(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`cut=A,B` (or a YAML list [A, B]) -> cut=A, tail_cut=B; anything else as given."""
+    cut = raw.get("cut")
+    if isinstance(cut, list) or (isinstance(cut, str) and "," in cut):
+        items = cut if isinstance(cut, list) else cut.split(",")
+        try:
+            first, second = (int(str(item).strip()) for item in items)
+        except ValueError:
+            raise UserError(f"invalid value {cut!r} for cut: expected a cut C, or two cuts A,B (U-shaped)") from None
+        if "tail_cut" in raw:
+            raise UserError(f"cut={cut} and tail_cut={raw['tail_cut']} both give the second cut; give it once")
+        return {**raw, "cut": first, "tail_cut": second}
+    return raw
+
+
+def check_u_shape(run: RunConfig) -> None:
+    """A U-shaped split's cuts in order, on an algorithm it fits, or one line saying what is wrong."""
+    if run.tail_cut is None:
+        return
+    if run.tail_cut <= run.cut:
+        raise UserError(
+            f"cut={run.cut},{run.tail_cut}: the cuts are out of order; a U-shaped split needs cut=A,B with A < B"
+        )
+    why = get_algorithm(run.algorithm).not_u_shaped
+    if why:
+        raise UserError(
+            f"tail_cut={run.tail_cut} (cut={run.cut},{run.tail_cut}, U-shaped) does not fit "
+            f"algorithm={run.algorithm}: {why}"
+        )

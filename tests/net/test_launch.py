@@ -34,6 +34,19 @@ def test_launch_is_bit_identical_to_run(tmp_path, algorithm, defense):
         config["noise_key"] = "fixed"
     if algorithm == "fsl_sage":
         config["align_interval"] = 1
+    assert_launch_equals_run(tmp_path, config)
+
+
+def test_u_shaped_launch_is_bit_identical_to_run(tmp_path):
+    """The two extra messages of a U-shaped step (the server's output down, the gradient at the
+    second cut up) pass the server's checks; no labels cross."""
+    config = quick(algorithm="psl", cut="1,2", clients=2, train_subset=160, test_subset=100)
+    kinds = assert_launch_equals_run(tmp_path, config)
+    assert set(kinds) == {"smashed", "server_output", "tail_grad", "cut_grad"}
+
+
+def assert_launch_equals_run(tmp_path, config: dict) -> dict[str, int]:
+    """`launch` and `run` of `config` agree bit for bit; the ledger's bytes by kind."""
     run({**config, "out": str(tmp_path / "run")}, progress=False)
     assert launch({**config, "out": str(tmp_path / "net")}, {}, LaunchSettings(), progress=False) == 0
     here, there = (
@@ -48,3 +61,4 @@ def test_launch_is_bit_identical_to_run(tmp_path, algorithm, defense):
     summary = json.loads((tmp_path / "net" / "summary.json").read_text())
     # every tensor the ledger counts crossed, inside codec messages inside protobuf envelopes
     assert summary["wire_bytes"] > summary["envelope_bytes"] > summary["total_bytes"]
+    return summary["comm_bytes_by_kind"]

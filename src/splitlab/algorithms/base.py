@@ -118,6 +118,9 @@ class Algorithm(Generic[ParamsT]):
     #: with personal models: client k's model is its client slot, then the training server's slot
     #: (evaluated where the clients are, on Ray: splitlab.ray_backend)
     personal_slots: ClassVar[tuple[str, str]] = ("client_model", "server_model")
+    #: why the algorithm cannot run a U-shaped split (`cut=A,B`; one line), '' where it can: an
+    #: algorithm whose server steps only through `split_step` can (docs/configurations.md)
+    not_u_shaped: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -232,11 +235,26 @@ class Algorithm(Generic[ParamsT]):
         sent = self.unless_dropped(client_id, "forward", step)
         if sent is None:
             return
-        reply = self.on_data_of(client_id, "train_step", sent["smashed"], sent["labels"], server_slot)
+        if self.ctx.config.tail_cut is None:
+            reply = self.on_data_of(client_id, "train_step", sent["smashed"], sent["labels"], server_slot)
+        else:
+            reply = self.u_shaped_server_step(client_id, step, sent["smashed"], server_slot)
         if reply is None:
             return
         self.unless_dropped(client_id, "backward", step, reply["cut_grad"])
         self.track(self.step_loss(sent, reply))
+
+    def u_shaped_server_step(self, client_id: int, step: int, smashed: Any, server_slot: str) -> State | None:
+        """The server's part of a U-shaped split step: its output at cut B down to the client's
+        tail, which takes the loss on its labels; the gradient at B up; the server steps and
+        replies the cut gradient at A, with the loss the client reported (None: the client dropped
+        out, or its data made the server's step non-finite)."""
+        output = self.on_data_of(client_id, "forward_middle", smashed, server_slot)
+        tail = None if output is None else self.unless_dropped(client_id, "tail_step", step, output)
+        if tail is None:
+            return None
+        reply = self.on_data_of(client_id, "backward_middle", tail["tail_grad"], server_slot)
+        return None if reply is None else {**reply, "loss": tail["loss"]}
 
     def step_loss(self, sent: State, reply: State) -> torch.Tensor:
         """The training loss of a split step, from what the client sent and the server's reply."""

@@ -15,6 +15,7 @@ class Centralized(Algorithm[NoParams]):
 
     name = "centralized"
     models = {"client_model": whole_model}
+    not_u_shaped = "nothing is split: one node trains the whole model"
 
     @staticmethod
     def data_owners(indices: list[np.ndarray]) -> list[np.ndarray]:

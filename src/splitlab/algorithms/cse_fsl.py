@@ -74,6 +74,9 @@ class AuxiliaryFSL(Algorithm):
     say, in `local_aux_step`, how a client steps without the server."""
 
     models = {**SPLIT_MODELS, "aux_model": initial_aux}
+    not_u_shaped = (
+        "its clients step on an auxiliary model's loss at the cut and send the server their labels to train on"
+    )
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.start_round(clients)

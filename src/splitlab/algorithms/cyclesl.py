@@ -98,6 +98,7 @@ class CycleSL(Algorithm):
     """Algorithm 1, for whatever holds the round's client parts."""
 
     Server = CycleServer
+    not_u_shaped = "its server trains on the round's pooled features for server_epochs, which needs their labels"
 
     def cycle(self, rnd: int, clients: list[ClientInfo], averaged: Collection[int] = ()) -> None:
         """`averaged`: ids of the clients whose cut gradients are averaged. A client that drops

@@ -10,6 +10,10 @@ common mean over every sample of the subset (sample weights |D_k|): one vector, 
 client of the subset and broadcast over its batch. The others get their own gradient. Clients
 step with `lr`. What the paper does and does not pin down, and where this reading follows the
 CycleSL authors' SGLR code, is in docs/cyclesl.md.
+
+U-shaped (`cut=A,B`, docs/configurations.md), the lockstep has two halves around the clients'
+tails: the server's outputs at the second cut go down, each client takes its own loss and sends
+back its gradient there, and the server steps on sum_k alpha_k loss_k through those gradients.
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ class ServerWithOwnLR(TrainingServer[ParamsT]):
 
 
 class SGLRServer(ServerWithOwnLR[SGLRParams]):
+    #: U-shaped: the round's inputs and outputs awaiting the gradients at the second cut
+    _lockstep: tuple[list[torch.Tensor], list[torch.Tensor]]
+
     @verb()
     def lockstep(
         self,
@@ -92,6 +99,39 @@ class SGLRServer(ServerWithOwnLR[SGLRParams]):
         cut_grads = average_cut_grads(grads, sizes, set(averaged))
         return {"cut_grads": [self.send_gradient(g) for g in cut_grads], "loss": total.detach()}
 
+    @verb()
+    def lockstep_outputs(self, smashed: list[torch.Tensor]) -> list[torch.Tensor]:
+        """U-shaped, the first half: the server's output at the second cut for each client's batch;
+        the step waits for the gradients there (`lockstep_tails`)."""
+        inputs = [decode(z).requires_grad_() for z in smashed]
+        model = self.model("server_model")
+        with self.blueprint.timed("server"):
+            outputs = [model(z) for z in inputs]
+        self._lockstep = inputs, outputs
+        return [output.detach() for output in outputs]
+
+    @verb()
+    def lockstep_tails(
+        self,
+        replied: list[int],
+        tail_grads: list[torch.Tensor],
+        alphas: list[float],
+        sizes: list[int],
+        averaged: list[int],
+    ) -> State:
+        """U-shaped, the second half: one server step on sum_k alpha_k loss_k over the clients that
+        replied (positions `replied` in the first half), through their gradients at the second cut;
+        each one's cut gradient (averaged over a subset), as `lockstep`."""
+        inputs, outputs = self._lockstep
+        del self._lockstep
+        inputs, outputs = [inputs[i] for i in replied], [outputs[i] for i in replied]
+        weighted = [alpha * g for alpha, g in zip(alphas, tail_grads)]
+        with self.blueprint.timed("server"):
+            self.step("server_model", lambda: torch.autograd.backward(outputs, weighted), tuple(inputs))
+            grads = [typing.cast(torch.Tensor, z.grad) / alpha for z, alpha in zip(inputs, alphas)]
+        cut_grads = average_cut_grads(grads, sizes, set(averaged))
+        return {"cut_grads": [self.send_gradient(g) for g in cut_grads]}
+
 
 class SGLR(PersonalClients, Algorithm[SGLRParams]):
     name = "sglr"
@@ -109,6 +149,9 @@ class SGLR(PersonalClients, Algorithm[SGLRParams]):
         clients, sent = self.forwards(clients, step)
         if not clients:
             return
+        if self.ctx.config.tail_cut is not None:
+            self.lockstep_u_shaped(step, clients, sent, averaged)
+            return
         reply = self.server.lockstep(
             [s["smashed"] for s in sent],
             [s["labels"] for s in sent],
@@ -119,3 +162,25 @@ class SGLR(PersonalClients, Algorithm[SGLRParams]):
         for client, grad in zip(clients, reply["cut_grads"]):
             self.unless_dropped(client.id, "backward", step, grad)
         self.track(reply["loss"])
+
+    def lockstep_u_shaped(self, step: int, clients: list[ClientInfo], sent: list[State], averaged: set[int]) -> None:
+        """The lockstep of a U-shaped split: outputs down, each client's loss on its own labels and
+        its gradient at the second cut up, one server step, cut gradients down. The loss weights
+        are renormalised over the clients whose tails replied."""
+        outputs = self.server.lockstep_outputs([s["smashed"] for s in sent])
+        tails = [self.unless_dropped(c.id, "tail_step", step, output) for c, output in zip(clients, outputs)]
+        replied = [i for i, tail in enumerate(tails) if tail is not None]
+        if not replied:
+            return
+        clients, tails = [clients[i] for i in replied], [tails[i] for i in replied]
+        alphas = self.ctx.weights(clients)
+        reply = self.server.lockstep_tails(
+            replied,
+            [t["tail_grad"] for t in tails],
+            alphas,
+            [c.num_samples for c in clients],
+            [i for i, c in enumerate(clients) if c.id in averaged],
+        )
+        for client, grad in zip(clients, reply["cut_grads"]):
+            self.unless_dropped(client.id, "backward", step, grad)
+        self.track(torch.stack([alpha * t["loss"] for alpha, t in zip(alphas, tails)]).sum())

@@ -194,6 +194,7 @@ class SplitGP(Algorithm[SplitGPParams]):
     Client = SplitGPClient
     Server = SplitGPServer
     models = {**SPLIT_MODELS, "aux_model": initial_exit}
+    not_u_shaped = "its server part is the main model's last layers, trained on the labels the clients send"
 
     def __init__(self, ctx: Context) -> None:
         super().__init__(ctx)

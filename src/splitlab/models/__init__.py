@@ -12,7 +12,7 @@ from splitlab.errors import UserError
 from splitlab.models.gpt import gpt
 from splitlab.models.hf import hf_model
 from splitlab.models.leaf import LEAF_MODELS
-from splitlab.models.staged import StagedModel, largest_activation_bytes, output_shape, split
+from splitlab.models.staged import HeadAndTail, StagedModel, joined, largest_activation_bytes, output_shape, split
 from splitlab.models.trainable import load_shared, share_frozen_copy, shared_state
 from splitlab.models.zoo import MODELS, ModelBuilder
 
@@ -76,9 +76,11 @@ def build_model(
 
 __all__ = [
     "MODELS",
+    "HeadAndTail",
     "ModelBuilder",
     "StagedModel",
     "build_model",
+    "joined",
     "largest_activation_bytes",
     "load_shared",
     "model_names",

@@ -2,12 +2,15 @@
 
 A cut is an index into the stage list: the client runs the stages before it, the server the rest.
 Both parts share the unsplit model's module objects and therefore its state-dict names, which is
-what lets an algorithm hand back one global model under the unsplit names.
+what lets an algorithm hand back one global model under the unsplit names. A U-shaped split has
+two cuts A < B: the client holds the stages before A (its head) and from B on (its tail, with the
+loss and the labels) in one part, `HeadAndTail`; the server holds the stages between.
 """
 
 from __future__ import annotations
 
 import math
+import typing
 from collections import OrderedDict
 
 import torch
@@ -38,11 +41,61 @@ class StagedModel(nn.Sequential):
         return self.cut_stages[cut]
 
 
-def split(model: StagedModel, cut: int) -> tuple[nn.Sequential, nn.Sequential]:
-    """Split at `cut` into (client part, server part) that share the model's modules and names."""
+class HeadAndTail(nn.Sequential):
+    """A U-shaped split's client part: its head's stages then its tail's, under the unsplit model's
+    names (one slot, one optimizer, averaged as a whole). Calling it runs the head (its output
+    is the smashed data at cut A); `tail` runs the rest on the server's output at cut B."""
+
+    def __init__(self, stages: list[tuple[str, nn.Module]], head_stages: int) -> None:
+        super().__init__(OrderedDict(stages))
+        self.head_stages = head_stages
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in list(self)[: self.head_stages]:
+            x = stage(x)
+        return x
+
+    def tail(self, x: torch.Tensor) -> torch.Tensor:
+        for stage in list(self)[self.head_stages :]:
+            x = stage(x)
+        return x
+
+    def tail_part(self) -> nn.Sequential:
+        """The tail's stages as a model of their own (the same modules)."""
+        return nn.Sequential(OrderedDict(list(self.named_children())[self.head_stages :]))
+
+    def tail_parameters(self) -> list[nn.Parameter]:
+        """The tail's trainable parameters, each once."""
+        return [p for p in self.tail_part().parameters() if p.requires_grad]
+
+
+class UShaped(nn.Sequential):
+    """A U-shaped split model, (client part, server part): head, then the server's stages, then tail."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        client, server = self
+        return typing.cast(HeadAndTail, client).tail(server(client(x)))
+
+
+def split(model: StagedModel, cut: int, tail_cut: int | None = None) -> tuple[nn.Sequential, nn.Sequential]:
+    """Split at `cut` into (client part, server part) that share the model's modules and names;
+    with a `tail_cut` too, U-shaped: (`HeadAndTail`, the stages between the two cuts)."""
     k = model.client_stage_count(cut)
     stages = list(model.named_children())
-    return nn.Sequential(OrderedDict(stages[:k])), nn.Sequential(OrderedDict(stages[k:]))
+    if tail_cut is None:
+        return nn.Sequential(OrderedDict(stages[:k])), nn.Sequential(OrderedDict(stages[k:]))
+    if tail_cut not in model.cut_stages or model.cut_stages[tail_cut] <= k:
+        later = [c for c in model.valid_cuts if model.cut_stages[c] > k]
+        raise UserError(
+            f"cut={cut},{tail_cut}: the second cut must be a later cut of this model; valid: {later or 'none'}"
+        )
+    tail = model.cut_stages[tail_cut]
+    return HeadAndTail(stages[:k] + stages[tail:], k), nn.Sequential(OrderedDict(stages[k:tail]))
+
+
+def joined(parts: list[nn.Module]) -> nn.Sequential:
+    """The model of its parts (the whole model, or client part then server part) that runs them in order."""
+    return UShaped(*parts) if isinstance(parts[0], HeadAndTail) else nn.Sequential(*parts)
 
 
 def output_shape(module: nn.Module, input_shape: tuple[int, ...], dtype=torch.float32) -> tuple[int, ...]:

@@ -6,9 +6,11 @@ its verb's keys; smashed data is a tensor of the client part's output dtype and 
 (B, *cut shape) with 1 <= B <= batch_size (a compressed form's claimed shape is checked before it
 is expanded; a language model's cut shape is (T, D), T the sequence length); labels are the task's
 targets: int64 (B,) within [0, classes), or for a language task int64 (B, T) within
-[0, vocabulary) or IGNORED (-100); a loss is a scalar of the
-model's dtype; a model (uploaded, relayed, snapshot or checkpointed) has exactly the slot's tensor
-names, shapes and dtypes, and an optimizer state fits its model; a verb that declares no kind
+[0, vocabulary) or IGNORED (-100), and never leave a client in a U-shaped split (`tail_cut`); the
+gradient at a U-shaped split's second cut has the dtype and shape of the server output it answers;
+a loss is a scalar of the model's dtype; a model (uploaded, relayed, snapshot or checkpointed)
+has exactly the slot's tensor names, shapes and dtypes, and an optimizer state fits its model;
+a verb that declares no kind
 returns nothing; a verb with no check here is refused. Every floating tensor must be finite. A
 client's REPORT of its data must fit the run (`Checks.report`): class counts, or for a language
 task its number of sequences and count of each target token id. A failed check is a `Refused`
@@ -88,7 +90,10 @@ class Checks:
             raise Refused(f"{verb}'s result has no check, so it is not accepted")
 
     def _keyed(self, verb: str, keys: tuple[str, ...], args: tuple, result: Any) -> None:
-        """Exactly `keys`; route(n, threshold) sends 0 to n samples, a step 1 to batch_size."""
+        """Exactly `keys` (U-shaped: never labels); route(n, threshold) sends 0 to n samples, a step
+        1 to batch_size."""
+        if self.blueprint.config.tail_cut is not None:
+            keys = tuple(key for key in keys if key != "labels")
         if not isinstance(result, dict) or set(result) != set(keys):
             held = sorted(map(str, result)) if isinstance(result, dict) else type(result).__name__
             raise Refused(f"{verb} returns exactly {sorted(keys)}, the result holds {held}")
@@ -98,6 +103,10 @@ class Checks:
             batch = self._smashed_batch(result["smashed"], 0 if verb == "route" else 1, most)
         if "labels" in result:
             self._labels(_tensor(result, "labels"), batch)
+        if "tail_grad" in result:  # tail_step(step, output): the gradient at the output sent
+            grad, output = _tensor(result, "tail_grad"), args[1]
+            if grad.dtype != output.dtype or grad.shape != output.shape:
+                raise Refused(f"tail_grad is {_form(grad)}, expected {_form(output)} (the server's output)")
         if "loss" in result:
             value = _tensor(result, "loss")
             if value.dim() != 0 or value.dtype != self._expected_smashed().dtype:

@@ -13,9 +13,10 @@
   in Two-party Split Learning"): the norm attack scores each sample by its gradient's norm, the
   direction attack by its gradient's cosine similarity to the gradient of one sample of known
   label per class. Reported as ROC AUCs (scikit-learn; see `label_leak`): 0.5 is chance, 1.0
-  perfect separation. In the algorithms here the labels travel with the smashed data,
-  so the figure measures what the gradient channel alone reveals (to an observer of the downlink,
-  or to a server in a split without label sharing), not a secret the server lacks.
+  perfect separation. In a vanilla split the labels travel with the smashed data, so the figure
+  measures what the gradient channel alone reveals (to an observer of the downlink), not a secret
+  the server lacks; in a U-shaped split (`cut=A,B`) the labels stay with the client, and the attack
+  scores the gradients at the second cut the server receives from the client's tail.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitlab.models import HeadAndTail
 from splitlab.privacy.defenses import Defense, decode
 
 DECODER_WIDTH = 512
@@ -93,6 +95,27 @@ def cut_gradients(
         z = z.detach().requires_grad_()
         (grad,) = torch.autograd.grad(F.cross_entropy(server(z), labels), z)
         grads.append(decode(defense.send_gradient(grad, generator)))
+    return torch.cat(grads)
+
+
+def tail_gradients(
+    client: HeadAndTail,
+    server: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    defense: Defense,
+    batch_size: int,
+    seed: int,
+) -> torch.Tensor:
+    """U-shaped: the gradients at the second cut the client's tail would send the server for (x, y)
+    (mean loss over each batch), the server's output computed from the defended smashed data."""
+    with torch.no_grad():
+        outputs = torch.cat([server(z) for z in defended_smashed(client, x, defense, seed).split(256)])
+    grads = []
+    for output, labels in zip(outputs.split(batch_size), y.split(batch_size)):
+        output = output.detach().requires_grad_()
+        (grad,) = torch.autograd.grad(F.cross_entropy(client.tail(output), labels), output)
+        grads.append(grad)
     return torch.cat(grads)
 
 

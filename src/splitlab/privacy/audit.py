@@ -29,7 +29,7 @@ from splitlab.algorithms import get_algorithm
 from splitlab.config import UNSPLIT_ALGORITHMS, RunConfig
 from splitlab.errors import UserError
 from splitlab.io import write_json, write_png
-from splitlab.models import output_shape
+from splitlab.models import HeadAndTail, output_shape
 from splitlab.privacy import attacks, fsha, unsplit
 from splitlab.privacy.record import RECORD_DIR
 from splitlab.roles import client_part, server_part
@@ -101,6 +101,10 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     client, server = typing.cast(nn.Sequential, experiment.assemble(final_states(experiment, settings.client)))
     defense, data = experiment.blueprint.defense, experiment.data
     shapes = {"inputs": tuple(data.test_x.shape[1:]), "smashed": output_shape(client, tuple(data.test_x.shape[1:]))}
+    # what the server infers labels from: the cut gradient it sends, or U-shaped the gradient it receives at B
+    gradient = "tail_grad" if isinstance(client, HeadAndTail) else "cut_grad"
+    if gradient == "tail_grad":
+        shapes["tail_grad"] = output_shape(nn.Sequential(client, server), shapes["inputs"])
     recorded = _recorded(path, record_files, settings.round, shapes, experiment.blueprint.num_classes)
     order = np.random.default_rng([settings.seed, len(data.test_y)]).permutation(len(data.test_y))
     held_out, aux = attack_sizes(
@@ -114,19 +118,22 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
         source = f"client {settings.client}'s training samples, {settings.steps} simulated steps"
     result: dict[str, Any] = {"attack": settings.attack, "targets": source, "defense": experiment.config.run.defense}
     if settings.attack == "label_leak":
+        result["gradient"] = gradient
         if recorded:
             by_round = {r: _load(file, shapes, experiment.blueprint.num_classes) for r, file in record_files.items()}
             result["by_round"] = {
-                r: attacks.label_leak(t["cut_grad"], t["labels"]) for r, t in by_round.items() if "cut_grad" in t
+                r: attacks.label_leak(t[gradient], t["labels"]) for r, t in by_round.items() if gradient in t
             }
             if recorded[0] not in result["by_round"]:
                 raise UserError(f"{experiment.config.run.algorithm} sends no cut gradients: no labels to infer")
             result.update(result["by_round"][recorded[0]])
         else:
             batch = experiment.config.run.batch_size
-            result.update(
-                attacks.label_leak(attacks.cut_gradients(client, server, x, y, defense, batch, settings.seed), y)
-            )
+            if isinstance(client, HeadAndTail):
+                grads = attacks.tail_gradients(client, server, x, y, defense, batch, settings.seed)
+            else:
+                grads = attacks.cut_gradients(client, server, x, y, defense, batch, settings.seed)
+            result.update(attacks.label_leak(grads, y))
     elif settings.attack == "fsha":
         warmup = settings.steps // 5  # SplitGuard starts once training has settled a little
         if (settings.steps - warmup) // settings.guard < 1:
@@ -256,9 +263,9 @@ def _load(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int) -> d
 
 def _record_problem(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], num_classes: int) -> str:
     """What is wrong with a record's tensors ('' if nothing)."""
-    names = set(tensors)
-    if {"inputs", "smashed", "labels"} - names or names - {"inputs", "smashed", "labels", "clients", "cut_grad"}:
-        return f"tensors {sorted(names)}, expected inputs, smashed, labels (and clients, cut_grad)"
+    names, optional = set(tensors), {"clients", "cut_grad", *(["tail_grad"] if "tail_grad" in shapes else [])}
+    if {"inputs", "smashed", "labels"} - names or names - {"inputs", "smashed", "labels", *optional}:
+        return f"tensors {sorted(names)}, expected inputs, smashed, labels (and {', '.join(sorted(optional))})"
     n = len(tensors["labels"])
     expected = {**shapes, "cut_grad": shapes["smashed"], "labels": (), "clients": ()}
     for name, tensor in tensors.items():

@@ -2,7 +2,9 @@
 
 In each round, the first N samples whose smashed data reaches the server are recorded as the
 server decoded them (`smashed`), with their labels and, where the algorithm sends one, the cut
-gradient the server sent back (`cut_grad`, as the client decoded it). The inputs the smashed data
+gradient the server sent back (`cut_grad`, as the client decoded it); in a U-shaped split, where
+the labels stay with the client (recorded for scoring only), also the gradient at the second cut
+the client sent up (`tail_grad`), what a curious server infers labels from. The inputs the smashed data
 came from (`inputs`) are recorded too, by the experimenter and for scoring only: the server never
 sees them. One safetensors file per round, `record/round_<r>.safetensors` (a resumed run rewrites
 the rounds it replays). Recording happens where the client and the server live in one process.
@@ -53,10 +55,16 @@ class Recorder:
             take, grad = len(batch["labels"]), cut_grad.detach()
             batch["cut_grad"] = grad.expand(take, *grad.shape[1:]) if len(grad) == 1 else grad[:take]
 
+    def received_tail(self, client_id: int, key: int, tail_grad: torch.Tensor) -> None:
+        """U-shaped: the gradient at the second cut of a recorded batch, as the server receives it."""
+        batch = self._awaiting.get((client_id, key))
+        if batch is not None:
+            batch["tail_grad"] = tail_grad.detach()[: len(batch["labels"])]
+
     def flush(self, run_dir: Path, rnd: int) -> None:
         """Write the round's record (nothing if nothing was sent) and start the next round empty."""
         batches, self._batches, self._awaiting, self._count = self._batches, [], {}, 0
         if not batches:
             return
-        names = set.intersection(*(set(b) for b in batches))  # cut_grad only if every batch got one
+        names = set.intersection(*(set(b) for b in batches))  # a gradient only if every batch got one
         save_safetensors(round_file(run_dir, rnd), {n: torch.cat([b[n] for b in batches]) for n in sorted(names)})

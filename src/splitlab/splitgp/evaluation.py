@@ -48,7 +48,7 @@ from splitlab.engine import Experiment, _client_indices, _hold_out, build
 from splitlab.errors import UserError
 from splitlab.io import write_json
 from splitlab.metrics import logits_in_batches
-from splitlab.models import split
+from splitlab.models import joined, split
 from splitlab.roles import ClientNode, State
 from splitlab.splitgp import parse_settings
 from splitlab.streams import register_stream
@@ -397,10 +397,11 @@ def _splitgp_outputs(
 def _model(experiment: Experiment, states: list[State]) -> nn.Module:
     """A new module holding the global model `states` (the whole model, or client then server part)."""
     model = experiment.blueprint.new_model()
-    parts = [model] if len(states) == 1 else list(split(model, experiment.config.run.cut))
+    run = experiment.config.run
+    parts: list[nn.Module] = [model] if len(states) == 1 else list(split(model, run.cut, run.tail_cut))
     for part, state in zip(parts, states):
         part.load_state_dict(state)
-    return nn.Sequential(*parts)
+    return joined(parts)
 
 
 def _finetuned(experiment: Experiment, states: list[State], train: TrainingSet, rounds: int) -> list[nn.Module]:
