@@ -19,10 +19,10 @@ from safetensors.torch import load_file
 
 from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
 from splitlab.cli import main
-from splitlab.resolve import resolve_config
 from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.net.checks import Checks, Refused
+from splitlab.resolve import resolve_config
 from splitlab.roles import ClientNode
 
 OPTIMIZERS = [dict(optimizer="sgd", lr=0.05), dict(optimizer="adam", lr=1e-3)]
