@@ -101,14 +101,19 @@ class Rogue:
             self.outgoing.put(protocol.envelope(protocol.REPORT, reply.run_id, payload=codec.encode(report)))
         return reply
 
-    def serve(self, answer: Callable[[Any], bytes], quiet: bool = True) -> None:
-        """Answer calls, `answer(call)` each, until the server ends the stream (with an error, raised
-        unless `quiet`)."""
+    def serve(self, answer: Callable[[Any], Any], quiet: bool = True) -> None:
+        """Answer calls, `answer(call)` each (the payload of a RESULT, or a whole envelope to send),
+        until the server ends the stream (with an error, raised unless `quiet`); `finished`: it
+        said BYE."""
+        self.finished = False
         try:
             for message in self.replies:
                 if message.kind == protocol.CALL:
-                    reply = protocol.envelope(protocol.RESULT, message.run_id, seq=message.seq, payload=answer(message))
+                    reply = answer(message)
+                    if isinstance(reply, bytes):
+                        reply = protocol.envelope(protocol.RESULT, message.run_id, seq=message.seq, payload=reply)
                     self.outgoing.put(reply)
+                self.finished |= message.kind == protocol.BYE
         except grpc.RpcError:
             if not quiet:
                 raise

@@ -102,9 +102,13 @@ def test_below_min_clients_the_run_stops_with_one_line(tmp_path, servers):
     make_certs(tmp_path / "certs", 2, [])
     server = servers({**config, "out": str(tmp_path / "net")}, min_clients=2, rejoin_wait=0.5, join_timeout=60)
     staying, killed = server.client(0), server.client(1)
-    server.wait_for_log("client 1 connected")
+    server.wait_for_log("client 1 holds")
     killed.send_signal(signal.SIGKILL)
     assert server.process.wait() == 4
+    waits = [
+        float(m[1]) for line in server.lines() if (m := re.search(r"client 1 is not .* \(waited ([\d.]+) s", line))
+    ]
+    assert all(wait < 30 for wait in waits)  # both had joined: rejoin_wait, not join_timeout=60
     errors = [line for line in server.lines() if line.startswith("error:")]
     assert len(errors) == 1 and re.match(
         r"error: round \d+: only 1 of 2 clients finished \(dropped: 1\), fewer than min_clients=2", errors[0]

