@@ -299,6 +299,16 @@ def _cmd_attack(args: argparse.Namespace) -> int:
         decoder, baseline = result["decoder"], result["baseline"]
         table.add_row("decoder", f"{decoder['ssim']:.3f} / {decoder['psnr']:.2f} dB")
         table.add_row("floor: mean image", f"{baseline['ssim']:.3f} / {baseline['psnr']:.2f} dB")
+    elif result["attack"] == "model_completion":
+        table.add_row(f"label accuracy ({result['labelled']} labelled)", f"{result['accuracy']:.2%}")
+        table.add_row("untrained client part, same head", f"{result['untrained_accuracy']:.2%}")
+        table.add_row(f"floor: always class {result['floor_class']}", f"{result['floor']:.2%}")
+    elif result["attack"] == "token_inversion":
+        table.add_row(f"token accuracy ({result['attacker']})", f"{result['accuracy']:.2%}")
+        table.add_row("decoder", f"{result['decoder']:.2%}")
+        table.add_row(f"floor: always token {result['baseline_token']}", f"{result['baseline']:.2%}")
+        for name, text in result.get("example", {}).items():
+            table.add_row(name, repr(text))
     else:
         table.add_row("norm attack AUC", f"{result['norm_auc']:.3f} ({result['scored']})")
         table.add_row("direction attack AUC", f"{result['direction_auc']:.3f}")
@@ -436,8 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     attack = commands.add_parser(
         "attack",
-        help="a curious training server's attack on a finished run (inversion | label_leak)",
-        description="A curious training server's attack on a finished run; see docs/privacy.md.",
+        help="an attack on a finished run (inversion | label_leak | model_completion | token_inversion)",
+        description="An attack on a finished run (a curious server's, or model completion); see docs/privacy.md.",
     )
     attack.add_argument("dir")
     attack.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
