@@ -65,31 +65,33 @@ def features(client: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def fit_head(inputs: torch.Tensor, labels: torch.Tensor, num_classes: int, epochs: int, seed: int) -> nn.Module:
     """The inference head (an MLP with one hidden layer of HEAD_WIDTH), fitted by cross-entropy on
-    the labelled features, standardised by their mean and spread; `epochs` passes, at least
-    MIN_HEAD_STEPS steps in all."""
+    the labelled features, centred by their mean and scaled by their overall spread (one scale:
+    per-feature scales from a few samples would blow up features that happen to be constant
+    there); `epochs` passes, at least MIN_HEAD_STEPS steps in all."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        mean, std = inputs.mean(0), inputs.std(0).clamp_min(1e-6)  # at least two samples: one per class
+        mean = inputs.mean(0)
+        scale = (inputs - mean).std().clamp_min(1e-12)
         head = nn.Sequential(nn.Linear(inputs.shape[1], HEAD_WIDTH), nn.ReLU(), nn.Linear(HEAD_WIDTH, num_classes)).to(
             inputs.device
         )
         optimizer = torch.optim.Adam(head.parameters(), lr=1e-3, weight_decay=1e-4, foreach=True)
-        scaled = (inputs - mean) / std
+        scaled = (inputs - mean) / scale
         for _ in range(max(epochs, math.ceil(MIN_HEAD_STEPS / math.ceil(len(inputs) / BATCH)))):
             for idx in torch.randperm(len(inputs), device=inputs.device).split(BATCH):
                 optimizer.zero_grad(set_to_none=True)
                 F.cross_entropy(head(scaled[idx]), labels[idx]).backward()
                 optimizer.step()
-    return nn.Sequential(_Standardise(mean, std), head).eval()
+    return nn.Sequential(_Standardise(mean, scale), head).eval()
 
 
 class _Standardise(nn.Module):
-    def __init__(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+    def __init__(self, mean: torch.Tensor, scale: torch.Tensor) -> None:
         super().__init__()
-        self.mean, self.std = mean, std
+        self.mean, self.scale = mean, scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x - self.mean) / self.std
+        return (x - self.mean) / self.scale
 
 
 def completed_accuracy(
