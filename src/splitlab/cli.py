@@ -327,6 +327,16 @@ def _cmd_attack(args: argparse.Namespace) -> int:
         table.add_row(
             "SplitGuard score: honest / FSHA server", f"{honest['splitguard']:.3f} / {malicious['splitguard']:.3f}"
         )
+    elif result["attack"] == "model_completion":
+        table.add_row(f"label accuracy ({result['labelled']} labelled)", f"{result['accuracy']:.2%}")
+        table.add_row("untrained client part, same head", f"{result['untrained_accuracy']:.2%}")
+        table.add_row(f"floor: always class {result['floor_class']}", f"{result['floor']:.2%}")
+    elif result["attack"] == "token_inversion":
+        table.add_row(f"token accuracy ({result['attacker']})", f"{result['accuracy']:.2%}")
+        table.add_row("decoder", f"{result['decoder']:.2%}")
+        table.add_row(f"floor: always token {result['baseline_token']}", f"{result['baseline']:.2%}")
+        for name, text in result.get("example", {}).items():
+            table.add_row(name, repr(text))
     else:
         table.add_row("norm attack AUC", f"{result['norm_auc']:.3f} ({result['scored']})")
         table.add_row("direction attack AUC", f"{result['direction_auc']:.3f}")
@@ -468,8 +478,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     attack = commands.add_parser(
         "attack",
-        help="a training server's attack on a finished run (inversion | label_leak | unsplit | fsha)",
-        description="A curious training server's attack on a finished run; see docs/privacy.md.",
+        help="an attack on a finished run (inversion | unsplit | fsha | label_leak | model_completion | "
+        "token_inversion)",
+        description="An attack on a finished run (a curious or malicious server's, or model completion); see "
+        "docs/privacy.md.",
     )
     attack.add_argument("dir")
     attack.add_argument("overrides", nargs="*", metavar="KEY=VALUE")

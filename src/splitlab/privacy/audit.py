@@ -1,10 +1,14 @@
-"""`splitlab attack RUN attack=...`: the server's attacks on a finished run.
+"""`splitlab attack RUN attack=...`: attacks on a finished run (the curious server's, a malicious
+server's, and model completion).
 
 Targets are what the server saw during training when the run was made with `record=N` (the last
 recorded round by default, `round=` another), otherwise what it would see from the final model:
 held-out test samples through the final client part, with the run's defense applied. The
 server's auxiliary data is a seeded part of the test split, disjoint from those held-out samples.
 Results go to RUN/attack.json (one entry per attack) and, for the reconstructions, RUN/attack_<attack>.png.
+Image runs take `inversion`, `unsplit`, `fsha`, `label_leak` and `model_completion`
+(splitlab.privacy.completion),
+language runs `token_inversion` (splitlab.privacy.tokens); each is refused in one line on the other.
 `fsha` is different: an active attack during training, simulated afresh on the run's configuration
 and data (splitlab.privacy.fsha), not played on what the run recorded.
 """
@@ -27,12 +31,16 @@ from torch import nn
 from splitlab import rundir
 from splitlab.algorithms import get_algorithm
 from splitlab.config import UNSPLIT_ALGORITHMS, RunConfig
+from splitlab.data.datasets import IGNORED
 from splitlab.errors import UserError
 from splitlab.io import write_json, write_png
-from splitlab.models import HeadAndTail, output_shape
-from splitlab.privacy import attacks, fsha, unsplit
+from splitlab.models import HeadAndTail, output_shape, split
+from splitlab.privacy import attacks, completion, fsha, tokens, unsplit
 from splitlab.privacy.record import RECORD_DIR
 from splitlab.roles import client_part, server_part
+
+if typing.TYPE_CHECKING:
+    from splitlab.engine import Experiment
 
 RESULTS = "attack.json"
 
@@ -41,7 +49,7 @@ class AttackSettings(BaseModel):
     """The `splitlab attack` keys."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    attack: Literal["inversion", "label_leak", "unsplit", "fsha"]
+    attack: Literal["inversion", "label_leak", "unsplit", "fsha", "model_completion", "token_inversion"]
     round: int | None = Field(
         None,
         ge=1,
@@ -58,7 +66,8 @@ class AttackSettings(BaseModel):
         None,
         ge=10,
         le=10_000_000,
-        description="auxiliary samples the server holds, from the test split (default: 2000 or what fits)",
+        description="auxiliary samples the attacker holds, from the test split (default: 2000 or what fits; "
+        "model_completion: labelled samples, the same number of each class, default 40 of each or what fits)",
     )
     targets: int | None = Field(
         None,
@@ -66,7 +75,9 @@ class AttackSettings(BaseModel):
         le=10_000_000,
         description="held-out samples attacked when nothing was recorded (default: 500 or half the test split)",
     )
-    epochs: int = Field(30, ge=1, le=100_000, description="decoder training epochs (inversion)")
+    epochs: int = Field(
+        30, ge=1, le=100_000, description="training epochs of the decoder (inversions) or head (model_completion)"
+    )
     iterations: int = Field(30, ge=1, le=100_000, description="alternations of input and surrogate descent (unsplit)")
     tv: float = Field(0.001, ge=0, le=1_000, description="weight of the total-variation prior (unsplit)")
     steps: int = Field(300, ge=10, le=10_000_000, description="client training steps under attack (fsha)")
@@ -83,7 +94,6 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     settings = parse_settings(AttackSettings, raw)
     path = Path(run_dir)
     stored = rundir.stored_config(path, "attack", "point attack at a finished run's directory")
-    check_classification(stored.get("dataset") or RunConfig().dataset, f"attack={settings.attack}")
     algorithm = stored.get("algorithm") or RunConfig().algorithm
     personal = get_algorithm(algorithm).personal_models
     if settings.client and not personal:
@@ -98,9 +108,14 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
         raise UserError(
             f"client={settings.client} is not a client of {str(path)!r}; allowed: 0 to {len(experiment.clients) - 1}"
         )
-    client, server = typing.cast(nn.Sequential, experiment.assemble(final_states(experiment, settings.client)))
     defense, data = experiment.blueprint.defense, experiment.data
-    shapes = {"inputs": tuple(data.test_x.shape[1:]), "smashed": output_shape(client, tuple(data.test_x.shape[1:]))}
+    _check_task(settings.attack, data.task, path)
+    client, server = typing.cast(nn.Sequential, experiment.assemble(final_states(experiment, settings.client)))
+    shapes = {
+        "inputs": tuple(data.test_x.shape[1:]),
+        "smashed": output_shape(client, tuple(data.test_x.shape[1:]), data.test_x.dtype),
+        "labels": tuple(data.test_y.shape[1:]),  # a language task's targets: one per position
+    }
     # what the server infers labels from: the cut gradient it sends, or U-shaped the gradient it receives at B
     gradient = "tail_grad" if isinstance(client, HeadAndTail) else "cut_grad"
     if gradient == "tail_grad":
@@ -119,6 +134,29 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     result: dict[str, Any] = {"attack": settings.attack, "targets": source, "defense": experiment.config.run.defense}
     if settings.attack == "label_leak":
         result["gradient"] = gradient
+    if settings.attack == "model_completion":
+        if recorded:
+            x, y = recorded[1]["inputs"].to(x.device), recorded[1]["labels"].to(x.device)
+        result.update(_model_completion(experiment, client, order[held_out:], x, y, settings, path))
+    elif settings.attack == "token_inversion":
+        if recorded:
+            x, smashed = recorded[1]["inputs"].to(x.device).long(), recorded[1]["smashed"].to(x.device)
+        else:
+            smashed = attacks.defended_smashed(client, x, defense, settings.seed)
+        result.update(
+            tokens.token_inversion(
+                client,
+                defense,
+                data.test_x[aux_idx],
+                smashed,
+                x,
+                experiment.blueprint.num_classes,
+                settings.epochs,
+                settings.seed,
+                data.vocabulary,
+            )
+        )
+    elif settings.attack == "label_leak":
         if recorded:
             by_round = {r: _load(file, shapes, experiment.blueprint.num_classes) for r, file in record_files.items()}
             result["by_round"] = {
@@ -207,6 +245,57 @@ def check_classification(dataset: str, what: str) -> None:
         )
 
 
+LABELS_ARE_TOKENS = "a language run's labels are its next input tokens, which the client holds"
+#: attack -> why it does not apply to a language run (the image attacks); token_inversion applies only there
+NOT_FOR_LANGUAGE = {
+    "inversion": "it reconstructs images; on a language run use attack=token_inversion",
+    "label_leak": LABELS_ARE_TOKENS,
+    "model_completion": LABELS_ARE_TOKENS,
+}
+
+
+def _check_task(attack: str, task: str, path: Path) -> None:
+    if (attack == "token_inversion") == (task == "language"):
+        return
+    why = (
+        "it reconstructs the tokens of a language run; use attack=inversion"
+        if attack == "token_inversion"
+        else NOT_FOR_LANGUAGE.get(attack, "it attacks image classification runs")
+    )
+    raise UserError(f"attack={attack} does not apply to {str(path)!r}, a {task} run: {why}")
+
+
+def _model_completion(
+    experiment: Experiment,
+    client: nn.Module,
+    pool: np.ndarray,
+    target_x: torch.Tensor,
+    target_y: torch.Tensor,
+    settings: AttackSettings,
+    path: Path,
+) -> dict[str, Any]:
+    """Model completion with labelled samples drawn from the test samples in `pool` (not targets),
+    against the trained client part and the untrained one (the run's initial weights)."""
+    data, num_classes = experiment.data, experiment.blueprint.num_classes
+    try:
+        labelled = pool[completion.balanced_labelled(data.test_y[pool].cpu().numpy(), settings.aux, num_classes)]
+    except ValueError as error:
+        raise UserError(f"cannot attack {str(path)!r}: {error}") from None
+    untrained, _ = split(experiment.blueprint.new_model(), experiment.config.run.cut)
+    labelled_idx = torch.as_tensor(labelled, device=data.test_y.device)
+    return completion.model_completion(
+        client,
+        untrained.eval(),
+        data.test_x[labelled_idx],
+        data.test_y[labelled_idx],
+        target_x,
+        target_y,
+        num_classes,
+        settings.epochs,
+        settings.seed,
+    )
+
+
 def attack_sizes(
     available: int, aux: int | None, targets: int | None, held_out: bool, defaults: tuple[int, int] = (2000, 500)
 ) -> tuple[int, int]:
@@ -262,12 +351,13 @@ def _load(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int) -> d
 
 
 def _record_problem(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], num_classes: int) -> str:
-    """What is wrong with a record's tensors ('' if nothing)."""
+    """What is wrong with a record's tensors ('' if nothing). A language run's labels (targets) hold
+    a token per position or IGNORED, and its inputs (token ids, recorded as floats) whole token ids."""
     names, optional = set(tensors), {"clients", "cut_grad", *(["tail_grad"] if "tail_grad" in shapes else [])}
     if {"inputs", "smashed", "labels"} - names or names - {"inputs", "smashed", "labels", *optional}:
         return f"tensors {sorted(names)}, expected inputs, smashed, labels (and {', '.join(sorted(optional))})"
     n = len(tensors["labels"])
-    expected = {**shapes, "cut_grad": shapes["smashed"], "labels": (), "clients": ()}
+    expected = {**shapes, "cut_grad": shapes["smashed"], "clients": ()}
     for name, tensor in tensors.items():
         integer = name in ("labels", "clients")
         if tensor.dtype != torch.int64 if integer else not tensor.dtype.is_floating_point:
@@ -276,9 +366,13 @@ def _record_problem(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[in
             return f"{name} has shape {tuple(tensor.shape)}, expected ({n}, {', '.join(map(str, expected[name]))})"
         if not integer and not bool(torch.isfinite(tensor).all()):
             return f"{name} holds NaN or infinite values"
-    labels = tensors["labels"]
-    if n == 0 or int(labels.min()) < 0 or int(labels.max()) >= num_classes:
-        return f"labels must be 0 to {num_classes - 1}, at least one"
+    labels, language = tensors["labels"], bool(shapes["labels"])
+    in_range = (labels >= 0) & (labels < num_classes)
+    if n == 0 or not bool((in_range | (labels == IGNORED) if language else in_range).all()):
+        return f"labels must be 0 to {num_classes - 1}{f' or {IGNORED}' if language else ''}, at least one"
+    inputs = tensors["inputs"]
+    if language and not bool(((inputs >= 0) & (inputs < num_classes) & (inputs == inputs.round())).all()):
+        return f"inputs must be token ids, whole numbers 0 to {num_classes - 1}"
     return ""
 
 

@@ -1,0 +1,138 @@
+"""Label inference by model completion (Fu et al. 2022, "Label Inference Attacks Against Vertical
+Federated Learning", USENIX Security, the passive attack).
+
+The attacker is the party that holds the bottom model and not the labels: it takes its trained
+client part, puts a fresh small top model (the "inference head") on it, fits the head on a few
+samples whose labels it knows, and predicts the labels of the samples it wants. What the trained
+client part learned from the labels (through the cut gradients) is what makes that work with few
+labels. The paper fine-tunes the completed model semi-supervised (MixMatch, with the unlabelled
+samples); here the client part is frozen and the head is fitted by plain supervised training on
+the labelled samples alone: a weaker attacker, so a lower bound on what model completion gets.
+
+The client computes its own features, so no defense at the cut applies to them (defenses protect
+what leaves the client). Two references go with the result: the **floor**, the best constant
+guess (the targets' most frequent class), and the same head fitted on the **untrained** client
+part (the run's initial weights), which says how much of the accuracy training put there rather
+than the architecture and the few labels alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HEAD_WIDTH = 128
+DEFAULT_PER_CLASS = 40  # labelled samples of each class the attacker holds by default
+MIN_HEAD_STEPS = 300  # a few labels fill one batch: an epoch is one step, too few to fit the head
+BATCH = 64
+
+
+def balanced_labelled(labels: np.ndarray, aux: int | None, num_classes: int) -> np.ndarray:
+    """Positions in `labels` (the auxiliary pool) of the attacker's labelled samples: the first
+    aux / num_classes of each class, or by default DEFAULT_PER_CLASS each (fewer if a class of the
+    pool has fewer, all classes alike). ValueError if `aux` is not a multiple of the classes or a
+    class of the pool is too small."""
+    if aux is None:
+        per_class = min(DEFAULT_PER_CLASS, *(int((labels == c).sum()) for c in range(num_classes)))
+    elif aux % num_classes:
+        raise ValueError(
+            f"aux={aux} is not a multiple of the {num_classes} classes: model completion takes the same "
+            "number of labelled samples of each class"
+        )
+    else:
+        per_class = aux // num_classes
+    if per_class < 1:
+        raise ValueError("the auxiliary samples lack a class: model completion needs a labelled sample of each")
+    chosen = []
+    for c in range(num_classes):
+        own = np.flatnonzero(labels == c)[:per_class]
+        if len(own) < per_class:
+            raise ValueError(f"the auxiliary pool holds {len(own)} samples of class {c}, fewer than {per_class}")
+        chosen.append(own)
+    return np.sort(np.concatenate(chosen))
+
+
+def features(client: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The client part's outputs for `x`, flattened (the attacker runs its own part: no defense)."""
+    with torch.no_grad():
+        return torch.cat([client(b).flatten(1) for b in x.split(256)])
+
+
+def fit_head(inputs: torch.Tensor, labels: torch.Tensor, num_classes: int, epochs: int, seed: int) -> nn.Module:
+    """The inference head (an MLP with one hidden layer of HEAD_WIDTH), fitted by cross-entropy on
+    the labelled features, centred by their mean and scaled by their overall spread (one scale:
+    per-feature scales from a few samples would blow up features that happen to be constant
+    there); `epochs` passes, at least MIN_HEAD_STEPS steps in all."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        mean = inputs.mean(0)
+        scale = (inputs - mean).std().clamp_min(1e-12)
+        head = nn.Sequential(nn.Linear(inputs.shape[1], HEAD_WIDTH), nn.ReLU(), nn.Linear(HEAD_WIDTH, num_classes)).to(
+            inputs.device
+        )
+        optimizer = torch.optim.Adam(head.parameters(), lr=1e-3, weight_decay=1e-4, foreach=True)
+        scaled = (inputs - mean) / scale
+        for _ in range(max(epochs, math.ceil(MIN_HEAD_STEPS / math.ceil(len(inputs) / BATCH)))):
+            for idx in torch.randperm(len(inputs), device=inputs.device).split(BATCH):
+                optimizer.zero_grad(set_to_none=True)
+                F.cross_entropy(head(scaled[idx]), labels[idx]).backward()
+                optimizer.step()
+    return nn.Sequential(_Standardise(mean, scale), head).eval()
+
+
+class _Standardise(nn.Module):
+    def __init__(self, mean: torch.Tensor, scale: torch.Tensor) -> None:
+        super().__init__()
+        self.mean, self.scale = mean, scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - self.mean) / self.scale
+
+
+def completed_accuracy(
+    client: nn.Module,
+    aux_x: torch.Tensor,
+    aux_y: torch.Tensor,
+    target_x: torch.Tensor,
+    target_y: torch.Tensor,
+    num_classes: int,
+    epochs: int,
+    seed: int,
+) -> float:
+    """Accuracy on the targets of `client` completed with a head fitted on (aux_x, aux_y)."""
+    head = fit_head(features(client, aux_x), aux_y, num_classes, epochs, seed)
+    with torch.no_grad():
+        predicted = head(features(client, target_x)).argmax(1)
+    return float((predicted == target_y).float().mean())
+
+
+def model_completion(
+    client: nn.Module,
+    untrained_client: nn.Module,
+    aux_x: torch.Tensor,
+    aux_y: torch.Tensor,
+    target_x: torch.Tensor,
+    target_y: torch.Tensor,
+    num_classes: int,
+    epochs: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Label-inference accuracy of the completed trained client part on the targets, with the
+    floor (best constant guess) and the untrained client part completed the same way."""
+    counts = torch.bincount(target_y, minlength=num_classes)
+    return {
+        "accuracy": completed_accuracy(client, aux_x, aux_y, target_x, target_y, num_classes, epochs, seed),
+        "untrained_accuracy": completed_accuracy(
+            untrained_client, aux_x, aux_y, target_x, target_y, num_classes, epochs, seed
+        ),
+        "floor": float(counts.max()) / len(target_y),
+        "floor_class": int(counts.argmax()),
+        "labelled": len(aux_y),
+        "labelled_per_class": len(aux_y) // num_classes,
+        "samples": len(target_y),
+    }
