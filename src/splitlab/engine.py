@@ -278,6 +278,10 @@ class _Plan:
 
 def _plan(config: ResolvedConfig) -> _Plan:
     run = config.run
+    if run.setting == "vertical":  # built by splitlab.vertical, in one process
+        from splitlab.vertical import refuse_elsewhere
+
+        refuse_elsewhere(run, "a client node of its own")
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)
@@ -397,7 +401,11 @@ def check(raw: Mapping[str, Any]) -> None:
     config = resolve_config(raw)
     rundir.check_out_dir(config.out_dir)
     check_logger(config.run.logger)
-    if config.run.data == "partition":
+    if config.run.setting == "vertical":
+        from splitlab.vertical import plan_vertical
+
+        plan_vertical(config)
+    elif config.run.data == "partition":
         plan = _plan(config)
         _seeded_subset(len(plan.data.test_y), config.run.test_subset, config.run.seed, "test_subset")
 
@@ -415,6 +423,10 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     check_logger(run.logger)
     if transport is not None and run.backend == "ray":
         raise UserError("backend=ray runs clients on Ray actors; a networked server takes backend=local")
+    if run.setting == "vertical":  # parties holding features, not samples: splitlab.vertical
+        from splitlab.vertical import build_vertical
+
+        return build_vertical(config, transport)
     if run.data == "own" and transport is None:
         raise UserError("data=own: the clients bring their own samples to a server; run it with `splitlab server`")
     plan = _plan(config)

@@ -23,6 +23,8 @@ KINDS: dict[str, str] = {
     "aux_model_down": "down",  # auxiliary heads / models (CSE-FSL, FSL-SAGE, SplitGP)
     "aux_model_up": "up",
     "kept_state_down": "down",  # a client's kept slots given back when it rejoins after dropping out
+    "psi_up": "up",  # vertical: private set intersection messages (blinded ids), party -> server
+    "psi_down": "down",  # ... server -> party (relayed from another party, or the server's own)
     # Telemetry: what the simulation reads from roles and a deployment would not send, or not
     # as training traffic. Never counted.
     "loss": "telemetry",  # a training loss, for the round's mean train loss
