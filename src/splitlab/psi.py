@@ -16,14 +16,21 @@ from typing import Any
 import numpy as np
 import torch
 
+from splitlab.errors import UserError
+
 #: The answerer's ids travel as a raw list of blinded points: exact (no false positives, unlike
 #: a Bloom filter), and their size depends only on the count (33 bytes a point, compressed).
 _EXACT = 0.0
 
 
 def _psi() -> Any:
-    import private_set_intersection.python as psi
-
+    try:
+        import private_set_intersection.python as psi
+    except ImportError:
+        raise UserError(
+            "setting=vertical aligns samples with openmined-psi, which is not installed: "
+            "pip install 'splitlab[vertical]'"
+        ) from None
     return psi
 
 
