@@ -70,7 +70,7 @@ class VerticalPlan:
         return rows
 
 
-def _refusals(run: RunConfig, transport: Any) -> None:
+def _refusals(run: RunConfig) -> None:
     checks = {
         "algorithm": (
             run.algorithm not in VERTICAL_ALGORITHMS,
@@ -88,16 +88,14 @@ def _refusals(run: RunConfig, transport: Any) -> None:
     for key, (refused, why) in checks.items():
         if refused:
             raise UserError(f"{key}={getattr(run, key)} cannot be used with setting=vertical: {why}")
-    if transport is not None:
-        raise UserError(f"{NOT_HERE}; `splitlab server`/`launch` does not run it yet")
 
 
-def plan_vertical(config: ResolvedConfig, transport: Any = None) -> VerticalPlan:
+def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
     """Validate a vertical run and derive its data, feature groups and blueprint; UserError on bad input."""
     from splitlab.engine import _seeded_subset, load_data, resolve_device
 
     run = config.run
-    _refusals(run, transport)
+    _refusals(run)
     data = load_data(run)
     data_dir = None if run.data_dir is None else Path(run.data_dir)
     if data.task != "classification":
@@ -125,7 +123,7 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
     aligned by private set intersection (counted in the ledger) before anything is returned."""
     from splitlab.engine import Experiment, Roles, test_set
 
-    vertical = plan_vertical(config, transport)
+    vertical = plan_vertical(config)
     run, data, plan, blueprint = config.run, vertical.data, vertical.plan, vertical.blueprint
     device = blueprint.device
     parties = []
@@ -147,7 +145,9 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
         blueprint, plan, vertical.ids[server_rows], data.train_y[torch.as_tensor(server_rows)].to(device)
     )
     ledger = Ledger(run.ledger)
-    transport_ = TRANSPORTS[run.transport](ledger, device)
+    transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
+    if transport_.remote:
+        raise UserError(f"{NOT_HERE}; `splitlab server`/`launch` does not run it yet")
     proxies = {party.id: transport_.connect(party, counted=True) for party in parties}
     sync: SyncServer = SyncServer(blueprint)
     context = Context(

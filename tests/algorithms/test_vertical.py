@@ -17,6 +17,7 @@ from splitlab.algorithms.base import Algorithm
 from splitlab.engine import build, client_count, evaluate
 from splitlab.errors import UserError
 from splitlab.roles import Role
+from splitlab.transport import ClientDropped, Transport
 from test_transport import ORCHESTRATION, ROLE_INTERNALS, attributes
 
 TABLE = dict(setting="vertical", algorithm="sl", dataset="breast_cancer", model="mlp", device="cpu", seed=0)
@@ -179,3 +180,31 @@ def test_vertical_classes_keep_to_their_side_of_the_boundary():
             assert not attributes(cls) & ROLE_INTERNALS
         if issubclass(cls, Role):
             assert not attributes(cls) & ORCHESTRATION
+
+
+class LeavesInRound(Transport):
+    """In process, but party `who` leaves (ClientDropped) when asked for its embedding in round 1."""
+
+    who = 1
+
+    def call(self, method, spec, counted, *args, **kwargs):
+        role = getattr(method, "__self__", None)
+        if getattr(role, "id", None) == self.who and role.round == 1 and method.__name__ == "forward":
+            raise ClientDropped(self.who, "left")
+        return super().call(method, spec, counted, *args, **kwargs)
+
+
+@pytest.mark.parametrize(("combine", "who", "steps"), [("concat", 1, 3), ("mean", 1, 3), ("sum", 0, 0)])
+def test_a_party_that_drops_out_is_left_out_of_the_round(combine, who, steps):
+    """Party 1 drops: the server trains on the other's embedding; the label holder (party 0) drops:
+    no step is taken in that round."""
+    config = dict(TABLE, combine=combine, labels_at=0, batch_size=64, local_steps=3, train_subset=200)
+    experiment = build(config, type("Leaves", (LeavesInRound,), {"who": who}))
+    experiment.algorithm.run_round(0, experiment.clients)
+    before = experiment.ledger.state_dict()["smashed"]
+    experiment.algorithm.run_round(1, experiment.clients)
+    assert experiment.algorithm.dropped == {who}
+    stayed = experiment.roles.clients[1 - who]
+    assert experiment.ledger.state_dict()["smashed"] - before == steps * 64 * 200 * 4
+    assert stayed.stash == {}
+    assert (experiment.algorithm.pop_train_loss() is not None) or steps == 0

@@ -351,17 +351,17 @@ class VerticalSplitNN(Algorithm[NoParams]):
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.server.begin_round(rnd)
+        first = sorted(clients, key=lambda party: party.id != self.labels_at)  # the label holder, if a party
         for step in range(self.ctx.local_steps(clients[0])):
-            sent = [self.unless_dropped(party.id, "forward", step) for party in clients]
-            labels = None
-            if self.labels_at != LABELS_AT_SERVER:
-                label_message = sent[int(self.labels_at)]
-                if label_message is None:  # the label holder dropped out: no step without labels
-                    return
-                labels = label_message["labels"]
-            if all(message is None for message in sent):
+            sent: dict[int, Any] = {}
+            for party in first:
+                sent[party.id] = self.unless_dropped(party.id, "forward", step)
+                if sent[party.id] is None and party.id == self.labels_at:
+                    return  # the label holder dropped out: no step can be taken without labels
+            if all(message is None for message in sent.values()):
                 return
-            embeddings = [None if message is None else message["smashed"] for message in sent]
+            labels = None if self.labels_at == LABELS_AT_SERVER else sent[int(self.labels_at)]["labels"]
+            embeddings = [None if sent[party.id] is None else sent[party.id]["smashed"] for party in clients]
             reply = self.server.train_joint(step, embeddings, labels)
             for party, grad in zip(clients, reply["cut_grads"]):
                 if grad is not None:
