@@ -202,3 +202,61 @@ def _report(vertical: VerticalPlan, common: np.ndarray) -> dict[str, Any]:
         "held_before_alignment": [len(vertical.held(j)) for j in range(plan.parties)],
         "aligned": len(common),
     }
+
+
+def attack_vertical(
+    path: Path, stored: dict[str, Any], attack: str, targets: int | None, device: str, seed: int
+) -> dict[str, Any]:
+    """`splitlab attack` on a finished vertical run: label inference by every passive party (one
+    without the labels) from the gradients it would receive for held-out test samples through the
+    final model (Li et al. 2022's norm and direction scores, `privacy.attacks.label_leak`)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from splitlab.config import resolve_config
+    from splitlab.engine import test_set
+    from splitlab.privacy.attacks import label_leak
+
+    if attack != "label_leak":
+        raise UserError(
+            f"attack={attack} is not offered for a vertical run yet; attack=label_leak measures what a passive "
+            f"party infers of the labels from the gradients it receives"
+        )
+    config = resolve_config({**stored, "device": device, "out": str(path)})
+    vertical = plan_vertical(config)
+    plan, blueprint = vertical.plan, vertical.blueprint
+    passive = [j for j in range(plan.parties) if j != plan.labels_at]
+    if not passive:
+        raise UserError(f"{str(path)!r} has one party and it holds the labels: no passive party to attack with")
+    model = VerticalAssembler(blueprint, plan).model
+    try:
+        model.load_state_dict(load_file(path / "weights.safetensors", device=str(blueprint.device)))
+    except (OSError, SafetensorError, RuntimeError, KeyError) as error:
+        raise UserError(
+            f"cannot read {str(path / 'weights.safetensors')!r}: {str(error).splitlines()[0][:160]}"
+        ) from None
+    x, y = test_set(config, vertical.data, blueprint.device)
+    count = min(500, len(y)) if targets is None else targets
+    if count > len(y):
+        raise UserError(f"targets={count} is more than the {len(y)} test samples of {str(path)!r}")
+    chosen = torch.as_tensor(np.random.default_rng([seed, len(y)]).permutation(len(y))[:count], device=y.device)
+    x, y = x[chosen], y[chosen]
+    grads: list[list[torch.Tensor]] = [[] for _ in range(plan.parties)]
+    for batch_x, batch_y in zip(x.split(config.run.batch_size), y.split(config.run.batch_size)):
+        embeddings = [
+            bottom(plan.columns(batch_x, j)).detach().requires_grad_() for j, bottom in enumerate(model.bottoms)
+        ]
+        value = torch.nn.functional.cross_entropy(model.top(plan.join(embeddings, model.shapes)), batch_y)
+        for j, grad in enumerate(torch.autograd.grad(value, embeddings)):
+            grads[j].append(grad)
+    try:
+        by_party = {j: label_leak(torch.cat(grads[j]), y) for j in passive}
+    except ValueError as error:
+        raise UserError(f"cannot attack {str(path)!r}: {error}") from None
+    return {
+        "attack": attack,
+        "targets": f"{count} held-out test samples, final model, passive party {passive[0]}",
+        "defense": "none",
+        **by_party[passive[0]],
+        "by_party": by_party,
+    }

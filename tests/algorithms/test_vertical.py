@@ -115,7 +115,7 @@ def test_the_ledger_counts_psi_and_each_party_bytes_as_computed_by_hand():
 
 @pytest.mark.parametrize("combine", ["concat", "mean"])
 def test_resume_and_serialized_transport_are_bit_identical(combine):
-    config = dict(TABLE, combine=combine, batch_size=64, local_steps=3, train_subset=200)
+    config = dict(TABLE, combine=combine, batch_size=32, local_steps=3, train_subset=100)
     straight, resumed = straight_and_resumed(2, **config)
     assert (
         max_abs_difference(
@@ -208,3 +208,26 @@ def test_a_party_that_drops_out_is_left_out_of_the_round(combine, who, steps):
     assert experiment.ledger.state_dict()["smashed"] - before == steps * 64 * 200 * 4
     assert stayed.stash == {}
     assert (experiment.algorithm.pop_train_loss() is not None) or steps == 0
+
+
+def test_a_passive_party_infers_labels_from_its_gradients(tmp_path):
+    from splitlab.engine import run
+    from splitlab.privacy.audit import attack_run
+
+    run(dict(TABLE, labels_at=0, rounds=1, local_steps=5, out=str(tmp_path / "v")), progress=False)
+    result = attack_run(tmp_path / "v", {"attack": "label_leak", "targets": 100})
+    assert list(result["by_party"]) == [1] and result["samples"] == 100  # party 0 holds the labels
+    assert result["direction_auc"] > 0.9  # binary labels: the gradient's direction gives them away
+    with pytest.raises(UserError, match="attack=inversion is not offered for a vertical run"):
+        attack_run(tmp_path / "v", {"attack": "inversion"})
+
+
+def test_a_csv_table_trains_horizontally_without_its_incomplete_rows(table, tmp_path):
+    experiment = build(dict(dataset="csv", data_dir=str(table), model="mlp", clients=2, device="cpu", rounds=1))
+    assert sum(c.num_samples for c in experiment.clients) == 60 - 10 - 10 - 5
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    write_table(bad / "train.csv", [[1, 2, 3, 4, 5, 0]])
+    write_table(bad / "test.csv", [[1, 2, 3, 4, 5, 0]], header=("key", "f0", "f1", "f2", "f3", "label"))
+    with pytest.raises(UserError, match="has no 'id' column"):
+        build(dict(dataset="csv", data_dir=str(bad), model="mlp", clients=2, device="cpu"))

@@ -8,7 +8,6 @@ rows' mean and deviation. Vertical runs need each row's sample id and which cell
 from __future__ import annotations
 
 import csv
-import functools
 import math
 from pathlib import Path
 
@@ -46,7 +45,6 @@ def _standardised(name: str, tr_x: np.ndarray, tr_y: np.ndarray, te_x: np.ndarra
     )
 
 
-@functools.cache
 def read_table(path: Path) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
     """A CSV file with a header: its feature columns' names, the ids (int64), the labels (float,
     NaN where empty) and the features (float, NaN where empty). UserError naming the file and row."""
