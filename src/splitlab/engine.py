@@ -281,7 +281,7 @@ def _plan(config: ResolvedConfig) -> _Plan:
     if run.setting == "vertical":  # built by splitlab.vertical, in one process
         from splitlab.vertical import refuse_elsewhere
 
-        refuse_elsewhere(run, "a client node of its own")
+        refuse_elsewhere(run)
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)

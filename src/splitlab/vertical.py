@@ -40,12 +40,13 @@ from splitlab.transport import TRANSPORTS, Transport
 VERTICAL_ALGORITHMS = {"sl": VerticalSplitNN}
 
 NOT_HERE = "setting=vertical runs in one process (transport=direct or serialized)"
+ELSEWHERE = "`splitlab launch`, `server` and `client` do not run it yet"
 
 
-def refuse_elsewhere(run: RunConfig, where: str) -> None:
-    """A vertical run reached by a way that does not run it yet (launch, server/client, Ray): one line."""
+def refuse_elsewhere(run: RunConfig) -> None:
+    """A vertical run reached by a way that does not run it yet (launch, server, client): one line."""
     if run.setting == "vertical":
-        raise UserError(f"{NOT_HERE}; {where} does not run it yet")
+        raise UserError(f"{NOT_HERE}; {ELSEWHERE}")
 
 
 @dataclasses.dataclass
@@ -147,7 +148,7 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
     ledger = Ledger(run.ledger)
     transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
     if transport_.remote:
-        raise UserError(f"{NOT_HERE}; `splitlab server`/`launch` does not run it yet")
+        raise UserError(f"{NOT_HERE}; {ELSEWHERE}")
     proxies = {party.id: transport_.connect(party, counted=True) for party in parties}
     sync: SyncServer = SyncServer(blueprint)
     context = Context(
