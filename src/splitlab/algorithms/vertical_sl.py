@@ -398,6 +398,3 @@ class VerticalAssembler:
         """The whole model's weights: party j's as `bottoms.j.<name>`, the top's as `top.<name>`."""
         self(states)
         return OrderedDict((name, t) for name, t in self.model.state_dict().items())
-
-    def server_state(self, state: State) -> dict[str, torch.Tensor]:
-        raise NotImplementedError("a vertical run has one global model")
