@@ -272,14 +272,14 @@ class FeatureParty(IdHolder, ClientNode[NoParams]):
     def keep_rows(self, rows: np.ndarray) -> None:
         self.x = self.x[torch.as_tensor(rows, dtype=torch.long, device=self.x.device)]
 
-    def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows = batch_rows(self.blueprint, self.round, self.num_samples, step).to(self.x.device)
-        return rows, self.inputs(self.x[rows])
+    def rows(self, step: int) -> torch.Tensor:
+        """The aligned rows of batch `step` this round (the same at every party)."""
+        return batch_rows(self.blueprint, self.round, self.num_samples, step).to(self.x.device)
 
     @verb(up=KEYED, keys=("smashed",))
     def forward(self, step: int) -> State:
         """Bottom model on this party's columns of batch `step`; the embedding waits for its gradient."""
-        _, x = self.batch(step)
+        x = self.inputs(self.x[self.rows(step)])
         with self.blueprint.timed("client"):
             smashed = self.model("client_model")(x)
             defended, message = self.release(x, torch.zeros(0), smashed, step)
@@ -296,8 +296,7 @@ class LabelParty(FeatureParty):
 
     @verb(up=KEYED, keys=("smashed", "labels"))
     def forward(self, step: int) -> State:
-        rows, _ = self.batch(step)
-        return {**super().forward(step), "labels": self.y[rows]}
+        return {**super().forward(step), "labels": self.y[self.rows(step)]}
 
 
 class VerticalServer(IdHolder, TrainingServer[NoParams]):
