@@ -696,6 +696,7 @@ def role_states(experiment: Experiment) -> dict[str, Any]:
         "clients": algorithm.client_states(),
         "ledger": {
             "bytes_by_kind": ledger.state_dict(),
+            "bytes_by_client": {str(k): n for k, n in ledger.bytes_by_client.items()},
             "envelope_bytes": ledger.envelope_bytes,
             "wire_bytes": ledger.wire_bytes,
         },
@@ -712,6 +713,7 @@ def restore(experiment: Experiment, state: dict[str, Any]) -> None:
     algorithm.sync.load_state_dict(state["sync"])
     algorithm.load_client_states(state["clients"])
     ledger.bytes_by_kind = dict(state["ledger"]["bytes_by_kind"])
+    ledger.bytes_by_client = {int(k): int(n) for k, n in state["ledger"].get("bytes_by_client", {}).items()}
     ledger.envelope_bytes = int(state["ledger"]["envelope_bytes"])
     ledger.wire_bytes = int(state["ledger"].get("wire_bytes", 0))
 
@@ -980,6 +982,7 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         "total_bytes": ledger.total_bytes,
         "total_gib": ledger.total_bytes / GIB,
         "comm_bytes_by_kind": ledger.state_dict(),
+        "comm_bytes_by_client": {str(k): n for k, n in sorted(ledger.bytes_by_client.items())},
         **_envelope(experiment),
         "wall_seconds": state["wall_seconds"],
         "stopped_by": state["stopped_by"],

@@ -107,10 +107,16 @@ def test_the_ledger_counts_psi_and_each_party_bytes_as_computed_by_hand():
         "smashed": embeddings,
         "cut_grad": embeddings,
     }
+    # each party: its two intersections, its embedding up and the gradient at it down
+    each = 2 * per_party + 2 * batch * hidden * 4
+    assert experiment.ledger.bytes_by_client == {0: each, 1: each}
     labelled = build(dict(TABLE, labels_at=0, batch_size=batch, local_steps=1))
     labelled.algorithm.run_round(0, labelled.clients)
     assert labelled.ledger.state_dict()["labels"] == batch * 8
     assert labelled.ledger.state_dict()["psi_up"] == (35 * n + 2) + (35 * n + 3) + 35 * n + per_party
+    # party 0 holds the labels: it exchanges both intersections with party 1 (through the server,
+    # so each leg is its sender's or receiver's), and sends the labels on top
+    assert labelled.ledger.bytes_by_client == {0: each + batch * 8, 1: each}
 
 
 @pytest.mark.parametrize("combine", ["concat", "mean"])
@@ -128,6 +134,7 @@ def test_resume_and_serialized_transport_are_bit_identical(combine):
     direct = train(2, **config)
     assert all(torch.equal(a, b) for a, b in zip(weights(serialized), weights(direct), strict=True))
     assert serialized.ledger.state_dict() == direct.ledger.state_dict()
+    assert serialized.ledger.bytes_by_client == direct.ledger.bytes_by_client
 
 
 def test_a_run_interrupted_and_resumed_from_its_checkpoint_ends_as_one_straight_run(tmp_path, monkeypatch):
@@ -140,6 +147,8 @@ def test_a_run_interrupted_and_resumed_from_its_checkpoint_ends_as_one_straight_
     crash_before_round(2, dict(config, out=str(tmp_path / "resumed")), monkeypatch)
     resumed = run(dict(config, out=str(tmp_path / "resumed"), resume=True), progress=False)
     assert straight["comm_bytes_by_kind"] == resumed["comm_bytes_by_kind"] and straight["comm_bytes_by_kind"]["psi_up"]
+    assert straight["comm_bytes_by_client"] == resumed["comm_bytes_by_client"]
+    assert sum(straight["comm_bytes_by_client"].values()) == straight["total_bytes"]
     assert straight["final_loss"] == resumed["final_loss"]
     a, b = (load_file(tmp_path / name / "weights.safetensors") for name in ("straight", "resumed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
