@@ -23,7 +23,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,check,privacy,net,ray,lm]'
+	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,check,privacy,net,ray,lm,vertical]'
 	touch $@
 
 demo: setup

@@ -62,6 +62,7 @@ def test_ray_backend_is_bit_identical_to_in_process(local_ray, algorithm, tmp_pa
     remote = run(config(algorithm, tmp_path / "ray", backend="ray", workers=2), progress=False)
     assert results(tmp_path / "local") == results(tmp_path / "ray")
     assert remote.pop("envelope_bytes") > remote["total_bytes"] and "envelope_bytes" not in local
+    assert remote["comm_bytes_by_client"] == local["comm_bytes_by_client"]  # actors' bytes by client id alike
     rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
     assert all(row["driver_actor_bytes"] > 0 and row["round_compute_seconds"]["client"] > 0 for row in rows)
 

@@ -15,7 +15,8 @@ from splitlab.experiments import expand_sweep
 ROOT = Path(__file__).resolve().parents[1]
 SWEEP_FILES = sorted((ROOT / "experiments").rglob("*.yaml"))
 CPU_FILES = [p for p in SWEEP_FILES if p.parent.name == "cpu"]
-OFFLINE_DATASETS = {"fashion_mnist", "digits", "synthetic", "shakespeare", "shakespeare_lm"}  # the plays: data/
+# the plays come from data/ (make setup), breast_cancer with scikit-learn
+OFFLINE_DATASETS = {"fashion_mnist", "digits", "synthetic", "shakespeare", "shakespeare_lm", "breast_cancer"}
 
 
 def _ids(paths: list[Path]) -> list[str]:
@@ -54,3 +55,23 @@ def test_cpu_files_use_offline_datasets_only(path: Path, tmp_path: Path):
     datasets = {config.get("dataset", "fashion_mnist") for _, config in expand_sweep(path, out=tmp_path)}
     assert datasets <= OFFLINE_DATASETS, f"{path.name} needs {sorted(datasets - OFFLINE_DATASETS)}"
     assert all(config.get("data_dir") is None for _, config in expand_sweep(path, out=tmp_path))
+
+
+def test_vertical_experiment_pairs_every_vertical_run_with_vanilla_sl_at_the_same_cut(tmp_path: Path):
+    """Each 2-party vertical point has a vanilla twin (one client, every feature) that differs only in how the
+    features are held, so REPRODUCTION.md's comparison is like with like."""
+    runs = [config for _, config in expand_sweep(ROOT / "experiments/cpu/vertical.yaml", out=tmp_path)]
+    vertical = [c for c in runs if c["setting"] == "vertical"]
+    vanilla = [c for c in runs if c["setting"] == "vanilla"]
+    assert len(vertical) == len(vanilla) > 0
+    assert {c["dataset"] for c in vertical} == {"breast_cancer", "fashion_mnist"}
+    party_keys = {"setting", "parties", "combine", "clients", "out"}
+    for config in vertical:
+        assert config["parties"] == 2 and config["algorithm"] == "sl"
+        twin = [
+            c
+            for c in vanilla
+            if {k: v for k, v in c.items() if k not in party_keys}
+            == {k: v for k, v in config.items() if k not in party_keys}
+        ]
+        assert len(twin) == 1 and twin[0]["clients"] == 1

@@ -92,6 +92,23 @@ class RunConfig(BaseModel):
     clients: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["all"] = Field(
         10, description="number of clients K (1 to 1,000,000); 'all' = one per natural user"
     )
+    setting: Literal["vanilla", "vertical"] = Field(
+        "vanilla",
+        description="vanilla (clients hold samples) | vertical (parties hold different features of shared "
+        "samples, aligned by private set intersection; algorithm=sl; docs/configurations.md)",
+    )
+    parties: int = Field(2, ge=1, le=64, description="setting=vertical: parties holding features")
+    features: str | None = Field(
+        None,
+        description="setting=vertical: each party's feature columns, / between parties, ranges and commas "
+        "within, e.g. 0-13/14-27 (default: `parties` contiguous groups of image or table columns)",
+    )
+    labels_at: Annotated[int, Field(ge=0, le=63)] | Literal["server"] = Field(
+        "server", description="setting=vertical: who holds the labels: server | a party's index"
+    )
+    combine: Literal["concat", "sum", "mean"] = Field(
+        "concat", description="setting=vertical: how the server combines the parties' embeddings at the cut"
+    )
     participation: float = Field(1.0, gt=0, le=1, description="fraction C of clients sampled per round")
     rounds: int = Field(10, ge=1, le=10_000_000, description="training rounds")
     local_epochs: int = Field(1, ge=1, le=100_000, description="passes over its samples a client makes per round")
@@ -327,7 +344,7 @@ EVERYWHERE = frozenset(
     {"algorithm", "dataset", "data", "model", "cut", "clients", "participation", "rounds", "local_epochs"}
     | {"local_steps", "batch_size", "optimizer", "lr", "weight_decay", "seed", "device", "eval_every"}
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
-    | {"backend", "checkpoint_every", "defense", "overwrite"}
+    | {"backend", "checkpoint_every", "defense", "overwrite", "setting"}
     | {"init", "seq_len", "lora", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
 )
 
@@ -399,6 +416,15 @@ ONLY_WHEN: dict[str, Applies] = {
         "a U-shaped split needs an algorithm that runs one (docs/configurations.md)",
         {"algorithm": "fedavg", "tail_cut": 3},
     ),
+    **{
+        key: Applies(lambda r: r.setting == "vertical", f"{key} is for parties; it needs setting=vertical", example)
+        for key, example in (
+            ("parties", {"parties": 3}),
+            ("features", {"features": "0-3/4-7"}),
+            ("labels_at", {"labels_at": 0}),
+            ("combine", {"combine": "sum"}),
+        )
+    },
     "resume": Applies(
         lambda r: not r.overwrite,
         "overwrite=true replaces the run that resume=true would continue",

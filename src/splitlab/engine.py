@@ -288,6 +288,10 @@ class _Plan:
 
 def _plan(config: ResolvedConfig) -> _Plan:
     run = config.run
+    if run.setting == "vertical":  # built by splitlab.vertical, in one process
+        from splitlab.vertical import refuse_elsewhere
+
+        refuse_elsewhere(run)
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)
@@ -414,7 +418,11 @@ def check(raw: Mapping[str, Any]) -> None:
     config = resolve_config(raw)
     rundir.check_out_dir(config.out_dir)
     check_logger(config.run.logger)
-    if config.run.data == "partition":
+    if config.run.setting == "vertical":
+        from splitlab.vertical import plan_vertical
+
+        plan_vertical(config)
+    elif config.run.data == "partition":
         plan = _plan(config)
         _seeded_subset(len(plan.data.test_y), config.run.test_subset, config.run.seed, "test_subset")
 
@@ -432,6 +440,10 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     check_logger(run.logger)
     if transport is not None and run.backend == "ray":
         raise UserError("backend=ray runs clients on Ray actors; a networked server takes backend=local")
+    if run.setting == "vertical":  # parties holding features, not samples: splitlab.vertical
+        from splitlab.vertical import build_vertical
+
+        return build_vertical(config, transport)
     if run.data == "own" and transport is None:
         raise UserError("data=own: the clients bring their own samples to a server; run it with `splitlab server`")
     plan = _plan(config)
@@ -709,6 +721,7 @@ def role_states(experiment: Experiment) -> dict[str, Any]:
         "clients": algorithm.client_states(),
         "ledger": {
             "bytes_by_kind": ledger.state_dict(),
+            "bytes_by_client": {str(k): n for k, n in ledger.bytes_by_client.items()},
             "envelope_bytes": ledger.envelope_bytes,
             "wire_bytes": ledger.wire_bytes,
         },
@@ -725,6 +738,7 @@ def restore(experiment: Experiment, state: dict[str, Any]) -> None:
     algorithm.sync.load_state_dict(state["sync"])
     algorithm.load_client_states(state["clients"])
     ledger.bytes_by_kind = dict(state["ledger"]["bytes_by_kind"])
+    ledger.bytes_by_client = {int(k): int(n) for k, n in state["ledger"].get("bytes_by_client", {}).items()}
     ledger.envelope_bytes = int(state["ledger"]["envelope_bytes"])
     ledger.wire_bytes = int(state["ledger"].get("wire_bytes", 0))
 
@@ -994,6 +1008,7 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         "total_bytes": ledger.total_bytes,
         "total_gib": ledger.total_bytes / GIB,
         "comm_bytes_by_kind": ledger.state_dict(),
+        "comm_bytes_by_client": {str(k): n for k, n in sorted(ledger.bytes_by_client.items())},
         **_envelope(experiment),
         "wall_seconds": state["wall_seconds"],
         "stopped_by": state["stopped_by"],

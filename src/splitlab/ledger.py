@@ -25,6 +25,8 @@ KINDS: dict[str, str] = {
     "aux_model_down": "down",  # auxiliary heads / models (CSE-FSL, FSL-SAGE, SplitGP)
     "aux_model_up": "up",
     "kept_state_down": "down",  # a client's kept slots given back when it rejoins after dropping out
+    "psi_up": "up",  # vertical: private set intersection messages (blinded ids), party -> server
+    "psi_down": "down",  # ... server -> party (relayed from another party, or the server's own)
     # Telemetry: what the simulation reads from roles and a deployment would not send, or not
     # as training traffic. Never counted.
     "loss": "telemetry",  # a training loss, for the round's mean train loss
@@ -55,22 +57,29 @@ def payload_bytes(payload: object) -> int:
 
 
 class Ledger:
-    """Cumulative bytes by message kind, and (serialized transport) the encoded messages' bytes.
+    """Cumulative bytes by message kind and by client, and (serialized transport) the encoded
+    messages' bytes.
 
-    `uncounted` holds the kinds a ledger convention leaves out; telemetry is never counted."""
+    `uncounted` holds the kinds a ledger convention leaves out; telemetry is never counted.
+    `bytes_by_client` splits the same figures by the client they reached or left (a vertical
+    run's parties; what goes from client to client is the sender's), so its values add up to
+    `total_bytes`."""
 
     def __init__(self, convention: str = "splitlab") -> None:
         self.bytes_by_kind: dict[str, int] = {}
+        self.bytes_by_client: dict[int, int] = {}
         self.envelope_bytes = 0
         self.wire_bytes = 0  # over a network: every protobuf message sent or received (splitlab.net)
         self.uncounted = LEDGER_CONVENTIONS[convention]
 
-    def add(self, kind: str, nbytes: int) -> None:
+    def add(self, kind: str, nbytes: int, client: int) -> None:
+        """`nbytes` of `kind` reached or left client `client`."""
         direction = KINDS.get(kind)
         if direction is None:
             raise ValueError(f"unknown message kind {kind!r}; known: {', '.join(KINDS)}")
         if direction != "telemetry" and kind not in self.uncounted:
             self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0) + nbytes
+            self.bytes_by_client[client] = self.bytes_by_client.get(client, 0) + nbytes
 
     @property
     def total_bytes(self) -> int:

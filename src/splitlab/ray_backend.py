@@ -391,8 +391,8 @@ class RayTransport(SerializedTransport):
                 self.ledger.envelope_bytes += len(request) + len(reply)
                 self.remote_bytes += len(request) + len(reply)
                 if counted:
-                    self._count(spec.down, args, (args, kwargs))
-                    self._count(spec.up, args, result)
+                    self._count(spec.down, args, (args, kwargs), int(method.key))
+                    self._count(spec.up, args, result, int(method.key))
             return result
         with self._lock:
             return super().call(method, spec, counted, *args, **kwargs)

@@ -91,6 +91,13 @@ class Proxy:
         return call
 
 
+def client_of(method: Callable[..., Any]) -> int | None:
+    """The id of the client whose verb `method` is; None for a role without one (only calls to
+    clients are counted: a tensor counted for such a role is refused)."""
+    client = getattr(getattr(method, "__self__", None), "id", None)
+    return None if client is None else int(client)
+
+
 class Transport:
     """Delivers verb calls to roles and counts, in the ledger, the tensors that reach or leave a client."""
 
@@ -146,22 +153,27 @@ class Transport:
 
     def call(self, method: Callable[..., Any], spec: VerbSpec, counted: bool, *args: Any, **kwargs: Any) -> Any:
         if counted:
-            self._count(spec.down, args, (args, kwargs))
+            self._count(spec.down, args, (args, kwargs), client_of(method))
         result = method(*args, **kwargs)
         if counted:
-            self._count(spec.up, args, result)
+            self._count(spec.up, args, result, client_of(method))
         return result
 
-    def _count(self, kind: str | None, args: tuple, payload: Any) -> None:
+    def _count(self, kind: str | None, args: tuple, payload: Any, client: int | None) -> None:
         if kind == KEYED:
             for key, value in payload.items():
-                self.ledger.add(key, payload_bytes(value))
+                self._add(key, payload_bytes(value), client)
         elif kind == COUNTED_BY_SENDER:
             return
         elif kind is not None:
-            self.ledger.add(kind.format(*args), payload_bytes(payload))
+            self._add(kind.format(*args), payload_bytes(payload), client)
         elif payload_bytes(payload):
             raise TypeError("a tensor crossed to or from a client through a verb that declares no ledger kind")
+
+    def _add(self, kind: str, nbytes: int, client: int | None) -> None:
+        if client is None:
+            raise TypeError(f"{kind} was counted for a role that is not a client (it has no client id)")
+        self.ledger.add(kind, nbytes, client)
 
 
 class SerializedTransport(Transport):
@@ -173,10 +185,10 @@ class SerializedTransport(Transport):
         request = self._carry({"args": list(args), "kwargs": kwargs})
         args, kwargs = tuple(request["args"]), request["kwargs"]
         if counted:
-            self._count(spec.down, args, (args, kwargs))
+            self._count(spec.down, args, (args, kwargs), client_of(method))
         result = self._carry(method(*args, **kwargs))
         if counted:
-            self._count(spec.up, args, result)
+            self._count(spec.up, args, result, client_of(method))
         return result
 
     def _carry(self, message: Any) -> Any:

@@ -370,8 +370,8 @@ def test_unknown_dataset_lists_the_available_ones():
     with pytest.raises(UserError) as excinfo:
         load_dataset("mnistt")
     assert one_line_error(excinfo) == (
-        "unknown dataset 'mnistt'; available: celeba, cifar10, cifar100, digits, e2e, fashion_mnist, femnist, "
-        "shakespeare, shakespeare_lm, synthetic"
+        "unknown dataset 'mnistt'; available: breast_cancer, celeba, cifar10, cifar100, csv, digits, e2e, "
+        "fashion_mnist, femnist, shakespeare, shakespeare_lm, synthetic"
     )
     assert dataset_names() == sorted(DATASETS)
 

@@ -59,6 +59,9 @@ def assert_launch_equals_run(tmp_path, config: dict) -> dict[str, int]:
             assert a[key] == b[key]
         assert b["dropped_clients"] == [] and "wire_bytes" not in a
     summary = json.loads((tmp_path / "net" / "summary.json").read_text())
+    here_summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["comm_bytes_by_client"] == here_summary["comm_bytes_by_client"]  # counted by client id alike
+    assert sum(summary["comm_bytes_by_client"].values()) == summary["total_bytes"]
     # every tensor the ledger counts crossed, inside codec messages inside protobuf envelopes
     assert summary["wire_bytes"] > summary["envelope_bytes"] > summary["total_bytes"]
     return summary["comm_bytes_by_kind"]

@@ -16,12 +16,14 @@ from splitlab.data.datasets import (
 )
 from splitlab.data.partition import counts_report, parse_partition_scheme, partition, partition_report
 
-from splitlab.data import language, leaf  # isort: skip (build on datasets)
+from splitlab.data import language, leaf, tables  # isort: skip (build on datasets)
 
 # The LEAF datasets (femnist, celeba, shakespeare), registered here so that datasets.py need not
 # import the modules that build on it.
 DATASETS.update(leaf.LOADERS)
 LOCATORS.update(leaf.LOCATORS)
+DATASETS.update(tables.LOADERS)  # breast_cancer, csv
+LOCATORS.update(tables.LOCATORS)
 # The language datasets, likewise; listed among all datasets at their default sequence length.
 SEQUENCE_DATASETS.update(language.LOADERS)
 LOCATORS.update(language.LOCATORS)

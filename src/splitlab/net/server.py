@@ -589,7 +589,7 @@ class NetworkTransport(Transport):
     def remote_call(self, client_id: int, verb: str, spec: VerbSpec, *args: Any, **kwargs: Any) -> Any:
         if self.hub.rejoined(client_id):
             self.on_rejoin(client_id)
-        self._count(spec.down, args, (args, kwargs))
+        self._count(spec.down, args, (args, kwargs), client_id)
         request = codec.encode({"args": list(args), "kwargs": kwargs})
         reply = self.hub.call(client_id, verb, request)
         self.ledger.envelope_bytes += len(request) + len(reply)
@@ -600,7 +600,7 @@ class NetworkTransport(Transport):
         except (codec.MessageError, Refused) as refusal:
             self.hub.refuse(client_id, verb, str(refusal))
             raise ClientDropped(client_id, f"refused its {verb} result") from None
-        self._count(spec.up, args, result)
+        self._count(spec.up, args, result, client_id)
         return result
 
 

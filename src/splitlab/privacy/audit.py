@@ -94,6 +94,13 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     settings = parse_settings(AttackSettings, raw)
     path = Path(run_dir)
     stored = rundir.stored_config(path, "attack", "point attack at a finished run's directory")
+    if stored.get("setting") == "vertical":  # parties holding features: splitlab.vertical
+        from splitlab.vertical import attack_vertical
+
+        found = attack_vertical(path, stored, settings.attack, settings.targets, settings.device, settings.seed)
+        earlier = json.loads((path / RESULTS).read_text()) if (path / RESULTS).is_file() else {}
+        write_json(path / RESULTS, {**earlier, settings.attack: {"settings": settings.model_dump(), **found}})
+        return found
     algorithm = stored.get("algorithm") or RunConfig().algorithm
     personal = get_algorithm(algorithm).personal_models
     if settings.client and not personal:

@@ -299,6 +299,11 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
     stored = rundir.stored_config(path, "evaluate", "point evaluate at the directory of a finished run")
+    if stored.get("setting") == "vertical":
+        raise UserError(
+            f"{str(path)!r} is a vertical run, which `splitlab evaluate` does not read yet; "
+            f"its test metrics are in metrics.jsonl"
+        )
     experiment = build({**stored, "device": device, "out": str(path), "backend": "local"})  # in this process
     algorithm = experiment.algorithm
     weights = path / "weights.safetensors"

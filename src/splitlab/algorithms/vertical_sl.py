@@ -1,0 +1,399 @@
+"""Vertical split learning (vertical SplitNN; Vepakomma et al., "Split learning for health", 2018).
+
+P parties hold different features (columns) of the same samples, each with its samples' ids; the
+labels are at the server or at one party (`labels_at=`). `setting=vertical algorithm=sl` runs it.
+
+1. Alignment. The label holder and every other party find the samples all of them hold by private
+   set intersection (splitlab.psi): the label holder narrows its ids with each party's in turn,
+   then each party narrows its ids to the label holder's, now the intersection. Each party keeps
+   only those samples, in id order, so that row i is the same sample at every party; a party's
+   node holds no id outside the intersection. A sample some party lacks (a missing cell of its
+   columns, a missing label) is not trained on.
+2. Every step, on the same rows at every party (a seeded order all of them draw alike): each party
+   runs its bottom model (the model's stages before the cut, built for its columns) and sends the
+   embedding; the label holder sends the labels unless the server holds them. The server combines
+   the embeddings (`combine=concat|sum|mean`), runs the top model (the stages from the cut on),
+   steps, and sends each party the gradient at its embedding; each party steps.
+
+A party that drops out of a round (over a network) is left out for the rest of it: the server
+combines zeros in place of its embedding (concat, sum) or averages the others (mean); without the
+label holder no step can be taken, and the round ends there. Every party's optimizer is its own
+for the whole run. With one party holding every feature and the labels, this is vanilla split
+learning with one client (tested, with a stateless optimizer: vanilla SL's client optimizer starts
+fresh every round).
+
+This class has no `name`: it is not an algorithm of its own but what `algorithm=sl` means in the
+vertical setting (splitlab.vertical builds it).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+import torch
+from torch import nn
+
+from splitlab import psi
+from splitlab.algorithms.base import Algorithm, ClientInfo
+from splitlab.config import NoParams
+from splitlab.errors import UserError
+from splitlab.models import build_model, output_shape, split
+from splitlab.privacy.defenses import decode
+from splitlab.roles import STREAM_BATCHES, Blueprint, ClientNode, State, TrainingServer, server_part
+from splitlab.transport import KEYED, verb
+
+LABELS_AT_SERVER = "server"
+
+
+# --- features and models -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class FeaturePlan:
+    """Which columns (of the samples' last axis: image columns, table columns) each party holds,
+    and how the server combines their embeddings."""
+
+    input_shape: tuple[int, ...]
+    groups: tuple[tuple[int, ...], ...]
+    combine: str
+    labels_at: int | str
+
+    @property
+    def parties(self) -> int:
+        return len(self.groups)
+
+    def party_shape(self, party: int) -> tuple[int, ...]:
+        return (*self.input_shape[:-1], len(self.groups[party]))
+
+    def columns(self, x: Any, party: int) -> Any:
+        """Party `party`'s features of the samples `x` (stored or prepared)."""
+        return x[..., list(self.groups[party])]
+
+    def join(self, embeddings: Sequence[torch.Tensor | None], shapes: Sequence[tuple[int, ...]]) -> torch.Tensor:
+        """The embeddings combined, a missing one (a party that dropped out) as zeros (concat,
+        sum) or left out (mean)."""
+        present = [e for e in embeddings if e is not None]
+        if self.combine == "mean":
+            return functools.reduce(torch.add, present) / len(present)
+        batch, like = len(present[0]), present[0]
+        filled = [e if e is not None else like.new_zeros((batch, *shape)) for e, shape in zip(embeddings, shapes)]
+        if self.combine == "concat":
+            return torch.cat(filled, dim=-1)
+        return functools.reduce(torch.add, filled)
+
+
+def parse_features(text: str | None, columns: int, parties: int) -> tuple[tuple[int, ...], ...]:
+    """`features=` -> each party's column indices: groups split by `/`, each a comma-separated list
+    of indices and inclusive ranges (`0-13/14-27`); None: `parties` contiguous, near-equal groups."""
+    if text is None:
+        if parties > columns:
+            raise UserError(f"parties={parties} is more than the {columns} feature columns to divide among them")
+        return tuple(tuple(int(c) for c in part) for part in np.array_split(np.arange(columns), parties))
+    groups: list[tuple[int, ...]] = []
+    for number, written in enumerate(str(text).split("/")):
+        indices: list[int] = []
+        for item in written.split(","):
+            first, dash, last = item.strip().partition("-")
+            try:
+                low, high = int(first), int(last if dash else first)
+            except ValueError:
+                raise UserError(
+                    f"invalid features={text!r}: {item.strip()!r} is not a column index or range a-b; "
+                    f"expected e.g. 0-13/14-27"
+                ) from None
+            if not 0 <= low <= high < columns:
+                raise UserError(f"invalid features={text!r}: {item.strip()!r} is outside columns 0 to {columns - 1}")
+            indices.extend(range(low, high + 1))
+        if not indices:
+            raise UserError(f"invalid features={text!r}: party {number}'s group is empty")
+        groups.append(tuple(indices))
+    if len(groups) != parties:
+        raise UserError(f"features={text!r} gives {len(groups)} groups (split by /) for parties={parties}")
+    seen: dict[int, int] = {}
+    for party, group in enumerate(groups):
+        for column in group:
+            if column in seen:
+                raise UserError(
+                    f"invalid features={text!r}: column {column} is in party {seen[column]}'s group and "
+                    f"party {party}'s; groups may not overlap"
+                )
+            seen[column] = party
+    return tuple(groups)
+
+
+def bottom_model(blueprint: Blueprint, plan: FeaturePlan, party: int) -> nn.Module:
+    """Party `party`'s bottom model: the configured model's stages before the cut, built for its columns."""
+    cfg = blueprint.config
+    model = build_model(
+        cfg.model, plan.party_shape(party), blueprint.num_classes, seed=cfg.seed, **cfg.model_settings()
+    )
+    return split(model, cfg.cut)[0].to(blueprint.device)
+
+
+def embedding_shapes(blueprint: Blueprint, plan: FeaturePlan) -> list[tuple[int, ...]]:
+    """The shape of one sample's embedding at every party (by a dry run)."""
+    dtype = blueprint.input_dtype
+    return [
+        output_shape(bottom_model(blueprint, plan, j).cpu(), plan.party_shape(j), dtype) for j in range(plan.parties)
+    ]
+
+
+def top_model(blueprint: Blueprint, plan: FeaturePlan) -> nn.Module:
+    """The server's top model: the configured model's stages from the cut on. Flat embeddings
+    concatenated are wider than the model's cut: its first linear layer then takes them all (seeded)."""
+    top = server_part(blueprint)
+    shapes = embedding_shapes(blueprint, plan)
+    expected = output_shape(split(blueprint.build_model(), blueprint.config.cut)[0], blueprint.input_shape)
+    joined = _joined_shape(shapes, plan.combine)
+    if joined == expected:
+        return top
+    if plan.combine == "concat" and len(expected) == 1 and joined is not None and len(joined) == 1:
+        return _widened(top, joined[0], blueprint.config.seed)
+    said = ", ".join("x".join(map(str, s)) for s in shapes)
+    raise UserError(
+        f"combine={plan.combine} cannot join the parties' embeddings at cut={blueprint.config.cut} (shapes {said}) "
+        f"into the {'x'.join(map(str, expected))} the model's part after the cut takes; "
+        + (
+            "choose features that divide the columns evenly, or another cut"
+            if plan.combine == "concat"
+            else "use combine=concat, or features of equal widths"
+        )
+    )
+
+
+def _joined_shape(shapes: list[tuple[int, ...]], combine: str) -> tuple[int, ...] | None:
+    if combine == "concat":
+        leading = {s[:-1] for s in shapes}
+        return (*shapes[0][:-1], sum(s[-1] for s in shapes)) if len(leading) == 1 else None
+    return shapes[0] if len(set(shapes)) == 1 else None
+
+
+def _widened(top: nn.Module, width: int, seed: int) -> nn.Module:
+    """`top` with its first linear layer replaced by one taking `width` inputs (seeded), same name."""
+    name, first = next((n, m) for n, m in top.named_modules() if isinstance(m, nn.Linear))
+    parent, _, child = name.rpartition(".")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        wider = nn.Linear(width, first.out_features, bias=first.bias is not None)
+    setattr(top.get_submodule(parent) if parent else top, child, wider.to(first.weight.device))
+    return top
+
+
+def vertical_models(plan: FeaturePlan) -> dict[str, Any]:
+    """The slots' builders: party j's bottom model (`client_model@j`) and the server's top model."""
+    parties = {f"client_model@{j}": functools.partial(bottom_model, plan=plan, party=j) for j in range(plan.parties)}
+    return {**parties, "server_model": functools.partial(top_model, plan=plan)}
+
+
+class VerticalModel(nn.Module):
+    """The whole vertical model, as evaluated on samples with every feature: every party's bottom
+    model on its columns, the combination, the top model."""
+
+    def __init__(self, bottoms: list[nn.Module], top: nn.Module, plan: FeaturePlan, shapes: list[tuple[int, ...]]):
+        super().__init__()
+        self.bottoms, self.top, self.plan, self.shapes = nn.ModuleList(bottoms), top, plan, shapes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        embeddings = [bottom(self.plan.columns(x, j)) for j, bottom in enumerate(self.bottoms)]
+        return self.top(self.plan.join(embeddings, self.shapes))
+
+
+# --- the shared order of samples ------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
+def _order(seed: int, rnd: int, epoch: int, count: int) -> np.ndarray:
+    return np.random.default_rng([seed, rnd, STREAM_BATCHES, 0, epoch]).permutation(count)
+
+
+def batch_rows(blueprint: Blueprint, rnd: int, count: int, step: int) -> torch.Tensor:
+    """The aligned rows of mini-batch `step` of round `rnd`: every party and the server draw the
+    same seeded order (that of vanilla SL's client 0), `local_epochs` passes over the `count` rows."""
+    size = blueprint.config.batch_size
+    epoch, index = divmod(step, math.ceil(count / size))
+    return torch.as_tensor(_order(blueprint.config.seed, rnd, epoch, count)[index * size : (index + 1) * size])
+
+
+# --- roles -----------------------------------------------------------------------------------
+class IdHolder:
+    """Sample ids (sorted) with rows of data, aligned with others' by private set intersection."""
+
+    ids: np.ndarray
+    _asker: psi.PsiAsker | None = None
+
+    def keep_rows(self, rows: np.ndarray) -> None:
+        raise NotImplementedError
+
+    @verb(up="psi_up")
+    def psi_request(self) -> torch.Tensor:
+        """Our ids, blinded, to ask another holder which of them it holds too."""
+        self._asker = psi.PsiAsker(self.ids)
+        return self._asker.request()
+
+    @verb(down="psi_down", up="psi_up")
+    def psi_answer(self, request: torch.Tensor) -> dict[str, torch.Tensor]:
+        return psi.answer(self.ids, request)
+
+    @verb(down="psi_down")
+    def psi_narrow(self, answer: dict[str, torch.Tensor]) -> None:
+        """Keep only the samples whose ids the answerer holds too (learnt from its answer)."""
+        assert self._asker is not None, "psi_narrow answers a psi_request"
+        kept, self._asker = self._asker.intersect(answer), None
+        rows = np.searchsorted(self.ids, kept)
+        self.ids = kept
+        self.keep_rows(rows)
+
+    @verb()
+    def sample_count(self) -> int:
+        return len(self.ids)
+
+
+class FeatureParty(IdHolder, ClientNode[NoParams]):
+    """A party: its columns of the samples it holds, with their ids, and its bottom model."""
+
+    def __init__(
+        self, blueprint: Blueprint, party: int, ids: np.ndarray, x: torch.Tensor, prepare: Any, labels: Any = None
+    ) -> None:
+        super().__init__(blueprint, party, x, labels if labels is not None else torch.zeros(0), prepare)
+        self.ids = ids
+        self.model("client_model")
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.ids)
+
+    def model(self, slot: str) -> nn.Module:
+        if slot not in self.models:  # this party's own bottom model
+            self.models[slot] = self.blueprint.initial(f"{slot}@{self.id}")
+        return self.models[slot]
+
+    def keep_rows(self, rows: np.ndarray) -> None:
+        self.x = self.x[torch.as_tensor(rows, dtype=torch.long, device=self.x.device)]
+
+    def rows(self, step: int) -> torch.Tensor:
+        """The aligned rows of batch `step` this round (the same at every party)."""
+        return batch_rows(self.blueprint, self.round, self.num_samples, step).to(self.x.device)
+
+    @verb(up=KEYED, keys=("smashed",))
+    def forward(self, step: int) -> State:
+        """Bottom model on this party's columns of batch `step`; the embedding waits for its gradient."""
+        x = self.inputs(self.x[self.rows(step)])
+        with self.blueprint.timed("client"):
+            smashed = self.model("client_model")(x)
+            defended, message = self.release(x, torch.zeros(0), smashed, step)
+            self.stash[step] = defended, self.blueprint.defense.penalty(x, smashed)
+        return {"smashed": message["smashed"]}
+
+
+class LabelParty(FeatureParty):
+    """The party that also holds the labels (`labels_at=<party>`): they go up with its embeddings."""
+
+    def keep_rows(self, rows: np.ndarray) -> None:
+        super().keep_rows(rows)
+        self.y = self.y[torch.as_tensor(rows, dtype=torch.long, device=self.y.device)]
+
+    @verb(up=KEYED, keys=("smashed", "labels"))
+    def forward(self, step: int) -> State:
+        return {**super().forward(step), "labels": self.y[self.rows(step)]}
+
+
+class VerticalServer(IdHolder, TrainingServer[NoParams]):
+    """The top model; with `labels_at=server`, also the labels and their ids."""
+
+    def __init__(self, blueprint: Blueprint, plan: FeaturePlan, ids: np.ndarray, labels: torch.Tensor) -> None:
+        super().__init__(blueprint)
+        self.plan, self.ids, self.labels = plan, ids, labels
+        self.shapes = embedding_shapes(blueprint, plan)
+
+    def keep_rows(self, rows: np.ndarray) -> None:
+        self.labels = self.labels[torch.as_tensor(rows, dtype=torch.long, device=self.labels.device)]
+
+    @verb()
+    def train_joint(self, step: int, embeddings: list[Any], labels: torch.Tensor | None) -> State:
+        """One step of the top model on the parties' embeddings (None: a party that dropped out)
+        and the labels (None: the server's own); every party's gradient at its embedding, and the loss."""
+        received = [None if e is None else decode(e).requires_grad_() for e in embeddings]
+        if labels is None:
+            labels = self.labels[batch_rows(self.blueprint, self.round, len(self.ids), step).to(self.labels.device)]
+        with self.blueprint.timed("server"):
+            value = self.blueprint.loss(self.model("server_model")(self.plan.join(received, self.shapes)), labels)
+            self.step("server_model", value.backward, tuple(r for r in received if r is not None), value)
+        grads = [None if r is None else self.send_gradient(cast(torch.Tensor, r.grad)) for r in received]
+        return {"cut_grads": grads, "loss": value.detach()}
+
+
+# --- the algorithm -----------------------------------------------------------------------------
+class VerticalSplitNN(Algorithm[NoParams]):
+    """Vertical SplitNN: align the parties' samples, then train bottom models and the top model."""
+
+    Client = FeatureParty
+    Server = VerticalServer
+
+    @property
+    def labels_at(self) -> int | str:
+        return self.ctx.config.labels_at
+
+    def label_holder(self) -> Any:
+        return self.server if self.labels_at == LABELS_AT_SERVER else self.client(int(self.labels_at))
+
+    def align(self) -> None:
+        """Private set intersection: the label holder narrows its ids with every other party's in
+        turn, then every other party narrows its ids to the label holder's (the intersection)."""
+        holder = self.label_holder()
+        others = [c.id for c in self.ctx.clients if c.id != self.labels_at]
+        for party in others:
+            holder.psi_narrow(self.client(party).psi_answer(holder.psi_request()))
+        for party in others:
+            self.client(party).psi_narrow(holder.psi_answer(self.client(party).psi_request()))
+
+    def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
+        self.server.begin_round(rnd)
+        first = sorted(clients, key=lambda party: party.id != self.labels_at)  # the label holder, if a party
+        for step in range(self.ctx.local_steps(clients[0])):
+            sent: dict[int, Any] = {}
+            for party in first:
+                sent[party.id] = self.unless_dropped(party.id, "forward", step)
+                if sent[party.id] is None and party.id == self.labels_at:
+                    return  # the label holder dropped out: no step can be taken without labels
+            if all(message is None for message in sent.values()):
+                return
+            labels = None if self.labels_at == LABELS_AT_SERVER else sent[int(self.labels_at)]["labels"]
+            embeddings = [None if sent[party.id] is None else sent[party.id]["smashed"] for party in clients]
+            reply = self.server.train_joint(step, embeddings, labels)
+            for party, grad in zip(clients, reply["cut_grads"]):
+                if grad is not None:
+                    self.unless_dropped(party.id, "backward", step, grad)
+            self.track(reply["loss"])
+
+    def global_model(self) -> list[State]:
+        """Every party's bottom model, then the top model."""
+        bottoms = [self.client(c.id).snapshot("client_model") for c in self.ctx.clients]
+        return [*bottoms, self.server.snapshot("server_model")]
+
+
+class VerticalAssembler:
+    """The evaluated model from role states (every bottom model, then the top): a `VerticalModel`
+    made once (the engine's `Assembler` for vertical runs)."""
+
+    def __init__(self, blueprint: Blueprint, plan: FeaturePlan) -> None:
+        bottoms = [bottom_model(blueprint, plan, j) for j in range(plan.parties)]
+        self.model = VerticalModel(bottoms, top_model(blueprint, plan), plan, embedding_shapes(blueprint, plan))
+        self.model.eval()
+
+    def __call__(self, states: list[State]) -> nn.Module:
+        from splitlab.models import load_shared
+
+        for part, state in zip([*self.model.bottoms, self.model.top], states):
+            load_shared(part, state)
+        return self.model
+
+    @property
+    def parts(self) -> list[nn.Module]:
+        return [self.model]
+
+    def full_state(self, states: list[State]) -> dict[str, torch.Tensor]:
+        """The whole model's weights: party j's as `bottoms.j.<name>`, the top's as `top.<name>`."""
+        self(states)
+        return OrderedDict((name, t) for name, t in self.model.state_dict().items())

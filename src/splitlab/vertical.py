@@ -1,0 +1,263 @@
+"""Building a vertical run (`setting=vertical`): parties holding different features of shared
+samples, aligned by private set intersection, trained by vertical SplitNN
+(splitlab.algorithms.vertical_sl). The engine's loop, evaluation, ledger and checkpoints are the
+same as for any run; only what the roles hold differs, so the engine hands `build` here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from splitlab.algorithms.base import ClientInfo, Context
+from splitlab.algorithms.vertical_sl import (
+    LABELS_AT_SERVER,
+    FeatureParty,
+    FeaturePlan,
+    LabelParty,
+    VerticalAssembler,
+    VerticalServer,
+    VerticalSplitNN,
+    parse_features,
+    top_model,
+    vertical_models,
+)
+from splitlab.config import ResolvedConfig, RunConfig
+from splitlab.data import Dataset
+from splitlab.data.partition import counts_report
+from splitlab.data.tables import csv_training_set, table_ids
+from splitlab.errors import UserError
+from splitlab.ledger import Ledger
+from splitlab.roles import Blueprint, SyncServer
+from splitlab.transport import TRANSPORTS, Transport
+
+#: algorithm -> its meaning in the vertical setting (the others have none here yet)
+VERTICAL_ALGORITHMS = {"sl": VerticalSplitNN}
+
+NOT_HERE = "setting=vertical runs in one process (transport=direct or serialized)"
+ELSEWHERE = "`splitlab launch`, `server` and `client` do not run it yet"
+
+
+def refuse_elsewhere(run: RunConfig) -> None:
+    """A vertical run reached by a way that does not run it yet (launch, server, client): one line."""
+    if run.setting == "vertical":
+        raise UserError(f"{NOT_HERE}; {ELSEWHERE}")
+
+
+@dataclasses.dataclass
+class VerticalPlan:
+    """What a vertical run derives from its config before any role exists."""
+
+    data: Dataset  # every training row (a CSV's missing cells NaN), and the test set
+    plan: FeaturePlan
+    blueprint: Blueprint
+    ids: np.ndarray  # every training row's sample id
+    labelled: np.ndarray  # rows whose label is known
+    missing: np.ndarray  # rows x columns: cells missing (tables only; images: no columns)
+    pool: np.ndarray  # the rows in play (train_subset's seeded choice, or all)
+
+    def held(self, party: int) -> np.ndarray:
+        """The rows party `party` holds: those with all of its columns (and, the label holder, a label)."""
+        rows = self.pool
+        if self.missing.shape[1]:
+            rows = rows[~self.missing[np.ix_(rows, np.asarray(self.plan.groups[party]))].any(axis=1)]
+        if self.plan.labels_at == party:
+            rows = rows[self.labelled[rows]]
+        return rows
+
+
+def _refusals(run: RunConfig) -> None:
+    checks = {
+        "algorithm": (
+            run.algorithm not in VERTICAL_ALGORITHMS,
+            "vertical SplitNN is algorithm=sl; others have no vertical form here",
+        ),
+        "backend": (run.backend != "local", f"{NOT_HERE}, not on Ray actors"),
+        "defense": (run.defense != "none", "defenses at the cut are not wired into vertical runs yet"),
+        "record": (run.record != 0, "recording the cut is not wired into vertical runs yet"),
+        "test_split": (run.test_split != "global", "a vertical run evaluates on the dataset's test set"),
+        "participation": (run.participation != 1, "every party takes part in every step"),
+        "clients": (run.clients != RunConfig.model_fields["clients"].default, "parties= says how many hold features"),
+        "data": (run.data != "partition", "each party's data comes from the dataset's columns"),
+        "lora": (run.lora is not None, "lora is not wired into vertical runs yet"),
+    }
+    for key, (refused, why) in checks.items():
+        if refused:
+            raise UserError(f"{key}={getattr(run, key)} cannot be used with setting=vertical: {why}")
+
+
+def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
+    """Validate a vertical run and derive its data, feature groups and blueprint; UserError on bad input."""
+    from splitlab.engine import _seeded_subset, load_data, resolve_device
+
+    run = config.run
+    _refusals(run)
+    data = load_data(run)
+    data_dir = None if run.data_dir is None else Path(run.data_dir)
+    if data.task != "classification":
+        raise UserError(f"setting=vertical divides a sample's features; {run.dataset}'s sequences are not split so")
+    if run.dataset == "csv":
+        data = csv_training_set(data_dir)
+    if run.labels_at != LABELS_AT_SERVER and not 0 <= int(run.labels_at) < run.parties:
+        raise UserError(f"labels_at={run.labels_at} is not a party; allowed: server or 0 to {run.parties - 1}")
+    columns = data.input_shape[-1]
+    plan = FeaturePlan(data.input_shape, parse_features(run.features, columns, run.parties), run.combine, run.labels_at)
+    device = resolve_device(run.device)
+    dtype = data.inputs(data.train_x[:1]).dtype
+    blueprint = Blueprint(
+        run, config.params, device, data.input_shape, data.num_classes, dtype, data.task, builders=vertical_models(plan)
+    )
+    blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model: one line
+    top_model(blueprint, plan)  # embeddings the combination cannot join: one line
+    ids, labelled, missing = table_ids(run.dataset, data_dir, data)
+    pool = np.sort(_seeded_subset(len(ids), run.train_subset, run.seed, "train_subset"))
+    return VerticalPlan(data, plan, blueprint, ids, labelled, missing, pool)
+
+
+def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.device], Transport] | None = None) -> Any:
+    """The vertical run's experiment: parties, server, transport, algorithm; the parties' samples
+    aligned by private set intersection (counted in the ledger) before anything is returned."""
+    from splitlab.engine import Experiment, Roles, test_set
+
+    vertical = plan_vertical(config)
+    run, data, plan, blueprint = config.run, vertical.data, vertical.plan, vertical.blueprint
+    device = blueprint.device
+    parties = []
+    for j in range(plan.parties):
+        rows = vertical.held(j)
+        if len(rows) == 0:
+            raise UserError(f"party {j} holds no sample with all of its features {_said(plan.groups[j])}")
+        x = plan.columns(data.train_x[torch.as_tensor(rows)], j).contiguous().to(device)
+        order = np.argsort(vertical.ids[rows], kind="stable")
+        rows, x = rows[order], x[torch.as_tensor(order)]
+        labels = data.train_y[torch.as_tensor(rows)].to(device) if plan.labels_at == j else None
+        Party = LabelParty if plan.labels_at == j else FeatureParty
+        parties.append(Party(blueprint, j, vertical.ids[rows], x, data.prepare, labels))
+    server_rows = (
+        vertical.pool[vertical.labelled[vertical.pool]] if plan.labels_at == LABELS_AT_SERVER else vertical.pool[:0]
+    )
+    server_rows = server_rows[np.argsort(vertical.ids[server_rows], kind="stable")]
+    server = VerticalServer(
+        blueprint, plan, vertical.ids[server_rows], data.train_y[torch.as_tensor(server_rows)].to(device)
+    )
+    ledger = Ledger(run.ledger)
+    transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
+    if transport_.remote:
+        raise UserError(f"{NOT_HERE}; {ELSEWHERE}")
+    proxies = {party.id: transport_.connect(party, counted=True) for party in parties}
+    sync: SyncServer = SyncServer(blueprint)
+    context = Context(
+        run,
+        config.params,
+        [ClientInfo(j, 0) for j in range(plan.parties)],
+        proxies,
+        transport_.connect(server, counted=False),
+        transport_.connect(sync, counted=False),
+    )
+    algorithm = VerticalSplitNN(context)
+    algorithm.align()
+    common = parties[0].num_samples
+    if common == 0:
+        raise UserError(
+            "the parties have no sample in common (their private set intersection is empty); "
+            "check that their id columns name the same samples"
+        )
+    context.clients = [ClientInfo(j, common) for j in range(plan.parties)]
+    test_x, test_y = test_set(config, data, device)
+    test = dataclasses.replace(
+        data, train_x=data.train_x[:0], train_y=data.train_y[:0], test_x=test_x, test_y=test_y, prepare=None
+    )
+    return Experiment(
+        config,
+        test,
+        context.clients,
+        algorithm,
+        _report(vertical, parties[0].ids),
+        Roles(list(parties), server, sync),
+        blueprint,
+        transport_,
+        _assembler=VerticalAssembler(blueprint, plan),  # type: ignore[arg-type]
+    )
+
+
+def _said(group: tuple[int, ...]) -> str:
+    return f"(columns {group[0]}-{group[-1]})" if group == tuple(range(group[0], group[-1] + 1)) else f"{list(group)}"
+
+
+def _report(vertical: VerticalPlan, common: np.ndarray) -> dict[str, Any]:
+    """partition.json of a vertical run: the aligned samples' class counts (every party holds the
+    same samples), each party's columns and how many samples it held before alignment."""
+    rows = np.flatnonzero(np.isin(vertical.ids, common))
+    labels = vertical.data.train_y.numpy()[rows]
+    counts = np.bincount(labels[labels >= 0], minlength=vertical.blueprint.num_classes).tolist()
+    plan = vertical.plan
+    return {
+        **counts_report([counts] * plan.parties, vertical.blueprint.num_classes),
+        "setting": "vertical",
+        "features": [list(group) for group in plan.groups],
+        "held_before_alignment": [len(vertical.held(j)) for j in range(plan.parties)],
+        "aligned": len(common),
+    }
+
+
+def attack_vertical(
+    path: Path, stored: dict[str, Any], attack: str, targets: int | None, device: str, seed: int
+) -> dict[str, Any]:
+    """`splitlab attack` on a finished vertical run: label inference by every passive party (one
+    without the labels) from the gradients it would receive for held-out test samples through the
+    final model (Li et al. 2022's norm and direction scores, `privacy.attacks.label_leak`)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    from splitlab.engine import test_set
+    from splitlab.privacy.attacks import label_leak
+    from splitlab.resolve import resolve_config
+
+    if attack != "label_leak":
+        raise UserError(
+            f"attack={attack} is not offered for a vertical run yet; attack=label_leak measures what a passive "
+            f"party infers of the labels from the gradients it receives"
+        )
+    config = resolve_config({**stored, "device": device, "out": str(path)})
+    vertical = plan_vertical(config)
+    plan, blueprint = vertical.plan, vertical.blueprint
+    passive = [j for j in range(plan.parties) if j != plan.labels_at]
+    if not passive:
+        raise UserError(f"{str(path)!r} has one party and it holds the labels: no passive party to attack with")
+    model = VerticalAssembler(blueprint, plan).model
+    try:
+        model.load_state_dict(load_file(path / "weights.safetensors", device=str(blueprint.device)))
+    except (OSError, SafetensorError, RuntimeError, KeyError) as error:
+        raise UserError(
+            f"cannot read {str(path / 'weights.safetensors')!r}: {str(error).splitlines()[0][:160]}"
+        ) from None
+    x, y = test_set(config, vertical.data, blueprint.device)
+    count = min(500, len(y)) if targets is None else targets
+    if count > len(y):
+        raise UserError(f"targets={count} is more than the {len(y)} test samples of {str(path)!r}")
+    chosen = torch.as_tensor(np.random.default_rng([seed, len(y)]).permutation(len(y))[:count], device=y.device)
+    x, y = x[chosen], y[chosen]
+    grads: list[list[torch.Tensor]] = [[] for _ in range(plan.parties)]
+    for batch_x, batch_y in zip(x.split(config.run.batch_size), y.split(config.run.batch_size)):
+        embeddings = [
+            bottom(plan.columns(batch_x, j)).detach().requires_grad_() for j, bottom in enumerate(model.bottoms)
+        ]
+        value = torch.nn.functional.cross_entropy(model.top(plan.join(embeddings, model.shapes)), batch_y)
+        for j, grad in enumerate(torch.autograd.grad(value, embeddings)):
+            grads[j].append(grad)
+    try:
+        by_party = {j: label_leak(torch.cat(grads[j]), y) for j in passive}
+    except ValueError as error:
+        raise UserError(f"cannot attack {str(path)!r}: {error}") from None
+    return {
+        "attack": attack,
+        "targets": f"{count} held-out test samples, final model, passive party {passive[0]}",
+        "defense": "none",
+        **by_party[passive[0]],
+        "by_party": by_party,
+    }
