@@ -412,8 +412,9 @@ ONLY_WHEN: dict[str, Applies] = {
         )
     },
     "tail_cut": Applies(  # which split algorithms run one: splitlab.resolve.check_u_shape, which comes first
-        lambda r: r.algorithm not in UNSPLIT_ALGORITHMS,
-        "a U-shaped split needs an algorithm that runs one (docs/configurations.md)",
+        lambda r: r.algorithm not in UNSPLIT_ALGORITHMS and r.setting == "vanilla",
+        "a U-shaped split needs clients that hold whole samples (not setting=vertical) and an algorithm that runs "
+        "one (docs/configurations.md)",
         {"algorithm": "fedavg", "tail_cut": 3},
     ),
     **{
