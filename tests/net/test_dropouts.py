@@ -10,6 +10,7 @@ import signal
 import threading
 from typing import Any
 
+import pytest
 import torch
 from processes import NONE, Rogue, credentials
 from safetensors.torch import load_file
@@ -77,6 +78,40 @@ def test_a_client_whose_data_makes_the_server_non_finite_is_dropped_not_the_run(
     assert len(drops) == 1 and "train_step made the server's gradient norm inf" in drops[0], drops
     rows = [json.loads(line) for line in (tmp_path / "net" / "metrics.jsonl").read_text().splitlines()]
     assert [row["dropped_clients"] for row in rows] == [[[1, 2]]]
+    run({**config, "out": str(tmp_path / "local")}, progress=False, transport=DropsOut.at_call(at=1))
+    net, local = (load_file(tmp_path / d / "weights.safetensors") for d in ("net", "local"))
+    assert net.keys() == local.keys() and all(torch.equal(net[k], local[k]) for k in local)
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda smashed: smashed.masked_fill(torch.rand_like(smashed) < 0.01, float("nan")),
+        lambda smashed: smashed.flatten(1)[:, :-1],
+    ],
+    ids=["nan", "reshaped"],
+)
+def test_a_malformed_result_is_refused_before_use_and_the_honest_clients_end_as_if_it_left(tmp_path, servers, tamper):
+    """Issue 24: a certified client's malformed result is refused by the server's checks before
+    anything uses it (the rogue-protocol fuzz test shows the same drop for every kind of malformed
+    result): the client is dropped, and the honest clients' final weights are those of a
+    run where it left at that call, bit for bit."""
+    config = quick(clients=3, rounds=1, train_subset=150, test_subset=50)
+    make_certs(tmp_path / "certs", 3, [])
+    server = servers({**config, "out": str(tmp_path / "net")}, rejoin_wait=1, join_timeout=60)
+    honest = [server.client(0), server.client(1)]
+    rogue = Rogue(server.address, credentials(tmp_path / "certs", "client-2"), 2)
+    assert rogue.first_reply().kind == 2  # WELCOME
+
+    def with_a_nan(verb: str, result: Any) -> Any:
+        if verb != "forward":
+            return result
+        return {**result, "smashed": result["smashed"].index_fill(0, torch.tensor([0]), float("nan"))}
+
+    rogue.serve_as_node(with_a_nan)
+    rogue.close()
+    assert server.process.wait() == 0 and all(p.wait() == 0 for p in honest)
+    assert len([line for line in server.lines() if "refused the result of forward from client 2" in line]) == 1
     run({**config, "out": str(tmp_path / "local")}, progress=False, transport=DropsOut.at_call(at=1))
     net, local = (load_file(tmp_path / d / "weights.safetensors") for d in ("net", "local"))
     assert net.keys() == local.keys() and all(torch.equal(net[k], local[k]) for k in local)
