@@ -23,6 +23,10 @@ QUICK = dict(
 )
 
 
+#: a 2-block GPT of width 16 over sequences of 16 characters: the language tests' model
+TINY_GPT = dict(model="gpt", layers=2, heads=2, width=16, context=32, seq_len=16)
+
+
 def quick(**overrides) -> dict:
     return {**QUICK, **overrides}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import play_with_roles, write_sdist
+from helpers import TINY_GPT, play_with_roles, write_sdist
 
 
 @pytest.fixture(scope="session")
@@ -24,12 +24,7 @@ def lm(plays) -> dict:
     return dict(
         dataset="shakespeare_lm",
         data_dir=plays,
-        model="gpt",
-        layers=2,
-        heads=2,
-        width=16,
-        context=32,
-        seq_len=16,
+        **TINY_GPT,
         clients=3,
         batch_size=8,
         local_steps=3,

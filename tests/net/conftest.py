@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from processes import Server
 
-from helpers import play_with_roles, write_sdist
+from helpers import TINY_GPT, play_with_roles, write_sdist
 
 
 @pytest.fixture
@@ -37,12 +37,7 @@ def lm(tmp_path_factory) -> dict:
     return dict(
         dataset="shakespeare_lm",
         data_dir=str(folder),
-        model="gpt",
-        layers=2,
-        heads=2,
-        width=16,
-        context=32,
-        seq_len=16,
+        **TINY_GPT,
         algorithm="sfl_v2",
         cut=1,
         clients=2,
