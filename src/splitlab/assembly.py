@@ -20,10 +20,7 @@ from torch import nn
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.augment import check_augment
-from splitlab.config import (
-    ResolvedConfig,
-    RunConfig,
-)
+from splitlab.config import ResolvedConfig, RunConfig
 from splitlab.data import Dataset, load_dataset
 from splitlab.errors import UserError
 from splitlab.ledger import Ledger

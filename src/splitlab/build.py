@@ -29,11 +29,7 @@ from splitlab.assembly import (
     seeded_subset,
     test_set,
 )
-from splitlab.config import (
-    ResolvedConfig,
-    parse_test_split,
-    parse_train_range,
-)
+from splitlab.config import ResolvedConfig, parse_test_split, parse_train_range
 from splitlab.data import Dataset, counts_report, load_split, partition, partition_report
 from splitlab.data.datasets import data_summary
 from splitlab.errors import UserError

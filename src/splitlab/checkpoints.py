@@ -1,9 +1,9 @@
-"""Checkpoints: every role's state that outlives a round, saved during the loop and restored on resume.
+"""Checkpoints: what a run resumed after a kill needs to end bit for bit where an uninterrupted one would.
 
 A checkpoint holds every role's state that outlives a round (fetched through the transport), the
-ledger's and the noise secrets, so a killed run resumed from it ends bit for bit where an
-uninterrupted one would. Checkpoints are encoded in the loop (a snapshot) and written to disk in
-the background, every `checkpoint_every` seconds.
+ledger's and the noise secret of the parties played here. It is encoded in the loop (a snapshot)
+and written to disk in the background, every `checkpoint_every` seconds (`Checkpointer`);
+`restore` loads it into a freshly built experiment.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ from splitlab import codec
 from splitlab.assembly import Experiment
 from splitlab.build import install_noise_secret
 from splitlab.errors import UserError
-from splitlab.io import (
-    write_safetensors,
-)
+from splitlab.io import write_safetensors
 from splitlab.rundir import CHECKPOINT
 
 

@@ -23,11 +23,7 @@ from splitlab.assembly import Experiment, personal_metrics
 from splitlab.callbacks import Callback, CommBudget, MetricsFile, ProgressBar, RecorderFlush
 from splitlab.checkpoints import Checkpointer
 from splitlab.errors import NonFiniteLoss, NonFiniteStep, RoundFailed
-from splitlab.io import (
-    save_safetensors,
-    write_json,
-    write_yaml,
-)
+from splitlab.io import save_safetensors, write_json, write_yaml
 from splitlab.loggers import make_logger
 from splitlab.metrics import TASK_METRICS, logits_in_batches
 from splitlab.models import HeadAndTail

@@ -1,7 +1,7 @@
 """Building a vertical run (`setting=vertical`): parties holding different features of shared
 samples, aligned by private set intersection, trained by vertical SplitNN
 (splitlab.algorithms.vertical_sl). The engine's loop, evaluation, ledger and checkpoints are the
-same as for any run; only what the roles hold differs, so the engine hands `build` here.
+same as for any run; only what the roles hold differs, so `build` (splitlab.build) hands it here.
 """
 
 from __future__ import annotations
