@@ -24,7 +24,8 @@ import time
 import ray
 import torch
 
-from splitlab.engine import Experiment, build
+from splitlab.assembly import Experiment
+from splitlab.engine import build
 
 
 def config(algorithm: str, clients: int, args: argparse.Namespace, per_round: int = 20, **overrides) -> dict:
@@ -45,7 +46,8 @@ def config(algorithm: str, clients: int, args: argparse.Namespace, per_round: in
 
 def timed_rounds(experiment: Experiment, rounds: int) -> float:
     """Seconds per round, as the engine samples clients (rounds 0..rounds-1)."""
-    from splitlab.engine import STREAM_SAMPLING, random_stream, sample_clients
+    from splitlab.loop import STREAM_SAMPLING, sample_clients
+    from splitlab.roles import random_stream
 
     cfg = experiment.config.run
     started = time.perf_counter()

@@ -13,8 +13,11 @@ import torch
 
 from splitlab import codec
 from splitlab.algorithms.base import Algorithm
+from splitlab.assembly import Experiment
+from splitlab.checkpoints import restore, role_states
 from splitlab.data.shakespeare import role_text
-from splitlab.engine import STREAM_SAMPLING, Experiment, build, restore, role_states, run, sample_clients
+from splitlab.engine import build, run
+from splitlab.loop import STREAM_SAMPLING, sample_clients
 from splitlab.roles import ClientNode, random_stream
 from splitlab.transport import ClientDropped, SerializedTransport
 

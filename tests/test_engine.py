@@ -17,9 +17,11 @@ from safetensors.torch import load_file
 from helpers import crash_before_round, global_weights, quick, train
 from splitlab import codec
 from splitlab.algorithms.sfl_v2 import SFLV2
-from splitlab.engine import CHECKPOINT, _Checkpointer, build, run
+from splitlab.checkpoints import Checkpointer
+from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.io import read_jsonl
+from splitlab.rundir import CHECKPOINT
 
 TIMING_KEYS = {"wall_seconds", "round_compute_seconds"}
 
@@ -176,7 +178,7 @@ def test_a_run_from_before_a_new_key_existed_still_resumes(tmp_path, monkeypatch
 def test_a_checkpoint_snapshot_holds_the_loop_at_most_its_share_of_the_time(tmp_path):
     # checkpoint_every is a floor: after a snapshot that took s seconds, the next waits s / SNAPSHOT_SHARE
     experiment = build(quick(algorithm="fsl_sage", checkpoint_every=1e-9, out=str(tmp_path)))
-    checkpoints = _Checkpointer(experiment)
+    checkpoints = Checkpointer(experiment)
     checkpoints.maybe_save({"round": 1})
     checkpoints.wait()
     assert codec.decode((tmp_path / CHECKPOINT).read_bytes())["loop"] == {"round": 1}

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from helpers import client_model, quick, server_model, sync_model, train
-from splitlab.engine import _hold_out, build, evaluate, run
+from splitlab.build import _hold_out
+from splitlab.engine import build, run
 from splitlab.errors import UserError
+from splitlab.loop import evaluate
 from splitlab.metrics import classification_metrics
 
 

@@ -9,7 +9,8 @@ import pytest
 from helpers import personal_weights, quick
 from splitlab.algorithms import algorithm_names
 from splitlab.algorithms.base import ClientInfo
-from splitlab.engine import STREAM_SAMPLING, build, run, sample_clients
+from splitlab.engine import build, run
+from splitlab.loop import STREAM_SAMPLING, sample_clients
 from splitlab.roles import ClientNode
 
 
@@ -62,7 +63,7 @@ def test_engine_trains_only_the_sampled_clients(tmp_path, monkeypatch):
         seen.append([c.id for c in chosen])
         return chosen
 
-    monkeypatch.setattr("splitlab.engine.sample_clients", recording)
+    monkeypatch.setattr("splitlab.loop.sample_clients", recording)
     run(quick(algorithm="psl", clients=10, participation=0.3, rounds=3, out=str(tmp_path)), progress=False)
     assert [len(ids) for ids in seen] == [3, 3, 3]
     experiment = build(quick(algorithm="psl", clients=10))

@@ -11,11 +11,11 @@ import os
 
 import pytest
 
-from splitlab import callbacks, engine
+from splitlab import callbacks, checkpoints, loop
 from splitlab.cli import main
 from splitlab.io import TEMP_GLOB
 from splitlab.net import certs
-from splitlab.runfiles import CHECKPOINT
+from splitlab.rundir import CHECKPOINT
 
 RUN = ["run", "dataset=digits", "model=mlp", "clients=2", "train_subset=200", "device=cpu", "--no-progress"]
 
@@ -44,7 +44,7 @@ def one_line_exit_1(capsys, argv: list[str], *expected: str) -> str:
 
 @pytest.mark.parametrize("code", [errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EISDIR, errno.ENOTDIR, errno.EDQUOT])
 def test_a_failure_at_the_start_of_a_run(tmp_path, monkeypatch, capsys, code):
-    failing(monkeypatch, engine, "write_yaml", code)
+    failing(monkeypatch, loop, "write_yaml", code)
     out = tmp_path / "run"
     one_line_exit_1(capsys, [*RUN, "rounds=2", f"out={out}"], "config.yaml", os.strerror(code))
     assert not (out / ".lock").exists() and not list(out.glob(TEMP_GLOB))
@@ -64,7 +64,7 @@ def test_a_failure_mid_run_says_which_checkpoint_was_kept_and_resume_finishes(tm
 
 def test_a_failure_in_the_background_checkpoint_writer(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
-    failing(monkeypatch, engine, "write_safetensors", errno.EDQUOT)
+    failing(monkeypatch, checkpoints, "write_safetensors", errno.EDQUOT)
     one_line_exit_1(capsys, [*RUN, "rounds=3", "checkpoint_every=0", f"out={out}"], CHECKPOINT, "quota")
     assert not (out / ".lock").exists() and not (out / CHECKPOINT).exists()
 

@@ -64,11 +64,6 @@ def import_graph(in_functions: bool = False) -> dict[str, set[str]]:
 
 #: (importer, imported) inside a function, against the layers; each closes a circle.
 TO_REMOVE = {
-    ("splitlab.engine", "splitlab.ray_backend"): "the Ray actors build roles with engine helpers: move those "
-    "(blueprint, client nodes, test set, assembler) below both, with the engine's split by concern",
-    ("splitlab.engine", "splitlab.vertical"): "vertical runs are built with the same engine helpers (data, device, "
-    "test set, Experiment): the same move below both",
-    ("splitlab.engine", "splitlab.runmodel"): "out/hf export at the end of a run; runmodel imports the engine",
     ("splitlab.roles", "splitlab.runmodel"): "init= loads a finished run's weights from inside the Blueprint",
     ("splitlab.data.download", "splitlab.data.datasets"): "download checks files with the loaders it feeds",
     ("splitlab.privacy.defenses", "splitlab.privacy.accounting"): "dp:epsilon= calibration reaches back for "

@@ -13,7 +13,8 @@ import torch
 from helpers import quick
 from splitlab.data import DATASETS, Dataset
 from splitlab.data.datasets import Prepared, scale_and_normalize
-from splitlab.engine import build, evaluate
+from splitlab.engine import build
+from splitlab.loop import evaluate
 from splitlab.roles import STREAM_BATCHES
 
 NAME = "tiny_uint8"

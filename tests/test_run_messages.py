@@ -10,7 +10,7 @@ import time
 
 from splitlab.algorithms.base import Algorithm
 from splitlab.cli import main
-from splitlab.runfiles import CHECKPOINT, CURVES
+from splitlab.rundir import CHECKPOINT, CURVES
 
 ARGS = ["dataset=digits", "model=mlp", "clients=2", "train_subset=200", "device=cpu", "--no-progress"]
 

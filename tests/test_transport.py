@@ -13,9 +13,11 @@ from helpers import crash_before_round, global_weights, personal_weights, quick,
 from splitlab import codec
 from splitlab.algorithms import algorithm_names, algorithms
 from splitlab.algorithms.base import Algorithm
-from splitlab.engine import CHECKPOINT, evaluate, run
+from splitlab.engine import run
 from splitlab.errors import UserError
+from splitlab.loop import evaluate
 from splitlab.roles import Role
+from splitlab.rundir import CHECKPOINT
 from splitlab.transport import Transport, verb
 
 ALGORITHMS = algorithm_names()

@@ -33,7 +33,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from splitlab.experiments.plots import plot_run
     from splitlab.io import read_jsonl
     from splitlab.resolve import resolve_config
-    from splitlab.runfiles import CURVES
+    from splitlab.rundir import CURVES
 
     raw = _run_config(args)
     summary = run(raw, progress=not args.no_progress)

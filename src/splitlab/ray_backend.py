@@ -7,7 +7,7 @@ starts with the clients k with k mod workers = w, built in the actor from the ru
 indices of their samples; a client that trains goes to whichever worker is free
 (`RayTransport.lease`), its state (kept models, optimizers, working copies, round) moving from
 actor to actor through the object store, never through the driver. The sync server and the
-algorithm stay in the driver, with the engine. Personal models are evaluated on the actors that
+algorithm stay in the driver, with the assembly. Personal models are evaluated on the actors that
 hold them (only metrics come back), and a lost actor raises `RoleLost`, on which the engine
 builds the actors again and replays from the last checkpoint. Every verb call and its result
 travel as `splitlab.codec` bytes (safetensors + JSON), as through the serialized transport, so
@@ -31,7 +31,7 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from splitlab import cluster, codec
+from splitlab import assembly, cluster, codec
 from splitlab.config import ResolvedConfig
 from splitlab.data.datasets import Dataset
 from splitlab.errors import NonFiniteStep, RoleLost, UserError
@@ -55,8 +55,6 @@ class RoleHost:
     with the node's id and hostname."""
 
     def __init__(self, config_json: str, shared: dict[str, Any] | None, placed: list[int], data_shape: str) -> None:
-        from splitlab import engine
-
         config = resolve_config(json.loads(config_json))
         set_worker_threads(config.run.cpus_per_client)
         # torch's first optimizer step imports torch._dynamo (1.5 s): here, while the actors start, not
@@ -64,39 +62,35 @@ class RoleHost:
         importlib.import_module("torch._dynamo")
         self.failure: str | None = None
         try:
-            self._build(config, shared, placed, data_shape, engine)
+            self._build(config, shared, placed, data_shape)
         except UserError as error:
             self.failure = f"{cluster.this_node()}: {error}"
 
-    def _build(
-        self, config: ResolvedConfig, shared: dict[str, Any] | None, placed: list[int], data_shape: str, engine: Any
-    ) -> None:
+    def _build(self, config: ResolvedConfig, shared: dict[str, Any] | None, placed: list[int], data_shape: str) -> None:
         from splitlab.algorithms import get_algorithm
 
         run = config.run
         algorithm = get_algorithm(run.algorithm)
-        self.device = assigned_device() if run.device == "auto" else engine.resolve_device(run.device)
+        self.device = assigned_device() if run.device == "auto" else assembly.resolve_device(run.device)
         self.roles: dict[int | str, Role]
         if shared is None:  # the training server holds no samples: it never loads them
             shape = json.loads(data_shape)
             dtype = getattr(torch, shape["input_dtype"].removeprefix("torch."))
-            self.blueprint = engine.blueprint_of(
+            self.blueprint = assembly.blueprint_of(
                 config, self.device, tuple(shape["input_shape"]), shape["num_classes"], dtype, shape["task"]
             )
             self.roles = {SERVER: algorithm.Server(self.blueprint)}
             return
         self.data, self.owners, self.held_out = dataset_of(shared["dataset"]), shared["owners"], shared["held_out"]
         self.metrics = TASK_METRICS[self.data.task]
-        self.blueprint = engine.make_blueprint(config, self.data, self.device)
+        self.blueprint = assembly.make_blueprint(config, self.data, self.device)
         self.roles = {node.id: node for node in self._nodes(placed)}
         if algorithm.personal_models:  # evaluated here, where the personal models are
-            self.test = engine.test_set(config, self.data, self.device)
-            self.assemble = engine.Assembler(self.blueprint)
+            self.test = assembly.test_set(config, self.data, self.device)
+            self.assemble = assembly.Assembler(self.blueprint)
 
     def _nodes(self, client_ids: list[int]) -> list[ClientNode]:
-        from splitlab import engine
-
-        return engine.client_nodes(self.blueprint, self.data, {k: self.owners[k] for k in client_ids})
+        return assembly.client_nodes(self.blueprint, self.data, {k: self.owners[k] for k in client_ids})
 
     def ready(self) -> str | None:
         """None once the roles are built; else why they could not be, naming this node."""
@@ -160,14 +154,12 @@ class RoleHost:
         the request holds), as JSON: {"trained": {client id: metrics}, "untrained": metrics}. The
         clients that never trained the slot all hold its initial weights: evaluated once, for all of
         them, so the work and the reply follow the clients that trained, not K."""
-        from splitlab import engine
-
         message = codec.decode(request, self.device)
         slot, server = message["slot"], message["server"]
         x, y = self.test
 
         def metrics(client_state: State) -> dict[str, float]:
-            return engine.personal_metrics(
+            return assembly.personal_metrics(
                 self.assemble, [client_state, server], x, y, self.blueprint.inference_batch, self.metrics
             )
 

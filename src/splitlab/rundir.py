@@ -1,4 +1,10 @@
-"""A run directory's safety rules: usable before any work, one writer at a time, nothing stale.
+"""A run directory: the files it holds, and the rules for starting, resuming or replacing them
+(usable before any work, one writer at a time, nothing stale), in one place for the engine,
+sweeps, reports and the CLI (no torch import).
+
+- `RUN_FILES` names the files of a run, `CHECKPOINT` among them; `RunDirectory` decides, from
+  those present, whether a run starts, is resumed (with the settings it was started with) or is
+  already finished.
 
 - `check_out_dir` refuses an out= that can never become a directory (an existing file, a path
   under a file, a place nobody can write) before data is loaded or anything is written.
@@ -25,12 +31,26 @@ import shutil
 import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from splitlab.errors import UserError
 from splitlab.io import TEMP_GLOB
-from splitlab.runfiles import CURVES, RUN_FILES
 
+if TYPE_CHECKING:
+    from splitlab.config import ResolvedConfig
+
+CHECKPOINT = "checkpoint.safetensors"
+RUN_FILES = (
+    "config.yaml",
+    "partition.json",
+    "metrics.jsonl",
+    "summary.json",
+    CHECKPOINT,
+    "weights.safetensors",
+    "clients.safetensors",
+)
+#: A finished run's curves, drawn by `splitlab run` (splitlab.experiments.plots.plot_run).
+CURVES = "curves.png"
 LOCK = ".lock"
 #: Every file or folder a run (engine, its trackers) or `splitlab evaluate` writes into its directory.
 WRITTEN = (
@@ -142,8 +162,6 @@ def clear(path: Path) -> None:
 
 def check_resume_target(path: Path) -> None:
     """resume=true needs a run to continue: a directory without one is refused (not started afresh)."""
-    from splitlab.runfiles import RUN_FILES
-
     if not any((path / name).exists() for name in RUN_FILES):
         raise UserError(f"cannot resume {str(path)!r}: it holds no run; leave out resume=true to start one there")
 
@@ -173,7 +191,6 @@ def checkpoint_round(path: Path) -> int | None:
     from safetensors import safe_open
 
     from splitlab.codec import SKELETON
-    from splitlab.runfiles import CHECKPOINT
 
     try:
         with safe_open(str(path / CHECKPOINT), "pt") as file:
@@ -231,3 +248,45 @@ def describe_file_error(error: OSError, where: Path | str, kept: Callable[[], st
     cause = error.strerror or os.strerror(error.errno or 0)
     note = kept() if kept is not None else "files written before it are complete"
     return f"cannot write {str(name)!r}: {cause}; {note}"
+
+
+class RunDirectory:
+    """The run's files, and the rules for starting, resuming or replacing them."""
+
+    def __init__(self, config: ResolvedConfig) -> None:
+        self.path = config.out_dir
+        self.config = config
+
+    def existing(self) -> list[str]:
+        return [name for name in RUN_FILES if (self.path / name).exists()]
+
+    def check_resumable(self) -> None:
+        from splitlab.config import RUN_CONTROL_KEYS
+
+        # A key the stored config lacks (added to splitlab after the run began) counts as its default.
+        stored = {**self.config.defaults(), **stored_config(self.path)}
+        current = self.config.as_dict()
+        differing = sorted(k for k in current if k not in RUN_CONTROL_KEYS and stored.get(k) != current[k])
+        if differing:
+            key = differing[0]
+            raise UserError(
+                f"cannot resume {str(self.path)!r}: {key}={current[key]!r} differs from the "
+                f"stored {stored.get(key)!r}; use overwrite=true to start over"
+            )
+
+    def clear(self) -> None:
+        clear(self.path)
+
+    def summary(self) -> dict[str, Any]:
+        """The summary of the finished run here; UserError if summary.json is unreadable."""
+        file = self.path / "summary.json"
+        try:
+            summary = json.loads(file.read_text())
+            if not isinstance(summary, dict) or "final_accuracy" not in summary:
+                raise ValueError("not a run's summary")
+        except (ValueError, UnicodeDecodeError) as error:
+            raise UserError(
+                f"cannot resume {str(self.path)!r}: its summary.json is unreadable ({str(error)[:80]}); "
+                f"use overwrite=true to run it again"
+            ) from None
+        return summary

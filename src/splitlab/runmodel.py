@@ -16,8 +16,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from splitlab.assembly import load_data
 from splitlab.config import RunConfig
-from splitlab.engine import load_data
 from splitlab.errors import UserError
 from splitlab.models import MODELS, StagedModel, build_model, split
 from splitlab.models.lora import merge_lora

@@ -1,7 +1,7 @@
 """Building a vertical run (`setting=vertical`): parties holding different features of shared
 samples, aligned by private set intersection, trained by vertical SplitNN
 (splitlab.algorithms.vertical_sl). The engine's loop, evaluation, ledger and checkpoints are the
-same as for any run; only what the roles hold differs, so the engine hands `build` here.
+same as for any run; only what the roles hold differs, so `build` (splitlab.build) hands it here.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from splitlab.algorithms.vertical_sl import (
     top_model,
     vertical_models,
 )
+from splitlab.assembly import Experiment, Roles, load_data, resolve_device, seeded_subset, test_set
 from splitlab.config import ResolvedConfig, RunConfig
 from splitlab.data import Dataset
 from splitlab.data.partition import counts_report
@@ -93,8 +94,6 @@ def _refusals(run: RunConfig) -> None:
 
 def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
     """Validate a vertical run and derive its data, feature groups and blueprint; UserError on bad input."""
-    from splitlab.engine import _seeded_subset, load_data, resolve_device
-
     run = config.run
     _refusals(run)
     data = load_data(run)
@@ -115,15 +114,13 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model: one line
     top_model(blueprint, plan)  # embeddings the combination cannot join: one line
     ids, labelled, missing = table_ids(run.dataset, data_dir, data)
-    pool = np.sort(_seeded_subset(len(ids), run.train_subset, run.seed, "train_subset"))
+    pool = np.sort(seeded_subset(len(ids), run.train_subset, run.seed, "train_subset"))
     return VerticalPlan(data, plan, blueprint, ids, labelled, missing, pool)
 
 
 def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.device], Transport] | None = None) -> Any:
     """The vertical run's experiment: parties, server, transport, algorithm; the parties' samples
     aligned by private set intersection (counted in the ledger) before anything is returned."""
-    from splitlab.engine import Experiment, Roles, test_set
-
     vertical = plan_vertical(config)
     run, data, plan, blueprint = config.run, vertical.data, vertical.plan, vertical.blueprint
     device = blueprint.device
@@ -214,7 +211,6 @@ def attack_vertical(
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from splitlab.engine import test_set
     from splitlab.privacy.attacks import label_leak
     from splitlab.resolve import resolve_config
 

@@ -13,7 +13,8 @@ from safetensors.torch import load_file
 
 from helpers import DropsOut, quick
 from splitlab.algorithms import get_algorithm
-from splitlab.engine import build, role_states, run
+from splitlab.checkpoints import role_states
+from splitlab.engine import build, run
 from splitlab.roles import ModelAverage, TrainingServer, server_copy
 from splitlab.transport import SerializedTransport
 

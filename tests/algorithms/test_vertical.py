@@ -14,8 +14,10 @@ from helpers import crash_before_round, max_abs_difference, straight_and_resumed
 from splitlab import psi
 from splitlab.algorithms import vertical_sl
 from splitlab.algorithms.base import Algorithm
-from splitlab.engine import build, client_count, evaluate
+from splitlab.build import client_count
+from splitlab.engine import build
 from splitlab.errors import UserError
+from splitlab.loop import evaluate
 from splitlab.roles import Role
 from splitlab.transport import ClientDropped, Transport
 from test_transport import ORCHESTRATION, ROLE_INTERNALS, attributes

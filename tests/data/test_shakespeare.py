@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from helpers import play_with_roles, write_sdist
+from splitlab.build import _client_indices
 from splitlab.data import load_dataset
 from splitlab.data.shakespeare import (
     SEQ_LEN,
@@ -23,7 +24,7 @@ from splitlab.data.shakespeare import (
     role_text,
     split_windows,
 )
-from splitlab.engine import _client_indices, build, run
+from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.resolve import resolve_config
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from splitlab.runfiles import CHECKPOINT
+from splitlab.rundir import CHECKPOINT
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -15,9 +15,9 @@ import ray
 from test_sweep import BASE, numbers, write_sweep
 
 from splitlab import cluster
-from splitlab.engine import CHECKPOINT
 from splitlab.errors import UserError
 from splitlab.experiments import run_sweep, sweep, write_report
+from splitlab.rundir import CHECKPOINT
 
 SPEC = {"base": {**BASE, "rounds": 8}, "axes": {"algorithm": ["sfl_v1", "sfl_v2"], "seed": [0, 1]}}
 

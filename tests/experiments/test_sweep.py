@@ -11,10 +11,10 @@ import pytest
 import yaml
 from runfiles import PNG_SIGNATURE, plain, read_csv, table
 
-from splitlab.engine import CHECKPOINT
 from splitlab.errors import UserError
 from splitlab.experiments import SweepFailed, collect_results, expand_sweep, run_name, run_sweep, write_report
 from splitlab.experiments.tables import mean_std
+from splitlab.rundir import CHECKPOINT
 
 # --------------------------------------------------------------------------- sweep files
 
@@ -168,6 +168,7 @@ def test_sweep_validates_every_point_before_running(tmp_path: Path, monkeypatch)
 
 def test_failing_run_is_recorded_and_others_go_on(tmp_path: Path, monkeypatch):
     """A run that raises does not stop the sweep; it is reported at the end and retried next time."""
+    import splitlab.build
     import splitlab.engine
 
     calls = []
@@ -183,7 +184,7 @@ def test_failing_run_is_recorded_and_others_go_on(tmp_path: Path, monkeypatch):
         return summary
 
     monkeypatch.setattr(splitlab.engine, "run", fake_run)
-    monkeypatch.setattr(splitlab.engine, "check", lambda config: None)  # cut=3 would be refused up front
+    monkeypatch.setattr(splitlab.build, "check", lambda config: None)  # cut=3 would be refused up front
     path = write_sweep(tmp_path, {"base": BASE, "axes": {"cut": [1, 2, 3]}})
     with pytest.raises(SweepFailed) as info:
         run_sweep(path, out=tmp_path / "out", progress=False)
@@ -283,11 +284,12 @@ def test_sweep_resumes_after_a_kill(reference, tmp_path: Path, monkeypatch):
     """Kill the sweep right after the 2nd run's first checkpoint; running it again skips the
     finished run, resumes the half-finished one from its checkpoint and starts the rest, and
     ends with exactly the numbers of the uninterrupted sweep."""
+    import splitlab.checkpoints
     import splitlab.engine
 
     path, ref_dir = reference
     out = tmp_path / "resumed"
-    checkpointer = splitlab.engine._Checkpointer
+    checkpointer = splitlab.checkpoints.Checkpointer
     real_save = checkpointer.maybe_save
     saves: list[str] = []
 

@@ -17,7 +17,7 @@ import yaml
 
 from splitlab.algorithms.base import Algorithm
 from splitlab.cli import main
-from splitlab.engine import CHECKPOINT
+from splitlab.rundir import CHECKPOINT
 
 BASE = {"dataset": "digits", "model": "mlp", "clients": 2, "train_subset": 200, "device": "cpu"}
 BASE |= {"checkpoint_every": 0, "rounds": 10, "eval_every": 5}

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from helpers import global_weights, max_abs_difference, straight_and_resumed, train
-from splitlab.engine import evaluate, run
+from splitlab.engine import run
 from splitlab.errors import UserError
+from splitlab.loop import evaluate
 
 ALGORITHMS = [
     "fedavg",

@@ -10,7 +10,9 @@ import pytest
 import yaml
 from safetensors.torch import load_file
 
-from splitlab.engine import _client_indices, load_data, run
+from splitlab.assembly import load_data
+from splitlab.build import _client_indices
+from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.experiments import run_sweep
 from splitlab.resolve import resolve_config

@@ -13,8 +13,9 @@ from safetensors.torch import load_file
 
 from hf_helpers import tiny_hf_model
 from splitlab.cli import main
-from splitlab.engine import evaluate, run
+from splitlab.engine import run
 from splitlab.errors import UserError
+from splitlab.loop import evaluate
 from splitlab.runmodel import run_model
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from helpers import global_weights, max_abs_difference, straight_and_resumed, train
-from splitlab.engine import role_states
+from splitlab.checkpoints import role_states
 from splitlab.errors import UserError
 
 # 2 blocks of width 16; LoRA rank 4 on each block's c_attn (16 -> 48): A is 4 x 16, B is 48 x 4

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from splitlab import codec
-from splitlab.engine import client_node
+from splitlab.build import client_node
 from splitlab.net import protocol
 from splitlab.net.checks import data_report
 from splitlab.net.launch import _free_port

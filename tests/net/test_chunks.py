@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 
 from helpers import quick
 from splitlab import codec
-from splitlab.engine import client_node, run
+from splitlab.build import client_node
+from splitlab.engine import run
 from splitlab.net import protocol
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import data_report

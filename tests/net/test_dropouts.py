@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from helpers import DropsOut, quick
 from splitlab import codec
-from splitlab.engine import client_node, run
+from splitlab.build import client_node
+from splitlab.engine import run
 from splitlab.net.certs import make_certs
 from splitlab.net.client import _answer, _heartbeats
 from splitlab.roles import ModelAverage

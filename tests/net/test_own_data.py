@@ -20,11 +20,12 @@ from processes import Rogue, credentials
 from safetensors.torch import load_file
 
 from helpers import idx_bytes, quick
-from splitlab.engine import build, client_node, run
+from splitlab.build import client_node
+from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import Checks, Refused
-from splitlab.runfiles import CHECKPOINT
+from splitlab.rundir import CHECKPOINT
 
 CONFIG = dict(dataset="fashion_mnist", model="mlp", clients=2, rounds=2, batch_size=32, device="cpu", seed=0)
 SKEWED = {"partition": "dirichlet:0.5"}  # how `run` splits the whole dataset: clients of unequal sizes

@@ -13,7 +13,7 @@ from helpers import quick
 from splitlab import codec
 from splitlab.engine import run
 from splitlab.net.certs import make_certs
-from splitlab.runfiles import CHECKPOINT
+from splitlab.rundir import CHECKPOINT
 
 
 def test_a_killed_server_resumes_and_its_clients_reconnect(tmp_path, servers):

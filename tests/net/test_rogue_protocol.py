@@ -33,7 +33,7 @@ from safetensors.torch import save
 
 from helpers import quick
 from splitlab import codec
-from splitlab.engine import client_node
+from splitlab.build import client_node
 from splitlab.errors import RoundFailed
 from splitlab.net import protocol
 from splitlab.net.certs import make_certs

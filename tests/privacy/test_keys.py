@@ -11,9 +11,10 @@ from safetensors.torch import load_file
 
 from helpers import crash_before_round, global_weights, quick
 from splitlab import codec
-from splitlab.engine import build, restore, role_states, run
+from splitlab.checkpoints import restore, role_states
+from splitlab.engine import build, run
 from splitlab.privacy import keys
-from splitlab.runfiles import CHECKPOINT
+from splitlab.rundir import CHECKPOINT
 
 NOISE = 0.5
 CONFIG = quick(algorithm="sfl_v2", rounds=1, defense=f"clip:1+noise:{NOISE}", record=8)

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from splitlab.experiments.sweep import ERROR_FILE, SNAPSHOT
-from splitlab.runfiles import CHECKPOINT
+from splitlab.rundir import CHECKPOINT
 
 #: config columns that results.csv always has (plus any other key that varies between runs)
 CONFIG_COLUMNS = ("algorithm", "dataset", "model", "cut", "partition", "clients", "seed")

@@ -284,13 +284,13 @@ def run_sweep(
 
 def _check_runs(runs: list[GridPoint], where: str) -> None:
     """Every run's config as its run would check it (dataset, cut, subsets, ...), before the first starts."""
-    from splitlab import engine
+    from splitlab.build import check
 
     pretrained = any(point.name == PRETRAIN for point in runs)  # its model, each run's init, is not made yet
     for point in runs:
         config = {k: v for k, v in point.config.items() if not (pretrained and k == "init")}
         try:
-            engine.check(config)
+            check(config)
         except UserError as error:
             raise UserError(f"{where}: run {point.name}: {error}") from None
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from splitlab.experiments.analysis import Analysis, hashable
 from splitlab.experiments.runs import num
-from splitlab.runfiles import CHECKPOINT
+from splitlab.rundir import CHECKPOINT
 from splitlab.units import GIB, byte_unit, format_bytes
 
 REPORT = "report.md"

@@ -178,7 +178,7 @@ def _heartbeats(outgoing: queue.Queue, run_id: str, every: float, stop: threadin
 
 
 def _build_node(settings: ClientSettings, config: dict[str, Any]) -> ClientNode:
-    from splitlab.engine import client_node
+    from splitlab.build import client_node
 
     own = {
         "device": settings.device,

@@ -36,7 +36,7 @@ def _free_port() -> int:
 
 def launch(raw: Mapping[str, Any], server_keys: Mapping[str, Any], settings: LaunchSettings, progress: bool) -> int:
     """Start the server and one client process per client; wait for all; the server's exit code."""
-    from splitlab.engine import client_count
+    from splitlab.build import client_count
 
     config = resolve_config(raw)
     if config.run.data == "own":

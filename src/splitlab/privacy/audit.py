@@ -40,7 +40,7 @@ from splitlab.privacy.record import RECORD_DIR
 from splitlab.roles import client_part, server_part
 
 if typing.TYPE_CHECKING:
-    from splitlab.engine import Experiment
+    from splitlab.assembly import Experiment
 
 RESULTS = "attack.json"
 

@@ -41,10 +41,11 @@ from torch import nn
 
 from splitlab import rundir
 from splitlab.algorithms.splitgp import SplitGP, entropy, to_server
+from splitlab.assembly import Experiment
+from splitlab.build import _client_indices, _hold_out, build
 from splitlab.config import parse_test_split
 from splitlab.data import load_dataset
 from splitlab.data.datasets import Prepared
-from splitlab.engine import Experiment, _client_indices, _hold_out, build
 from splitlab.errors import UserError
 from splitlab.io import write_json
 from splitlab.metrics import logits_in_batches

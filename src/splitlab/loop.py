@@ -1,0 +1,319 @@
+"""The round loop every algorithm shares: sampling, training, evaluation, the loop's callbacks
+and the summary at the end.
+
+Every random choice is drawn from a stream keyed by (seed, round, purpose), so a run resumed
+from its last checkpoint replays the rounds since and ends bit for bit where an uninterrupted one
+would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from splitlab.algorithms.base import ClientInfo
+from splitlab.assembly import Experiment, personal_metrics
+from splitlab.callbacks import Callback, CommBudget, MetricsFile, ProgressBar, RecorderFlush
+from splitlab.checkpoints import Checkpointer
+from splitlab.errors import NonFiniteLoss, NonFiniteStep, RoundFailed
+from splitlab.io import save_safetensors, write_json, write_yaml
+from splitlab.loggers import make_logger
+from splitlab.metrics import TASK_METRICS, logits_in_batches
+from splitlab.models import HeadAndTail
+from splitlab.privacy.accounting import privacy_summary
+from splitlab.roles import random_stream
+from splitlab.runmodel import export_hf
+from splitlab.streams import register_stream
+from splitlab.transport import ClientDropped
+from splitlab.units import GIB, to_target
+
+STREAM_SAMPLING = register_stream("sampling", 0)
+
+
+def sample_clients(clients: list[ClientInfo], participation: float, rng: np.random.Generator) -> list[ClientInfo]:
+    """round(C*K) clients (at least one), in id order."""
+    count = max(1, round(participation * len(clients)))
+    chosen = np.sort(rng.choice(len(clients), count, replace=False))
+    return [clients[k] for k in chosen]
+
+
+def evaluate(experiment: Experiment) -> dict[str, float]:
+    """Test metrics of the model assembled from the roles' states (fetched through the transport,
+    as telemetry). With test_split=client, every client's model is run on its own held-out
+    samples and the metrics are computed on all of them pooled (accuracy and loss are then the
+    test-size-weighted means of the per-client values). On the global test set, algorithms with
+    personal client models get the unweighted mean over clients of each client's model's metrics."""
+    data, algorithm, batch = experiment.data, experiment.algorithm, experiment.blueprint.inference_batch
+    metrics = TASK_METRICS[data.task]
+    if experiment.client_test is not None:
+        held = [(k, x, y) for k, (x, y) in enumerate(experiment.client_test) if len(y)]
+        where_they_are = getattr(experiment.transport, "personal_logits", None)  # backend=ray: on the actors
+        logits = (
+            where_they_are(algorithm, [k for k, _, _ in held])
+            if where_they_are is not None and algorithm.personal_models
+            else [logits_in_batches(experiment.assemble(algorithm.personal_model(k)), x, batch) for k, x, _ in held]
+        )
+        return metrics(torch.cat(logits), torch.cat([y for _, _, y in held]))
+    if algorithm.personal_models:
+        ids = [c.id for c in experiment.clients]
+        where_they_are = getattr(experiment.transport, "personal_metrics", None)  # backend=ray: on the actors
+        per_client = (
+            where_they_are(algorithm, ids)
+            if where_they_are is not None
+            else [
+                personal_metrics(
+                    experiment.assemble, algorithm.personal_model(k), data.test_x, data.test_y, batch, metrics
+                )
+                for k in ids
+            ]
+        )
+        return {key: float(np.mean([m[key] for m in per_client])) for key in per_client[0]}
+    model = algorithm.global_model()
+    if model is None:
+        raise NotImplementedError(f"{algorithm.name} has no global model and no personal models")
+    return metrics(logits_in_batches(experiment.assemble(model), data.test_x, batch), data.test_y)
+
+
+DEPLOYED_NOTE = (
+    "final_accuracy: the model without the defense at the cut (undefended path); "
+    "final_accuracy_deployed: with the defense applied at the cut, as deployed"
+)
+
+
+def evaluate_deployed(experiment: Experiment, rnd: int) -> dict[str, float]:
+    """`test_accuracy_deployed`: a defended global split model's test accuracy with the defense
+    applied at the cut as deployed (clipping, noise, compression); `test_accuracy` is the
+    undefended path. Empty where the defense leaves the forward pass as it is. Called right after
+    `evaluate`, whose global model it reuses (assembled there: not fetched twice)."""
+    defense, parts = experiment.blueprint.defense, experiment.assembler.parts
+    if not defense.changes_forward or len(parts) != 2 or experiment.algorithm.personal_models:
+        return {}
+    client, server = parts
+    generator = torch.Generator(experiment.blueprint.device).manual_seed(experiment.config.run.seed * 1_000_003 + rnd)
+    deployed = defense.deployed(client, server, generator)
+    if isinstance(client, HeadAndTail):  # U-shaped: the client's tail after the server's stages
+        deployed = nn.Sequential(deployed, client.tail_part())
+    logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)
+    metrics = TASK_METRICS[experiment.data.task](logits, experiment.data.test_y)
+    return {"test_accuracy_deployed": metrics["accuracy"]}
+
+
+def _callbacks(experiment: Experiment, show_progress: bool, extra: Sequence[Callback]) -> list[Callback]:
+    """The loop's callbacks, in the order they are called: files first, then trackers, progress,
+    the caller's."""
+    cfg, out, ledger = experiment.config.run, experiment.out, experiment.ledger
+    callbacks: list[Callback] = [MetricsFile(out)]
+    if experiment.blueprint.recorder is not None:
+        callbacks.append(RecorderFlush(experiment.blueprint.recorder, out))
+    if cfg.comm_budget_gib is not None:
+        callbacks.append(CommBudget(ledger, cfg.comm_budget_gib))
+    tracker = make_logger(cfg.logger, out, experiment.config.as_dict())
+    if tracker is not None:
+        callbacks.append(tracker)
+    if show_progress:
+        callbacks.append(ProgressBar(f"{cfg.algorithm} rounds", cfg.rounds, ledger))
+    return [*callbacks, *extra]
+
+
+def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Callback] = ()) -> dict[str, Any]:
+    cfg = experiment.config.run
+    algorithm, out = experiment.algorithm, experiment.out
+    checkpoints = Checkpointer(experiment)
+    state: dict[str, Any] = checkpoints.load() or {
+        "round": 0,
+        "metrics": [],
+        "wall_seconds": 0.0,
+        "stopped_by": "rounds",
+    }
+    if state["round"] == 0:
+        write_yaml(out / "config.yaml", experiment.config.as_dict())
+        write_json(out / "partition.json", experiment.partition_report)
+
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(checkpoints.join)
+        callbacks = _callbacks(experiment, show_progress, extra)
+        for callback in callbacks:
+            callback.on_run_start(state)
+            cleanup.callback(callback.on_run_end, state)
+        while state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
+            rnd = state["round"]
+            torch.manual_seed(cfg.seed * 1_000_003 + rnd)  # dropout etc. depend on (seed, round) only
+            clients = sample_clients(
+                experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING)
+            )
+            started = time.perf_counter()
+            try:
+                with _needs_the_client(cfg.algorithm, rnd + 1):
+                    algorithm.run_round(rnd, clients)
+            except NonFiniteStep as step:  # in process, or no one client to blame: training diverged
+                _check_finite(step.value, f"server's {step.what}", rnd + 1)
+            _check_enough_finished(experiment, clients, rnd + 1)
+            state.setdefault("dropped", []).extend([rnd + 1, k] for k in sorted(algorithm.dropped))
+            train_loss = algorithm.pop_train_loss()
+            _check_finite(train_loss, "training loss", rnd + 1)
+            compute_seconds = experiment.blueprint.pop_seconds()
+            for phase, seconds in experiment.transport.pop_seconds().items():  # roles in other processes
+                compute_seconds[phase] = compute_seconds.get(phase, 0.0) + seconds
+            state["wall_seconds"] += time.perf_counter() - started
+            state["round"] = rnd + 1
+            stops = [reason for callback in callbacks if (reason := callback.on_round_trained(state)) is not None]
+            if stops:
+                state["stopped_by"] = stops[0]
+            row = None
+            if state["round"] % cfg.eval_every == 0 or state["round"] == cfg.rounds or stops:
+                with _needs_the_client(cfg.algorithm, rnd + 1):  # personal models are fetched from clients
+                    row = _metrics_row(experiment, state, train_loss, compute_seconds)
+                _check_finite(row["test_loss"], "test loss", state["round"])
+                state["metrics"].append(row)
+            for callback in callbacks:
+                callback.on_round_end(state, row)
+            if state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
+                checkpoints.maybe_save(state)
+    checkpoints.wait()
+    summary = _finish(experiment, state)
+    checkpoints.remove()
+    return summary
+
+
+def _export_hf(experiment: Experiment) -> bool:
+    """out/hf: the global model as a Hugging Face folder, for models that have that form (model=gpt, hf)."""
+    parts = experiment.assembler.parts  # full_state assembled the model
+    return export_hf(experiment.config.run, parts, experiment.data.vocabulary, experiment.out / "hf")
+
+
+@contextlib.contextmanager
+def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
+    """A client dropped out of a step that cannot go on without it (the evaluation of its personal
+    model, SplitGP's final per-client weights): the run stops with one line."""
+    try:
+        yield
+    except ClientDropped as dropped:
+        raise RoundFailed(
+            f"round {round_number}: {dropped}, in a step {algorithm} cannot finish without it; "
+            f"restart the client and add resume=true"
+        ) from None
+
+
+def _check_finite(loss: float | None, what: str, round_number: int) -> None:
+    if loss is not None and not math.isfinite(loss):
+        raise NonFiniteLoss(
+            f"the {what} became {loss} in round {round_number}: training diverged; lower lr "
+            f"(or use optimizer=adam) and start again with overwrite=true"
+        )
+
+
+def _metrics_row(
+    experiment: Experiment, state: dict, train_loss: float | None, compute_seconds: dict[str, float]
+) -> dict[str, Any]:
+    ledger = experiment.ledger
+    test = evaluate(experiment)
+    return {
+        "round": state["round"],
+        **{f"test_{key}": value for key, value in test.items()},
+        **evaluate_deployed(experiment, state["round"]),
+        "train_loss": train_loss,
+        "comm_bytes": ledger.total_bytes,
+        "comm_gib": ledger.total_bytes / GIB,
+        "comm_bytes_by_kind": ledger.state_dict(),
+        **_envelope(experiment),
+        "wall_seconds": state["wall_seconds"],
+        "round_compute_seconds": compute_seconds,
+        **experiment.transport.pop_telemetry(),
+        **_dropouts(experiment, state),
+    }
+
+
+def _envelope(experiment: Experiment) -> dict[str, int]:
+    """The serialized transport's encoded bytes (every message, server-side ones included); over a
+    network, also the bytes of every protobuf message sent or received (`wire_bytes`)."""
+    ledger, transport = experiment.ledger, experiment.transport
+    figures = {"envelope_bytes": ledger.envelope_bytes} if transport.name != "direct" else {}
+    return {**figures, "wire_bytes": ledger.wire_bytes} if transport.remote else figures
+
+
+def _dropouts(experiment: Experiment, state: dict) -> dict[str, Any]:
+    """Over a network: the clients that dropped out since the last row, as [round, client id] pairs."""
+    if not experiment.transport.remote:
+        return {}
+    dropped, state["dropped"] = state.get("dropped", []), []
+    return {"dropped_clients": dropped}
+
+
+def _check_enough_finished(experiment: Experiment, clients: list[ClientInfo], round_number: int) -> None:
+    """Fewer than `min_clients` (or all sampled, if fewer) finished the round: the run stops there."""
+    dropped = experiment.algorithm.dropped
+    needed = min(experiment.transport.min_clients, len(clients))
+    finished = sum(c.id not in dropped for c in clients)  # (vanilla SL's holder may be of an earlier round)
+    non_finite = experiment.algorithm.non_finite
+    if finished == 0 and non_finite:
+        others = ", the others left" if len(non_finite) < len(clients) else ""
+        raise NonFiniteLoss(
+            f"round {round_number}: no client is left: client(s) {', '.join(map(str, sorted(non_finite)))} "
+            f"dropped, their data made the server's loss or gradients non-finite{others}; if every "
+            f"client's did, training diverged: lower lr (or use optimizer=adam) and start again"
+        )
+    if finished < needed:
+        raise RoundFailed(
+            f"round {round_number}: only {finished} of {len(clients)} clients finished "
+            f"(dropped: {', '.join(map(str, sorted(dropped)))}), fewer than min_clients={needed}; "
+            f"restart the clients and add resume=true"
+        )
+
+
+def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
+    cfg, out = experiment.config.run, experiment.out
+    rows = state["metrics"]
+    best = max(rows, key=lambda row: row["test_accuracy"])
+    ledger = experiment.ledger
+    summary = {
+        "algorithm": cfg.algorithm,
+        "dataset": cfg.dataset,
+        "model": cfg.model,
+        "cut": cfg.cut,
+        **({"tail_cut": cfg.tail_cut} if cfg.tail_cut is not None else {}),
+        "seed": cfg.seed,
+        "partition": cfg.partition,
+        "clients": len(experiment.clients),
+        "rounds_completed": state["round"],
+        "final_accuracy": rows[-1]["test_accuracy"],
+        "best_accuracy": best["test_accuracy"],
+        "best_round": best["round"],
+        **{
+            f"final_{key[5:]}": value
+            for key, value in rows[-1].items()
+            if key.startswith("test_") and key != "test_accuracy"
+        },
+        "total_bytes": ledger.total_bytes,
+        "total_gib": ledger.total_bytes / GIB,
+        "comm_bytes_by_kind": ledger.state_dict(),
+        "comm_bytes_by_client": {str(k): n for k, n in sorted(ledger.bytes_by_client.items())},
+        **_envelope(experiment),
+        "wall_seconds": state["wall_seconds"],
+        "stopped_by": state["stopped_by"],
+        "target_accuracy": cfg.target_accuracy,
+        **dict(zip(("rounds_to_target", "gib_to_target"), to_target(rows, cfg.target_accuracy))),
+        **privacy_summary(cfg),
+    }
+    if "test_accuracy_deployed" in rows[-1]:
+        summary["final_accuracy_deployed"] = rows[-1]["test_accuracy_deployed"]
+        summary["accuracy_paths"] = DEPLOYED_NOTE
+    model = experiment.algorithm.shared_model()
+    if model is not None:  # with personal client parts, the server part alone
+        personal = experiment.algorithm.personal_models
+        weights = experiment.assembler.server_state(model[-1]) if personal else experiment.full_state(model)
+        save_safetensors(out / "weights.safetensors", weights)
+        if not personal and _export_hf(experiment):  # one global model to export
+            summary["hf_export"] = str(out / "hf")
+    with _needs_the_client(cfg.algorithm, state["round"]):  # SplitGP's are fetched from the clients
+        client_weights = experiment.algorithm.client_weights()
+    if client_weights is not None:
+        save_safetensors(out / "clients.safetensors", client_weights)
+    write_json(out / "summary.json", summary)
+    return summary
