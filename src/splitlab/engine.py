@@ -288,10 +288,7 @@ class _Plan:
 
 def _plan(config: ResolvedConfig) -> _Plan:
     run = config.run
-    if run.setting == "vertical":  # built by splitlab.vertical, in one process
-        from splitlab.vertical import refuse_elsewhere
-
-        refuse_elsewhere(run)
+    assert run.setting != "vertical", "a vertical run's parties are planned by splitlab.vertical"
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)
@@ -379,6 +376,10 @@ def client_node(raw: Mapping[str, Any], client_id: int) -> ClientNode:
     data=own, its samples are every training sample in `data_dir` (the client's own)."""
     config = resolve_config(raw)
     run = config.run
+    if run.setting == "vertical":  # a party holding some features: splitlab.vertical
+        from splitlab.vertical import party_node
+
+        return party_node(config, client_id)
     if run.data == "own":
         if run.clients != "all" and not 0 <= client_id < run.clients:
             raise UserError(f"client_id={client_id} is not a client of this run; allowed: 0 to {run.clients - 1}")
@@ -392,8 +393,10 @@ def client_node(raw: Mapping[str, Any], client_id: int) -> ClientNode:
 
 
 def client_count(raw: Mapping[str, Any]) -> int:
-    """How many client nodes the run `raw` configures (the partition's clients; centralized: one)."""
-    return _plan(resolve_config(raw)).client_count
+    """How many client nodes the run `raw` configures (the partition's clients; centralized: one;
+    vertical: the parties)."""
+    config = resolve_config(raw)
+    return config.run.parties if config.run.setting == "vertical" else _plan(config).client_count
 
 
 def _stored_summaries(config: ResolvedConfig) -> list[dict[str, Any]] | None:
