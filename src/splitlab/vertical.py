@@ -120,8 +120,7 @@ def _party(vertical: VerticalPlan, party: int) -> FeatureParty:
     rows = _rows(vertical, party)
     x = plan.columns(data.train_x[torch.as_tensor(rows)], party).contiguous().to(device)
     labels = data.train_y[torch.as_tensor(rows)].to(device) if plan.labels_at == party else None
-    Party = LabelParty if plan.labels_at == party else FeatureParty
-    return Party(vertical.blueprint, party, vertical.ids[rows], x, data.prepare, labels)
+    return _party_class(plan, party)(vertical.blueprint, party, vertical.ids[rows], x, data.prepare, labels)
 
 
 def _rows(vertical: VerticalPlan, party: int) -> np.ndarray:
@@ -139,11 +138,6 @@ def party_node(config: ResolvedConfig, party: int) -> FeatureParty:
     if not 0 <= party < vertical.plan.parties:
         raise UserError(f"client_id={party} is not a party of this run; allowed: 0 to {vertical.plan.parties - 1}")
     return _party(vertical, party)
-
-
-def party_summary(node: FeatureParty) -> dict[str, Any]:
-    """What a party reports of its data (splitlab.net.checks): how many samples it holds."""
-    return {"samples": node.num_samples}
 
 
 def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.device], Transport] | None = None) -> Any:
@@ -192,6 +186,9 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
             "the parties have no sample in common (their private set intersection is empty); "
             "check that their id columns name the same samples"
         )
+    truth = _common_ids(vertical)
+    if common != len(truth):  # only a party that lies can make them differ (tested: PSI finds the truth)
+        raise UserError(f"party 0 holds {common} samples after alignment; the parties have {len(truth)} in common")
     context.clients = [ClientInfo(j, common) for j in range(plan.parties)]
     transport_.on_rejoin = algorithm.rejoined
     test_x, test_y = test_set(config, data, device)
@@ -203,7 +200,7 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
         test,
         context.clients,
         algorithm,
-        _report(vertical, common),
+        _report(vertical, truth),
         Roles(list(parties), server, sync),
         blueprint,
         transport_,
@@ -219,16 +216,19 @@ def _said(group: tuple[int, ...]) -> str:
     return f"(columns {group[0]}-{group[-1]})" if group == tuple(range(group[0], group[-1] + 1)) else f"{list(group)}"
 
 
-def _report(vertical: VerticalPlan, aligned: int) -> dict[str, Any]:
-    """partition.json of a vertical run: the aligned samples' class counts (every party holds the
-    same samples), each party's columns and how many samples it held before alignment. The
-    server reads them from the dataset (the rows every holder holds: what the parties' private set
-    intersection finds, tested), not from the parties, which never send their ids."""
+def _common_ids(vertical: VerticalPlan) -> np.ndarray:
+    """The ids every holder (each party, and the server when it holds the labels) holds: what the
+    parties' private set intersection finds. The server reads them from the dataset, as it reads
+    the test set; the parties never send it their ids."""
     holders = [vertical.held(j) for j in range(vertical.plan.parties)]
     if vertical.plan.labels_at == LABELS_AT_SERVER:
         holders.append(vertical.pool[vertical.labelled[vertical.pool]])
-    common = functools.reduce(np.intersect1d, [vertical.ids[rows] for rows in holders])
-    assert len(common) == aligned, "the private set intersection differs from the dataset's"
+    return functools.reduce(np.intersect1d, [vertical.ids[rows] for rows in holders])
+
+
+def _report(vertical: VerticalPlan, common: np.ndarray) -> dict[str, Any]:
+    """partition.json of a vertical run: the aligned samples' class counts (every party holds the
+    same samples), each party's columns and how many samples it held before alignment."""
     rows = np.flatnonzero(np.isin(vertical.ids, common))
     labels = vertical.data.train_y.numpy()[rows]
     counts = np.bincount(labels[labels >= 0], minlength=vertical.blueprint.num_classes).tolist()
@@ -238,7 +238,7 @@ def _report(vertical: VerticalPlan, aligned: int) -> dict[str, Any]:
         "setting": "vertical",
         "features": [list(group) for group in plan.groups],
         "held_before_alignment": [len(vertical.held(j)) for j in range(plan.parties)],
-        "aligned": aligned,
+        "aligned": len(common),
     }
 
 

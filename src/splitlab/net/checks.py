@@ -24,6 +24,7 @@ failed check is a `Refused` with one line saying what was wrong.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -73,13 +74,13 @@ class Checks:
         self._smashed: dict[str, torch.Tensor] = {}
         self._optimizers: dict[str, dict[str, Any]] = {}
         self._samples: dict[int, int] = {}  # vertical: the samples each party reported
-        self._client: int | None = None  # whose result is being checked
+        self._checking = threading.local()  # whose result this thread checks (`_client`)
 
     def result(self, verb: str, spec: VerbSpec, args: tuple, result: Any, client_id: int | None = None) -> None:
         """Refused unless `result` is exactly what client `client_id`'s `verb(*args)` returns:
         checked as a whole (every key, name, dtype, shape, range, finite) before anything uses it.
         A verb without a check here is refused too: nothing unchecked reaches the server."""
-        self._client = client_id
+        self._checking.client = client_id
         check_finite(result)
         kind = spec.up
         if verb == "sample_count" and kind is None:  # vertical: how many samples a party holds after alignment
@@ -109,6 +110,10 @@ class Checks:
                 raise Refused(f"logits are {_form(result)}, expected {self._expected_smashed().dtype} {want}")
         else:
             raise Refused(f"{verb}'s result has no check, so it is not accepted")
+
+    @property
+    def _client(self) -> int | None:
+        return getattr(self._checking, "client", None)
 
     def _own(self, slot: str) -> str:
         """The slot whose builder makes `slot` for the client being checked: a vertical party's
