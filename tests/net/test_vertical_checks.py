@@ -102,12 +102,33 @@ def test_sample_count_is_a_whole_number_up_to_the_samples_reported(checks):
             checks.result("sample_count", COUNT, (), bad, 0)
 
 
-def test_a_rogue_party_s_malformed_psi_answer_stops_the_run_in_one_line(tmp_path, servers):
+BYTES = torch.zeros(40, dtype=torch.uint8)  # of the form the checks allow, but no PSI message
+
+
+@pytest.mark.parametrize(
+    ("answer", "refusal", "error"),
+    [
+        (
+            {"setup": BYTES, "response": torch.zeros(2, 2)},
+            "psi_answer.response is torch.float32 (2, 2), expected torch.uint8 (N,) bytes",
+            "party 0 left during the private set intersection (client 0 dropped: refused its psi_answer result); "
+            "every party must take part in the alignment",
+        ),
+        (
+            {"setup": BYTES, "response": BYTES},
+            None,
+            "party 0's private set intersection message is malformed (not an answer to our request: "
+            "Error parsing message with type 'psi_proto.ServerSetup')",
+        ),
+    ],
+)
+def test_a_rogue_party_s_malformed_psi_answer_stops_the_run_in_one_line(tmp_path, servers, answer, refusal, error):
+    """Labels at the server: the server asks party 0 (a rogue) which of its ids it holds too."""
     make_certs(tmp_path / "certs", 2, [])
     server = servers({**TABLE, "out": str(tmp_path / "run")}, join_timeout=60)
     rogue = Rogue(server.address, credentials(tmp_path / "certs", "client-0"), 0)
     assert rogue.first_reply().kind == 2  # WELCOME; it reports its true data
-    bad = codec.encode({"setup": torch.zeros(4, dtype=torch.uint8), "response": torch.zeros(2, 2)})
+    bad = codec.encode(answer)
     answering = threading.Thread(target=rogue.serve, args=(lambda call: bad if call.verb == "psi_answer" else NONE,))
     answering.start()
     assert server.process.wait() == 2
@@ -115,11 +136,7 @@ def test_a_rogue_party_s_malformed_psi_answer_stops_the_run_in_one_line(tmp_path
     rogue.close()
     lines = server.lines()
     refusals = [line for line in lines if "refused the result" in line]
-    assert refusals == [
-        "splitlab server: refused the result of psi_answer from client 0: "
-        "psi_answer.response is torch.float32 (2, 2), expected torch.uint8 (N,) bytes"
-    ], lines
-    assert lines[-1] == (
-        "error: party 0 left during the private set intersection (client 0 dropped: refused its psi_answer "
-        "result); every party must take part in the alignment"
-    ), lines
+    said = "splitlab server: refused the result of psi_answer from client 0: "
+    assert refusals == ([said + refusal] if refusal else [])
+    assert lines[-1] == f"error: {error}", lines
+    assert not any("Traceback" in line for line in lines)

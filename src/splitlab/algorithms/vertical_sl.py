@@ -31,10 +31,11 @@ vertical setting (splitlab.vertical builds it).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -328,6 +329,16 @@ class VerticalServer(IdHolder, TrainingServer[NoParams]):
 
 
 # --- the algorithm -----------------------------------------------------------------------------
+@contextlib.contextmanager
+def _blaming(party: int) -> Iterator[None]:
+    """A PSI message of `party`'s that the server cannot use (its form passed the checks, its bytes
+    are no PSI message): the run stops, in one line naming the party."""
+    try:
+        yield
+    except psi.PsiError as error:
+        raise UserError(f"party {party}'s private set intersection message is malformed ({error})") from None
+
+
 class VerticalSplitNN(Algorithm[NoParams]):
     """Vertical SplitNN: align the parties' samples, then train bottom models and the top model."""
 
@@ -359,10 +370,12 @@ class VerticalSplitNN(Algorithm[NoParams]):
 
     def _narrow_holder(self, party: int) -> None:
         holder = self.label_holder()
-        holder.psi_narrow(self.client(party).psi_answer(holder.psi_request()))
+        with _blaming(party):
+            holder.psi_narrow(self.client(party).psi_answer(holder.psi_request()))
 
     def _narrow_party(self, party: int) -> None:
-        self.client(party).psi_narrow(self.label_holder().psi_answer(self.client(party).psi_request()))
+        with _blaming(party):
+            self.client(party).psi_narrow(self.label_holder().psi_answer(self.client(party).psi_request()))
 
     def rejoined(self, client_id: int) -> None:
         """A party back as a fresh node (over a network) holds all its rows again: it gets its kept
