@@ -39,7 +39,7 @@ from splitlab.privacy import keys
 from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint, ClientNode
 from splitlab.transport import TRANSPORTS, Transport
-from splitlab.vertical import build_vertical, plan_vertical, refuse_elsewhere
+from splitlab.vertical import build_vertical, party_node, plan_vertical
 
 
 def _client_indices(config: ResolvedConfig, data: Dataset) -> list[np.ndarray]:
@@ -113,8 +113,7 @@ class _Plan:
 
 def _plan(config: ResolvedConfig) -> _Plan:
     run = config.run
-    if run.setting == "vertical":  # built by splitlab.vertical, in one process
-        refuse_elsewhere(run)
+    assert run.setting != "vertical", "a vertical run's parties are planned by splitlab.vertical"
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)
@@ -197,6 +196,8 @@ def client_node(raw: Mapping[str, Any], client_id: int) -> ClientNode:
     data=own, its samples are every training sample in `data_dir` (the client's own)."""
     config = resolve_config(raw)
     run = config.run
+    if run.setting == "vertical":  # a party holding some features: splitlab.vertical
+        return party_node(config, client_id)
     if run.data == "own":
         if run.clients != "all" and not 0 <= client_id < run.clients:
             raise UserError(f"client_id={client_id} is not a client of this run; allowed: 0 to {run.clients - 1}")
@@ -210,8 +211,10 @@ def client_node(raw: Mapping[str, Any], client_id: int) -> ClientNode:
 
 
 def client_count(raw: Mapping[str, Any]) -> int:
-    """How many client nodes the run `raw` configures (the partition's clients; centralized: one)."""
-    return _plan(resolve_config(raw)).client_count
+    """How many client nodes the run `raw` configures (the partition's clients; centralized: one;
+    vertical: the parties)."""
+    config = resolve_config(raw)
+    return config.run.parties if config.run.setting == "vertical" else _plan(config).client_count
 
 
 def _stored_summaries(config: ResolvedConfig) -> list[dict[str, Any]] | None:

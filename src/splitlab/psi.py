@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from google.protobuf.message import DecodeError
 
 from splitlab.errors import UserError
 
@@ -42,6 +43,14 @@ def _as_bytes(tensor: torch.Tensor) -> bytes:
     return tensor.to(torch.uint8).cpu().numpy().tobytes()
 
 
+class PsiError(ValueError):
+    """Bytes that are not the private set intersection message they stand for (a party's fault)."""
+
+
+#: what the protobuf parser and the ECDH library raise on bytes that are not a message of theirs
+_MALFORMED = (DecodeError, RuntimeError, ValueError, IndexError)
+
+
 def _items(ids: np.ndarray) -> list[str]:
     return [str(int(i)) for i in ids]
 
@@ -61,10 +70,13 @@ class PsiAsker:
         """The ids of ours the answerer also holds, sorted."""
         psi = _psi()
         setup, response = psi.ServerSetup(), psi.Response()
-        setup.ParseFromString(_as_bytes(answer["setup"]))
-        response.ParseFromString(_as_bytes(answer["response"]))
-        found = self._client.GetIntersection(setup, response)
-        return np.sort(self.ids[np.asarray(sorted(found), dtype=np.int64)])
+        try:
+            setup.ParseFromString(_as_bytes(answer["setup"]))
+            response.ParseFromString(_as_bytes(answer["response"]))
+            found = self._client.GetIntersection(setup, response)
+            return np.sort(self.ids[np.asarray(sorted(found), dtype=np.int64)])
+        except _MALFORMED as error:
+            raise PsiError(f"not an answer to our request: {str(error).splitlines()[0][:120]}") from None
 
 
 def answer(ids: np.ndarray, request: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -72,9 +84,10 @@ def answer(ids: np.ndarray, request: torch.Tensor) -> dict[str, torch.Tensor]:
     psi = _psi()
     server = psi.server.CreateWithNewKey(True)
     asked = psi.Request()
-    asked.ParseFromString(_as_bytes(request))
-    setup = server.CreateSetupMessage(_EXACT, len(asked.encrypted_elements), _items(ids), psi.DataStructure.RAW)
-    return {
-        "setup": _as_tensor(setup.SerializeToString()),
-        "response": _as_tensor(server.ProcessRequest(asked).SerializeToString()),
-    }
+    try:
+        asked.ParseFromString(_as_bytes(request))
+        setup = server.CreateSetupMessage(_EXACT, len(asked.encrypted_elements), _items(ids), psi.DataStructure.RAW)
+        response = server.ProcessRequest(asked)
+    except _MALFORMED as error:
+        raise PsiError(f"not a request: {str(error).splitlines()[0][:120]}") from None
+    return {"setup": _as_tensor(setup.SerializeToString()), "response": _as_tensor(response.SerializeToString())}

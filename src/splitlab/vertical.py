@@ -7,6 +7,7 @@ same as for any run; only what the roles hold differs, so `build` (splitlab.buil
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,14 +41,7 @@ from splitlab.transport import TRANSPORTS, Transport
 #: algorithm -> its meaning in the vertical setting (the others have none here yet)
 VERTICAL_ALGORITHMS = {"sl": VerticalSplitNN}
 
-NOT_HERE = "setting=vertical runs in one process (transport=direct or serialized)"
-ELSEWHERE = "`splitlab launch`, `server` and `client` do not run it yet"
-
-
-def refuse_elsewhere(run: RunConfig) -> None:
-    """A vertical run reached by a way that does not run it yet (launch, server, client): one line."""
-    if run.setting == "vertical":
-        raise UserError(f"{NOT_HERE}; {ELSEWHERE}")
+NOT_HERE = "setting=vertical runs its parties in this process or over the network (`splitlab launch`)"
 
 
 @dataclasses.dataclass
@@ -118,23 +112,40 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
     return VerticalPlan(data, plan, blueprint, ids, labelled, missing, pool)
 
 
+def _party(vertical: VerticalPlan, party: int) -> FeatureParty:
+    """Party `party`'s node before alignment: its columns of the rows it holds, in id order, and
+    (the label holder) their labels."""
+    data, plan, device = vertical.data, vertical.plan, vertical.blueprint.device
+    rows = _rows(vertical, party)
+    x = plan.columns(data.train_x[torch.as_tensor(rows)], party).contiguous().to(device)
+    labels = data.train_y[torch.as_tensor(rows)].to(device) if plan.labels_at == party else None
+    return _party_class(plan, party)(vertical.blueprint, party, vertical.ids[rows], x, data.prepare, labels)
+
+
+def _rows(vertical: VerticalPlan, party: int) -> np.ndarray:
+    """The rows party `party` holds, in id order; UserError if none."""
+    rows = vertical.held(party)
+    if len(rows) == 0:
+        raise UserError(f"party {party} holds no sample with all of its features {_said(vertical.plan.groups[party])}")
+    return rows[np.argsort(vertical.ids[rows], kind="stable")]
+
+
+def party_node(config: ResolvedConfig, party: int) -> FeatureParty:
+    """Party `party`'s node, built in its own process (`splitlab client`): the same rows and
+    initial weights as in `build_vertical`; it aligns them when the server asks."""
+    vertical = plan_vertical(config)
+    if not 0 <= party < vertical.plan.parties:
+        raise UserError(f"client_id={party} is not a party of this run; allowed: 0 to {vertical.plan.parties - 1}")
+    return _party(vertical, party)
+
+
 def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.device], Transport] | None = None) -> Any:
-    """The vertical run's experiment: parties, server, transport, algorithm; the parties' samples
-    aligned by private set intersection (counted in the ledger) before anything is returned."""
+    """The vertical run's experiment: parties (here, or over the network: one process each),
+    server, transport, algorithm; the parties' samples aligned by private set intersection
+    (counted in the ledger) before anything is returned."""
     vertical = plan_vertical(config)
     run, data, plan, blueprint = config.run, vertical.data, vertical.plan, vertical.blueprint
     device = blueprint.device
-    parties = []
-    for j in range(plan.parties):
-        rows = vertical.held(j)
-        if len(rows) == 0:
-            raise UserError(f"party {j} holds no sample with all of its features {_said(plan.groups[j])}")
-        x = plan.columns(data.train_x[torch.as_tensor(rows)], j).contiguous().to(device)
-        order = np.argsort(vertical.ids[rows], kind="stable")
-        rows, x = rows[order], x[torch.as_tensor(order)]
-        labels = data.train_y[torch.as_tensor(rows)].to(device) if plan.labels_at == j else None
-        Party = LabelParty if plan.labels_at == j else FeatureParty
-        parties.append(Party(blueprint, j, vertical.ids[rows], x, data.prepare, labels))
     server_rows = (
         vertical.pool[vertical.labelled[vertical.pool]] if plan.labels_at == LABELS_AT_SERVER else vertical.pool[:0]
     )
@@ -144,9 +155,16 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
     )
     ledger = Ledger(run.ledger)
     transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
-    if transport_.remote:
-        raise UserError(f"{NOT_HERE}; {ELSEWHERE}")
-    proxies = {party.id: transport_.connect(party, counted=True) for party in parties}
+    parties: list[FeatureParty] = []
+    if transport_.remote:  # each party in its own process, which must report the rows it holds
+        held = [len(_rows(vertical, j)) for j in range(plan.parties)]
+        proxies = {
+            j: transport_.connect_remote(j, _party_class(plan, j), blueprint, {"samples": held[j]})
+            for j in range(plan.parties)
+        }
+    else:
+        parties = [_party(vertical, j) for j in range(plan.parties)]
+        proxies = {party.id: transport_.connect(party, counted=True) for party in parties}
     sync: SyncServer = SyncServer(blueprint)
     context = Context(
         run,
@@ -155,16 +173,21 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
         proxies,
         transport_.connect(server, counted=False),
         transport_.connect(sync, counted=False),
+        drop_client=transport_.drop if transport_.remote else None,
     )
     algorithm = VerticalSplitNN(context)
     algorithm.align()
-    common = parties[0].num_samples
+    common = proxies[0].sample_count()
     if common == 0:
         raise UserError(
             "the parties have no sample in common (their private set intersection is empty); "
             "check that their id columns name the same samples"
         )
+    truth = _common_ids(vertical)
+    if common != len(truth):  # only a party that lies can make them differ (tested: PSI finds the truth)
+        raise UserError(f"party 0 holds {common} samples after alignment; the parties have {len(truth)} in common")
     context.clients = [ClientInfo(j, common) for j in range(plan.parties)]
+    transport_.on_rejoin = algorithm.rejoined
     test_x, test_y = test_set(config, data, device)
     test = dataclasses.replace(
         data, train_x=data.train_x[:0], train_y=data.train_y[:0], test_x=test_x, test_y=test_y, prepare=None
@@ -174,7 +197,7 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
         test,
         context.clients,
         algorithm,
-        _report(vertical, parties[0].ids),
+        _report(vertical, truth),
         Roles(list(parties), server, sync),
         blueprint,
         transport_,
@@ -182,8 +205,22 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
     )
 
 
+def _party_class(plan: FeaturePlan, party: int) -> type[FeatureParty]:
+    return LabelParty if plan.labels_at == party else FeatureParty
+
+
 def _said(group: tuple[int, ...]) -> str:
     return f"(columns {group[0]}-{group[-1]})" if group == tuple(range(group[0], group[-1] + 1)) else f"{list(group)}"
+
+
+def _common_ids(vertical: VerticalPlan) -> np.ndarray:
+    """The ids every holder (each party, and the server when it holds the labels) holds: what the
+    parties' private set intersection finds. The server reads them from the dataset, as it reads
+    the test set; the parties never send it their ids."""
+    holders = [vertical.held(j) for j in range(vertical.plan.parties)]
+    if vertical.plan.labels_at == LABELS_AT_SERVER:
+        holders.append(vertical.pool[vertical.labelled[vertical.pool]])
+    return functools.reduce(np.intersect1d, [vertical.ids[rows] for rows in holders])
 
 
 def _report(vertical: VerticalPlan, common: np.ndarray) -> dict[str, Any]:

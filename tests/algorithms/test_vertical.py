@@ -14,7 +14,6 @@ from helpers import crash_before_round, max_abs_difference, straight_and_resumed
 from splitlab import psi
 from splitlab.algorithms import vertical_sl
 from splitlab.algorithms.base import Algorithm
-from splitlab.build import client_count
 from splitlab.engine import build
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
@@ -154,8 +153,6 @@ def test_a_run_interrupted_and_resumed_from_its_checkpoint_ends_as_one_straight_
     assert straight["final_loss"] == resumed["final_loss"]
     a, b = (load_file(tmp_path / name / "weights.safetensors") for name in ("straight", "resumed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(UserError, match="launch`, `server` and `client` do not run it yet"):
-        client_count(TABLE)
 
 
 @pytest.mark.parametrize(
@@ -249,3 +246,25 @@ def test_a_csv_table_trains_horizontally_without_its_incomplete_rows(table, tmp_
     write_table(bad / "test.csv", [[1, 2, 3, 4, 5, 0]], header=("key", "f0", "f1", "f2", "f3", "label"))
     with pytest.raises(UserError, match="has no 'id' column"):
         build(dict(dataset="csv", data_dir=str(bad), model="mlp", clients=2, device="cpu"))
+
+
+@pytest.mark.parametrize(("labels_at", "who"), [("server", 0), (1, 1)])
+def test_a_party_that_rejoins_as_a_fresh_node_gets_its_state_and_is_aligned_again(table, labels_at, who):
+    """What a `splitlab client` that reconnects builds (every row it holds, the initial weights)
+    is given the party's kept state and narrowed again to the intersection by PSI (counted)."""
+    from splitlab.vertical import party_node
+
+    config = dict(TABLE, dataset="csv", data_dir=str(table), labels_at=labels_at, local_steps=1)
+    experiment = build(config)
+    experiment.algorithm.run_round(0, experiment.clients)
+    experiment.algorithm.client_states()  # kept, as at a checkpoint
+    party = experiment.roles.clients[who]
+    ids, x, y = party.ids.copy(), party.x.clone(), party.y.clone()
+    weights = {k: v.clone() for k, v in party.models["client_model"].state_dict().items()}
+    vars(party).update(vars(party_node(experiment.config, who)))  # the fresh node, unaligned
+    assert len(party.ids) > len(ids)
+    psi_before = experiment.ledger.state_dict()["psi_up"]
+    experiment.algorithm.rejoined(who)
+    assert party.ids.tolist() == ids.tolist() and torch.equal(party.x, x) and torch.equal(party.y, y)
+    assert all(torch.equal(v, weights[k]) for k, v in party.models["client_model"].state_dict().items())
+    assert experiment.ledger.state_dict()["psi_up"] > psi_before

@@ -65,3 +65,12 @@ def assert_launch_equals_run(tmp_path, config: dict) -> dict[str, int]:
     # every tensor the ledger counts crossed, inside codec messages inside protobuf envelopes
     assert summary["wire_bytes"] > summary["envelope_bytes"] > summary["total_bytes"]
     return summary["comm_bytes_by_kind"]
+
+
+def test_vertical_launch_is_bit_identical_to_run(tmp_path):
+    """A vertical run with one process per party: the private set intersection's messages (party 1,
+    the label holder, asking party 0 and answering it), each party's embeddings of its own shape,
+    the labels and the gradients pass the server's checks, and give what one process gives."""
+    config = dict(setting="vertical", algorithm="sl", dataset="breast_cancer", model="mlp", labels_at=1)
+    kinds = assert_launch_equals_run(tmp_path, {**config, "rounds": 2, "local_steps": 2, "device": "cpu", "seed": 0})
+    assert set(kinds) == {"psi_up", "psi_down", "smashed", "labels", "cut_grad"}

@@ -15,7 +15,10 @@ labels are at the server or at one party (`labels_at=`). `setting=vertical algor
    the embeddings (`combine=concat|sum|mean`), runs the top model (the stages from the cut on),
    steps, and sends each party the gradient at its embedding; each party steps.
 
-A party that drops out of a round (over a network) is left out for the rest of it: the server
+Over a network (`splitlab launch`: one process per party) the alignment's messages are checked
+like any result (splitlab.net.checks); a party that leaves during it stops the run (one line). A
+party that drops out of a round is left out for the rest of it (it rejoins as a fresh node, given
+its kept state and aligned again): the server
 combines zeros in place of its embedding (concat, sum) or averages the others (mean); without the
 label holder no step can be taken, and the round ends there. Every party's optimizer is its own
 for the whole run. With one party holding every feature and the labels, this is vanilla split
@@ -28,10 +31,11 @@ vertical setting (splitlab.vertical builds it).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -46,7 +50,7 @@ from splitlab.errors import UserError
 from splitlab.models import build_model, output_shape, split
 from splitlab.privacy.defenses import decode
 from splitlab.roles import STREAM_BATCHES, Blueprint, ClientNode, State, TrainingServer, server_part
-from splitlab.transport import KEYED, verb
+from splitlab.transport import KEYED, ClientDropped, verb
 
 LABELS_AT_SERVER = "server"
 
@@ -325,6 +329,16 @@ class VerticalServer(IdHolder, TrainingServer[NoParams]):
 
 
 # --- the algorithm -----------------------------------------------------------------------------
+@contextlib.contextmanager
+def _blaming(party: int) -> Iterator[None]:
+    """A PSI message of `party`'s that the server cannot use (its form passed the checks, its bytes
+    are no PSI message): the run stops, in one line naming the party."""
+    try:
+        yield
+    except psi.PsiError as error:
+        raise UserError(f"party {party}'s private set intersection message is malformed ({error})") from None
+
+
 class VerticalSplitNN(Algorithm[NoParams]):
     """Vertical SplitNN: align the parties' samples, then train bottom models and the top model."""
 
@@ -340,13 +354,38 @@ class VerticalSplitNN(Algorithm[NoParams]):
 
     def align(self) -> None:
         """Private set intersection: the label holder narrows its ids with every other party's in
-        turn, then every other party narrows its ids to the label holder's (the intersection)."""
-        holder = self.label_holder()
+        turn, then every other party narrows its ids to the label holder's (the intersection).
+        Every party must take part: one that leaves or is refused meanwhile stops the run (one line)."""
         others = [c.id for c in self.ctx.clients if c.id != self.labels_at]
-        for party in others:
+        try:
+            for party in others:
+                self._narrow_holder(party)
+            for party in others:
+                self._narrow_party(party)
+        except ClientDropped as dropped:
+            raise UserError(
+                f"party {dropped.client_id} left during the private set intersection ({dropped}); "
+                f"every party must take part in the alignment"
+            ) from None
+
+    def _narrow_holder(self, party: int) -> None:
+        holder = self.label_holder()
+        with _blaming(party):
             holder.psi_narrow(self.client(party).psi_answer(holder.psi_request()))
-        for party in others:
-            self.client(party).psi_narrow(holder.psi_answer(self.client(party).psi_request()))
+
+    def _narrow_party(self, party: int) -> None:
+        with _blaming(party):
+            self.client(party).psi_narrow(self.label_holder().psi_answer(self.client(party).psi_request()))
+
+    def rejoined(self, client_id: int) -> None:
+        """A party back as a fresh node (over a network) holds all its rows again: it gets its kept
+        state, then aligns them anew as at the start (its PSI messages counted again)."""
+        super().rejoined(client_id)
+        if client_id == self.labels_at:
+            for party in (c.id for c in self.ctx.clients if c.id != client_id):
+                self._narrow_holder(party)
+        else:
+            self._narrow_party(client_id)
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.server.begin_round(rnd)

@@ -11,24 +11,37 @@ gradient at a U-shaped split's second cut has the dtype and shape of the server 
 a loss is a scalar of the model's dtype; a model (uploaded, relayed, snapshot or checkpointed)
 has exactly the slot's tensor names, shapes and dtypes, and an optimizer state fits its model;
 a verb that declares no kind
-returns nothing; a verb with no check here is refused. Every floating tensor must be finite. A
-client's REPORT of its data must fit the run (`Checks.report`): class counts, or for a language
-task its number of sequences and count of each target token id. A failed check is a `Refused`
-with one line saying what was wrong.
+returns nothing (but `sample_count`: a whole number, at most the samples the client reported); a
+verb with no check here is refused. Every floating tensor must be finite. In a vertical run
+(`setting=vertical`) every party's smashed data and models are checked against its own bottom
+model (its columns), and its private set intersection messages are 1-D uint8 tensors no larger
+than its reported samples allow (`_psi`). A client's REPORT of its data must fit the run
+(`Checks.report`): class counts, for a language task its number of sequences and count of each
+target token id, for a vertical party the number of samples it holds and its columns' shape. A
+failed check is a `Refused` with one line saying what was wrong.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from splitlab.algorithms.vertical_sl import parse_features
 from splitlab.data.datasets import IGNORED, SUMMARY_KEYS, data_summary
 from splitlab.privacy import defenses
 from splitlab.roles import Blueprint, ClientNode, pooled
 from splitlab.transport import KEYED, VerbSpec
+
+#: what a vertical party reports of its data beside its columns' shape: how many samples it holds
+VERTICAL_SUMMARY_KEYS = ("samples",)
+#: a private set intersection message's bytes per id (a compressed curve point and its framing, splitlab.psi)
+PSI_POINT_BYTES = 35
+#: a private set intersection message's bytes beyond its points (the protobuf message's own fields)
+PSI_EXTRA_BYTES = 16
 
 
 class Refused(ValueError):
@@ -58,25 +71,34 @@ class Checks:
 
     def __init__(self, blueprint: Blueprint) -> None:
         self.blueprint = blueprint
-        self._smashed: torch.Tensor | None = None
+        self._smashed: dict[str, torch.Tensor] = {}
         self._optimizers: dict[str, dict[str, Any]] = {}
+        self._samples: dict[int, int] = {}  # vertical: the samples each party reported
+        self._checking = threading.local()  # whose result this thread checks (`_client`)
 
-    def result(self, verb: str, spec: VerbSpec, args: tuple, result: Any) -> None:
-        """Refused unless `result` is exactly what `verb(*args)` returns: checked as a whole (every
-        key, name, dtype, shape, range, finite) before anything uses it. A verb without a check
-        here is refused too: nothing unchecked reaches the server."""
+    def result(self, verb: str, spec: VerbSpec, args: tuple, result: Any, client_id: int | None = None) -> None:
+        """Refused unless `result` is exactly what client `client_id`'s `verb(*args)` returns:
+        checked as a whole (every key, name, dtype, shape, range, finite) before anything uses it.
+        A verb without a check here is refused too: nothing unchecked reaches the server."""
+        self._checking.client = client_id
         check_finite(result)
         kind = spec.up
-        if kind is None:
+        if verb == "sample_count" and kind is None:  # vertical: how many samples a party holds after alignment
+            most = self._samples.get(client_id, 0) if client_id is not None else 0
+            if isinstance(result, bool) or not isinstance(result, int) or not 0 <= result <= most:
+                raise Refused(f"sample_count is {result!r}, expected a whole number from 0 to {most}")
+        elif kind is None:
             if result is not None:
                 raise Refused(f"{verb} returns nothing, but the result is a {type(result).__name__}")
+        elif kind == "psi_up":
+            self._psi(verb, args, result)
         elif kind == KEYED:
             self._keyed(verb, spec.result_keys(args), args, result)
         elif kind == "checkpoint":
             self._role_state(result)
         elif kind == "client_model_relay":
             self._model("client_model", result)
-        elif args and isinstance(args[0], str) and args[0] in self.blueprint.builders:  # upload(slot), snapshot(slot)
+        elif args and isinstance(args[0], str) and self._own(args[0]) in self.blueprint.builders:  # upload, snapshot
             self._model(args[0], result)
         elif verb == "infer" and args and isinstance(args[0], torch.Tensor):  # SplitGP's client exit
             want = (len(args[0]), self.blueprint.num_classes)
@@ -88,6 +110,34 @@ class Checks:
                 raise Refused(f"logits are {_form(result)}, expected {self._expected_smashed().dtype} {want}")
         else:
             raise Refused(f"{verb}'s result has no check, so it is not accepted")
+
+    @property
+    def _client(self) -> int | None:
+        return getattr(self._checking, "client", None)
+
+    def _own(self, slot: str) -> str:
+        """The slot whose builder makes `slot` for the client being checked: a vertical party's
+        `client_model` is its own bottom model, `client_model@<party>`."""
+        own = f"{slot}@{self._client}"
+        return own if self._client is not None and own in self.blueprint.builders else slot
+
+    def _psi(self, verb: str, args: tuple, result: Any) -> None:
+        """A party's private set intersection message (splitlab.psi): its blinded ids
+        (`psi_request`), or its answer to another's (`psi_answer`: its own ids blinded, `setup`,
+        and the asker's blinded again, `response`); each 1-D uint8, of at most the bytes
+        (`PSI_POINT_BYTES` a point) of the ids the party reported, or of the request it answers."""
+        samples = self._samples.get(self._client, 0) if self._client is not None else 0
+        if verb == "psi_request":
+            _psi_bytes(verb, result, samples)
+            return
+        if verb != "psi_answer":
+            raise Refused(f"{verb}'s result has no check, so it is not accepted")
+        if not isinstance(result, dict) or set(result) != {"setup", "response"}:
+            held = sorted(map(str, result)) if isinstance(result, dict) else type(result).__name__
+            raise Refused(f"psi_answer returns exactly ['response', 'setup'], the result holds {held}")
+        request = args[0] if args and isinstance(args[0], torch.Tensor) else torch.zeros(0)
+        _psi_bytes("psi_answer.setup", result["setup"], samples)
+        _psi_bytes("psi_answer.response", result["response"], math.ceil(len(request) / PSI_POINT_BYTES))
 
     def _keyed(self, verb: str, keys: tuple[str, ...], args: tuple, result: Any) -> None:
         """Exactly `keys` (U-shaped: never labels); route(n, threshold) sends 0 to n samples, a step
@@ -139,7 +189,8 @@ class Checks:
 
     def _smashed_batch(self, smashed: Any, fewest: int, most: int) -> int:
         """The number of samples in smashed data of the cut's dtype and shape (B, *cut shape),
-        fewest <= B <= most; a compressed form's claimed shape is checked before it is expanded."""
+        fewest <= B <= most (a vertical party's: its bottom model's cut shape); a compressed form's
+        claimed shape is checked before it is expanded."""
         expected = self._expected_smashed()
         cut_shape = ", ".join(map(str, expected.shape[1:]))
         if isinstance(smashed, Mapping) and "shape" in smashed:  # top-k: the dense shape it would take
@@ -156,27 +207,37 @@ class Checks:
             raise Refused(f"smashed holds {batch} samples; a batch holds {fewest} to {most}")
         return batch
 
-    def report(self, report: Any, expected: dict[str, Any] | None) -> dict[str, Any]:
-        """The summary of a client's data in its REPORT (see `data_report`), if the run can use it:
-        the run's data mode, the dataset's sample shape (a sequence's length for a language task),
-        the task's summary of the targets (`data_summary`) that holds at least one sample, and the
-        summary the run has for the client (`expected`: its partition's, or what it reported
-        before), if any."""
+    def report(self, report: Any, expected: dict[str, Any] | None, client_id: int | None = None) -> dict[str, Any]:
+        """The summary of client `client_id`'s data in its REPORT (see `data_report`), if the run
+        can use it: the run's data mode, the dataset's sample shape (a sequence's length for a
+        language task; a vertical party's columns of it), the task's summary of the targets
+        (`data_summary`; a vertical party: its number of samples) that holds at least one sample,
+        and the summary the run has for the client (`expected`: its partition's, or what it
+        reported before), if any."""
         config, shape = self.blueprint.config, list(self.blueprint.input_shape)
-        *keys, last = ("data", "input_shape", *SUMMARY_KEYS[self.blueprint.task])
+        vertical = config.setting == "vertical"
+        summary_keys = VERTICAL_SUMMARY_KEYS if vertical else SUMMARY_KEYS[self.blueprint.task]
+        if vertical:
+            shape = list(_party_shape(self.blueprint, client_id))
+        *keys, last = ("data", "input_shape", *summary_keys)
         if not isinstance(report, dict) or set(report) != {*keys, last}:
             raise Refused(f"a report holds exactly {', '.join(keys)} and {last}")
         if report["data"] != config.data:
             raise Refused(f"the client was started with data={report['data']!r}; this run has data={config.data}")
         if report["input_shape"] != shape or not _whole_numbers(report["input_shape"]):
             raise Refused(f"its samples have shape {report['input_shape']!r}; {config.dataset} samples have {shape}")
-        summary = {key: report[key] for key in SUMMARY_KEYS[self.blueprint.task]}
-        if self.blueprint.task == "language":
+        summary = {key: report[key] for key in summary_keys}
+        if vertical:
+            if not _whole_numbers([summary["samples"]]) or summary["samples"] < 1:
+                raise Refused(f"it holds {summary['samples']!r} samples; expected at least 1")
+        elif self.blueprint.task == "language":
             self._token_summary(summary)
         else:
             self._class_summary(summary)
         if expected is not None and summary != expected:
             raise Refused(f"it holds {_described(summary)}; the run has {_described(expected)} for it")
+        if vertical and client_id is not None:
+            self._samples[client_id] = summary["samples"]
         return summary
 
     def _class_summary(self, summary: dict[str, Any]) -> None:
@@ -200,7 +261,8 @@ class Checks:
             )
 
     def _model(self, slot: str, state: Any) -> None:
-        expected = self.blueprint.initial_state(pooled(slot))
+        own = self._own(slot)
+        expected = self.blueprint.initial_state(own if own != slot else pooled(slot))
         if not isinstance(state, dict) or set(state) != set(expected):
             names = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
             raise Refused(f"{slot} holds {names}, expected the tensors {sorted(expected)}")
@@ -216,7 +278,7 @@ class Checks:
         if not isinstance(models, dict) or not isinstance(optimizers, dict):
             raise Refused("a client's state's models and optimizers must be dicts")
         for slot, weights in models.items():
-            if slot not in self.blueprint.builders:
+            if self._own(slot) not in self.blueprint.builders:
                 raise Refused(f"a client's state holds an unknown slot {slot!r}")
             self._model(slot, weights)
         for slot, optimizer in optimizers.items():
@@ -261,23 +323,27 @@ class Checks:
 
     def _optimizer_template(self, slot: str) -> dict[str, Any]:
         """The state of the configured optimizer over `slot`'s initial model after one step (made once)."""
-        if slot not in self._optimizers:
-            module = self.blueprint.initial(slot)
+        own = self._own(slot)
+        if own not in self._optimizers:
+            module = self.blueprint.initial(own)
             optimizer = self.blueprint.optimizer(module)
             for parameter in module.parameters():
                 parameter.grad = torch.zeros_like(parameter)
             optimizer.step()
-            self._optimizers[slot] = optimizer.state_dict()
-        return self._optimizers[slot]
+            self._optimizers[own] = optimizer.state_dict()
+        return self._optimizers[own]
 
     def _expected_smashed(self) -> torch.Tensor:
-        """The client part's output on one input: its dtype and cut shape (computed once)."""
-        if self._smashed is None:
+        """The client part's output on one input: its dtype and cut shape (computed once; a
+        vertical party's: its bottom model's on its columns)."""
+        slot = self._own("client_model")
+        if slot not in self._smashed:
             blueprint = self.blueprint
-            x = torch.zeros(1, *blueprint.input_shape, dtype=blueprint.input_dtype, device=blueprint.device)
+            shape = blueprint.input_shape if slot == "client_model" else _party_shape(blueprint, self._client)
+            x = torch.zeros(1, *shape, dtype=blueprint.input_dtype, device=blueprint.device)
             with torch.no_grad():
-                self._smashed = blueprint.initial("client_model").eval()(x)
-        return self._smashed
+                self._smashed[slot] = blueprint.initial(slot).eval()(x)
+        return self._smashed[slot]
 
 
 def _tensor(result: dict, key: str) -> torch.Tensor:
@@ -292,24 +358,45 @@ def _tensor(result: dict, key: str) -> torch.Tensor:
     return value
 
 
+def _psi_bytes(where: str, message: Any, points: int) -> None:
+    """A private set intersection message: a 1-D uint8 tensor of at most `points` ids' bytes."""
+    most = PSI_POINT_BYTES * points + PSI_EXTRA_BYTES
+    if not isinstance(message, torch.Tensor) or message.dtype != torch.uint8 or message.dim() != 1:
+        raise Refused(f"{where} is {_form(message)}, expected torch.uint8 (N,) bytes")
+    if len(message) > most:
+        raise Refused(f"{where} holds {len(message)} bytes; {points} ids take at most {most}")
+
+
+def _party_shape(blueprint: Blueprint, party: int | None) -> tuple[int, ...]:
+    """A vertical party's sample shape: its columns (`features=`) of the dataset's samples."""
+    config, shape = blueprint.config, tuple(blueprint.input_shape)
+    groups = parse_features(config.features, shape[-1], config.parties)
+    if party is None or not 0 <= party < len(groups):
+        raise Refused(f"client {party} is not a party of this run (0 to {len(groups) - 1})")
+    return (*shape[:-1], len(groups[party]))
+
+
 def _whole_numbers(value: Any) -> bool:
     return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in value)
 
 
 def data_report(node: ClientNode, data: str) -> dict[str, Any]:
-    """What a client says of its samples once it has built its node (`data`: how it got them)."""
+    """What a client says of its samples once it has built its node (`data`: how it got them; a
+    vertical party: how many it holds, since only one party, or none, holds labels)."""
     blueprint = node.blueprint
-    return {
-        "data": data,
-        "input_shape": list(node.x.shape[1:]),
-        **data_summary(node.y, blueprint.task, blueprint.num_classes),
-    }
+    if blueprint.config.setting == "vertical":
+        summary: dict[str, Any] = {"samples": node.num_samples}
+    else:
+        summary = data_summary(node.y, blueprint.task, blueprint.num_classes)
+    return {"data": data, "input_shape": list(node.x.shape[1:]), **summary}
 
 
 def held(summary: dict[str, Any]) -> str:
     """How many samples a data summary holds, in words."""
     if "class_counts" in summary:
         return f"{sum(summary['class_counts'])} samples"
+    if "samples" in summary:
+        return f"{summary['samples']} samples"
     return f"{summary['sequences']} sequences"
 
 
@@ -317,6 +404,8 @@ def _described(summary: dict[str, Any]) -> str:
     """A summary in words: samples by class, or sequences and their target tokens."""
     if "class_counts" in summary:
         return f"{held(summary)}, {summary['class_counts']} by class"
+    if "samples" in summary:
+        return held(summary)
     counts = summary["token_counts"]
     return f"{held(summary)}, {sum(counts)} target tokens, by id {str(counts)[:60]}..."
 

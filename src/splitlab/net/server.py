@@ -389,7 +389,9 @@ class Hub:
         assert self._checks is not None  # set before any client is admitted
         client_id = session.client_id
         try:
-            summary = self._checks.report(codec.decode(bytes(message.payload)), self._summaries.get(client_id))
+            summary = self._checks.report(
+                codec.decode(bytes(message.payload)), self._summaries.get(client_id), client_id
+            )
         except (codec.MessageError, Refused) as refusal:
             log(f"refused client {client_id}'s data: {refusal}")
             session.refusal = f"its data: {refusal}"
@@ -596,7 +598,7 @@ class NetworkTransport(Transport):
         try:
             result = codec.decode(reply, self.device)
             assert self.checks is not None
-            self.checks.result(verb, spec, args, result)
+            self.checks.result(verb, spec, args, result, client_id)
         except (codec.MessageError, Refused) as refusal:
             self.hub.refuse(client_id, verb, str(refusal))
             raise ClientDropped(client_id, f"refused its {verb} result") from None
