@@ -284,10 +284,11 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         if transport_.remote:  # each client must report the data it holds: the partition's, or a resumed run's
             nodes: list[ClientNode] = []
             expected = plan.data_summaries() or _stored_summaries(config)
-            client_proxies = {
-                k: transport_.connect_remote(k, algorithm_class.Client, blueprint, expected[k] if expected else None)
-                for k in range(plan.client_count)
-            }
+            client_proxies = transport_.connect_remote(
+                dict.fromkeys(range(plan.client_count), algorithm_class.Client),
+                blueprint,
+                {k: expected[k] if expected else None for k in range(plan.client_count)},
+            )
             if counts is None:  # data=own: what the clients hold is known once they have all reported
                 counts = transport_.reported_counts()
                 report = counts_report(counts, blueprint.num_classes)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -125,10 +125,12 @@ class Transport:
         return contextlib.nullcontext()
 
     def connect_remote(
-        self, client_id: int, role_class: type, blueprint: Any, summary: dict[str, Any] | None = None
-    ) -> Proxy:
-        """A proxy to client `client_id`, a `role_class` node built in another process, which must
-        report holding the data `summary` describes (`data_summary`; None: whatever it holds, data=own)."""
+        self, role_classes: Mapping[int, type], blueprint: Any, summaries: Mapping[int, dict[str, Any] | None]
+    ) -> dict[int, Proxy]:
+        """Proxies to every client of the run at once (client k: a `role_classes[k]` node built in
+        another process, which must report holding the data `summaries[k]` describes, `data_summary`;
+        None: whatever it holds, data=own). All at once, so that no client is turned away as not
+        belonging to the run while the others are still being announced."""
         raise NotImplementedError(f"the {self.name} transport reaches only roles in this process")
 
     def reported_counts(self) -> list[list[int]]:

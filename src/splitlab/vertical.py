@@ -158,10 +158,11 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
     parties: list[FeatureParty] = []
     if transport_.remote:  # each party in its own process, which must report the rows it holds
         held = [len(_rows(vertical, j)) for j in range(plan.parties)]
-        proxies = {
-            j: transport_.connect_remote(j, _party_class(plan, j), blueprint, {"samples": held[j]})
-            for j in range(plan.parties)
-        }
+        proxies = transport_.connect_remote(
+            {j: _party_class(plan, j) for j in range(plan.parties)},
+            blueprint,
+            {j: {"samples": held[j]} for j in range(plan.parties)},
+        )
     else:
         parties = [_party(vertical, j) for j in range(plan.parties)]
         proxies = {party.id: transport_.connect(party, counted=True) for party in parties}

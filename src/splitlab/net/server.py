@@ -203,14 +203,14 @@ class Hub:
             threading.Thread(target=self._watch_revocations, daemon=True).start()
         log(f"listening on {self.settings.listen} (mutual TLS, run {self.run_id})")
 
-    def expect(self, client_id: int, ledger: Ledger, checks: Checks, summary: dict[str, Any] | None) -> None:
-        """Client `client_id` belongs to the run (the transport says so as it is built) and must
-        report holding the data `summary` describes (`data_summary`; None: what it first reports, data=own)."""
+    def expect(self, summaries: Mapping[int, dict[str, Any] | None], ledger: Ledger, checks: Checks) -> None:
+        """The run's clients, all at once (the transport says so as it is built; a client admitted
+        in between would be refused as not belonging to the run): client k must report holding the
+        data `summaries[k]` describes (`data_summary`; None: what it first reports, data=own)."""
         with self._changed:
-            self._expected = (self._expected or set()) | {client_id}
+            self._expected = (self._expected or set()) | set(summaries)
             self.ledger, self._checks = ledger, checks
-            if summary is not None:
-                self._summaries[client_id] = summary
+            self._summaries.update({k: summary for k, summary in summaries.items() if summary is not None})
             self._changed.notify_all()
 
     def reported_counts(self) -> list[list[int]]:
@@ -576,11 +576,11 @@ class NetworkTransport(Transport):
         self.checks: Checks | None = None
 
     def connect_remote(
-        self, client_id: int, role_class: type, blueprint: Blueprint, summary: dict[str, Any] | None = None
-    ) -> Proxy:
+        self, role_classes: Mapping[int, type], blueprint: Blueprint, summaries: Mapping[int, dict[str, Any] | None]
+    ) -> dict[int, Proxy]:
         self.checks = self.checks or Checks(blueprint)
-        self.hub.expect(client_id, self.ledger, self.checks, summary)
-        return RemoteProxy(self, client_id, role_class)
+        self.hub.expect(summaries, self.ledger, self.checks)
+        return {k: RemoteProxy(self, k, role_class) for k, role_class in role_classes.items()}
 
     def reported_counts(self) -> list[list[int]]:
         return self.hub.reported_counts()
