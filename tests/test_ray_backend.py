@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -165,14 +166,16 @@ def kill_an_actor_mid_round(monkeypatch, round_index: int = 1, kill=ray.kill) ->
     after round `round_index` began (once); returns what happened, for the test to check."""
     call = ray_backend.RayTransport.call
     seen: list[str] = []
+    once = threading.Lock()  # clients training at once reach `backward` together: one kills
 
     def killing(self, method, spec, counted, *args, **kwargs):
         if isinstance(method, ray_backend.RemoteVerb):
-            if method.name == "begin_round" and args == (round_index,) and not seen:
-                seen.append("round")
-            elif method.name == "backward" and seen == ["round"]:
-                kill(method.host)
-                seen.append(f"killed client {method.key}'s actor")
+            with once:
+                if method.name == "begin_round" and args == (round_index,) and not seen:
+                    seen.append("round")
+                elif method.name == "backward" and seen == ["round"]:
+                    kill(method.host)
+                    seen.append(f"killed client {method.key}'s actor")
         return call(self, method, spec, counted, *args, **kwargs)
 
     monkeypatch.setattr(ray_backend.RayTransport, "call", killing)
