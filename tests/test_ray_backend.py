@@ -3,6 +3,7 @@ server on its own, every message as codec bytes; bit for bit the in-process run.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import threading
@@ -182,14 +183,32 @@ def kill_an_actor_mid_round(monkeypatch, round_index: int = 1, kill=ray.kill) ->
     return seen
 
 
-def test_an_actor_killed_mid_round_is_rebuilt_and_the_run_ends_bit_for_bit(local_ray, tmp_path, monkeypatch, capsys):
-    """PSL (personal client models live on the actors): an actor killed in round 2 is built again
-    from the round-1 checkpoint and the round replayed; every number and the weights as in process."""
+def test_an_actor_lost_where_the_roles_cannot_be_built_again_stops_and_resumes_bit_for_bit(
+    local_ray, tmp_path, monkeypatch
+):
+    """PSL, an actor killed in round 2, and what is left cannot hold the roles again (here the rebuild
+    asks for 5 workers of the 3 CPUs, as after losing nodes): one line with the resume hint (exit 4);
+    resumed on Ray from round 1's checkpoint, every number and the weights as in process. (An
+    actor rebuilt and its round replayed within the run: tests/test_ray_cluster.py.)"""
     run(config("psl", tmp_path / "local"), progress=False)
     killed = kill_an_actor_mid_round(monkeypatch)
-    run(config("psl", tmp_path / "ray", backend="ray", workers=2), progress=False)
-    assert killed[-1].startswith("killed client")
-    assert "replaying from the last checkpoint (restart 1 of at most 3)" in capsys.readouterr().err
+    start_roles, starts = ray_backend.start_roles, []
+
+    def too_few_cpus_the_second_time(resolved, *args):
+        starts.append(resolved.run.workers)
+        if len(starts) > 1:
+            resolved = dataclasses.replace(resolved, run=resolved.run.model_copy(update={"workers": 5}))
+        return start_roles(resolved, *args)
+
+    monkeypatch.setattr(ray_backend, "start_roles", too_few_cpus_the_second_time)
+    with pytest.raises(RoundFailed, match=r"lost during .* could not be built again: .* needs 6 CPUs") as stopped:
+        run(config("psl", tmp_path / "ray", backend="ray", workers=2), progress=False)
+    assert killed[-1].startswith("killed client") and len(starts) == 2
+    assert "\n" not in str(stopped.value) and str(stopped.value).endswith(
+        "resume=true to go on from its last checkpoint"
+    )
+    monkeypatch.undo()
+    run(config("psl", tmp_path / "ray", backend="ray", workers=2, resume=True), progress=False)
     assert results(tmp_path / "local") == results(tmp_path / "ray")
 
 
