@@ -67,6 +67,8 @@ def test_ray_backend_is_bit_identical_to_in_process(local_ray, algorithm, tmp_pa
     assert remote["comm_bytes_by_client"] == local["comm_bytes_by_client"]  # actors' bytes by client id alike
     rows = [json.loads(line) for line in (tmp_path / "ray" / "metrics.jsonl").read_text().splitlines()]
     assert all(row["driver_actor_bytes"] > 0 and row["round_compute_seconds"]["client"] > 0 for row in rows)
+    # the actors' start (waiting for CPUs included) is reported once, apart from the rounds' time
+    assert [("ray_startup_seconds" in row) for row in rows] == [True] + [False] * (len(rows) - 1)
 
 
 def always_elsewhere(monkeypatch) -> None:
