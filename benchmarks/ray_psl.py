@@ -1,4 +1,5 @@
-"""backend=ray against in-process for PSL with many clients: wall time, and driver-actor bytes per round.
+"""backend=ray against in-process for PSL with many clients: wall time, the slowest single remote call,
+and driver-actor bytes per round.
 
 PSL keeps a personal client model per client; every evaluation averages the test metrics of all K
 personal models. On Ray these are evaluated on the actors that hold them (only metrics travel),
@@ -25,6 +26,7 @@ from pathlib import Path
 import ray
 import torch
 
+from splitlab import ray_backend
 from splitlab.engine import run
 
 METRICS = ("test_accuracy", "test_loss", "comm_bytes")
@@ -47,9 +49,27 @@ def config(clients: int, rounds: int, out: Path, **overrides) -> dict:
     )
 
 
+def slowest_remote_call() -> list[float]:
+    """Time every verb call to an actor from now on; the list holds the slowest so far (seconds).
+    The audit of issue 26 saw a ~1 s stall in about one round in three (torch._dynamo imported by
+    each actor's first optimizer step, now imported while the actors start)."""
+    call, slowest = ray_backend.RemoteVerb.__call__, [0.0]
+
+    def timed(self: ray_backend.RemoteVerb, request: bytes) -> bytes:
+        started = time.perf_counter()
+        reply = call(self, request)
+        slowest[0] = max(slowest[0], time.perf_counter() - started)
+        return reply
+
+    ray_backend.RemoteVerb.__call__ = timed  # type: ignore[method-assign]
+    return slowest
+
+
 def one(clients: int, rounds: int, backend: str, workers: int) -> dict:
-    """One run in this (fresh) process: seconds end to end, the actors' start, and its rows."""
+    """One run in this (fresh) process: seconds end to end, the actors' start, the slowest remote
+    call, and its rows."""
     torch.set_num_threads(1)
+    slowest = slowest_remote_call()
     if backend == "ray":
         # Ray starts its workers at nice 15; on a shared machine that starves the actors (docs/ray.md)
         os.environ.setdefault("RAY_worker_niceness", "0")
@@ -61,7 +81,8 @@ def one(clients: int, rounds: int, backend: str, workers: int) -> dict:
         run(cfg, progress=False)
         seconds = time.perf_counter() - started
         rows = [json.loads(line) for line in (Path(tmp) / "out" / "metrics.jsonl").read_text().splitlines()]
-    return {"seconds": seconds, "startup": rows[0].get("ray_startup_seconds", 0.0), "rows": rows}
+    startup = rows[0].get("ray_startup_seconds", 0.0)
+    return {"seconds": seconds, "startup": startup, "slowest_call": slowest[0], "rows": rows}
 
 
 def in_fresh_process(clients: int, rounds: int, backend: str, workers: int) -> dict:
@@ -92,7 +113,7 @@ def main() -> None:
         print(json.dumps(one(int(args.one[0]), args.rounds, args.one[1], args.workers)))
         return
     print(f"psl, {args.rounds} rounds of 10 clients, evaluated every round, workers={args.workers}, fresh processes")
-    print("     K | in process | Ray (actors' start) | Ray / in process | without the start | same metrics")
+    print("     K | in process | Ray (actors' start) | Ray / in process | without the start | slowest call | same")
     bytes_per_round = {}
     for k in args.clients:
         local = in_fresh_process(k, args.rounds, "local", args.workers)
@@ -105,7 +126,7 @@ def main() -> None:
         )
         print(
             f"{k:6d} | {local['seconds']:8.1f} s | {remote['seconds']:6.1f} s ({remote['startup']:5.1f} s)   |"
-            f" {ratio:16.2f} | {without_start:17.2f} | {same}"
+            f" {ratio:16.2f} | {without_start:17.2f} | {remote['slowest_call'] * 1000:9.0f} ms | {same}"
         )
         bytes_per_round[k] = [row["driver_actor_bytes"] for row in remote["rows"]]
     for k, figures in bytes_per_round.items():

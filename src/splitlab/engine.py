@@ -38,8 +38,9 @@ def run(
 
     When a process holding roles is lost (backend=ray: an actor or its node died), the roles are
     built again and the run replays from its last checkpoint (from the start if it has none yet),
-    as a resumed run would: bit for bit the same results. After `max_restarts` such losses the run
-    stops with one line."""
+    as a resumed run would: bit for bit the same results. After `max_restarts` such losses, or when
+    the roles cannot be built again (the nodes left lack the CPUs), the run stops with one line
+    and the resume hint."""
     prepare_process()
     experiment = build(config, transport)
     limit = experiment.config.run.max_restarts
@@ -59,7 +60,13 @@ def run(
                 f"{lost}: building the roles again and replaying from the last checkpoint "
                 f"(restart {restarts} of at most {limit})"
             )
-            experiment = build({**config, "resume": True, "overwrite": False}, transport)
+            try:
+                experiment = build({**config, "resume": True, "overwrite": False}, transport)
+            except UserError as refused:  # what is left of the cluster cannot hold the roles (fewer CPUs)
+                raise RoundFailed(
+                    f"{lost}; the roles could not be built again: {refused}; then run it again with resume=true "
+                    f"to go on from its last checkpoint"
+                ) from None
             resume = True
 
 
