@@ -65,9 +65,6 @@ def import_graph(in_functions: bool = False) -> dict[str, set[str]]:
 #: (importer, imported) inside a function, against the layers; each closes a circle.
 TO_REMOVE = {
     ("splitlab.roles", "splitlab.runmodel"): "init= loads a finished run's weights from inside the Blueprint",
-    ("splitlab.data.download", "splitlab.data.datasets"): "download checks files with the loaders it feeds",
-    ("splitlab.privacy.defenses", "splitlab.privacy.accounting"): "dp:epsilon= calibration reaches back for "
-    "the accountant, which builds on the defenses",
 }
 
 

@@ -13,6 +13,7 @@ import urllib.request
 import zlib
 from pathlib import Path
 
+from splitlab.data.idx import parse_idx
 from splitlab.errors import UserError
 from splitlab.io import write_bytes
 
@@ -36,8 +37,6 @@ def download_fashion_mnist(dest: Path | None = None, base_url: str = FASHION_MNI
     Files already present are kept. Each file is checked (magic number, sizes) before it is
     moved into place, so an interrupted download never leaves a file the loader would trust.
     """
-    from splitlab.data.datasets import parse_idx
-
     dest = Path(dest) if dest is not None else cache_dir() / "fashion_mnist"
     for name in FASHION_MNIST_FILES:
         target = dest / name

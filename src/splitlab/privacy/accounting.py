@@ -29,9 +29,8 @@ import math
 from typing import Any
 
 from splitlab.config import RunConfig
-from splitlab.privacy.defenses import Defense, parse_defense
+from splitlab.privacy.defenses import DELTA, Defense, parse_defense
 
-DELTA = 1e-5
 COVERS = (
     "each sample's smashed data as released at the cut (replace-one adjacency, L2 sensitivity 2C), "
     "against the training server and anyone else who receives it"

@@ -37,6 +37,8 @@ from torch import nn
 
 from splitlab.errors import UserError
 
+#: the delta of (epsilon, delta) when none is given (`dp:epsilon=E`, and the reported epsilon)
+DELTA = 1e-5
 #: `defense=` items and what each expects, for the one-line refusal
 ITEMS = {
     "clip": "clip:<max L2 norm > 0>",
@@ -248,8 +250,6 @@ def parse_defense(value: str) -> Defense:
 
 def _dp_target(arg: str, value: str) -> tuple[float, float]:
     """`epsilon=E[,delta=D]` -> (E, D)."""
-    from splitlab.privacy.accounting import DELTA
-
     fields = dict(part.partition("=")[::2] for part in arg.split(","))
     try:
         target = float(fields.pop("epsilon")), float(fields.pop("delta", DELTA))
