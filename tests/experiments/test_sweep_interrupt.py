@@ -20,7 +20,9 @@ from splitlab.cli import main
 from splitlab.rundir import CHECKPOINT
 
 BASE = {"dataset": "digits", "model": "mlp", "clients": 2, "train_subset": 200, "device": "cpu"}
-BASE |= {"checkpoint_every": 0, "rounds": 10, "eval_every": 5}
+# rounds of ~0.3 s: a run must still be training when the test sees its first checkpoint and
+# interrupts (with one local epoch a quiet machine finished both runs first)
+BASE |= {"checkpoint_every": 0, "rounds": 10, "eval_every": 5, "local_epochs": 20}
 RUNS = ("seed=0", "seed=1")
 
 
