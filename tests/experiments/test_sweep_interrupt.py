@@ -20,8 +20,7 @@ from splitlab.cli import main
 from splitlab.rundir import CHECKPOINT
 
 BASE = {"dataset": "digits", "model": "mlp", "clients": 2, "train_subset": 200, "device": "cpu"}
-# rounds of ~0.3 s: a run must still be training when the test sees its first checkpoint and
-# interrupts (with one local epoch a quiet machine finished both runs first)
+# rounds of ~0.3 s: a run is still training when the test sees its first checkpoint and interrupts
 BASE |= {"checkpoint_every": 0, "rounds": 10, "eval_every": 5, "local_epochs": 20}
 RUNS = ("seed=0", "seed=1")
 
@@ -73,7 +72,14 @@ def test_ctrl_c_stops_the_worker_processes_cleanly(tmp_path):
     sweep = tmp_path / "sweep"
     cli = [sys.executable, "-m", "splitlab", "sweep", str(sweep_file(tmp_path)), "--out", str(sweep), "--no-progress"]
     process = subprocess.Popen(
-        [*cli, "--jobs", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True
+        [*cli, "--jobs", "2"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        # as a terminal's foreground job has it: a test run started in the background (`cmd &` in a
+        # script) ignores SIGINT, and a child inherits that, so Ctrl-C would never reach the sweep
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     while not list(sweep.glob(f"*/{CHECKPOINT}")) and time.monotonic() < deadline:
