@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -132,14 +133,28 @@ def train_decoder(smashed: torch.Tensor, inputs: torch.Tensor, epochs: int, seed
             nn.ReLU(),
             nn.Linear(DECODER_WIDTH, d_out),
         ).to(smashed.device)
-        optimizer = torch.optim.Adam(decoder.parameters(), lr=1e-3, foreach=True)
-        target = inputs.flatten(1)
-        for _ in range(epochs):
-            for idx in torch.randperm(len(smashed), device=smashed.device).split(64):
-                optimizer.zero_grad(set_to_none=True)
-                F.mse_loss(decoder(smashed[idx]), target[idx]).backward()
-                optimizer.step()
-    return decoder.eval()
+        return fit(decoder, smashed, inputs.flatten(1), F.mse_loss, epochs, 64)
+
+
+def fit(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    passes: int,
+    batch: int,
+    weight_decay: float = 0.0,
+) -> nn.Module:
+    """`model` fitted to (inputs, targets) by Adam (lr 1e-3) over `passes` shuffled passes in
+    batches of `batch`, in eval mode after: how every attacker here trains its decoder or head
+    (called inside the attacker's seeded random state)."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=weight_decay, foreach=True)
+    for _ in range(passes):
+        for idx in torch.randperm(len(inputs), device=inputs.device).split(batch):
+            optimizer.zero_grad(set_to_none=True)
+            loss(model(inputs[idx]), targets[idx]).backward()
+            optimizer.step()
+    return model.eval()
 
 
 def image_scores(reconstructed: torch.Tensor, target: torch.Tensor, data_range: float) -> dict[str, float]:

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitlab.privacy.attacks import fit
+
 HEAD_WIDTH = 128
 DEFAULT_PER_CLASS = 40  # labelled samples of each class the attacker holds by default
 MIN_HEAD_STEPS = 300  # a few labels fill one batch: an epoch is one step, too few to fit the head
@@ -75,13 +77,8 @@ def fit_head(inputs: torch.Tensor, labels: torch.Tensor, num_classes: int, epoch
         head = nn.Sequential(nn.Linear(inputs.shape[1], HEAD_WIDTH), nn.ReLU(), nn.Linear(HEAD_WIDTH, num_classes)).to(
             inputs.device
         )
-        optimizer = torch.optim.Adam(head.parameters(), lr=1e-3, weight_decay=1e-4, foreach=True)
-        scaled = (inputs - mean) / scale
-        for _ in range(max(epochs, math.ceil(MIN_HEAD_STEPS / math.ceil(len(inputs) / BATCH)))):
-            for idx in torch.randperm(len(inputs), device=inputs.device).split(BATCH):
-                optimizer.zero_grad(set_to_none=True)
-                F.cross_entropy(head(scaled[idx]), labels[idx]).backward()
-                optimizer.step()
+        passes = max(epochs, math.ceil(MIN_HEAD_STEPS / math.ceil(len(inputs) / BATCH)))
+        fit(head, (inputs - mean) / scale, labels, F.cross_entropy, passes, BATCH, weight_decay=1e-4)
     return nn.Sequential(_Standardise(mean, scale), head).eval()
 
 

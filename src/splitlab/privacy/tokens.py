@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitlab.privacy.attacks import DECODER_WIDTH, defended_smashed
+from splitlab.privacy.attacks import DECODER_WIDTH, defended_smashed, fit
 from splitlab.privacy.defenses import Defense
 
 EXAMPLE_CHARACTERS = 64
@@ -43,13 +43,7 @@ def train_token_decoder(
             nn.ReLU(),
             nn.Linear(DECODER_WIDTH, vocabulary),
         ).to(hidden.device)
-        optimizer = torch.optim.Adam(decoder.parameters(), lr=1e-3, foreach=True)
-        for _ in range(epochs):
-            for idx in torch.randperm(len(hidden), device=hidden.device).split(256):
-                optimizer.zero_grad(set_to_none=True)
-                F.cross_entropy(decoder(hidden[idx]), tokens[idx]).backward()
-                optimizer.step()
-    return decoder.eval()
+        return fit(decoder, hidden, tokens, F.cross_entropy, epochs, 256)
 
 
 def token_inversion(
