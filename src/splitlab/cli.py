@@ -219,6 +219,12 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from splitlab.splitgp.evaluation import evaluate_run
 
     result = evaluate_run(args.dir, parse_overrides(args.overrides))
+    if result.get("setting") == "vertical":  # one model over every party's features: its test metrics
+        metrics = Table("metric", "value", title=f"final model on the test set (vertical {result['algorithm']})")
+        for name, value in result["metrics"].items():
+            metrics.add_row(name, f"{value:.6g}")
+        console.print(metrics)
+        return 0
     table = Table(
         "method",
         *(f"rho={r:g}" for r in result["rho"]),
@@ -306,10 +312,8 @@ def _cmd_attack(args: argparse.Namespace) -> int:
     result = attack_run(args.dir, parse_overrides(args.overrides))
     table = Table(show_header=False, title=f"{result['attack']} on {result['targets']} (defense {result['defense']})")
     if result["attack"] == "inversion":
-        table.add_row(f"SSIM / PSNR ({result['attacker']})", f"{result['ssim']:.3f} / {result['psnr']:.2f} dB")
-        decoder, baseline = result["decoder"], result["baseline"]
-        table.add_row("decoder", f"{decoder['ssim']:.3f} / {decoder['psnr']:.2f} dB")
-        table.add_row("floor: mean image", f"{baseline['ssim']:.3f} / {baseline['psnr']:.2f} dB")
+        for party, scores in result.get("by_party", {None: result}).items():
+            _inversion_rows(table, scores, "" if party is None else f"party {party}: ")
     elif result["attack"] == "unsplit":
         table.add_row("SSIM / PSNR (unsplit, no data)", f"{result['ssim']:.3f} / {result['psnr']:.2f} dB")
         baseline = result["baseline"]
@@ -342,9 +346,25 @@ def _cmd_attack(args: argparse.Namespace) -> int:
         table.add_row("direction attack AUC", f"{result['direction_auc']:.3f}")
         for rnd, row in result.get("by_round", {}).items():
             table.add_row(f"  round {rnd} (norm / direction)", f"{row['norm_auc']:.3f} / {row['direction_auc']:.3f}")
+        for party, row in result.get("by_party", {}).items():  # a vertical run: every passive party
+            table.add_row(f"  party {party} (norm / direction)", f"{row['norm_auc']:.3f} / {row['direction_auc']:.3f}")
     console.print(table)
     console.print(f"written to {args.dir}/attack.json")
     return 0
+
+
+def _inversion_rows(table: Table, result: dict, who: str) -> None:
+    """An inversion's scores (images: SSIM / PSNR; table rows: mean R^2 per column / MSE) with the floor."""
+
+    def said(scores: dict) -> str:
+        if "ssim" in scores:
+            return f"{scores['ssim']:.3f} / {scores['psnr']:.2f} dB"
+        return f"{scores['r2']:.3f} / {scores['mse']:.4f}"
+
+    measure = "SSIM / PSNR" if "ssim" in result else "R^2 per column / MSE"
+    table.add_row(f"{who}{measure} ({result['attacker']})", said(result))
+    table.add_row(f"{who}decoder", said(result["decoder"]))
+    table.add_row(f"{who}floor: {'mean image' if 'ssim' in result else 'mean row'}", said(result["baseline"]))
 
 
 def _fsha_row(row: dict) -> str:

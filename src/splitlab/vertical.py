@@ -22,6 +22,7 @@ from splitlab.algorithms.vertical_sl import (
     FeaturePlan,
     LabelParty,
     VerticalAssembler,
+    VerticalModel,
     VerticalServer,
     VerticalSplitNN,
     parse_features,
@@ -35,6 +36,8 @@ from splitlab.data.partition import counts_report
 from splitlab.data.tables import csv_training_set, table_ids
 from splitlab.errors import UserError
 from splitlab.ledger import Ledger
+from splitlab.privacy import keys
+from splitlab.privacy.record import PartyRecorder
 from splitlab.roles import Blueprint, SyncServer
 from splitlab.transport import TRANSPORTS, Transport
 
@@ -73,8 +76,6 @@ def _refusals(run: RunConfig) -> None:
             "vertical SplitNN is algorithm=sl; others have no vertical form here",
         ),
         "backend": (run.backend != "local", f"{NOT_HERE}, not on Ray actors"),
-        "defense": (run.defense != "none", "defenses at the cut are not wired into vertical runs yet"),
-        "record": (run.record != 0, "recording the cut is not wired into vertical runs yet"),
         "test_split": (run.test_split != "global", "a vertical run evaluates on the dataset's test set"),
         "participation": (run.participation != 1, "every party takes part in every step"),
         "clients": (run.clients != RunConfig.model_fields["clients"].default, "parties= says how many hold features"),
@@ -103,7 +104,15 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
     device = resolve_device(run.device)
     dtype = data.inputs(data.train_x[:1]).dtype
     blueprint = Blueprint(
-        run, config.params, device, data.input_shape, data.num_classes, dtype, data.task, builders=vertical_models(plan)
+        run,
+        config.params,
+        device,
+        data.input_shape,
+        data.num_classes,
+        dtype,
+        data.task,
+        builders=vertical_models(plan),
+        recorder=PartyRecorder(run.record) if run.record else None,
     )
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model: one line
     top_model(blueprint, plan)  # embeddings the combination cannot join: one line
@@ -156,6 +165,11 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
     ledger = Ledger(run.ledger)
     transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
     parties: list[FeatureParty] = []
+    if transport_.remote and run.record:
+        raise UserError(
+            f"record={run.record} needs the parties in this process (`splitlab run`): it keeps each party's "
+            f"inputs for scoring, which a networked party never sends"
+        )
     if transport_.remote:  # each party in its own process, which must report the rows it holds
         held = [len(_rows(vertical, j)) for j in range(plan.parties)]
         proxies = transport_.connect_remote(
@@ -189,6 +203,11 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
         raise UserError(f"party 0 holds {common} samples after alignment; the parties have {len(truth)} in common")
     context.clients = [ClientInfo(j, common) for j in range(plan.parties)]
     transport_.on_rejoin = algorithm.rejoined
+    if blueprint.defense.random:  # the noise key of the parties played here (splitlab.privacy.keys)
+        from splitlab.build import install_noise_secret
+
+        secret = keys.from_setting(run.noise_key) if run.noise_key is not None else keys.fresh()
+        install_noise_secret(blueprint, transport_, secret)
     test_x, test_y = test_set(config, data, device)
     test = dataclasses.replace(
         data, train_x=data.train_x[:0], train_y=data.train_y[:0], test_x=test_x, test_y=test_y, prepare=None
@@ -240,58 +259,31 @@ def _report(vertical: VerticalPlan, common: np.ndarray) -> dict[str, Any]:
     }
 
 
-def attack_vertical(
-    path: Path, stored: dict[str, Any], attack: str, targets: int | None, device: str, seed: int
-) -> dict[str, Any]:
-    """`splitlab attack` on a finished vertical run: label inference by every passive party (one
-    without the labels) from the gradients it would receive for held-out test samples through the
-    final model (Li et al. 2022's norm and direction scores, `privacy.attacks.label_leak`)."""
+def load_final(path: Path, stored: dict[str, Any], device: str) -> tuple[ResolvedConfig, VerticalPlan, VerticalModel]:
+    """A finished vertical run's config, plan and final model (weights.safetensors: every bottom
+    model, then the top), in this process, for `splitlab evaluate` and `splitlab attack`."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from splitlab.privacy.attacks import label_leak
     from splitlab.resolve import resolve_config
 
-    if attack != "label_leak":
-        raise UserError(
-            f"attack={attack} is not offered for a vertical run yet; attack=label_leak measures what a passive "
-            f"party infers of the labels from the gradients it receives"
-        )
-    config = resolve_config({**stored, "device": device, "out": str(path)})
+    config = resolve_config({**stored, "device": device, "out": str(path), "backend": "local"})
     vertical = plan_vertical(config)
-    plan, blueprint = vertical.plan, vertical.blueprint
-    passive = [j for j in range(plan.parties) if j != plan.labels_at]
-    if not passive:
-        raise UserError(f"{str(path)!r} has one party and it holds the labels: no passive party to attack with")
-    model = VerticalAssembler(blueprint, plan).model
+    model = VerticalAssembler(vertical.blueprint, vertical.plan).model
     try:
-        model.load_state_dict(load_file(path / "weights.safetensors", device=str(blueprint.device)))
+        model.load_state_dict(load_file(path / "weights.safetensors", device=str(vertical.blueprint.device)))
     except (OSError, SafetensorError, RuntimeError, KeyError) as error:
         raise UserError(
             f"cannot read {str(path / 'weights.safetensors')!r}: {str(error).splitlines()[0][:160]}"
         ) from None
-    x, y = test_set(config, vertical.data, blueprint.device)
-    count = min(500, len(y)) if targets is None else targets
-    if count > len(y):
-        raise UserError(f"targets={count} is more than the {len(y)} test samples of {str(path)!r}")
-    chosen = torch.as_tensor(np.random.default_rng([seed, len(y)]).permutation(len(y))[:count], device=y.device)
-    x, y = x[chosen], y[chosen]
-    grads: list[list[torch.Tensor]] = [[] for _ in range(plan.parties)]
-    for batch_x, batch_y in zip(x.split(config.run.batch_size), y.split(config.run.batch_size)):
-        embeddings = [
-            bottom(plan.columns(batch_x, j)).detach().requires_grad_() for j, bottom in enumerate(model.bottoms)
-        ]
-        value = torch.nn.functional.cross_entropy(model.top(plan.join(embeddings, model.shapes)), batch_y)
-        for j, grad in enumerate(torch.autograd.grad(value, embeddings)):
-            grads[j].append(grad)
-    try:
-        by_party = {j: label_leak(torch.cat(grads[j]), y) for j in passive}
-    except ValueError as error:
-        raise UserError(f"cannot attack {str(path)!r}: {error}") from None
-    return {
-        "attack": attack,
-        "targets": f"{count} held-out test samples, final model, passive party {passive[0]}",
-        "defense": "none",
-        **by_party[passive[0]],
-        "by_party": by_party,
-    }
+    return config, vertical, model
+
+
+def evaluate_vertical(path: Path, stored: dict[str, Any], device: str) -> dict[str, float]:
+    """A finished vertical run's final model on its test set, computed as the run computed its
+    final metrics (every party's features of each test sample, combined, through the top model)."""
+    from splitlab.metrics import TASK_METRICS, logits_in_batches
+
+    config, vertical, model = load_final(path, stored, device)
+    x, y = test_set(config, vertical.data, vertical.blueprint.device)
+    return TASK_METRICS[vertical.data.task](logits_in_batches(model, x, vertical.blueprint.inference_batch), y)

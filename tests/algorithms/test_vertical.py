@@ -233,8 +233,8 @@ def test_a_passive_party_infers_labels_from_its_gradients(tmp_path):
     result = attack_run(tmp_path / "v", {"attack": "label_leak", "targets": 100})
     assert list(result["by_party"]) == [1] and result["samples"] == 100  # party 0 holds the labels
     assert result["direction_auc"] > 0.9  # binary labels: the gradient's direction gives them away
-    with pytest.raises(UserError, match="attack=inversion is not offered for a vertical run"):
-        attack_run(tmp_path / "v", {"attack": "inversion"})
+    with pytest.raises(UserError, match="attack=fsha is not offered for a vertical run; offered: inversion"):
+        attack_run(tmp_path / "v", {"attack": "fsha"})
 
 
 def test_a_csv_table_trains_horizontally_without_its_incomplete_rows(table, tmp_path):

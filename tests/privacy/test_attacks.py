@@ -76,6 +76,17 @@ def test_record_and_the_attack_command(tmp_path, capsys):
         assert err.count("\n") == 1 and message in err
 
 
+def test_a_tables_rows_are_inverted_and_scored_per_column_without_a_picture(tmp_path, capsys):
+    out = tmp_path / "table"
+    run(
+        dict(dataset="breast_cancer", model="mlp", clients=1, device="cpu", local_steps=5, out=str(out)), progress=False
+    )
+    assert main(["attack", str(out), "attack=inversion", "epochs=5", "targets=50"]) == 0
+    result = json.loads((out / "attack.json").read_text())["inversion"]
+    assert len(result["r2_by_column"]) == 30 and result["baseline"]["r2"] < 0.05 < 0.3 < result["decoder"]["r2"]
+    assert "R^2 per column / MSE (decoder)" in capsys.readouterr().out and not (out / "attack_inversion.png").exists()
+
+
 def test_label_leak_is_refused_where_no_cut_gradient_is_sent(tmp_path, capsys):
     out = tmp_path / "cse"
     run({**quick(algorithm="cse_fsl", record=20, rounds=1), "out": str(out)}, progress=False)

@@ -49,6 +49,7 @@ from splitlab.config import NoParams
 from splitlab.errors import UserError
 from splitlab.models import build_model, output_shape, split
 from splitlab.privacy.defenses import decode
+from splitlab.privacy.record import PartyRecorder
 from splitlab.roles import STREAM_BATCHES, Blueprint, ClientNode, State, TrainingServer, server_part
 from splitlab.transport import KEYED, ClientDropped, verb
 
@@ -321,6 +322,8 @@ class VerticalServer(IdHolder, TrainingServer[NoParams]):
         received = [None if e is None else decode(e).requires_grad_() for e in embeddings]
         if labels is None:
             labels = self.labels[batch_rows(self.blueprint, self.round, len(self.ids), step).to(self.labels.device)]
+        if isinstance(self.blueprint.recorder, PartyRecorder):  # record=N: the parties' recorded rows get their labels
+            self.blueprint.recorder.labelled(step, labels)
         with self.blueprint.timed("server"):
             value = self.blueprint.loss(self.model("server_model")(self.plan.join(received, self.shapes)), labels)
             self.step("server_model", value.backward, tuple(r for r in received if r is not None), value)

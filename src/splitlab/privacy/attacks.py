@@ -164,9 +164,24 @@ def image_scores(reconstructed: torch.Tensor, target: torch.Tensor, data_range: 
     side = min(target.shape[-2:])
     kernel = min(11, side if side % 2 else side - 1)  # SSIM's window must fit the image (digits: 8x8)
     reconstructed = reconstructed.clamp(target.min(), target.max())  # pixels outside the range are no help
-    ssim = structural_similarity_index_measure(reconstructed, target, data_range=data_range, kernel_size=kernel)
+    # the Gaussian window (sigma 1.5, 11 wide) pads 5 on each side: a smaller image (a vertical party's
+    # strip of digits, 4 columns) takes the uniform window of `kernel`
+    ssim = structural_similarity_index_measure(
+        reconstructed, target, data_range=data_range, kernel_size=kernel, gaussian_kernel=side > 5
+    )
     psnr = peak_signal_noise_ratio(reconstructed, target, data_range=data_range)
     return {"ssim": float(typing.cast(torch.Tensor, ssim)), "psnr": min(float(psnr), PSNR_CAP)}
+
+
+def table_scores(reconstructed: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
+    """Table rows (N, columns) rebuilt: the mean squared error, and each column's R^2 (1 - its
+    squared error over its variance about its own mean: 1 exact, 0 no better than knowing that
+    mean, negative worse) with their mean; a column constant over the targets has no R^2 (None)."""
+    error = (reconstructed - target).double().pow(2)
+    spread = (target - target.mean(0)).double().pow(2).sum(0)
+    by_column = [None if float(s) == 0 else 1 - float(e) / float(s) for e, s in zip(error.sum(0), spread)]
+    scored = [r for r in by_column if r is not None]
+    return {"r2": float(np.mean(scored)) if scored else 0.0, "mse": float(error.mean()), "r2_by_column": by_column}
 
 
 def inversion(
@@ -179,22 +194,28 @@ def inversion(
     seed: int,
 ) -> dict[str, Any]:
     """Train a decoder on the server's auxiliary data and reconstruct the target inputs from the
-    smashed data the server received. The result is the stronger of the decoder and the trivial
-    attacker that answers the auxiliary data's mean image (the floor): under strong noise a
-    decoder can do worse than that, which must not read as privacy. Both are reported."""
-    if target_inputs.dim() != 4:
+    smashed data the server received: images (N, C, H, W), scored by SSIM and PSNR, or table rows
+    (N, columns), scored by R^2 per column and MSE (`table_scores`). The result is the stronger of
+    the decoder and the trivial attacker that answers the auxiliary data's mean (the floor): under
+    strong noise a decoder can do worse than that, which must not read as privacy. Both are reported."""
+    if target_inputs.dim() not in (2, 4):
         raise ValueError(
-            f"input reconstruction needs images (N, C, H, W), not inputs of shape {tuple(target_inputs.shape)}"
+            f"input reconstruction needs images (N, C, H, W) or table rows (N, columns), not inputs of shape "
+            f"{tuple(target_inputs.shape)}"
         )
     aux_smashed = defended_smashed(client, aux_inputs, defense, seed + 1)
     decoder = train_decoder(aux_smashed, aux_inputs, epochs, seed)
     with torch.no_grad():
         reconstructed = torch.cat([decoder(z) for z in target_smashed.split(256)]).view_as(target_inputs)
-    data_range = float(target_inputs.max() - target_inputs.min())
-    mean_image = aux_inputs.mean(0, keepdim=True).expand_as(target_inputs)
-    learned = image_scores(reconstructed, target_inputs, data_range)
-    floor = image_scores(mean_image, target_inputs, data_range)
-    best = "decoder" if learned["ssim"] >= floor["ssim"] else "mean image"
+    mean_input = aux_inputs.mean(0, keepdim=True).expand_as(target_inputs)
+    if target_inputs.dim() == 4:
+        data_range = float(target_inputs.max() - target_inputs.min())
+        learned, floor = (image_scores(r, target_inputs, data_range) for r in (reconstructed, mean_input))
+        key, mean_name = "ssim", "mean image"
+    else:
+        learned, floor = table_scores(reconstructed, target_inputs), table_scores(mean_input, target_inputs)
+        key, mean_name = "r2", "mean row"
+    best = "decoder" if learned[key] >= floor[key] else mean_name
     return {
         **(learned if best == "decoder" else floor),
         "attacker": best,  # the stronger of the two: a failed decoder never reads as privacy
@@ -202,5 +223,5 @@ def inversion(
         "baseline": floor,
         "samples": len(target_inputs),
         "aux_samples": len(aux_inputs),
-        "reconstructed": (reconstructed if best == "decoder" else mean_image)[:16].cpu(),
+        "reconstructed": (reconstructed if best == "decoder" else mean_input)[:16].cpu(),
     }

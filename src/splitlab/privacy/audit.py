@@ -9,6 +9,8 @@ Results go to RUN/attack.json (one entry per attack) and, for the reconstruction
 Image runs take `inversion`, `unsplit`, `fsha`, `label_leak` and `model_completion`
 (splitlab.privacy.completion),
 language runs `token_inversion` (splitlab.privacy.tokens); each is refused in one line on the other.
+`inversion` of a table's rows (breast_cancer, csv) is scored by R^2 per column and MSE, without a
+picture. Vertical runs take `inversion` per party and `label_leak` (splitlab.privacy.vertical_audit).
 `fsha` is different: an active attack during training, simulated afresh on the run's configuration
 and data (splitlab.privacy.fsha), not played on what the run recorded.
 """
@@ -94,10 +96,10 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     settings = parse_settings(AttackSettings, raw)
     path = Path(run_dir)
     stored = rundir.stored_config(path, "attack", "point attack at a finished run's directory")
-    if stored.get("setting") == "vertical":  # parties holding features: splitlab.vertical
-        from splitlab.vertical import attack_vertical
+    if stored.get("setting") == "vertical":  # parties holding features: splitlab.privacy.vertical_audit
+        from splitlab.privacy.vertical_audit import attack_vertical
 
-        found = attack_vertical(path, stored, settings.attack, settings.targets, settings.device, settings.seed)
+        found = attack_vertical(path, stored, settings)
         earlier = json.loads((path / RESULTS).read_text()) if (path / RESULTS).is_file() else {}
         write_json(path / RESULTS, {**earlier, settings.attack: {"settings": settings.model_dump(), **found}})
         return found
@@ -233,7 +235,9 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
                 )
         except ValueError as error:
             raise UserError(f"cannot attack {str(path)!r}: {error}") from None
-        _picture(path / f"attack_{settings.attack}.png", x[:16].cpu(), scores.pop("reconstructed"))
+        reconstructed = scores.pop("reconstructed")
+        if x.dim() == 4:  # images; a table's rows have no picture
+            _picture(path / f"attack_{settings.attack}.png", x[:16].cpu(), reconstructed)
         result.update(scores)
     results = json.loads((path / RESULTS).read_text()) if (path / RESULTS).is_file() else {}
     write_json(path / RESULTS, {**results, settings.attack: {"settings": settings.model_dump(), **result}})

@@ -8,6 +8,7 @@ the client sent up (`tail_grad`), what a curious server infers labels from. The 
 came from (`inputs`) are recorded too, by the experimenter and for scoring only: the server never
 sees them. One safetensors file per round, `record/round_<r>.safetensors` (a resumed run rewrites
 the rounds it replays). Recording happens where the client and the server live in one process.
+A vertical run records per party (`PartyRecorder`: `<name>@<party>`).
 """
 
 from __future__ import annotations
@@ -68,3 +69,53 @@ class Recorder:
             return
         names = set.intersection(*(set(b) for b in batches))  # a gradient only if every batch got one
         save_safetensors(round_file(run_dir, rnd), {n: torch.cat([b[n] for b in batches]) for n in sorted(names)})
+
+
+class PartyRecorder(Recorder):
+    """`record=N` in a vertical run (setting=vertical): per party, its first N samples of the round
+    as the server saw them: the party's embedding as the server decoded it (`smashed@j`), the
+    gradient the server sent back (`cut_grad@j`, as the party decoded it) and the labels of those
+    samples (`labels@j`, from the label holder's step), with the party's columns of the inputs
+    (`inputs@j`, for scoring only: the server never sees them). Every party's batch holds the same
+    rows (aligned), so party j's first N samples are every party's unless one dropped out."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self._counts: dict[int, int] = {}
+
+    def sent(self, client_id: int, key: int, inputs: torch.Tensor, smashed: torch.Tensor, labels: torch.Tensor) -> None:
+        """A party's embedding of a batch (`labels` is empty at a party: they come with `labelled`)."""
+        take = min(len(inputs), self.limit - self._counts.get(client_id, 0))
+        if take <= 0:
+            return
+        self._counts[client_id] = self._counts.get(client_id, 0) + take
+        self._awaiting[client_id, key] = {
+            "inputs": inputs[:take].detach().float(),
+            "smashed": smashed[:take].detach(),
+            "clients": torch.full((take,), client_id, dtype=torch.int64),
+        }
+        self._batches.append(self._awaiting[client_id, key])
+
+    def labelled(self, key: int, labels: torch.Tensor) -> None:
+        """The labels of step `key`'s batch, as the server trains on them."""
+        for (_, step), batch in self._awaiting.items():
+            if step == key:
+                batch["labels"] = labels[: len(batch["inputs"])].detach()
+
+    def received(self, client_id: int, key: int, cut_grad: torch.Tensor) -> None:
+        batch = self._awaiting.pop((client_id, key), None)
+        if batch is not None:
+            batch["cut_grad"] = cut_grad.detach()[: len(batch["inputs"])]
+
+    def flush(self, run_dir: Path, rnd: int) -> None:
+        """Write the round's record, every party's tensors named `<name>@<party>` (a batch no step
+        took, its label holder gone, is left out); nothing if nothing was recorded."""
+        batches, self._batches, self._awaiting, self._counts = self._batches, [], {}, {}
+        tensors: dict[str, torch.Tensor] = {}
+        for party in sorted({int(b["clients"][0]) for b in batches}):
+            kept = [b for b in batches if int(b["clients"][0]) == party and "labels" in b]
+            if kept:
+                names = set.intersection(*(set(b) for b in kept)) - {"clients"}
+                tensors.update({f"{n}@{party}": torch.cat([b[n] for b in kept]) for n in sorted(names)})
+        if tensors:
+            save_safetensors(round_file(run_dir, rnd), tensors)

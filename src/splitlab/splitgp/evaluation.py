@@ -300,11 +300,7 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
     stored = rundir.stored_config(path, "evaluate", "point evaluate at the directory of a finished run")
-    if stored.get("setting") == "vertical":
-        raise UserError(
-            f"{str(path)!r} is a vertical run, which `splitlab evaluate` does not read yet; "
-            f"its test metrics are in metrics.jsonl"
-        )
+    assert stored.get("setting") != "vertical", "a vertical run is read by splitlab.vertical.load_final"
     experiment = build({**stored, "device": device, "out": str(path), "backend": "local"})  # in this process
     algorithm = experiment.algorithm
     weights = path / "weights.safetensors"
@@ -438,6 +434,10 @@ def _finetuned(experiment: Experiment, states: list[State], train: TrainingSet, 
 def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     """The Table II view of a finished run; also written to RUN_DIR/evaluation.json."""
     settings = parse_settings(EvaluationSettings, raw)
+    path = Path(run_dir)
+    stored = rundir.stored_config(path, "evaluate", "point evaluate at the directory of a finished run")
+    if stored.get("setting") == "vertical":
+        return _evaluate_vertical(path, stored, settings)
     experiment = load_run(run_dir, settings.device)
     data, rhos, train = experiment.data, settings.rho, training_set(experiment)
     test_views = _views(experiment, train, settings, test=True)
@@ -514,4 +514,28 @@ def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
         "rows": rows,
     }
     write_json(Path(run_dir) / "evaluation.json", result)
+    return result
+
+
+def _evaluate_vertical(path: Path, stored: dict[str, Any], settings: EvaluationSettings) -> dict[str, Any]:
+    """A vertical run's final model on the test set (its parties hold the same samples, so there
+    are no per-client views to take); also written to RUN_DIR/evaluation.json."""
+    from splitlab.vertical import evaluate_vertical
+
+    given = sorted(settings.model_fields_set - {"device"})
+    if given:
+        raise UserError(
+            f"{given[0]}= does not apply to a vertical run: its parties hold the same samples, so there are no "
+            f"per-client views; evaluate reports the final model's test metrics (device= only)"
+        )
+    if not (path / "summary.json").is_file():
+        raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
+    result = {
+        "run": str(path),
+        "algorithm": stored.get("algorithm", "sl"),
+        "setting": "vertical",
+        "settings": settings.model_dump(),
+        "metrics": evaluate_vertical(path, stored, settings.device),
+    }
+    write_json(path / "evaluation.json", result)
     return result
