@@ -36,6 +36,7 @@ from splitlab.data.tables import csv_training_set, table_ids
 from splitlab.errors import UserError
 from splitlab.ledger import Ledger
 from splitlab.roles import Blueprint, SyncServer
+from splitlab.runmodel import init_state
 from splitlab.transport import TRANSPORTS, Transport
 
 #: algorithm -> its meaning in the vertical setting (the others have none here yet)
@@ -103,7 +104,15 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
     device = resolve_device(run.device)
     dtype = data.inputs(data.train_x[:1]).dtype
     blueprint = Blueprint(
-        run, config.params, device, data.input_shape, data.num_classes, dtype, data.task, builders=vertical_models(plan)
+        run,
+        config.params,
+        device,
+        data.input_shape,
+        data.num_classes,
+        dtype,
+        data.task,
+        builders=vertical_models(plan),
+        init_state=init_state(run),
     )
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model: one line
     top_model(blueprint, plan)  # embeddings the combination cannot join: one line
