@@ -2,9 +2,8 @@
 
 The graph is built from the modules' source, so a circle is caught before it happens to work by
 luck of import order. At import time (top-level imports; one under `if TYPE_CHECKING:` never runs)
-there is none. Counting imports inside functions too, the layers still form no circle but for the
-few edges in `TO_REMOVE`, each an upward call still to be taken out (the test fails once one is
-gone, so that it leaves the list, and for any new one).
+there is none, and counting imports inside functions too, none either: a lower layer never calls
+up into a higher one, even lazily.
 """
 
 from __future__ import annotations
@@ -62,12 +61,6 @@ def import_graph(in_functions: bool = False) -> dict[str, set[str]]:
     }
 
 
-#: (importer, imported) inside a function, against the layers; each closes a circle.
-TO_REMOVE = {
-    ("splitlab.roles", "splitlab.runmodel"): "init= loads a finished run's weights from inside the Blueprint",
-}
-
-
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     """One circle through each strongly connected group of modules (Tarjan's algorithm)."""
     index: dict[str, int] = {}
@@ -115,12 +108,8 @@ def test_the_package_has_no_import_circle():
     assert circles(import_graph()) == []
 
 
-def test_imports_inside_functions_close_no_circle_but_the_listed_ones():
-    graph = import_graph(in_functions=True)
-    assert [edge for edge in TO_REMOVE if edge[1] not in graph[edge[0]]] == [], "gone: take it off TO_REMOVE"
-    for importer, imported in TO_REMOVE:
-        graph[importer].discard(imported)
-    assert circles(graph) == []
+def test_imports_inside_functions_close_no_circle_either():
+    assert circles(import_graph(in_functions=True)) == []
 
 
 def test_neither_the_settings_schema_nor_the_algorithms_reach_the_other_way():

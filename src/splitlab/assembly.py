@@ -142,11 +142,14 @@ def seeded_subset(size: int, subset: int | None, seed: int, what: str) -> np.nda
     return np.sort(np.random.default_rng([seed, size]).choice(size, subset, replace=False))
 
 
-def make_blueprint(config: ResolvedConfig, data: Dataset, device: torch.device) -> Blueprint:
-    """The run's blueprint, the same in every process that builds roles for it."""
+def make_blueprint(
+    config: ResolvedConfig, data: Dataset, device: torch.device, init_state: Mapping[str, torch.Tensor] | None
+) -> Blueprint:
+    """The run's blueprint, the same in every process that builds roles for it; `init_state`: the
+    weights `init=` names (splitlab.runmodel.init_state, a layer above this one)."""
     check_augment(config.run.augment, data.name, data.input_shape, data.task)
     return blueprint_of(
-        config, device, data.input_shape, data.num_classes, data.inputs(data.train_x[:1]).dtype, data.task
+        config, device, data.input_shape, data.num_classes, data.inputs(data.train_x[:1]).dtype, data.task, init_state
     )
 
 
@@ -157,6 +160,7 @@ def blueprint_of(
     num_classes: int,
     input_dtype: torch.dtype,
     task: str,
+    init_state: Mapping[str, torch.Tensor] | None,
 ) -> Blueprint:
     """The run's blueprint from what it needs of the data: a role that holds no samples (the
     training server on Ray) gets these from the driver and never loads the dataset."""
@@ -171,6 +175,7 @@ def blueprint_of(
         task,
         builders=get_algorithm(run.algorithm).models,
         recorder=Recorder(run.record) if run.record else None,
+        init_state=init_state,
     )
 
 

@@ -38,6 +38,7 @@ from splitlab.loggers import check_logger
 from splitlab.privacy import keys
 from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint, ClientNode
+from splitlab.runmodel import init_state
 from splitlab.transport import TRANSPORTS, Transport
 from splitlab.vertical import build_vertical, party_node, plan_vertical
 
@@ -127,7 +128,7 @@ def _plan(config: ResolvedConfig) -> _Plan:
         client_test = [(data.inputs(data.train_x[idx].to(device)), data.train_y[idx].to(device)) for idx in held]
     report = partition_report(data.train_labels.numpy(), indices, data.num_classes)
     algorithm_class = get_algorithm(run.algorithm)
-    blueprint = make_blueprint(config, data, device)
+    blueprint = make_blueprint(config, data, device, init_state(run))
     _check_cut(blueprint, algorithm_class)
     owners = algorithm_class.data_owners(indices)
     return _Plan(config, data, owners, client_test, report, algorithm_class, blueprint, held)
@@ -185,7 +186,7 @@ def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
     if len(algorithm_class.data_owners([np.arange(0)] * int(run.clients))) != run.clients:
         raise UserError(f"algorithm={run.algorithm} pools the clients' samples in one node; data=own keeps them apart")
     data = load_split(run.dataset, "test", run.data_dir)
-    blueprint = make_blueprint(config, data, device)
+    blueprint = make_blueprint(config, data, device, init_state(run))
     _check_cut(blueprint, algorithm_class)
     return _Plan(config, data, None, None, None, algorithm_class, blueprint)
 
@@ -202,7 +203,7 @@ def client_node(raw: Mapping[str, Any], client_id: int) -> ClientNode:
         if run.clients != "all" and not 0 <= client_id < run.clients:
             raise UserError(f"client_id={client_id} is not a client of this run; allowed: 0 to {run.clients - 1}")
         data = load_split(run.dataset, "train", run.data_dir)
-        blueprint = make_blueprint(config, data, resolve_device(run.device))
+        blueprint = make_blueprint(config, data, resolve_device(run.device), init_state(run))
         return client_nodes(blueprint, data, {client_id: np.arange(len(data.train_y))})[0]
     plan = _plan(config)
     if not 0 <= client_id < plan.client_count:

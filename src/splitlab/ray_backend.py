@@ -42,6 +42,7 @@ from splitlab.plugins import ray_options
 from splitlab.process import peak_memory_mib, set_worker_threads, training_device
 from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint, ClientNode, Role, State
+from splitlab.runmodel import init_state
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
 
 SERVER = "server"  # the training server's key in its actor
@@ -77,13 +78,19 @@ class RoleHost:
             shape = json.loads(data_shape)
             dtype = getattr(torch, shape["input_dtype"].removeprefix("torch."))
             self.blueprint = assembly.blueprint_of(
-                config, self.device, tuple(shape["input_shape"]), shape["num_classes"], dtype, shape["task"]
+                config,
+                self.device,
+                tuple(shape["input_shape"]),
+                shape["num_classes"],
+                dtype,
+                shape["task"],
+                init_state(run),
             )
             self.roles = {SERVER: algorithm.Server(self.blueprint)}
             return
         self.data, self.owners, self.held_out = dataset_of(shared["dataset"]), shared["owners"], shared["held_out"]
         self.metrics = TASK_METRICS[self.data.task]
-        self.blueprint = assembly.make_blueprint(config, self.data, self.device)
+        self.blueprint = assembly.make_blueprint(config, self.data, self.device, init_state(run))
         self.roles = {node.id: node for node in self._nodes(placed)}
         if algorithm.personal_models:  # evaluated here, where the personal models are
             self.test = assembly.test_set(config, self.data, self.device)

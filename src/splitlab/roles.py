@@ -45,6 +45,7 @@ from splitlab.models import (
     shared_state,
     split,
 )
+from splitlab.models.lora import load_base
 from splitlab.privacy import defenses, keys
 from splitlab.privacy.defenses import Defense, decode
 from splitlab.privacy.record import Recorder
@@ -98,6 +99,9 @@ class Blueprint:
     recorder: Recorder | None = None
     #: this process's parties' noise secret (splitlab.privacy.keys); set by whoever builds the roles
     noise_secret: bytes | None = None
+    #: `init=RUN_DIR`: the finished run's weights every model starts from (splitlab.runmodel.init_state),
+    #: loaded by whoever builds the blueprint
+    init_state: Mapping[str, torch.Tensor] | None = None
     _initial: dict[str, nn.Module] = field(default_factory=dict)
     _pools: dict[str, list[nn.Module]] = field(default_factory=dict)
 
@@ -143,9 +147,9 @@ class Blueprint:
             self.config.model, self.input_shape, self.num_classes, seed=self.config.seed, **self.config.model_settings()
         )
         if self.config.init is not None:
-            from splitlab.runmodel import start_from
-
-            start_from(model, self.config.init)
+            if self.init_state is None:
+                raise RuntimeError(f"init={self.config.init}: the blueprint was built without its init_state")
+            load_base(model, self.init_state, f"init={self.config.init}")
         return model
 
     @functools.cached_property

@@ -54,19 +54,10 @@ def base_state(run_dir: str) -> dict[str, torch.Tensor]:
     return merge_lora(run_model(run_dir)[1])
 
 
-def start_from(model: nn.Module, run_dir: str) -> None:
-    """Load a finished run's weights into a freshly built `model` (before its own adapters train:
-    they start at zero, so the model computes what the finished run's did)."""
-    try:
-        missing, unexpected = model.load_state_dict(base_state(run_dir), strict=False)
-    except RuntimeError as error:
-        why = str(error).strip().splitlines()[-1].strip()[:160]
-        raise UserError(f"init={run_dir}: its model does not fit this run's ({why})") from None
-    missing = [name for name in missing if not name.endswith(("lora_A", "lora_B"))]
-    if missing or unexpected:
-        raise UserError(
-            f"init={run_dir}: its model does not fit this run's (missing {missing[:3]}, extra {unexpected[:3]})"
-        )
+def init_state(run: RunConfig) -> dict[str, torch.Tensor] | None:
+    """The weights every model of a run with `init=RUN_DIR` starts from (None without `init`): the
+    finished run's, adapters merged. Whoever builds the run's `Blueprint` hands them to it."""
+    return None if run.init is None else base_state(run.init)
 
 
 def export_hf(config: RunConfig, parts: list[nn.Module], vocabulary: str | None, out_dir: Path) -> bool:

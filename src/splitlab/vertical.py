@@ -39,6 +39,7 @@ from splitlab.ledger import Ledger
 from splitlab.privacy import keys
 from splitlab.privacy.record import PartyRecorder
 from splitlab.roles import Blueprint, SyncServer
+from splitlab.runmodel import init_state
 from splitlab.transport import TRANSPORTS, Transport
 
 #: algorithm -> its meaning in the vertical setting (the others have none here yet)
@@ -113,6 +114,7 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
         data.task,
         builders=vertical_models(plan),
         recorder=PartyRecorder(run.record) if run.record else None,
+        init_state=init_state(run),
     )
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model: one line
     top_model(blueprint, plan)  # embeddings the combination cannot join: one line

@@ -70,6 +70,8 @@ def test_init_starts_from_the_finished_model(finished, tmp_path):
     fresh = train(0, **dict(config, init=finished, lora=None))
     final = json.loads(Path(finished, "metrics.jsonl").read_text().splitlines()[-1])
     assert evaluate(fresh)["loss"] == pytest.approx(final["test_loss"], rel=1e-5)
+    with pytest.raises(UserError, match=r"^init=.*: its model does not fit this run's \(size mismatch for "):
+        train(0, **dict(config, init=finished, lora=None, width=32))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -15,7 +15,7 @@ transformers.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -124,3 +124,17 @@ def merge_lora(model: nn.Module) -> dict[str, torch.Tensor]:
             state[prefix + "weight"] = module.merged_weight().detach()
             del state[prefix + "lora_A"], state[prefix + "lora_B"]
     return state
+
+
+def load_base(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Load a base's weights (`merge_lora`'s output) into a freshly built `model`, whose adapters keep
+    their initial values (B = 0: the model computes what the base did); UserError naming `source`
+    (`init=RUN_DIR`) if they do not fit."""
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as error:
+        why = str(error).strip().splitlines()[-1].strip()[:160]
+        raise UserError(f"{source}: its model does not fit this run's ({why})") from None
+    missing = [name for name in missing if not name.endswith(("lora_A", "lora_B"))]
+    if missing or unexpected:
+        raise UserError(f"{source}: its model does not fit this run's (missing {missing[:3]}, extra {unexpected[:3]})")
