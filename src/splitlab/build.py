@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Callable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -314,8 +314,7 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     algorithm = algorithm_class(context)
     transport_.on_rejoin = algorithm.rejoined
     if blueprint.defense.random:  # each party's own noise key (splitlab.privacy.keys)
-        secret = keys.from_setting(run.noise_key) if run.noise_key is not None else keys.fresh()
-        install_noise_secret(blueprint, transport_, secret)
+        transport_.install_noise_secret(blueprint, keys.for_run(run.noise_key))
     test_x, test_y = test_set(config, data, device)
     data = dataclasses.replace(
         data,
@@ -327,10 +326,3 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         prepare=None,
     )  # the test set, prepared once
     return Experiment(config, data, clients, algorithm, report, roles, blueprint, transport_, plan.client_test)
-
-
-def install_noise_secret(blueprint: Blueprint, transport: Transport, secret: bytes) -> None:
-    """The noise secret of the parties this process plays (and of its Ray actors', which it also plays)."""
-    blueprint.noise_secret = secret
-    if blueprint.config.backend == "ray":
-        ray_backend.install_noise_secret(cast(ray_backend.RayTransport, transport), secret)

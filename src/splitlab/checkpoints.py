@@ -16,7 +16,6 @@ import torch
 
 from splitlab import codec
 from splitlab.assembly import Experiment
-from splitlab.build import install_noise_secret
 from splitlab.errors import UserError
 from splitlab.io import write_safetensors
 from splitlab.rundir import CHECKPOINT
@@ -46,7 +45,7 @@ def restore(experiment: Experiment, state: dict[str, Any]) -> None:
     """Load `role_states` into a freshly built experiment."""
     algorithm, ledger = experiment.algorithm, experiment.ledger
     if "noise_secret" in state:
-        install_noise_secret(experiment.blueprint, experiment.transport, bytes(state["noise_secret"].tolist()))
+        experiment.transport.install_noise_secret(experiment.blueprint, bytes(state["noise_secret"].tolist()))
     algorithm.load_state_dict(state["algorithm"])
     algorithm.server.load_state_dict(state["server"])
     algorithm.sync.load_state_dict(state["sync"])

@@ -278,6 +278,11 @@ class RayTransport(SerializedTransport):
         self._load = [0.0] * workers  # by client worker, since the last row
         self.moves = 0  # clients moved to another worker, since the last row
 
+    def install_noise_secret(self, blueprint: Any, secret: bytes) -> None:
+        super().install_noise_secret(blueprint, secret)
+        ray = cluster.connect("auto")
+        ray.get([host.set_noise_secret.remote(secret) for host in self.hosts])
+
     @contextlib.contextmanager
     def lease(self, client_id: int) -> Iterator[None]:
         """Client `client_id` trains on a free client worker: the one holding it if free, else the free
@@ -395,12 +400,6 @@ class RayTransport(SerializedTransport):
             return result
         with self._lock:
             return super().call(method, spec, counted, *args, **kwargs)
-
-
-def install_noise_secret(transport: RayTransport, secret: bytes) -> None:
-    """Every actor's roles get the run's noise secret."""
-    ray = cluster.connect("auto")
-    ray.get([host.set_noise_secret.remote(secret) for host in transport.hosts])
 
 
 def start_roles(

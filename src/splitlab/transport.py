@@ -124,6 +124,11 @@ class Transport:
         that runs clients on a pool of workers gives it a free one (backend=ray); here, nothing."""
         return contextlib.nullcontext()
 
+    def install_noise_secret(self, blueprint: Any, secret: bytes) -> None:
+        """Give the parties this process plays the run's noise secret (splitlab.privacy.keys); a
+        transport whose roles live in other processes started by this one gives it to them too."""
+        blueprint.noise_secret = secret
+
     def connect_remote(
         self, role_classes: Mapping[int, type], blueprint: Any, summaries: Mapping[int, dict[str, Any] | None]
     ) -> dict[int, Proxy]:

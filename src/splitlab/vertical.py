@@ -206,10 +206,7 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
     context.clients = [ClientInfo(j, common) for j in range(plan.parties)]
     transport_.on_rejoin = algorithm.rejoined
     if blueprint.defense.random:  # the noise key of the parties played here (splitlab.privacy.keys)
-        from splitlab.build import install_noise_secret
-
-        secret = keys.from_setting(run.noise_key) if run.noise_key is not None else keys.fresh()
-        install_noise_secret(blueprint, transport_, secret)
+        transport_.install_noise_secret(blueprint, keys.for_run(run.noise_key))
     test_x, test_y = test_set(config, data, device)
     test = dataclasses.replace(
         data, train_x=data.train_x[:0], train_y=data.train_y[:0], test_x=test_x, test_y=test_y, prepare=None

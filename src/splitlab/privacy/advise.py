@@ -125,7 +125,8 @@ def advise(raw: dict) -> dict[str, Any]:
     from splitlab.algorithms import get_algorithm
     from splitlab.data import load_dataset
     from splitlab.engine import run
-    from splitlab.privacy.audit import attack_run, attack_sizes, check_classification
+    from splitlab.privacy.audit import attack_run, check_classification
+    from splitlab.privacy.record import attack_sizes
     from splitlab.splitgp import parse_settings
 
     settings = parse_settings(AdviseSettings, raw)

@@ -39,6 +39,11 @@ def from_setting(noise_key: str) -> bytes:
     return hashlib.sha256(b"splitlab noise_key\0" + noise_key.encode()).digest()
 
 
+def for_run(noise_key: str | None) -> bytes:
+    """A run's noise secret: the one `noise_key=` fixes, else a fresh one."""
+    return from_setting(noise_key) if noise_key is not None else fresh()
+
+
 def from_private_key(private_key: bytes, config: Mapping[str, Any]) -> bytes:
     """A networked client's secret: its TLS private key (which the server never sees) and the run's config."""
     canonical = json.dumps(dict(config), sort_keys=True, default=str).encode()

@@ -41,7 +41,7 @@ _PARTY_TENSOR = re.compile(r"(inputs|smashed|labels|cut_grad)@(\d+)")
 def attack_vertical(path: Path, stored: dict[str, Any], settings: AttackSettings) -> dict[str, Any]:
     """Run `settings.attack` on the vertical run in `path`; its result (the caller keeps it in attack.json)."""
     from splitlab.assembly import test_set
-    from splitlab.privacy.audit import _record_files, attack_sizes
+    from splitlab.privacy.record import attack_sizes, record_files
     from splitlab.vertical import load_final
 
     attack = settings.attack
@@ -49,7 +49,7 @@ def attack_vertical(path: Path, stored: dict[str, Any], settings: AttackSettings
         raise UserError(f"attack={attack} is not offered for a vertical run; {OFFERED}")
     if settings.client:
         raise UserError(f"client={settings.client} does not apply to a vertical run: every party is attacked")
-    files = _record_files(path)  # stray or misnamed files refused before any work
+    files = record_files(path)  # stray or misnamed files refused before any work
     config, vertical, model = load_final(path, stored, settings.device)
     plan, blueprint = vertical.plan, vertical.blueprint
     recorded = _recorded(path, files, settings.round, model, blueprint.num_classes)
@@ -125,7 +125,7 @@ def _recorded(
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from splitlab.privacy.audit import _record_problem
+    from splitlab.privacy.record import record_problem
 
     rounds = sorted(files)
     if rnd is not None and rnd not in rounds:
@@ -150,7 +150,7 @@ def _recorded(
     for j in range(plan.parties):
         mine = {n.partition("@")[0]: t for n, t in tensors.items() if n.endswith(f"@{j}")}
         shapes = {"inputs": plan.party_shape(j), "smashed": tuple(model.shapes[j]), "labels": ()}
-        problem = _record_problem(mine, shapes, num_classes)
+        problem = record_problem(mine, shapes, num_classes)
         if problem:
             raise UserError(f"{str(file)!r} is not a record of this run: party {j}'s {problem}")
     return chosen, tensors
