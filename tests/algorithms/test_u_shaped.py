@@ -121,7 +121,7 @@ def test_defense_at_the_first_cut(tmp_path):
         ({"cut": "1,1"}, "cut=1,1: the cuts are out of order"),
         ({"cut": "1,x"}, "invalid value '1,x' for cut"),
         ({"cut": "1,2", "tail_cut": 2}, "give it once"),
-        ({"algorithm": "cycle_psl", "cut": "1,2"}, "tail_cut=2 (cut=1,2, U-shaped) does not fit algorithm=cycle_psl"),
+        ({"algorithm": "splitgp", "cut": "1,2"}, "tail_cut=2 (cut=1,2, U-shaped) does not fit algorithm=splitgp"),
         ({"algorithm": "fsl_sage", "cut": "1,2"}, "does not fit algorithm=fsl_sage"),
         ({"algorithm": "fedavg", "cut": "1,2"}, "does not fit algorithm=fedavg: nothing is split"),
     ],
