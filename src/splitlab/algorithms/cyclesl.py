@@ -306,9 +306,8 @@ class CycleSL(Algorithm):
         if self.ctx.config.tail_cut is not None:
             self.cycle_u_shaped(rnd, clients, smashed, sizes, chosen)
             return
-        reply = self.server.cycle(
-            rnd, smashed, [s["labels"] for s in sent], sizes, clients[0].id, chosen
-        )  # server task, ServerGrad
+        # server task, ServerGrad
+        reply = self.server.cycle(rnd, smashed, [s["labels"] for s in sent], sizes, clients[0].id, chosen)
         for value in reply["losses"]:
             self.track(value)
         for client, grad in zip(clients, reply["cut_grads"]):  # ClientBP
