@@ -37,11 +37,16 @@ class Loss:
         counted = targets.flatten() != IGNORED
         return (self._masked_terms(logits, targets, counted)).sum() / counted.sum()
 
-    def weighted(self, logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def weighted(
+        self, logits: torch.Tensor, targets: torch.Tensor, weight: torch.Tensor, total: float | None = None
+    ) -> torch.Tensor:
         """The loss with every sample's terms weighted by `weight` (B,): sum w l / sum w over the targets
-        in the loss (per token for a language task, each token weighted by its sample's weight)."""
+        in the loss (per token for a language task, each token weighted by its sample's weight).
+        `total` replaces the denominator: these samples are part of a larger batch whose sum of
+        weights it is (a client's share of a U-shaped CycleSL server batch)."""
         counted = (weight.view(-1, *[1] * (targets.dim() - 1)) * (targets != IGNORED)).flatten()
-        return (self._masked_terms(logits, targets, counted != 0) * counted).sum() / counted.sum()
+        value = (self._masked_terms(logits, targets, counted != 0) * counted).sum()
+        return value / (counted.sum() if total is None else total)
 
     def _masked_terms(self, logits: torch.Tensor, targets: torch.Tensor, counted: torch.Tensor) -> torch.Tensor:
         """The terms, 0 where a target is not counted (an ignored target is given class 0 first, so

@@ -17,7 +17,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
+from helpers import DropsOut, global_weights, max_abs_difference, quick, server_model, straight_and_resumed, train
+from splitlab.build import build
 from splitlab.cli import main
 from splitlab.engine import run
 from splitlab.errors import UserError
@@ -121,7 +122,7 @@ def test_defense_at_the_first_cut(tmp_path):
         ({"cut": "1,1"}, "cut=1,1: the cuts are out of order"),
         ({"cut": "1,x"}, "invalid value '1,x' for cut"),
         ({"cut": "1,2", "tail_cut": 2}, "give it once"),
-        ({"algorithm": "cycle_psl", "cut": "1,2"}, "tail_cut=2 (cut=1,2, U-shaped) does not fit algorithm=cycle_psl"),
+        ({"algorithm": "splitgp", "cut": "1,2"}, "tail_cut=2 (cut=1,2, U-shaped) does not fit algorithm=splitgp"),
         ({"algorithm": "fsl_sage", "cut": "1,2"}, "does not fit algorithm=fsl_sage"),
         ({"algorithm": "fedavg", "cut": "1,2"}, "does not fit algorithm=fedavg: nothing is split"),
     ],
@@ -172,3 +173,123 @@ def test_a_u_shaped_server_refuses_labels_and_a_misshapen_gradient_at_the_second
     for wrong in (torch.zeros(31, 200), torch.zeros(32, 200, dtype=torch.float64)):
         with pytest.raises(Refused, match="tail_grad is .*, expected torch.float32 \\(32, 200\\)"):
             checks.result("tail_step", tail_step, (0, output), {**reply, "tail_grad": wrong})
+
+
+# --- CycleSL U-shaped: the server task and ServerGrad through the clients' tails ---------------
+CYCLES = ["cycle_psl", "cycle_sglr", "cycle_sfl", "cycle_ssl"]
+
+
+def whole_model(experiment, client_id: int = 0) -> dict[str, torch.Tensor]:
+    """Client `client_id`'s whole model (head, middle and tail, or client and server part)."""
+    return {k: t for part in experiment.algorithm.personal_model(client_id) for k, t in part.items()}
+
+
+@pytest.mark.parametrize(
+    "algorithm,opt",
+    [
+        ("cycle_psl", OPTIMIZERS[0]),
+        ("cycle_psl", OPTIMIZERS[1]),
+        ("cycle_sglr", OPTIMIZERS[1]),
+        ("cycle_sfl", OPTIMIZERS[0]),
+        ("cycle_ssl", OPTIMIZERS[0]),
+    ],
+    ids=lambda v: v if isinstance(v, str) else v["optimizer"],
+)
+def test_u_shaped_cycle_with_one_client_equals_vanilla(algorithm, opt):
+    """With one client and server_lr unset, the tail's steps in the server task are the vanilla
+    server part's last layers' (the optimizers are per parameter): the same model, bit for bit,
+    over two rounds of two resampled server epochs. cycle_sfl and cycle_ssl start their client
+    optimizer afresh every round, the vanilla server's lives on: equal with SGD, not with Adam."""
+    config = quick(algorithm=algorithm, clients=1, server_epochs=2, server_batch_size=16, **opt)
+    vanilla, u_shaped = whole_model(train(2, **config)), whole_model(train(2, cut="1,2", **config))
+    assert u_shaped.keys() == vanilla.keys()
+    assert max_abs_difference(u_shaped, vanilla) <= 1e-6
+    assert max_abs_difference(vanilla, whole_model(train(0, **config))) > 1e-3
+
+
+def test_u_shaped_cycle_sfl_with_adam_differs_from_vanilla_after_a_round():
+    """The exception above: the tail's Adam moments start afresh in round 2 (the client's optimizer
+    does), the vanilla server part's do not; equal after the first round, not after the second."""
+    config = quick(algorithm="cycle_sfl", clients=1, **OPTIMIZERS[1])
+    assert max_abs_difference(whole_model(train(1, cut="1,2", **config)), whole_model(train(1, **config))) <= 1e-6
+    assert max_abs_difference(whole_model(train(2, cut="1,2", **config)), whole_model(train(2, **config))) > 1e-4
+
+
+def test_u_shaped_cycle_loss_shares_add_up_to_the_vanilla_weighted_loss():
+    """Three clients of unequal sizes, one server batch of all their samples: the clients' shares
+    (|D_k|-weighted, over the whole batch's weights) sum to vanilla's loss, so the middle takes
+    vanilla's step, and with SGD the clients' tail steps add up to the vanilla tail's."""
+    config = quick(algorithm="cycle_psl", partition="dirichlet:0.5", server_batch_size=1000, optimizer="sgd", lr=0.1)
+    vanilla, u_shaped = train(1, **config), train(1, cut="1,2", **config)
+    assert len({c.num_samples for c in u_shaped.clients}) == 3
+    assert u_shaped.algorithm.pop_train_loss() == pytest.approx(vanilla.algorithm.pop_train_loss(), abs=1e-6)
+    middle = server_model(u_shaped).state_dict()
+    assert max_abs_difference(middle, {k: server_model(vanilla).state_dict()[k] for k in middle}) <= 1e-6
+    initial = whole_model(train(0, cut="1,2", **config))
+    tail = [k for k in initial if k.startswith("out.")]
+    steps = {k: sum(whole_model(u_shaped, c.id)[k] - initial[k] for c in u_shaped.clients) for k in tail}
+    assert max_abs_difference(steps, {k: whole_model(vanilla)[k] - initial[k] for k in tail}) <= 1e-6
+    assert max(float(t.abs().max()) for t in steps.values()) > 1e-3
+
+
+def test_u_shaped_cycle_bytes_of_one_round_by_hand():
+    """3 clients send one batch of 32 each (96 samples); 2 server epochs of batches of 20 send each
+    sample's middle output down and its gradient up twice, ServerGrad once more: 3 x 96 x 800
+    bytes of each; smashed data and cut gradients once; no labels."""
+    ledger = train(1, **quick(algorithm="cycle_psl", cut="1,2", server_epochs=2, server_batch_size=20)).ledger
+    sent = 3 * 32 * PER_SAMPLE
+    assert ledger.state_dict() == {"smashed": sent, "server_output": 3 * sent, "tail_grad": 3 * sent, "cut_grad": sent}
+
+
+@pytest.mark.parametrize("algorithm", CYCLES)
+def test_u_shaped_cycle_serialized_equals_direct(algorithm):
+    config = quick(algorithm=algorithm, cut="1,2", rounds=1, server_batch_size=20, partition="dirichlet:0.5")
+    direct, serialized = train(1, **config), train(1, transport="serialized", **config)
+    assert serialized.ledger.envelope_bytes > 0 and "labels" not in direct.ledger.state_dict()
+    assert serialized.ledger.state_dict() == direct.ledger.state_dict()
+    assert serialized.algorithm.pop_train_loss() == direct.algorithm.pop_train_loss()
+    for client in direct.clients:
+        assert max_abs_difference(whole_model(direct, client.id), whole_model(serialized, client.id)) == 0
+
+
+def test_u_shaped_cycle_resumed_equals_straight():
+    config = quick(algorithm="cycle_sglr", cut="1,2", optimizer="adam", participation=0.67, server_epochs=2)
+    straight, resumed = straight_and_resumed(3, **config)
+    for client in straight.clients:
+        assert max_abs_difference(whole_model(straight, client.id), whole_model(resumed, client.id)) == 0
+
+
+def test_u_shaped_cycle_tail_results_pass_the_servers_checks():
+    """Over a network the server checks the tails' results as those of `tail_step`: the gradient
+    at B of the output it sent, a scalar loss share, nothing else (no labels)."""
+    experiment = train(0, **quick(algorithm="cycle_sfl", cut="1,2", clients=2, train_subset=100))
+    checks, node = Checks(experiment.blueprint), experiment.roles.clients[0]
+    node.begin_round(0)
+    node.forward(0)
+    pooled, frozen = (getattr(type(node), verb).__verb__ for verb in ("pooled_tail_step", "frozen_tail"))
+    args = (0, torch.zeros(5, 200), [0, 3, 4, 7, 9], 50.0, 500.0)
+    reply = node.pooled_tail_step(*args)
+    checks.result("pooled_tail_step", pooled, args, reply)
+    with pytest.raises(Refused, match=r"returns exactly \['loss', 'tail_grad'\]"):
+        checks.result("pooled_tail_step", pooled, args, {**reply, "labels": torch.zeros(5, dtype=torch.int64)})
+    with pytest.raises(Refused, match="tail_grad is .*, expected torch.float32 \\(5, 200\\)"):
+        checks.result("pooled_tail_step", pooled, args, {**reply, "tail_grad": torch.zeros(4, 200)})
+    with pytest.raises(ValueError, match="rows outside the batch of 32 samples"):
+        node.pooled_tail_step(0, torch.zeros(1, 200), [32], 50.0, 500.0)
+    output = torch.zeros(32, 200)
+    checks.result("frozen_tail", frozen, (0, output), node.frozen_tail(0, output))
+
+
+def test_u_shaped_cycle_goes_on_without_a_client_that_drops_out_of_the_server_task():
+    """Client 2 leaves at its first share of the server task: its rows give no gradient from then
+    on, it is left out of ServerGrad, the others finish the round, and it trains again next round."""
+    config = quick(algorithm="cycle_psl", cut="1,2", server_epochs=2, server_batch_size=20)
+    leaves = DropsOut.at_call(client=2, at=1, verbs=("pooled_tail_step",))
+    experiment = build(config, transport=leaves)
+    experiment.algorithm.run_round(0, experiment.clients)
+    assert experiment.algorithm.dropped == {2}
+    by_client = experiment.ledger.bytes_by_client
+    assert by_client[2] == 32 * PER_SAMPLE  # its smashed data, nothing after
+    assert by_client[0] == by_client[1] > 5 * 32 * PER_SAMPLE
+    experiment.algorithm.run_round(1, experiment.clients)
+    assert experiment.algorithm.dropped == set() and experiment.ledger.bytes_by_client[2] > 5 * 32 * PER_SAMPLE
