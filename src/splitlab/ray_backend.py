@@ -14,6 +14,10 @@ travel as `splitlab.codec` bytes (safetensors + JSON), as through the serialized
 results are bit for bit those of an in-process run. Ray itself pickles what it carries (here:
 those bytes, client ids, verb names and the dataset's arrays), between processes of a cluster
 the user started and trusts.
+
+A vertical run (`setting=vertical`, splitlab.vertical) puts its parties on the client workers
+(party j on worker j mod workers, for the whole run) and its server (the top model, and the labels
+unless a party holds them) on the server's actor; each actor gets only what its roles hold.
 """
 
 from __future__ import annotations
@@ -74,18 +78,12 @@ class RoleHost:
         algorithm = get_algorithm(run.algorithm)
         self.device = assigned_device() if run.device == "auto" else assembly.resolve_device(run.device)
         self.roles: dict[int | str, Role]
+        if run.setting == "vertical":
+            assert shared is not None
+            self._build_vertical(config, shared, data_shape)
+            return
         if shared is None:  # the training server holds no samples: it never loads them
-            shape = json.loads(data_shape)
-            dtype = getattr(torch, shape["input_dtype"].removeprefix("torch."))
-            self.blueprint = assembly.blueprint_of(
-                config,
-                self.device,
-                tuple(shape["input_shape"]),
-                shape["num_classes"],
-                dtype,
-                shape["task"],
-                init_state(run),
-            )
+            self.blueprint = assembly.blueprint_of(config, self.device, *shape_of(data_shape), init_state(run))
             self.roles = {SERVER: algorithm.Server(self.blueprint)}
             return
         self.data, self.owners, self.held_out = dataset_of(shared["dataset"]), shared["owners"], shared["held_out"]
@@ -95,6 +93,21 @@ class RoleHost:
         if algorithm.personal_models:  # evaluated here, where the personal models are
             self.test = assembly.test_set(config, self.data, self.device)
             self.assemble = assembly.Assembler(self.blueprint)
+
+    def _build_vertical(self, config: ResolvedConfig, shared: dict[str, Any], data_shape: str) -> None:
+        """setting=vertical: the parties `start_parties` placed here, or the server, each built from
+        what it holds (`splitlab.vertical.Holding`) as in the driver's process."""
+        from splitlab import vertical
+
+        plan, self.blueprint = vertical.vertical_blueprint(config, self.device, *shape_of(data_shape))
+        self.roles = {}
+        for key, fields in shared["roles"].items():
+            held = holding_of(fields)
+            self.roles[key] = (
+                vertical.vertical_server(self.blueprint, plan, held)
+                if key == SERVER
+                else vertical.feature_party(self.blueprint, plan, key, held, shared["prepare"])
+            )
 
     def _nodes(self, client_ids: list[int]) -> list[ClientNode]:
         return assembly.client_nodes(self.blueprint, self.data, {k: self.owners[k] for k in client_ids})
@@ -186,7 +199,7 @@ def shared_data(
     fields["train_groups"] = None  # the partition is the driver's: the owners below
     if not with_test:
         fields["test_x"], fields["test_y"] = data.test_x[:0], data.test_y[:0]
-    arrays = {name: value.numpy() if isinstance(value, torch.Tensor) else value for name, value in fields.items()}
+    arrays = {name: _numpy(value) for name, value in fields.items()}
     held = dict(enumerate(held_out)) if held_out is not None else None
     return {"dataset": arrays, "owners": dict(enumerate(owners)), "held_out": held}
 
@@ -194,12 +207,49 @@ def shared_data(
 def dataset_of(fields: dict[str, Any]) -> Dataset:
     """The dataset `shared_data` sent, its tensors over the object store's read-only memory (nothing
     writes to them: a client's samples and the test set are copies indexed out of them)."""
+    return Dataset(**_tensors(fields))
+
+
+def _tensors(fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields`' numpy arrays as tensors over the same (read-only) memory; the rest as they are."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        tensors: dict[str, Any] = {
-            name: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for name, v in fields.items()
+        return {name: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for name, v in fields.items()}
+
+
+def holding_fields(held: Any) -> dict[str, Any]:
+    """A vertical role's `Holding` for the object store: its tensors as numpy arrays (the ids are one already)."""
+    return {field.name: _numpy(getattr(held, field.name)) for field in dataclasses.fields(held)}
+
+
+def holding_of(fields: dict[str, Any]) -> Any:
+    """The `Holding` `holding_fields` sent, labels and columns as tensors over the object store's memory."""
+    from splitlab.vertical import Holding
+
+    return Holding(fields["ids"], **_tensors({"labels": fields["labels"], "x": fields["x"]}))
+
+
+def _numpy(value: Any) -> Any:
+    return value.numpy() if isinstance(value, torch.Tensor) else value
+
+
+def data_shape_of(blueprint: Blueprint) -> str:
+    """What a role that holds no dataset needs of its shape to make the blueprint (JSON; `shape_of`)."""
+    return json.dumps(
+        {
+            "input_shape": list(blueprint.input_shape),
+            "num_classes": blueprint.num_classes,
+            "input_dtype": str(blueprint.input_dtype),
+            "task": blueprint.task,
         }
-    return Dataset(**tensors)
+    )
+
+
+def shape_of(data_shape: str) -> tuple[tuple[int, ...], int, torch.dtype, str]:
+    """`data_shape_of`'s JSON as `blueprint_of`'s input shape, classes, input dtype and task."""
+    shape = json.loads(data_shape)
+    dtype = getattr(torch, shape["input_dtype"].removeprefix("torch."))
+    return tuple(shape["input_shape"]), shape["num_classes"], dtype, shape["task"]
 
 
 def assigned_device() -> torch.device:
@@ -415,8 +465,49 @@ def start_roles(
     workers through Ray's object store; return the remote client roles by id, and the remote server."""
     from splitlab.algorithms import get_algorithm
 
-    ray = cluster.connect("auto")
     run = config.run
+    ray = _connected(run)
+    algorithm_class = get_algorithm(run.algorithm)
+    shared = ray.put(shared_data(data, owners, held_out, with_test=algorithm_class.personal_models))
+    placed = [list(range(w, len(owners), run.workers)) for w in range(run.workers)]
+    hosts, server_host = _start_actors(config, [(shared, ks) for ks in placed], None, blueprint, transport)
+    transport.clients = {
+        k: RemoteRole(algorithm_class.Client, hosts[k % run.workers], k, k % run.workers) for k in range(len(owners))
+    }
+    return dict(transport.clients), RemoteRole(algorithm_class.Server, server_host, SERVER)
+
+
+def start_parties(
+    config: ResolvedConfig,
+    parties: dict[int, tuple[type, Any]],
+    server: tuple[type, Any],
+    prepare: Any,
+    blueprint: Blueprint,
+    transport: RayTransport,
+) -> tuple[dict[int, RemoteRole], RemoteRole]:
+    """setting=vertical: `workers` actors holding the parties (party j, a `parties[j][0]` node
+    holding the `Holding` `parties[j][1]`, on worker j mod `workers`) and the server's actor (a
+    `server[0]` holding `server[1]`: the top model, and the labels unless a party holds them).
+    Each actor gets through the object store only what its roles hold (a party's columns of its
+    rows, not the dataset). A party stays on its worker: every party takes part in every step, one
+    after another, so none ever waits for a free one (`lease` is never asked)."""
+    run = config.run
+    ray = _connected(run)
+    placed = [list(range(w, len(parties), run.workers)) for w in range(run.workers)]
+    loads = [
+        (ray.put({"prepare": prepare, "roles": {j: holding_fields(parties[j][1]) for j in js}}), js) for js in placed
+    ]
+    server_load = ray.put({"prepare": None, "roles": {SERVER: holding_fields(server[1])}})
+    hosts, server_host = _start_actors(config, loads, server_load, blueprint, transport)
+    transport.clients = {
+        j: RemoteRole(role_class, hosts[j % run.workers], j, j % run.workers) for j, (role_class, _) in parties.items()
+    }
+    return dict(transport.clients), RemoteRole(server[0], server_host, SERVER)
+
+
+def _connected(run: Any) -> Any:
+    """Ray, connected, with room for the run's `workers + 1` actors (else one line: Ray would wait for ever)."""
+    ray = cluster.connect("auto")
     actors = run.workers + 1  # the client workers and the training server
     total = ray.cluster_resources()
     for unit, each, key in (
@@ -430,18 +521,25 @@ def start_roles(
                 f"(the client workers and the training server), which has {available:g}; lower workers or "
                 f"{key}, or add nodes"
             )
-    algorithm_class = get_algorithm(run.algorithm)
+    return ray
+
+
+def _start_actors(
+    config: ResolvedConfig,
+    loads: list[tuple[Any, list[int]]],
+    server_load: Any,
+    blueprint: Blueprint,
+    transport: RayTransport,
+) -> tuple[list[Any], Any]:
+    """The client workers (worker w: `loads[w]`, what it gets and the roles it holds) and the
+    training server's actor (`server_load`; None: the data's shape alone), started and built, in
+    `transport.hosts`; a failure to build, one line per node, after the actors are stopped."""
+    ray = cluster.ray_module()
+    run = config.run
     Host = ray.remote(num_cpus=run.cpus_per_client, num_gpus=run.gpus_per_client, **ray_options(run.plugins))(RoleHost)
-    config_json = json.dumps(config.as_dict())
-    shared = ray.put(shared_data(data, owners, held_out, with_test=algorithm_class.personal_models))
-    hosts = [Host.remote(config_json, shared, list(range(w, len(owners), run.workers)), "") for w in range(run.workers)]
-    data_shape = {
-        "input_shape": list(blueprint.input_shape),
-        "num_classes": blueprint.num_classes,
-        "input_dtype": str(blueprint.input_dtype),
-        "task": blueprint.task,
-    }
-    server_host = Host.remote(config_json, None, [], json.dumps(data_shape))
+    config_json, data_shape = json.dumps(config.as_dict()), data_shape_of(blueprint)
+    hosts = [Host.remote(config_json, shared, placed, data_shape) for shared, placed in loads]
+    server_host = Host.remote(config_json, server_load, [], data_shape)
     transport.hosts = [*hosts, server_host]
     started = time.perf_counter()
     failures = sorted(
@@ -451,7 +549,4 @@ def start_roles(
         transport.close()
         raise UserError("; ".join(failures))
     transport.startup_seconds = time.perf_counter() - started
-    transport.clients = {
-        k: RemoteRole(algorithm_class.Client, hosts[k % run.workers], k, k % run.workers) for k in range(len(owners))
-    }
-    return dict(transport.clients), RemoteRole(algorithm_class.Server, server_host, SERVER)
+    return hosts, server_host

@@ -45,8 +45,6 @@ from splitlab.transport import TRANSPORTS, Transport
 #: algorithm -> its meaning in the vertical setting (the others have none here yet)
 VERTICAL_ALGORITHMS = {"sl": VerticalSplitNN}
 
-NOT_HERE = "setting=vertical runs its parties in this process or over the network (`splitlab launch`)"
-
 
 @dataclasses.dataclass
 class VerticalPlan:
@@ -76,7 +74,6 @@ def _refusals(run: RunConfig) -> None:
             run.algorithm not in VERTICAL_ALGORITHMS,
             "vertical SplitNN is algorithm=sl; others have no vertical form here",
         ),
-        "backend": (run.backend != "local", f"{NOT_HERE}, not on Ray actors"),
         "test_split": (run.test_split != "global", "a vertical run evaluates on the dataset's test set"),
         "participation": (run.participation != 1, "every party takes part in every step"),
         "clients": (run.clients != RunConfig.model_fields["clients"].default, "parties= says how many hold features"),
@@ -100,21 +97,9 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
         data = csv_training_set(data_dir)
     if run.labels_at != LABELS_AT_SERVER and not 0 <= int(run.labels_at) < run.parties:
         raise UserError(f"labels_at={run.labels_at} is not a party; allowed: server or 0 to {run.parties - 1}")
-    columns = data.input_shape[-1]
-    plan = FeaturePlan(data.input_shape, parse_features(run.features, columns, run.parties), run.combine, run.labels_at)
-    device = resolve_device(run.device)
     dtype = data.inputs(data.train_x[:1]).dtype
-    blueprint = Blueprint(
-        run,
-        config.params,
-        device,
-        data.input_shape,
-        data.num_classes,
-        dtype,
-        data.task,
-        builders=vertical_models(plan),
-        recorder=PartyRecorder(run.record) if run.record else None,
-        init_state=init_state(run),
+    plan, blueprint = vertical_blueprint(
+        config, resolve_device(run.device), data.input_shape, data.num_classes, dtype, data.task
     )
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model: one line
     top_model(blueprint, plan)  # embeddings the combination cannot join: one line
@@ -123,14 +108,80 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
     return VerticalPlan(data, plan, blueprint, ids, labelled, missing, pool)
 
 
-def _party(vertical: VerticalPlan, party: int) -> FeatureParty:
-    """Party `party`'s node before alignment: its columns of the rows it holds, in id order, and
-    (the label holder) their labels."""
-    data, plan, device = vertical.data, vertical.plan, vertical.blueprint.device
+def vertical_blueprint(
+    config: ResolvedConfig,
+    device: torch.device,
+    input_shape: tuple[int, ...],
+    num_classes: int,
+    input_dtype: torch.dtype,
+    task: str,
+) -> tuple[FeaturePlan, Blueprint]:
+    """The run's feature groups and blueprint from what they need of the data: a Ray actor holding
+    parties or the top model gets these from the driver (splitlab.ray_backend)."""
+    run = config.run
+    groups = parse_features(run.features, input_shape[-1], run.parties)
+    plan = FeaturePlan(input_shape, groups, run.combine, run.labels_at)
+    blueprint = Blueprint(
+        run,
+        config.params,
+        device,
+        input_shape,
+        num_classes,
+        input_dtype,
+        task,
+        builders=vertical_models(plan),
+        recorder=PartyRecorder(run.record) if run.record else None,
+        init_state=init_state(run),
+    )
+    return plan, blueprint
+
+
+@dataclasses.dataclass
+class Holding:
+    """What one role of a vertical run holds before alignment, wherever it is built: sample ids
+    (sorted), their labels (the label holder's; else empty or None) and a party's columns of those
+    samples (the server: None)."""
+
+    ids: np.ndarray
+    labels: torch.Tensor | None
+    x: torch.Tensor | None = None
+
+
+def party_holding(vertical: VerticalPlan, party: int) -> Holding:
+    """Party `party`'s columns of the rows it holds, in id order, and (the label holder) their labels."""
+    data, plan = vertical.data, vertical.plan
     rows = _rows(vertical, party)
-    x = plan.columns(data.train_x[torch.as_tensor(rows)], party).contiguous().to(device)
-    labels = data.train_y[torch.as_tensor(rows)].to(device) if plan.labels_at == party else None
-    return _party_class(plan, party)(vertical.blueprint, party, vertical.ids[rows], x, data.prepare, labels)
+    x = plan.columns(data.train_x[torch.as_tensor(rows)], party).contiguous()
+    labels = data.train_y[torch.as_tensor(rows)] if plan.labels_at == party else None
+    return Holding(vertical.ids[rows], labels, x)
+
+
+def server_holding(vertical: VerticalPlan) -> Holding:
+    """The server's labels and their ids, in id order (none unless `labels_at=server`)."""
+    pool, labelled = vertical.pool, vertical.labelled
+    rows = pool[labelled[pool]] if vertical.plan.labels_at == LABELS_AT_SERVER else pool[:0]
+    rows = rows[np.argsort(vertical.ids[rows], kind="stable")]
+    return Holding(vertical.ids[rows], vertical.data.train_y[torch.as_tensor(rows)])
+
+
+def feature_party(blueprint: Blueprint, plan: FeaturePlan, party: int, held: Holding, prepare: Any) -> FeatureParty:
+    """Party `party`'s node before alignment, holding `held` (in this process, another, or a Ray actor)."""
+    assert held.x is not None, "a party holds columns"
+    labels = None if held.labels is None else held.labels.to(blueprint.device)
+    return _party_class(plan, party)(blueprint, party, held.ids, held.x.to(blueprint.device), prepare, labels)
+
+
+def vertical_server(blueprint: Blueprint, plan: FeaturePlan, held: Holding) -> VerticalServer:
+    """The server's role holding `held` (in this process or a Ray actor)."""
+    assert held.labels is not None, "the server holds labels, perhaps none"
+    return VerticalServer(blueprint, plan, held.ids, held.labels.to(blueprint.device))
+
+
+def _party(vertical: VerticalPlan, party: int) -> FeatureParty:
+    """Party `party`'s node from the run's data (in process, or a `splitlab client`'s own)."""
+    return feature_party(
+        vertical.blueprint, vertical.plan, party, party_holding(vertical, party), vertical.data.prepare
+    )
 
 
 def _rows(vertical: VerticalPlan, party: int) -> np.ndarray:
@@ -151,37 +202,36 @@ def party_node(config: ResolvedConfig, party: int) -> FeatureParty:
 
 
 def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.device], Transport] | None = None) -> Any:
-    """The vertical run's experiment: parties (here, or over the network: one process each),
-    server, transport, algorithm; the parties' samples aligned by private set intersection
-    (counted in the ledger) before anything is returned."""
+    """The vertical run's experiment: parties (here, over the network: one process each, or on
+    Ray actors), server, transport, algorithm; the parties' samples aligned by private set
+    intersection (counted in the ledger) before anything is returned."""
     vertical = plan_vertical(config)
     run, data, plan, blueprint = config.run, vertical.data, vertical.plan, vertical.blueprint
     device = blueprint.device
-    server_rows = (
-        vertical.pool[vertical.labelled[vertical.pool]] if plan.labels_at == LABELS_AT_SERVER else vertical.pool[:0]
-    )
-    server_rows = server_rows[np.argsort(vertical.ids[server_rows], kind="stable")]
-    server = VerticalServer(
-        blueprint, plan, vertical.ids[server_rows], data.train_y[torch.as_tensor(server_rows)].to(device)
-    )
     ledger = Ledger(run.ledger)
-    transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
     parties: list[FeatureParty] = []
-    if transport_.remote and run.record:
+    server: Any
+    transport_: Transport
+    if run.record and (transport is not None or run.backend == "ray"):
         raise UserError(
-            f"record={run.record} needs the parties in this process (`splitlab run`): it keeps each party's "
-            f"inputs for scoring, which a networked party never sends"
+            f"record={run.record} needs the parties in this process (`splitlab run`, backend=local): it keeps "
+            f"each party's inputs for scoring, which a party in another process never sends"
         )
-    if transport_.remote:  # each party in its own process, which must report the rows it holds
-        held = [len(_rows(vertical, j)) for j in range(plan.parties)]
-        proxies = transport_.connect_remote(
-            {j: _party_class(plan, j) for j in range(plan.parties)},
-            blueprint,
-            {j: {"samples": held[j]} for j in range(plan.parties)},
-        )
+    if run.backend == "ray":  # every party's node on a Ray actor, the server on its own
+        transport_, proxies, server = _on_ray(config, vertical, ledger)
     else:
-        parties = [_party(vertical, j) for j in range(plan.parties)]
-        proxies = {party.id: transport_.connect(party, counted=True) for party in parties}
+        server = vertical_server(blueprint, plan, server_holding(vertical))
+        transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
+        if transport_.remote:  # each party in its own process, which must report the rows it holds
+            held = [len(_rows(vertical, j)) for j in range(plan.parties)]
+            proxies = transport_.connect_remote(
+                {j: _party_class(plan, j) for j in range(plan.parties)},
+                blueprint,
+                {j: {"samples": held[j]} for j in range(plan.parties)},
+            )
+        else:
+            parties = [_party(vertical, j) for j in range(plan.parties)]
+            proxies = {party.id: transport_.connect(party, counted=True) for party in parties}
     sync: SyncServer = SyncServer(blueprint)
     context = Context(
         run,
@@ -193,16 +243,11 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
         drop_client=transport_.drop if transport_.remote else None,
     )
     algorithm = VerticalSplitNN(context)
-    algorithm.align()
-    common = proxies[0].sample_count()
-    if common == 0:
-        raise UserError(
-            "the parties have no sample in common (their private set intersection is empty); "
-            "check that their id columns name the same samples"
-        )
-    truth = _common_ids(vertical)
-    if common != len(truth):  # only a party that lies can make them differ (tested: PSI finds the truth)
-        raise UserError(f"party 0 holds {common} samples after alignment; the parties have {len(truth)} in common")
+    try:
+        common, truth = _aligned(algorithm, proxies[0], vertical)
+    except BaseException:  # the actors of backend=ray stopped, not left holding the parties
+        transport_.close()
+        raise
     context.clients = [ClientInfo(j, common) for j in range(plan.parties)]
     transport_.on_rejoin = algorithm.rejoined
     if blueprint.defense.random:  # the noise key of the parties played here (splitlab.privacy.keys)
@@ -217,11 +262,45 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
         context.clients,
         algorithm,
         _report(vertical, truth),
-        Roles(list(parties), server, sync),
+        None if run.backend == "ray" else Roles(list(parties), server, sync),
         blueprint,
         transport_,
         _assembler=VerticalAssembler(blueprint, plan),  # type: ignore[arg-type]
     )
+
+
+def _aligned(algorithm: VerticalSplitNN, first: Any, vertical: VerticalPlan) -> tuple[int, np.ndarray]:
+    """The parties aligned by private set intersection: how many samples they have in common (as
+    the first party reports) and their ids (as the dataset says); UserError if none, or if they differ."""
+    algorithm.align()
+    common = first.sample_count()
+    if common == 0:
+        raise UserError(
+            "the parties have no sample in common (their private set intersection is empty); "
+            "check that their id columns name the same samples"
+        )
+    truth = _common_ids(vertical)
+    if common != len(truth):  # only a party that lies can make them differ (tested: PSI finds the truth)
+        raise UserError(f"party 0 holds {common} samples after alignment; the parties have {len(truth)} in common")
+    return common, truth
+
+
+def _on_ray(config: ResolvedConfig, vertical: VerticalPlan, ledger: Ledger) -> tuple[Transport, dict[int, Any], Any]:
+    """backend=ray: the Ray transport, proxies to the parties on their actors, the remote server
+    (splitlab.ray_backend.start_parties: each actor gets only what its roles hold)."""
+    from splitlab import ray_backend
+
+    plan, blueprint = vertical.plan, vertical.blueprint
+    transport = ray_backend.RayTransport(ledger, blueprint.device, config.run.workers)
+    parties, server = ray_backend.start_parties(
+        config,
+        {j: (_party_class(plan, j), party_holding(vertical, j)) for j in range(plan.parties)},
+        (VerticalServer, server_holding(vertical)),
+        vertical.data.prepare,
+        blueprint,
+        transport,
+    )
+    return transport, {j: transport.connect(role, counted=True) for j, role in parties.items()}, server
 
 
 def _party_class(plan: FeaturePlan, party: int) -> type[FeatureParty]:

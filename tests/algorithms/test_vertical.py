@@ -164,7 +164,6 @@ def test_a_run_interrupted_and_resumed_from_its_checkpoint_ends_as_one_straight_
         (dict(features="0-29"), "gives 1 groups"),
         (dict(labels_at=2), "labels_at=2 is not a party"),
         (dict(algorithm="sfl_v2"), "vertical SplitNN is algorithm=sl"),
-        (dict(backend="ray"), "backend=ray cannot be used with setting=vertical"),
         (dict(dataset="digits", model="cnn", combine="sum"), "combine=sum cannot join"),
         (dict(dataset="fashion_mnist", model="cnn", cut=2), "combine=concat cannot join"),
         (dict(parties=40), "parties=40 is more than the 30 feature columns"),
