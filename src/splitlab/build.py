@@ -40,7 +40,8 @@ from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint, ClientNode
 from splitlab.runmodel import init_state
 from splitlab.transport import TRANSPORTS, Transport
-from splitlab.vertical import build_vertical, party_node, plan_vertical
+from splitlab.vertical import party_node, plan_vertical
+from splitlab.vertical_build import build_vertical
 
 
 def _client_indices(config: ResolvedConfig, data: Dataset) -> list[np.ndarray]:
