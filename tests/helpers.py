@@ -14,6 +14,7 @@ import torch
 from splitlab import codec
 from splitlab.algorithms.base import Algorithm
 from splitlab.assembly import Experiment
+from splitlab.build import client_node
 from splitlab.checkpoints import restore, role_states
 from splitlab.data.shakespeare import role_text
 from splitlab.engine import build, run
@@ -116,13 +117,15 @@ class DropsOut(SerializedTransport):
     `at`-th call of one of `verbs` in round `round` (ClientDropped), its node is lost (rebuilt
     fresh, as the `splitlab client` that reconnects builds one), and it is back for the next call,
     which the transport first announces (`on_rejoin`) as the network transport does. Calls are
-    serialized, so what the orchestrator keeps of a client is a copy, as over a network."""
+    serialized, so what the orchestrator keeps of a client is a copy, as over a network. With the
+    run's `config`, the fresh node is the one `splitlab client` builds from it (a vertical party:
+    every row it holds, unaligned); without, the node made again from its own samples."""
 
     TRAINING = ("forward", "local_step", "local_aux_step")
 
-    def __init__(self, ledger, device, client=2, round=0, at=1, verbs=TRAINING) -> None:
+    def __init__(self, ledger, device, client=2, round=0, at=1, verbs=TRAINING, config=None) -> None:
         super().__init__(ledger, device)
-        self.client, self.round, self.at, self.verbs = client, round, at, verbs
+        self.client, self.round, self.at, self.verbs, self.config = client, round, at, verbs, config
         self.current, self.calls, self.gone = -1, 0, False
 
     @classmethod
@@ -142,7 +145,10 @@ class DropsOut(SerializedTransport):
                 self.calls += 1
                 if self.calls == self.at:
                     self.gone = True
-                    node.__init__(node.blueprint, node.id, node.x, node.y, node.prepare)  # a fresh node
+                    if self.config is None:
+                        node.__init__(node.blueprint, node.id, node.x, node.y, node.prepare)  # a fresh node
+                    else:
+                        vars(node).update(vars(client_node(self.config, node.id)))
                     raise ClientDropped(node.id, "left")
         return super().call(method, spec, counted, *args, **kwargs)
 

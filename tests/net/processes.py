@@ -1,4 +1,5 @@
-"""Processes of a networked run for the tests: a server, clients, and a client misbehaving by hand."""
+"""Processes of a networked run for the tests: a server, clients, a client misbehaving by hand, and
+a real client node answering by hand until a chosen call."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import os
 import queue
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -16,7 +18,9 @@ import grpc
 from splitlab import codec
 from splitlab.build import client_node
 from splitlab.net import protocol
+from splitlab.net.certs import client_name
 from splitlab.net.checks import data_report
+from splitlab.net.client import _answer, _heartbeats
 from splitlab.net.launch import _free_port
 
 SPLITLAB = [sys.executable, "-m", "splitlab"]
@@ -90,14 +94,16 @@ class Rogue:
 
     def first_reply(self, report: dict | None = None) -> Any:
         """The server's first message (WELCOME), or the RpcError that refused this client. After a
-        WELCOME it REPORTs its data: `report`, or that of the node a client of the run builds."""
+        WELCOME it REPORTs its data: `report`, or that of `node`, the node a client of the run builds."""
         try:
             reply = next(self.replies)
         except grpc.RpcError as error:
             return error
         if reply.kind == protocol.WELCOME:
             self.config = codec.decode(bytes(reply.payload))["config"]
-            report = report or data_report(client_node(self.config, self.client_id), "partition")
+            if report is None:
+                self.node = client_node(self.config, self.client_id)
+                report = data_report(self.node, "partition")
             self.outgoing.put(protocol.envelope(protocol.REPORT, reply.run_id, payload=codec.encode(report)))
         return reply
 
@@ -120,13 +126,12 @@ class Rogue:
 
     def serve_as_node(self, tamper: Callable[[str, Any], Any]) -> None:
         """Answer calls as the run's client node would, each result passed through `tamper(verb,
-        result)` (after `first_reply`), until the server ends the stream."""
-        node = client_node(self.config, self.client_id)
+        result)` (after `first_reply` with the node's own report), until the server ends the stream."""
 
         def answer(message: Any) -> bytes:
             request = codec.decode(bytes(message.payload))
             return codec.encode(
-                tamper(message.verb, getattr(node, message.verb)(*request["args"], **request["kwargs"]))
+                tamper(message.verb, getattr(self.node, message.verb)(*request["args"], **request["kwargs"]))
             )
 
         self.serve(answer)
@@ -134,6 +139,37 @@ class Rogue:
     def close(self) -> None:
         self.outgoing.put(None)
         self.channel.close()
+
+
+class Node:
+    """A client node as `splitlab client` builds it, connected by hand: it answers the server's
+    calls and sends heartbeats until the call `answer_until` names, which gets no reply; `leave`
+    then ends its heartbeats and its connection, as a process that dies."""
+
+    def __init__(self, address: str, certs: Path, client_id: int) -> None:
+        self.rogue = Rogue(address, credentials(certs, client_name(client_id)), client_id)
+        self.welcome = self.rogue.first_reply()
+        assert self.welcome.kind == protocol.WELCOME, self.welcome
+        settings = codec.decode(bytes(self.welcome.payload))
+        self.node = self.rogue.node
+        self.beating = threading.Event()
+        _heartbeats(self.rogue.outgoing, self.welcome.run_id, settings["heartbeat"], self.beating)
+
+    def answer_until(self, verb: str, round: int, nth: int = 1) -> None:
+        """Answer every call up to the `nth` call of `verb` in round `round` (from 0: the rounds
+        counted by the node's begin_round calls), which is left without a reply."""
+        rounds, calls = -1, 0
+        for message in self.rogue.replies:
+            rounds += message.verb == "begin_round"
+            calls += rounds == round and message.verb == verb
+            if calls == nth:
+                return
+            self.rogue.outgoing.put(_answer(self.node, message, self.welcome.run_id))
+        raise AssertionError(f"the server ended the stream before call {nth} of {verb} in round {round}")
+
+    def leave(self) -> None:
+        self.beating.set()
+        self.rogue.close()
 
 
 NONE = codec.encode(None)

@@ -12,15 +12,12 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from processes import NONE, Rogue, credentials
+from processes import NONE, Node, Rogue, credentials
 from safetensors.torch import load_file
 
 from helpers import DropsOut, quick
-from splitlab import codec
-from splitlab.build import client_node
 from splitlab.engine import run
 from splitlab.net.certs import make_certs
-from splitlab.net.client import _answer, _heartbeats
 from splitlab.roles import ModelAverage
 
 
@@ -152,20 +149,9 @@ def test_a_psl_client_that_leaves_mid_round_rejoins_with_its_own_client_part(tmp
     make_certs(tmp_path / "certs", 3, [])
     server = servers({**config, "out": str(tmp_path / "net")}, rejoin_wait=60, join_timeout=60)
     honest = [server.client(0), server.client(1)]
-    leaving = Rogue(server.address, credentials(tmp_path / "certs", "client-2"), 2)
-    welcome = leaving.first_reply()
-    settings = codec.decode(bytes(welcome.payload))
-    node, stop = client_node(settings["config"], 2), threading.Event()
-    _heartbeats(leaving.outgoing, welcome.run_id, settings["heartbeat"], stop)
-    rounds = forwards = 0
-    for message in leaving.replies:
-        rounds += message.verb == "begin_round"
-        forwards += rounds == 2 and message.verb == "forward"
-        if forwards == 2:
-            break  # gone, without a reply
-        leaving.outgoing.put(_answer(node, message, welcome.run_id))
-    stop.set()
-    leaving.close()
+    leaving = Node(server.address, tmp_path / "certs", 2)
+    leaving.answer_until("forward", round=1, nth=2)  # gone, without a reply
+    leaving.leave()
     back = server.client(2)
     assert server.process.wait() == 0 and all(p.wait() == 0 for p in [*honest, back])
 
@@ -178,3 +164,40 @@ def test_a_psl_client_that_leaves_mid_round_rejoins_with_its_own_client_part(tmp
     for key in ("test_accuracy", "test_loss", "test_f1", "test_mcc", "train_loss", "comm_bytes_by_kind"):
         assert [row[key] for row in net] == [row[key] for row in local]
     assert net[-1]["comm_bytes_by_kind"]["kept_state_down"] > 0
+
+
+def test_a_vertical_party_that_leaves_mid_round_rejoins_aligned_again(tmp_path, servers):
+    """A vertical run, one process per party: party 0 (a real node, answering by hand) leaves at
+    its second embedding of round 2, and a `splitlab client` process takes its place. The server
+    goes on with zeros for its embedding for the rest of the round; the new node gets party 0's
+    state as checkpointed after round 1 and is aligned anew by PSI (counted): the metrics, ledger
+    and weights of the same dropout in process (helpers.DropsOut building the party afresh)."""
+    config = dict(
+        setting="vertical", algorithm="sl", dataset="breast_cancer", model="mlp", labels_at=1, device="cpu", seed=0
+    )
+    config.update(rounds=3, local_steps=3, checkpoint_every=0)
+    make_certs(tmp_path / "certs", 2, [])
+    server = servers({**config, "out": str(tmp_path / "net")}, rejoin_wait=60, join_timeout=60)
+    leaving = Node(server.address, tmp_path / "certs", 0)
+    labels = server.client(1)
+    leaving.answer_until("forward", round=1, nth=2)
+    leaving.leave()
+    back = server.client(0)
+    assert server.process.wait() == 0 and back.wait() == 0 and labels.wait() == 0
+
+    dropout = DropsOut.at_call(client=0, round=1, at=2, config=config)
+    run({**config, "out": str(tmp_path / "local")}, progress=False, transport=dropout)
+    net, local = (
+        [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("net", "local")
+    )
+    assert [row["dropped_clients"] for row in net] == [[], [[2, 0]], []]
+    for key in ("test_accuracy", "test_loss", "train_loss", "comm_bytes_by_kind"):
+        assert [row[key] for row in net] == [row[key] for row in local], key
+    # back for the evaluation after round 2 (which asks every party for its bottom model): its state
+    # given, then aligned again
+    psi = [row["comm_bytes_by_kind"]["psi_up"] for row in net]
+    kept = [row["comm_bytes_by_kind"].get("kept_state_down", 0) for row in net]
+    assert psi[0] < psi[1] == psi[2] and kept[0] == 0 < kept[1] == kept[2]
+    weights = [load_file(tmp_path / name / "weights.safetensors") for name in ("net", "local")]
+    assert weights[0].keys() == weights[1].keys() and all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])
