@@ -460,8 +460,12 @@ class Hub:
             raise ClientDropped(client_id, "revoked")
         start = time.monotonic()
         with self._changed:
-            while not self._live(client_id) and (left := self._give_up_at(start) - time.monotonic()) > 0:
-                self._changed.wait(left)  # woken by every connect and report: the phase may end
+            while (
+                not self._live(client_id)
+                and not self._closing
+                and (left := self._give_up_at(start) - time.monotonic()) > 0
+            ):
+                self._changed.wait(left)  # woken by every connect, report and close: the phase may end
             session = self._sessions.get(client_id)
             if session is not None:
                 reported = lambda: session.reported or not session.alive
