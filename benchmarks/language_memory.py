@@ -41,7 +41,7 @@ def child(args: argparse.Namespace, clients: int) -> None:
     import torch
 
     from splitlab.engine import build
-    from splitlab.process import peak_memory_mib
+    from splitlab.process_settings import peak_memory_mib
 
     torch.set_num_threads(1)
     experiment = build(config(args, clients))

@@ -17,7 +17,7 @@ import sys
 
 def child(algorithm: str, clients: int, samples: int, model: str) -> None:
     from splitlab.engine import build
-    from splitlab.process import peak_memory_mib
+    from splitlab.process_settings import peak_memory_mib
 
     experiment = build(
         dict(

@@ -50,7 +50,7 @@ def train_and_evaluate(job: tuple[str, dict, str, int]) -> tuple[str, dict]:
     name, config, out, validation_size = job
     torch.set_num_threads(1)
     from splitlab.engine import run
-    from splitlab.splitgp.evaluation import evaluate_run
+    from splitlab.splitgp_evaluation import evaluate_run
 
     run_dir = Path(out) / name
     summary = run({**config, "out": str(run_dir), "resume": True}, progress=False)

@@ -14,13 +14,13 @@ first alternating too, `--repeats` times, and medians are compared:
                the loop plus building its models and one test evaluation
 
 The dataset parse and the schedule come first in both sides' processes, untimed. Both sides run
-with the allocator setting of every process the `splitlab` command starts (`splitlab.process`:
+with the allocator setting of every process the `splitlab` command starts (`splitlab.process_settings`:
 glibc keeps freed memory for reuse instead of page-faulting it in again), so the ratio measures
 splitlab's own work; `--malloc default` runs both with glibc's own thresholds.
 
 Peak RSS (`--rss`): one round of sfl_v2 over a 12k-sample Fashion-MNIST run with 8 clients, a whole
 local epoch each, vs the plain loop over the same-sized data held as float32, each in a fresh
-process (`splitlab.process.peak_memory_mib`: Linux's VmHWM, as benchmarks/memory.py measures
+process (`splitlab.process_settings.peak_memory_mib`: Linux's VmHWM, as benchmarks/memory.py measures
 it). Issue 14 asks for <= 1.2x.
 
     .venv/bin/python benchmarks/throughput.py [--rounds 30] [--repeats 3] [--threads 1] [--rss] [--malloc reuse|default]
@@ -328,7 +328,7 @@ def throughput(args: argparse.Namespace) -> None:
 
 def in_child(args: argparse.Namespace, **job: str) -> dict:
     """Runs `job` in a fresh process, as a `splitlab` command runs: the heap one run leaves behind
-    (kept for reuse, see splitlab.process) must not speed up or slow down the next."""
+    (kept for reuse, see splitlab.process_settings) must not speed up or slow down the next."""
     spec = {**vars(args), **job}
     out = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True, check=True
@@ -342,7 +342,7 @@ def child(spec: dict) -> None:
     # so that the round loop does not charge it to splitlab, whose optimizers are made in round 1
     importlib.import_module("torch._dynamo")
     if spec["malloc"] == "reuse":
-        from splitlab.process import reuse_freed_memory
+        from splitlab.process_settings import reuse_freed_memory
 
         reuse_freed_memory()
     if spec["job"] == "rss":
@@ -358,7 +358,7 @@ def child(spec: dict) -> None:
 
 def rss_child(kind: str, samples: int) -> float:
     """Peak RSS (MiB) of one SFL-V2 round of `kind` (splitlab or plain) in this fresh process."""
-    from splitlab.process import peak_memory_mib
+    from splitlab.process_settings import peak_memory_mib
 
     if kind == "splitlab":
         from splitlab.engine import run
@@ -451,7 +451,7 @@ def main() -> None:
         choices=("reuse", "default"),
         default="reuse",
         help="reuse: glibc keeps freed memory, as in every process the splitlab command starts "
-        "(splitlab.process; both sides alike); default: glibc's own thresholds",
+        "(splitlab.process_settings; both sides alike); default: glibc's own thresholds",
     )
     parser.add_argument("--rss", action="store_true", help="also measure peak RSS")
     parser.add_argument("--rss-only", action="store_true")

@@ -12,7 +12,7 @@ from splitlab import catalog
 from splitlab.algorithms import get_algorithm
 from splitlab.engine import run
 from splitlab.metrics import classification_metrics, logits_in_batches
-from splitlab.splitgp.evaluation import final_states, load_run
+from splitlab.splitgp_evaluation import final_states, load_run
 
 ALGORITHMS = [row[0] for row in catalog.load()["algorithms"]]
 PERSONAL = {"psl", "sglr", "cycle_psl", "cycle_sglr", "splitgp"}

@@ -27,7 +27,7 @@ from splitlab.ledger import Ledger
 from splitlab.metrics import logits_in_batches
 from splitlab.models import joined, load_shared, split
 from splitlab.privacy.record import Recorder
-from splitlab.process import training_device
+from splitlab.process_settings import training_device
 from splitlab.roles import Blueprint, ClientNode, State, SyncServer, TrainingServer
 from splitlab.transport import Transport
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from splitlab.errors import UserError
 from splitlab.named_options import Registry
-from splitlab.streams import register_stream
+from splitlab.random_streams import register_stream
 
 STREAM_AUGMENT = register_stream("augment", 6)
 

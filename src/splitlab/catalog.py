@@ -65,8 +65,8 @@ def command_settings() -> dict[str, Any]:
     from splitlab.privacy.advise import AdviseSettings
     from splitlab.privacy.audit import AttackSettings
     from splitlab.runmodel import GenerateSettings
-    from splitlab.splitgp.evaluation import EvaluationSettings
-    from splitlab.splitgp.latency import LatencySettings
+    from splitlab.splitgp_evaluation import EvaluationSettings
+    from splitlab.splitgp_latency import LatencySettings
 
     own = {f"run algorithm={name}": cls.Params for name, cls in _own_algorithms() if cls.Params.model_fields}
     return {

@@ -18,7 +18,7 @@ from rich.table import Table
 
 from splitlab.errors import UserError, unknown_key
 from splitlab.logs import setup_logging
-from splitlab.process import prepare_process
+from splitlab.process_settings import prepare_process
 from splitlab.units import format_bytes
 
 console = Console()
@@ -216,7 +216,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
     from splitlab.config import parse_overrides
-    from splitlab.splitgp.evaluation import evaluate_run
+    from splitlab.splitgp_evaluation import evaluate_run
 
     result = evaluate_run(args.dir, parse_overrides(args.overrides))
     if result.get("setting") == "vertical":  # one model over every party's features: its test metrics
@@ -242,9 +242,8 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from splitlab.config import parse_overrides
+    from splitlab.config import parse_overrides, parse_settings
     from splitlab.runmodel import GenerateSettings, generate
-    from splitlab.splitgp import parse_settings
 
     settings = parse_settings(GenerateSettings, parse_overrides(args.overrides))
     print(generate(args.dir, **settings.model_dump()))
@@ -252,9 +251,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_latency(args: argparse.Namespace) -> int:
-    from splitlab.config import parse_overrides
-    from splitlab.splitgp import parse_settings
-    from splitlab.splitgp.latency import LatencySettings, report
+    from splitlab.config import parse_overrides, parse_settings
+    from splitlab.splitgp_latency import LatencySettings, report
 
     settings = parse_settings(LatencySettings, parse_overrides(args.overrides))
     result = report(settings)
@@ -532,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if rest:
         args.overrides += rest
-    prepare_process()  # this process is splitlab's (splitlab.process)
+    prepare_process()  # this process is splitlab's (splitlab.process_settings)
     setup_logging(args.verbose - args.quiet, force=True)
     if args.quiet and hasattr(args, "no_progress"):
         args.no_progress = True

@@ -19,7 +19,7 @@ from splitlab.errors import RoleLost, RoundFailed, UserError
 from splitlab.ledger import Ledger
 from splitlab.logs import LOGGER
 from splitlab.loop import run_rounds
-from splitlab.process import prepare_process
+from splitlab.process_settings import prepare_process
 from splitlab.rundir import CHECKPOINT, RunDirectory
 from splitlab.transport import Transport
 

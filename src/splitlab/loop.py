@@ -28,9 +28,9 @@ from splitlab.loggers import make_logger
 from splitlab.metrics import TASK_METRICS, logits_in_batches
 from splitlab.models import HeadAndTail
 from splitlab.privacy.accounting import privacy_summary
+from splitlab.random_streams import register_stream
 from splitlab.roles import random_stream
 from splitlab.runmodel import export_hf
-from splitlab.streams import register_stream
 from splitlab.transport import ClientDropped
 from splitlab.units import GIB, to_target
 

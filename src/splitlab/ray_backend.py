@@ -43,7 +43,7 @@ from splitlab.ledger import Ledger
 from splitlab.metrics import TASK_METRICS, logits_in_batches
 from splitlab.models import shared_state
 from splitlab.plugins import ray_options
-from splitlab.process import peak_memory_mib, set_worker_threads, training_device
+from splitlab.process_settings import peak_memory_mib, set_worker_threads, training_device
 from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint, ClientNode, Role, State
 from splitlab.runmodel import init_state

@@ -49,8 +49,8 @@ from splitlab.models.lora import load_base
 from splitlab.privacy import defenses, keys
 from splitlab.privacy.defenses import Defense, decode
 from splitlab.privacy.record import Recorder
+from splitlab.random_streams import register_stream
 from splitlab.schedules import Factor, lr_factor, parse_lr_schedule
-from splitlab.streams import register_stream
 from splitlab.transport import KEYED, verb
 
 STREAM_BATCHES = register_stream("batches", 1)

@@ -14,7 +14,7 @@ from splitlab.cli import main
 from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.privacy.audit import attack_run
-from splitlab.splitgp.evaluation import evaluate_run
+from splitlab.splitgp_evaluation import evaluate_run
 from splitlab.transport import Transport
 
 TABLE = dict(setting="vertical", algorithm="sl", dataset="breast_cancer", model="mlp", device="cpu", seed=0)

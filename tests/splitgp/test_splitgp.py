@@ -19,7 +19,7 @@ from splitlab.cli import main
 from splitlab.data import partition
 from splitlab.engine import run
 from splitlab.errors import UserError
-from splitlab.splitgp.evaluation import (
+from splitlab.splitgp_evaluation import (
     ENTROPY_GRID,
     EvaluationSettings,
     _views,
@@ -31,7 +31,7 @@ from splitlab.splitgp.evaluation import (
     to_server,
     training_set,
 )
-from splitlab.splitgp.latency import (
+from splitlab.splitgp_latency import (
     RateThreshold,
     SplitSizes,
     client_power_threshold,

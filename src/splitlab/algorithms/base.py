@@ -25,6 +25,7 @@ from torch import nn
 
 from splitlab.config import NoParams, RunConfig
 from splitlab.errors import NonFiniteStep
+from splitlab.random_streams import register_stream
 from splitlab.roles import (
     SPLIT_MODELS,
     Blueprint,
@@ -35,7 +36,6 @@ from splitlab.roles import (
     TrainingServer,
     random_stream,
 )
-from splitlab.streams import register_stream
 from splitlab.transport import ClientDropped, Proxy
 
 STREAM_ORDER = register_stream("order", 2)

@@ -57,8 +57,8 @@ from splitlab.algorithms.sglr import ServerWithOwnLR, SGLRParams, average_cut_gr
 from splitlab.algorithms.sl import Relay, RelayClient
 from splitlab.models import HeadAndTail
 from splitlab.privacy.defenses import decode
+from splitlab.random_streams import register_stream
 from splitlab.roles import ClientNode, State
-from splitlab.streams import register_stream
 from splitlab.transport import KEYED, verb
 
 STREAM_SERVER_BATCHES = register_stream("cyclesl.server_batches", 4)

@@ -39,8 +39,8 @@ from splitlab.losses import Loss
 from splitlab.models import load_shared, shared_state
 from splitlab.privacy import defenses
 from splitlab.privacy.defenses import decode
+from splitlab.random_streams import register_stream
 from splitlab.roles import ClientNode, State, TrainingServer, sent_if
-from splitlab.streams import register_stream
 from splitlab.transport import KEYED, verb
 
 STREAM_ALIGNMENT = register_stream("fsl_sage.alignment", 5)

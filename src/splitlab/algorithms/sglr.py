@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.algorithms.psl import PersonalClients
 from splitlab.privacy.defenses import decode
+from splitlab.random_streams import register_stream
 from splitlab.roles import ParamsT, State, TrainingServer
-from splitlab.streams import register_stream
 from splitlab.transport import verb
 
 STREAM_SUBSET = register_stream("sglr.averaged_clients", 3)

@@ -14,7 +14,7 @@ lambda = 0 alone is a two-exit network trained with FedAvg (the paper's multi-ex
 Only the round's clients are mixed: one that sits a round out keeps its personal model.
 `predict` (the engine's per-round test accuracy) uses the averaged client part with theta, the
 model a newly arriving client would get; the paper's per-client, entropy-gated view is
-`splitlab evaluate` (splitlab.splitgp.evaluation), which reads `clients.safetensors`.
+`splitlab evaluate` (splitlab.splitgp_evaluation), which reads `clients.safetensors`.
 phi_k and h_k are the client's own (slots `client_model` and `aux_model`); the averages are the
 sync server's, under the same slot names.
 """

@@ -37,7 +37,7 @@ from splitlab.experiments.grid import (
 )
 from splitlab.io import write_text
 from splitlab.plugins import ray_options
-from splitlab.process import set_worker_threads
+from splitlab.process_settings import set_worker_threads
 
 __all__ = [
     "ERROR_FILE",

@@ -95,7 +95,7 @@ def cut_costs(settings: AdviseSettings, input_shape: tuple[int, ...], num_classe
     """Per valid cut: client parameters and FLOPs, bytes per sample up and down (as the defense
     sends them), and SplitGP's per-sample latency (Table I)."""
     from splitlab.privacy.defenses import parse_defense
-    from splitlab.splitgp.latency import split_sizes, table_one
+    from splitlab.splitgp_latency import split_sizes, table_one
 
     defense = parse_defense(settings.defense)
     model = build_model(settings.model, input_shape, num_classes, seed=settings.seed)
@@ -123,11 +123,11 @@ def advise(raw: dict) -> dict[str, Any]:
     """Probe every cut; write OUT/advise.md, advise.json, advise.png; return the rows. Every setting
     is checked, and the sizes fixed, before the first probe trains."""
     from splitlab.algorithms import get_algorithm
+    from splitlab.config import parse_settings
     from splitlab.data import load_dataset
     from splitlab.engine import run
     from splitlab.privacy.audit import attack_run, check_classification
     from splitlab.privacy.record import attack_sizes
-    from splitlab.splitgp import parse_settings
 
     settings = parse_settings(AdviseSettings, raw)
     check_classification(settings.dataset, "advise (its probes run inversion and label_leak)")

@@ -43,16 +43,15 @@ from splitlab import rundir
 from splitlab.algorithms.splitgp import SplitGP, entropy, to_server
 from splitlab.assembly import Experiment
 from splitlab.build import _client_indices, _hold_out, build
-from splitlab.config import parse_test_split
+from splitlab.config import parse_settings, parse_test_split
 from splitlab.data import load_dataset
 from splitlab.data.datasets import Prepared
 from splitlab.errors import UserError
 from splitlab.io import write_json
 from splitlab.metrics import logits_in_batches
 from splitlab.models import joined, split
+from splitlab.random_streams import register_stream
 from splitlab.roles import ClientNode, State
-from splitlab.splitgp import parse_settings
-from splitlab.streams import register_stream
 
 __all__ = [
     "ENTROPY_GRID",

@@ -1,4 +1,4 @@
-"""splitlab.process: a training process keeps freed memory for reuse instead of faulting it in again."""
+"""splitlab.process_settings: a training process keeps freed memory for reuse instead of faulting it in again."""
 
 import os
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 
 CHILD = """
 import resource, sys, torch
-from splitlab.process import reuse_freed_memory
+from splitlab.process_settings import reuse_freed_memory
 
 def faults_of_ten_allocations():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -35,7 +35,7 @@ def test_freed_blocks_are_reused_without_page_faults() -> None:
 
 PEAK_CHILD = """
 import torch
-from splitlab.process import peak_memory_mib
+from splitlab.process_settings import peak_memory_mib
 
 before = peak_memory_mib()
 block = torch.ones(200 << 18)  # 200 MiB, every page touched
@@ -87,7 +87,7 @@ def test_a_cuda_device_turns_on_deterministic_kernels() -> None:
     """Without it, two identical runs on a GPU differ after the first step (seen on an H200)."""
     child = (
         "import os, torch\n"
-        "from splitlab.process import prepare_process, training_device\n"
+        "from splitlab.process_settings import prepare_process, training_device\n"
         "prepare_process()\n"
         "assert os.environ['CUBLAS_WORKSPACE_CONFIG'] == ':4096:8'\n"
         "training_device(torch.device('cpu'))\n"
