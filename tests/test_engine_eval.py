@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import client_model, quick, server_model, sync_model, train
-from splitlab.build import _hold_out
+from splitlab.build import hold_out
 from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
@@ -19,14 +19,14 @@ from splitlab.metrics import classification_metrics
 
 def test_hold_out_is_sample_wise_seeded_and_keeps_a_training_sample():
     indices = [np.arange(0, 10), np.arange(10, 15), np.arange(15, 16), np.arange(16, 116)]
-    train_idx, test_idx = _hold_out(indices, 0.1, seed=0)
+    train_idx, test_idx = hold_out(indices, 0.1, seed=0)
     assert [len(t) for t in test_idx] == [1, 1, 0, 10]  # n - max(1, int(0.9 n)), as LEAF
     for original, tr, te in zip(indices, train_idx, test_idx):
         assert sorted(np.concatenate([tr, te]).tolist()) == original.tolist()
         assert not set(tr) & set(te)
-    again = _hold_out(indices, 0.1, seed=0)[1]
+    again = hold_out(indices, 0.1, seed=0)[1]
     assert all(np.array_equal(a, b) for a, b in zip(test_idx, again))
-    other = _hold_out(indices, 0.1, seed=1)[1]
+    other = hold_out(indices, 0.1, seed=1)[1]
     assert any(not np.array_equal(a, b) for a, b in zip(test_idx, other))
 
 

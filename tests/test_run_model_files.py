@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from splitlab import catalog
 from splitlab.algorithms import get_algorithm
 from splitlab.engine import run
+from splitlab.finished_run import final_states, load_run
 from splitlab.metrics import classification_metrics, logits_in_batches
-from splitlab.splitgp_evaluation import final_states, load_run
 
 ALGORITHMS = [row[0] for row in catalog.load()["algorithms"]]
 PERSONAL = {"psl", "sglr", "cycle_psl", "cycle_sglr", "splitgp"}

@@ -44,7 +44,7 @@ from splitlab.vertical import party_node, plan_vertical
 from splitlab.vertical_build import build_vertical
 
 
-def _client_indices(config: ResolvedConfig, data: Dataset) -> list[np.ndarray]:
+def client_indices(config: ResolvedConfig, data: Dataset) -> list[np.ndarray]:
     run = config.run
     if run.clients == "all":
         if data.train_groups is None:
@@ -63,7 +63,7 @@ def _client_indices(config: ResolvedConfig, data: Dataset) -> list[np.ndarray]:
     return [pool[part] for part in parts]
 
 
-def _hold_out(indices: list[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def hold_out(indices: list[np.ndarray], fraction: float, seed: int) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """Sample-wise train/test split of every client (as LEAF's `split_data.py --by_sample`): a seeded
     choice of n - max(1, int((1 - fraction) * n)) of its samples is held out, at least one kept."""
     train, test = [], []
@@ -121,11 +121,11 @@ def _plan(config: ResolvedConfig) -> _Plan:
         return _own_data_plan(config, device)
     data = load_data(run)
     _check_task(config, data)
-    indices = _client_indices(config, data)
+    indices = client_indices(config, data)
     held_out = parse_test_split(run.test_split)
     client_test, held = None, None
     if held_out is not None:
-        indices, held = _hold_out(indices, held_out, run.seed)  # prepared once, for every evaluation
+        indices, held = hold_out(indices, held_out, run.seed)  # prepared once, for every evaluation
         client_test = [(data.inputs(data.train_x[idx].to(device)), data.train_y[idx].to(device)) for idx in held]
     report = partition_report(data.train_labels.numpy(), indices, data.num_classes)
     algorithm_class = get_algorithm(run.algorithm)

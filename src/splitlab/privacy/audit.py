@@ -89,7 +89,7 @@ class AttackSettings(BaseModel):
 def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     """Run one attack on a finished run; returns its result, also merged into RUN/attack.json."""
     from splitlab.config import parse_settings
-    from splitlab.splitgp_evaluation import final_states, load_run
+    from splitlab.finished_run import final_states, load_run
 
     settings = parse_settings(AttackSettings, raw)
     path = Path(run_dir)
