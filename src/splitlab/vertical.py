@@ -71,7 +71,11 @@ def _refusals(run: RunConfig) -> None:
         "participation": (run.participation != 1, "every party takes part in every step"),
         "clients": (run.clients != RunConfig.model_fields["clients"].default, "parties= says how many hold features"),
         "data": (run.data != "partition", "each party's data comes from the dataset's columns"),
-        "lora": (run.lora is not None, "lora is not wired into vertical runs yet"),
+        "lora": (
+            run.lora is not None,
+            "LoRA fine-tunes a pretrained language model (init=); a vertical run's tables and images train "
+            "their bottom and top models from scratch",
+        ),
     }
     for key, (refused, why) in checks.items():
         if refused:
