@@ -286,15 +286,20 @@ def test_vertical_parties_on_actors_are_bit_identical_to_in_process(local_ray, t
     and the labels on the server's: the PSI alignment and every step through the same verbs, so
     the metrics, the weights and the ledger (by kind and by party) are those of the in-process run.
     Each actor got through the object store only what its roles hold: party j its 15 of the 30
-    columns, the server labels and ids but no features."""
+    columns (of its training rows and of the test samples, which it evaluates on), the server
+    labels and ids but no features."""
     put, sent = ray.put, []
     monkeypatch.setattr(ray, "put", lambda value: sent.append(value) or put(value))
     local = run(vertical(tmp_path / "local"), progress=False)
     remote = run(vertical(tmp_path / "ray", backend="ray", workers=2), progress=False)
     held = [
-        {key: fields["x"] is not None and fields["x"].shape[1:] for key, fields in s["roles"].items()} for s in sent
+        {
+            key: [x is not None and x.shape[1:] for x in (fields["x"], fields["test_x"])]
+            for key, fields in s["roles"].items()
+        }
+        for s in sent
     ]
-    assert held == [{0: (15,)}, {1: (15,)}, {"server": False}]
+    assert held == [{0: [(15,), (15,)]}, {1: [(15,), (15,)]}, {"server": [False, False]}]
     assert results(tmp_path / "local") == results(tmp_path / "ray")
     assert remote["comm_bytes_by_kind"] == local["comm_bytes_by_kind"] and local["comm_bytes_by_kind"]["psi_up"]
     assert remote["comm_bytes_by_client"] == local["comm_bytes_by_client"]

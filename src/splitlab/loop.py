@@ -49,8 +49,12 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     as telemetry). With test_split=client, every client's model is run on its own held-out
     samples and the metrics are computed on all of them pooled (accuracy and loss are then the
     test-size-weighted means of the per-client values). On the global test set, algorithms with
-    personal client models get the unweighted mean over clients of each client's model's metrics."""
+    personal client models get the unweighted mean over clients of each client's model's metrics.
+    An algorithm whose roles evaluate among themselves (`role_metrics`: vertical) gives its own."""
     data, algorithm, batch = experiment.data, experiment.algorithm, experiment.blueprint.inference_batch
+    by_roles = algorithm.role_metrics()
+    if by_roles is not None:
+        return by_roles
     metrics = TASK_METRICS[data.task]
     if experiment.client_test is not None:
         held = [(k, x, y) for k, (x, y) in enumerate(experiment.client_test) if len(y)]

@@ -226,7 +226,7 @@ def holding_of(fields: dict[str, Any]) -> Any:
     """The `Holding` `holding_fields` sent, labels and columns as tensors over the object store's memory."""
     from splitlab.vertical import Holding
 
-    return Holding(fields["ids"], **_tensors({"labels": fields["labels"], "x": fields["x"]}))
+    return Holding(**{**_tensors(fields), "ids": fields["ids"]})
 
 
 def _numpy(value: Any) -> Any:

@@ -50,6 +50,7 @@ class VerticalPlan:
     labelled: np.ndarray  # rows whose label is known
     missing: np.ndarray  # rows x columns: cells missing (tables only; images: no columns)
     pool: np.ndarray  # the rows in play (train_subset's seeded choice, or all)
+    test: np.ndarray  # the test samples every evaluation uses (test_subset's seeded choice, or all)
 
     def held(self, party: int) -> np.ndarray:
         """The rows party `party` holds: those with all of its columns (and, the label holder, a label)."""
@@ -102,7 +103,8 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
     top_model(blueprint, plan)  # embeddings the combination cannot join: one line
     ids, labelled, missing = table_ids(run.dataset, data_dir, data)
     pool = np.sort(seeded_subset(len(ids), run.train_subset, run.seed, "train_subset"))
-    return VerticalPlan(data, plan, blueprint, ids, labelled, missing, pool)
+    test = seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")  # as assembly.test_set's
+    return VerticalPlan(data, plan, blueprint, ids, labelled, missing, pool, test)
 
 
 def vertical_blueprint(
@@ -137,41 +139,65 @@ def vertical_blueprint(
 class Holding:
     """What one role of a vertical run holds before alignment, wherever it is built: sample ids
     (sorted), their labels (the label holder's; else empty or None) and a party's columns of those
-    samples (the server: None)."""
+    samples (the server: None); for the joint evaluation, how many test samples there are, a
+    party's columns of them (stored form, the test split's order) and the label holder's labels
+    of them (else None)."""
 
     ids: np.ndarray
     labels: torch.Tensor | None
     x: torch.Tensor | None = None
+    test_samples: int = 0
+    test_x: torch.Tensor | None = None
+    test_y: torch.Tensor | None = None
 
 
 def party_holding(vertical: VerticalPlan, party: int) -> Holding:
-    """Party `party`'s columns of the rows it holds, in id order, and (the label holder) their labels."""
-    data, plan = vertical.data, vertical.plan
+    """Party `party`'s columns of the rows it holds, in id order, and of the test samples; the
+    label holder's labels of both."""
+    data, plan, test = vertical.data, vertical.plan, torch.as_tensor(vertical.test)
     rows = party_rows(vertical, party)
     x = plan.columns(data.train_x[torch.as_tensor(rows)], party).contiguous()
     labels = data.train_y[torch.as_tensor(rows)] if plan.labels_at == party else None
-    return Holding(vertical.ids[rows], labels, x)
+    test_x = plan.columns(data.test_x[test], party).contiguous()
+    test_y = data.test_y[test] if plan.labels_at == party else None
+    return Holding(vertical.ids[rows], labels, x, len(test), test_x, test_y)
 
 
 def server_holding(vertical: VerticalPlan) -> Holding:
-    """The server's labels and their ids, in id order (none unless `labels_at=server`)."""
-    pool, labelled = vertical.pool, vertical.labelled
-    rows = pool[labelled[pool]] if vertical.plan.labels_at == LABELS_AT_SERVER else pool[:0]
+    """The server's labels and their ids, in id order, and the test samples' labels (none unless
+    `labels_at=server`); never a feature."""
+    pool, labelled, data = vertical.pool, vertical.labelled, vertical.data
+    at_server = vertical.plan.labels_at == LABELS_AT_SERVER
+    rows = pool[labelled[pool]] if at_server else pool[:0]
     rows = rows[np.argsort(vertical.ids[rows], kind="stable")]
-    return Holding(vertical.ids[rows], vertical.data.train_y[torch.as_tensor(rows)])
+    test_y = data.test_y[torch.as_tensor(vertical.test)] if at_server else None
+    return Holding(
+        vertical.ids[rows], data.train_y[torch.as_tensor(rows)], test_samples=len(vertical.test), test_y=test_y
+    )
 
 
 def feature_party(blueprint: Blueprint, plan: FeaturePlan, party: int, held: Holding, prepare: Any) -> FeatureParty:
     """Party `party`'s node before alignment, holding `held` (in this process, another, or a Ray actor)."""
-    assert held.x is not None, "a party holds columns"
-    labels = None if held.labels is None else held.labels.to(blueprint.device)
-    return party_class(plan, party)(blueprint, party, held.ids, held.x.to(blueprint.device), prepare, labels)
+    assert held.x is not None and held.test_x is not None, "a party holds columns"
+    device = blueprint.device
+    return party_class(plan, party)(
+        blueprint,
+        party,
+        held.ids,
+        held.x.to(device),
+        prepare,
+        None if held.labels is None else held.labels.to(device),
+        held.test_x.to(device),
+        None if held.test_y is None else held.test_y.to(device),
+    )
 
 
 def vertical_server(blueprint: Blueprint, plan: FeaturePlan, held: Holding) -> VerticalServer:
     """The server's role holding `held` (in this process or a Ray actor)."""
     assert held.labels is not None, "the server holds labels, perhaps none"
-    return VerticalServer(blueprint, plan, held.ids, held.labels.to(blueprint.device))
+    device = blueprint.device
+    test_y = None if held.test_y is None else held.test_y.to(device)
+    return VerticalServer(blueprint, plan, held.ids, held.labels.to(device), held.test_samples, test_y)
 
 
 def local_party(vertical: VerticalPlan, party: int) -> FeatureParty:

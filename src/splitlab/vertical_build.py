@@ -22,7 +22,7 @@ from splitlab.algorithms.vertical_sl import (
     VerticalServer,
     VerticalSplitNN,
 )
-from splitlab.assembly import Experiment, Roles, test_set
+from splitlab.assembly import Experiment, Roles
 from splitlab.config import ResolvedConfig
 from splitlab.data.partition import counts_report
 from splitlab.errors import UserError
@@ -95,10 +95,9 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
     transport_.on_rejoin = algorithm.rejoined
     if blueprint.defense.random:  # the noise key of the parties played here (splitlab.privacy.keys)
         transport_.install_noise_secret(blueprint, keys.for_run(run.noise_key))
-    test_x, test_y = test_set(config, data, device)
-    test = dataclasses.replace(
-        data, train_x=data.train_x[:0], train_y=data.train_y[:0], test_x=test_x, test_y=test_y, prepare=None
-    )
+    # no sample here: the parties and the server evaluate among themselves (VerticalSplitNN.role_metrics)
+    none = dict(train_x=data.train_x[:0], train_y=data.train_y[:0], test_x=data.test_x[:0], test_y=data.test_y[:0])
+    test = dataclasses.replace(data, **none, prepare=None)
     return Experiment(
         config,
         test,

@@ -11,14 +11,16 @@ import pytest
 import torch
 
 from helpers import crash_before_round, max_abs_difference, straight_and_resumed, train
-from splitlab import psi
+from splitlab import assembly, psi
 from splitlab.algorithms import vertical_sl
 from splitlab.algorithms.base import Algorithm
 from splitlab.engine import build
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
+from splitlab.metrics import classification_metrics, logits_in_batches
 from splitlab.roles import Role
 from splitlab.transport import ClientDropped, Transport
+from splitlab.vertical import plan_vertical
 from test_transport import ORCHESTRATION, ROLE_INTERNALS, attributes
 
 TABLE = dict(setting="vertical", algorithm="sl", dataset="breast_cancer", model="mlp", device="cpu", seed=0)
@@ -48,6 +50,35 @@ def test_one_party_with_every_feature_is_vanilla_sl_with_one_client():
     vanilla = train(2, **common, clients=1)
     assert max(float((a - b).abs().max()) for a, b in zip(weights(vertical), weights(vanilla), strict=True)) <= 1e-5
     assert vertical.ledger.state_dict() == vanilla.ledger.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("labels_at", "transport", "dataset"),
+    [
+        ("server", "direct", "breast_cancer"),
+        ("server", "serialized", "breast_cancer"),
+        (0, "serialized", "breast_cancer"),
+        (1, "direct", "fashion_mnist"),  # images: each party prepares its own columns of the test samples
+    ],
+)
+def test_the_parties_evaluate_jointly_as_the_whole_model_on_every_column(monkeypatch, labels_at, transport, dataset):
+    """The evaluation goes through the parties (each its bottom model on its own columns of the
+    test samples, the top model on their combination, the metrics where the labels are): exactly
+    the metrics of the whole model on every column of the test set, in the same batches. No
+    party's model is fetched for it, the server holds no test feature, and nothing is counted."""
+    images = dict(model="cnn", cut=1, train_subset=100, test_subset=300) if dataset == "fashion_mnist" else {}
+    config = {**TABLE, "dataset": dataset, **images, "labels_at": labels_at, "transport": transport}
+    experiment = train(2, **config, batch_size=32, local_steps=3)
+    vertical = plan_vertical(experiment.config)
+    whole = vertical_sl.VerticalAssembler(vertical.blueprint, vertical.plan)(experiment.algorithm.global_model())
+    x, y = assembly.test_set(experiment.config, vertical.data, experiment.blueprint.device)
+    expected = classification_metrics(logits_in_batches(whole, x, experiment.blueprint.inference_batch), y)
+    before = experiment.ledger.state_dict()
+    monkeypatch.setattr(vertical_sl.FeatureParty, "snapshot", None)  # no bottom model leaves its party
+    assert evaluate(experiment) == expected
+    assert experiment.ledger.state_dict() == before and len(experiment.data.test_x) == 0
+    if dataset == "fashion_mnist":  # in two inference batches, as the whole model was run
+        assert experiment.algorithm.server.test_batches() == [(0, 256), (256, 300)]
 
 
 def test_psi_finds_exactly_the_common_ids():

@@ -95,6 +95,41 @@ def test_each_party_s_embedding_has_its_own_bottom_model_s_shape(checks):
     assert LabelParty.forward.__verb__.result_keys((0,)) == ("smashed", "labels")
 
 
+def test_a_party_s_part_of_the_joint_evaluation_has_its_own_shape_and_the_task_s_labels(checks):
+    """test_embeddings(start, stop): the party's bottom model's dtype and shape, one row per test
+    sample asked for, finite; test_labels: the label holder's targets of those samples."""
+    embed, labels = FeatureParty.test_embeddings.__verb__, LabelParty.test_labels.__verb__
+    node = LabelParty(
+        checks.blueprint,
+        0,
+        torch.arange(4).numpy(),
+        torch.zeros(4, 1, 28, 12),
+        None,
+        torch.zeros(4).long(),
+        torch.rand(6, 1, 28, 12),
+        torch.arange(6),
+    )
+    embeddings = node.test_embeddings(1, 5)
+    checks.result("test_embeddings", embed, (1, 5), embeddings, 0)
+    checks.result("test_labels", labels, (1, 5), node.test_labels(1, 5), 0)
+    for args, result, client, refusal in [
+        ((1, 5), embeddings, 1, r"test_embeddings are torch.float32 \(4, .*\), expected torch.float32 \(4, "),
+        ((0, 5), embeddings, 0, r"expected torch.float32 \(5, "),
+        ((1, 5), embeddings.double(), 0, "test_embeddings are torch.float64"),
+        ((1, 5), embeddings * float("nan"), 0, "holds NaN or infinite values"),
+        ((1, 5), {"smashed": embeddings}, 0, "test_embeddings returns a tensor, the result is a dict"),
+    ]:
+        with pytest.raises(Refused, match=refusal):
+            checks.result("test_embeddings", embed, args, result, client)
+    for result, refusal in [
+        (torch.arange(3), r"labels are torch.int64 \(3,\), expected torch.int64 \(4,\)"),
+        (torch.arange(4).float(), "labels are torch.float32"),
+        (torch.full((4,), 10), r"labels outside \[0, 10\)"),
+    ]:
+        with pytest.raises(Refused, match=refusal):
+            checks.result("test_labels", labels, (1, 5), result, 0)
+
+
 def test_sample_count_is_a_whole_number_up_to_the_samples_reported(checks):
     checks.result("sample_count", COUNT, (), 10, 0)
     for bad in (11, -1, 2.0, True, torch.tensor(3)):

@@ -164,6 +164,11 @@ class Algorithm(Generic[ParamsT]):
         """Weights of the one global model's parts, client side first; None if there is none."""
         return [self.sync.model_state("client_model"), self.server.snapshot("server_model")]
 
+    def role_metrics(self) -> dict[str, float] | None:
+        """Test metrics the roles compute among themselves (a vertical run: through its parties,
+        splitlab.algorithms.vertical_sl); None: the engine evaluates the model it assembles."""
+        return None
+
     def personal_model(self, client_id: int) -> list[State]:
         """Weights of the model client `client_id` would use; by default the global one."""
         model = self.global_model()

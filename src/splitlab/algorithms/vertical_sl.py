@@ -47,6 +47,7 @@ from splitlab import psi
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.config import NoParams
 from splitlab.errors import UserError
+from splitlab.metrics import TASK_METRICS
 from splitlab.models import build_model, output_shape, split
 from splitlab.privacy.defenses import decode
 from splitlab.privacy.record import PartyRecorder
@@ -256,13 +257,24 @@ class IdHolder:
 
 
 class FeatureParty(IdHolder, ClientNode[NoParams]):
-    """A party: its columns of the samples it holds, with their ids, and its bottom model."""
+    """A party: its columns of the samples it holds, with their ids, and its bottom model; and
+    its columns of the test samples (every party holds the dataset's test split, in its order)."""
 
     def __init__(
-        self, blueprint: Blueprint, party: int, ids: np.ndarray, x: torch.Tensor, prepare: Any, labels: Any = None
+        self,
+        blueprint: Blueprint,
+        party: int,
+        ids: np.ndarray,
+        x: torch.Tensor,
+        prepare: Any,
+        labels: Any = None,
+        test_x: torch.Tensor | None = None,
+        test_y: torch.Tensor | None = None,
     ) -> None:
         super().__init__(blueprint, party, x, labels if labels is not None else torch.zeros(0), prepare)
         self.ids = ids
+        self.test_x = x[:0] if test_x is None else test_x
+        self.test_y = torch.zeros(0, dtype=torch.long) if test_y is None else test_y
         self.model("client_model")
 
     @property
@@ -291,6 +303,18 @@ class FeatureParty(IdHolder, ClientNode[NoParams]):
             self.stash[step] = defended, self.blueprint.defense.penalty(x, smashed)
         return {"smashed": message["smashed"]}
 
+    @verb(up="evaluation")
+    def test_embeddings(self, start: int, stop: int) -> torch.Tensor:
+        """The bottom model on this party's columns of test samples `start` to `stop`, as the whole
+        model is evaluated (eval mode, no defense at the cut), for the joint evaluation."""
+        model = self.model("client_model")
+        training = model.training
+        try:
+            with torch.no_grad():
+                return model.eval()(self.inputs(self.test_x[start:stop]))
+        finally:
+            model.train(training)
+
 
 class LabelParty(FeatureParty):
     """The party that also holds the labels (`labels_at=<party>`): they go up with its embeddings."""
@@ -303,13 +327,28 @@ class LabelParty(FeatureParty):
     def forward(self, step: int) -> State:
         return {**super().forward(step), "labels": self.y[self.rows(step)]}
 
+    @verb(up="evaluation")
+    def test_labels(self, start: int, stop: int) -> torch.Tensor:
+        """The labels of test samples `start` to `stop`: they go up with the embeddings, as in training."""
+        return self.test_y[start:stop]
+
 
 class VerticalServer(IdHolder, TrainingServer[NoParams]):
-    """The top model; with `labels_at=server`, also the labels and their ids."""
+    """The top model and how many test samples the run evaluates on; with `labels_at=server`,
+    also the labels and their ids, and the test samples' labels."""
 
-    def __init__(self, blueprint: Blueprint, plan: FeaturePlan, ids: np.ndarray, labels: torch.Tensor) -> None:
+    def __init__(
+        self,
+        blueprint: Blueprint,
+        plan: FeaturePlan,
+        ids: np.ndarray,
+        labels: torch.Tensor,
+        test_samples: int = 0,
+        test_y: torch.Tensor | None = None,
+    ) -> None:
         super().__init__(blueprint)
         self.plan, self.ids, self.labels = plan, ids, labels
+        self.test_samples, self.test_y = test_samples, test_y
         self.shapes = embedding_shapes(blueprint, plan)
 
     def keep_rows(self, rows: np.ndarray) -> None:
@@ -329,6 +368,31 @@ class VerticalServer(IdHolder, TrainingServer[NoParams]):
             self.step("server_model", value.backward, tuple(r for r in received if r is not None), value)
         grads = [None if r is None else self.send_gradient(cast(torch.Tensor, r.grad)) for r in received]
         return {"cut_grads": grads, "loss": value.detach()}
+
+    @verb()
+    def test_batches(self) -> list[tuple[int, int]]:
+        """(start, stop) of each batch of the joint evaluation: the test samples in inference batches."""
+        size, count = self.blueprint.inference_batch, self.test_samples
+        return [(start, min(start + size, count)) for start in range(0, count, size)]
+
+    @verb()
+    def test_logits(self, embeddings: list[torch.Tensor]) -> torch.Tensor:
+        """The top model (eval mode) on the parties' embeddings of one batch of test samples, combined."""
+        model = self.model("server_model")
+        training = model.training
+        try:
+            with torch.no_grad():
+                return model.eval()(self.plan.join(embeddings, self.shapes))
+        finally:
+            model.train(training)
+
+    @verb()
+    def test_metrics(self, logits: torch.Tensor, labels: torch.Tensor | None) -> dict[str, float]:
+        """The test metrics of every test sample's logits, against the server's own test labels
+        (None) or those the label holder sent."""
+        truth = self.test_y if labels is None else labels
+        assert truth is not None, "labels_at=server: the server holds the test labels"
+        return TASK_METRICS[self.blueprint.task](logits, truth)
 
 
 # --- the algorithm -----------------------------------------------------------------------------
@@ -408,6 +472,20 @@ class VerticalSplitNN(Algorithm[NoParams]):
                 if grad is not None:
                     self.unless_dropped(party.id, "backward", step, grad)
             self.track(reply["loss"])
+
+    def role_metrics(self) -> dict[str, float]:
+        """Joint evaluation, as vertical inference goes: for each batch of test samples, every
+        party's bottom model on its own columns, the server's top model on their combination; the
+        metrics where the labels are (the label holder's go up with its embeddings, as in
+        training). No party's model nor columns leave it; what crosses is telemetry
+        (`evaluation`), never counted, as the models a vanilla evaluation fetches."""
+        logits, labels = [], []
+        for start, stop in self.server.test_batches():
+            embeddings = [self.client(c.id).test_embeddings(start, stop) for c in self.ctx.clients]
+            logits.append(self.server.test_logits(embeddings))
+            if self.labels_at != LABELS_AT_SERVER:
+                labels.append(self.client(int(self.labels_at)).test_labels(start, stop))
+        return self.server.test_metrics(torch.cat(logits), torch.cat(labels) if labels else None)
 
     def global_model(self) -> list[State]:
         """Every party's bottom model, then the top model."""

@@ -15,7 +15,9 @@ returns nothing (but `sample_count`: a whole number, at most the samples the cli
 verb with no check here is refused. Every floating tensor must be finite. In a vertical run
 (`setting=vertical`) every party's smashed data and models are checked against its own bottom
 model (its columns), and its private set intersection messages are 1-D uint8 tensors no larger
-than its reported samples allow (`_psi`). A client's REPORT of its data must fit the run
+than its reported samples allow (`_psi`); in the joint evaluation, its embeddings of test samples
+start to stop have its bottom model's dtype and shape (stop - start, *cut shape), the label
+holder's labels of them are the task's targets (`_test_batch`). A client's REPORT of its data must fit the run
 (`Checks.report`): class counts, for a language task its number of sequences and count of each
 target token id, for a vertical party the number of samples it holds and its columns' shape. A
 failed check is a `Refused` with one line saying what was wrong.
@@ -96,6 +98,8 @@ class Checks:
             self._keyed(verb, spec.result_keys(args), args, result)
         elif kind == "checkpoint":
             self._role_state(result)
+        elif kind == "evaluation" and verb in ("test_embeddings", "test_labels"):
+            self._test_batch(verb, args, result)
         elif kind == "client_model_relay":
             self._model("client_model", result)
         elif args and isinstance(args[0], str) and self._own(args[0]) in self.blueprint.builders:  # upload, snapshot
@@ -138,6 +142,20 @@ class Checks:
         request = args[0] if args and isinstance(args[0], torch.Tensor) else torch.zeros(0)
         _psi_bytes("psi_answer.setup", result["setup"], samples)
         _psi_bytes("psi_answer.response", result["response"], math.ceil(len(request) / PSI_POINT_BYTES))
+
+    def _test_batch(self, verb: str, args: tuple, result: Any) -> None:
+        """A vertical party's part of the joint evaluation of test samples `start` to `stop` (the
+        server's own request): its embeddings, or the label holder's labels of them."""
+        start, stop = args
+        if not isinstance(result, torch.Tensor):
+            raise Refused(f"{verb} returns a tensor, the result is a {type(result).__name__}")
+        if verb == "test_labels":
+            self._labels(result, stop - start)
+            return
+        expected = self._expected_smashed()
+        want = (stop - start, *expected.shape[1:])
+        if result.dtype != expected.dtype or tuple(result.shape) != want:
+            raise Refused(f"test_embeddings are {_form(result)}, expected {expected.dtype} {want}")
 
     def _keyed(self, verb: str, keys: tuple[str, ...], args: tuple, result: Any) -> None:
         """Exactly `keys` (U-shaped: never labels); route(n, threshold) sends 0 to n samples, a step
