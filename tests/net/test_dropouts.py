@@ -194,8 +194,8 @@ def test_a_vertical_party_that_leaves_mid_round_rejoins_aligned_again(tmp_path, 
     assert [row["dropped_clients"] for row in net] == [[], [[2, 0]], []]
     for key in ("test_accuracy", "test_loss", "train_loss", "comm_bytes_by_kind"):
         assert [row[key] for row in net] == [row[key] for row in local], key
-    # back for the evaluation after round 2 (which asks every party for its bottom model): its state
-    # given, then aligned again
+    # back for the evaluation after round 2 (which asks every party for its test embeddings): its
+    # state given, then aligned again
     psi = [row["comm_bytes_by_kind"]["psi_up"] for row in net]
     kept = [row["comm_bytes_by_kind"].get("kept_state_down", 0) for row in net]
     assert psi[0] < psi[1] == psi[2] and kept[0] == 0 < kept[1] == kept[2]

@@ -14,6 +14,12 @@ labels are at the server or at one party (`labels_at=`). `setting=vertical algor
    embedding; the label holder sends the labels unless the server holds them. The server combines
    the embeddings (`combine=concat|sum|mean`), runs the top model (the stages from the cut on),
    steps, and sends each party the gradient at its embedding; each party steps.
+3. Evaluation, as vertical inference goes (`role_metrics`): every party holds its columns of the
+   test samples (the dataset's test split, in its order); per inference batch each runs its bottom
+   model on them and sends the embeddings, the server runs its top model on their combination, and
+   the metrics are computed where the labels are (the label holder's test labels go up with its
+   embeddings, as in training). No bottom model nor test feature reaches the server; the metrics
+   are those of the whole model on every column. Telemetry (`evaluation`), never counted.
 
 Over a network (`splitlab launch`: one process per party) the alignment's messages are checked
 like any result (splitlab.net.checks); a party that leaves during it stops the run (one line). A
