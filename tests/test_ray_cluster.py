@@ -1,12 +1,14 @@
 """backend=ray on a Ray cluster on this machine (ray.cluster_utils: a head that runs no actor and
 one-CPU nodes, so the client workers and the training server each land on a node of their own,
-and any of them can be lost): in one run, an actor's process SIGKILLed in the middle of round 1,
-then a whole node removed in the middle of round 2, and the run ends bit for bit as an
-undisturbed one."""
+and any of them can be lost): an algorithm of every family (SFL-V2 with noise at the cut, resumed
+on Ray), an actor's process SIGKILLed in the middle of a round, ends bit for bit as the in-process
+run; and in one PSL run, an actor's process SIGKILLed in round 1, then a whole node removed in
+round 2, the same."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 
@@ -15,8 +17,9 @@ import ray
 import torch
 from ray.cluster_utils import Cluster
 
+from helpers import crash_before_round
 from splitlab.engine import run
-from test_ray_backend import config, kill_an_actor_mid_round, results
+from test_ray_backend import always_elsewhere, config, kill_an_actor_mid_round, results, rows_of
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +41,58 @@ def cluster():
 def sigkill(host) -> None:
     """SIGKILL the process of the actor `host`, as the kernel's OOM killer would."""
     os.kill(ray.get(host.__ray_call__.remote(lambda actor: os.getpid())), signal.SIGKILL)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "extra", "workers", "moved"),
+    [
+        ("fedavg", {}, 2, False),
+        ("sl", {}, 1, False),  # one client after another: a second worker would have nothing to do
+        ("sfl_v1", {"cut": "1,2"}, 2, False),  # U-shaped: each client training at once has its server copy
+        ("sglr", {}, 1, False),
+        ("cse_fsl", {}, 2, True),  # moved: the working copies downloaded before it trains go with it
+        ("fsl_sage", {}, 2, False),  # aligning every round: server buffers, aux models from the checkpoint
+        ("cycle_sfl", {}, 1, False),
+        ("splitgp", {}, 2, True),  # moved: its kept model and optimizer go with it
+    ],
+)
+def test_every_family_ends_bit_for_bit_after_an_actor_is_killed_mid_round(
+    cluster, algorithm, extra, workers, moved, tmp_path, monkeypatch, capsys
+):
+    """The client workers and the server, each on a one-CPU node. In round 2 the process of the actor
+    holding the first client to get its cut gradient (or to take a step of its own) is SIGKILLed:
+    the actors are built again and the round is replayed from round 1's checkpoint, which goes into
+    the new actors. Every number (losses, accuracy, per-kind bytes) and the weights are the
+    in-process run's. `moved`: every client that trains goes to another worker (its state with it).
+    (psl, and sfl_v2 with a defense: the tests below.)"""
+    local = run(config(algorithm, tmp_path / "local", **extra), progress=False)
+    if moved:
+        always_elsewhere(monkeypatch)
+    killed = kill_an_actor_mid_round(monkeypatch, round_index=1, kill=sigkill)
+    remote = run(config(algorithm, tmp_path / "ray", backend="ray", workers=workers, **extra), progress=False)
+    assert killed[-1].startswith("killed client")
+    assert "replaying from the last checkpoint (restart 1 of at most 3)" in capsys.readouterr().err
+    assert results(tmp_path / "local") == results(tmp_path / "ray")
+    assert remote.pop("envelope_bytes") > remote["total_bytes"] and "envelope_bytes" not in local
+    assert remote["comm_bytes_by_client"] == local["comm_bytes_by_client"]  # actors' bytes by client id alike
+    rows = rows_of(tmp_path / "ray")
+    assert all(row["driver_actor_bytes"] > 0 and row["round_compute_seconds"]["client"] > 0 for row in rows)
+    assert not moved or all(row["ray_client_moves"] > 0 for row in rows)
+
+
+def test_a_defended_run_resumed_on_ray_and_killed_mid_round_keeps_its_private_noise_key(cluster, tmp_path, monkeypatch):
+    """SFL-V2 with noise at the cut and no noise_key: the key drawn at the start is in the
+    checkpoint. Stopped before round 2 in process, resumed on Ray (the actors get the key from the
+    driver), an actor SIGKILLed mid-round (the new actors get it again): bit for bit the run resumed
+    in process."""
+    defended = {"defense": "clip:5+noise:0.3+gradnoise:0.5"}
+    crash_before_round(1, config("sfl_v2", tmp_path / "local", **defended), monkeypatch)
+    shutil.copytree(tmp_path / "local", tmp_path / "ray")
+    run(config("sfl_v2", tmp_path / "local", resume=True, **defended), progress=False)
+    killed = kill_an_actor_mid_round(monkeypatch, round_index=1, kill=sigkill)
+    run(config("sfl_v2", tmp_path / "ray", backend="ray", workers=1, resume=True, **defended), progress=False)
+    assert killed[-1].startswith("killed client")
+    assert results(tmp_path / "local") == results(tmp_path / "ray")
 
 
 def test_an_actor_process_killed_then_a_node_lost_mid_round(cluster, tmp_path, monkeypatch, capsys):

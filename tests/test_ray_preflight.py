@@ -54,26 +54,39 @@ cluster.shutdown()
 """
 
 
-def test_backend_ray_without_the_token_of_a_token_auth_cluster(tmp_path):
+def test_backend_ray_without_the_token_or_with_another_of_a_token_auth_cluster(tmp_path):
     """A head started with token authentication (RAY_AUTH_MODE=token, its token in RAY_AUTH_TOKEN);
-    a run without the token (none in the environment nor in ~/.ray) fails at once, in one line
-    naming the cause and what to set, exit 2, nothing written."""
+    a run without the token (none in the environment nor in ~/.ray) and one with another token
+    (both at once) fail at once, each in one line naming the cause and what to set, exit 2,
+    nothing written (no run directory, no lock)."""
     ray_free = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     token = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "0123456789abcdef0123456789abcdef"}
     pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
     head = subprocess.Popen([sys.executable, "-c", HEAD], env={**ray_free, **token}, **pipes)
+    tokens = {"missing": {}, "wrong": {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "f" * 32}}
     try:
         address = head.stdout.readline().strip()
         home = tmp_path / "home"  # no ~/.ray/auth_token
         home.mkdir()
-        out = tmp_path / "run"
-        run = [sys.executable, "-m", "splitlab", "run", "dataset=synthetic", "model=mlp", "backend=ray", f"out={out}"]
         env = {**ray_free, "HOME": str(home), "RAY_ADDRESS": address, "PYTHONPATH": os.pathsep.join(sys.path)}
-        refused = subprocess.run(run, env=env, capture_output=True, text=True)
+        runs = {
+            case: subprocess.Popen(
+                [sys.executable, "-m", "splitlab", "run", "dataset=synthetic", "model=mlp", "backend=ray"]
+                + [f"out={tmp_path / case}"],
+                env={**env, **auth},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for case, auth in tokens.items()
+        }
+        stderrs = {case: process.communicate()[1] for case, process in runs.items()}
+        refused = {case: (runs[case].returncode, stderr) for case, stderr in stderrs.items()}
     finally:
         head.communicate("")
-    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:") or "Traceback" in line]
-    assert refused.returncode == 2 and len(errors) == 1
-    assert f"Ray at {address!r} uses token authentication and refused this process" in errors[0]
-    assert "set RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN" in errors[0]
-    assert not out.exists()
+    for case, (code, stderr) in refused.items():
+        errors = [line for line in stderr.splitlines() if line.startswith("error:") or "Traceback" in line]
+        assert code == 2 and len(errors) == 1, (case, stderr)
+        assert f"Ray at {address!r} uses token authentication and refused this process" in errors[0]
+        assert "set RAY_AUTH_MODE=token and the cluster's token in RAY_AUTH_TOKEN" in errors[0]
+        assert not (tmp_path / case).exists()

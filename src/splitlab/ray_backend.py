@@ -254,8 +254,11 @@ def shape_of(data_shape: str) -> tuple[tuple[int, ...], int, torch.dtype, str]:
 
 def assigned_device() -> torch.device:
     """device=auto in an actor: the GPU Ray gave it (gpus_per_client > 0), else the CPU, even on a node
-    with GPUs (Ray no longer hides them from actors that asked for none)."""
-    return training_device(torch.device("cuda" if cluster.ray_module().get_gpu_ids() else "cpu"))
+    with GPUs (Ray no longer hides them from actors that asked for none). A GPU Ray gave that torch
+    cannot use (GPUs declared to Ray without CUDA, a CPU-only torch) leaves the CPU, as device=auto
+    does in process."""
+    gave_a_gpu = bool(cluster.ray_module().get_gpu_ids())
+    return training_device(torch.device("cuda" if gave_a_gpu and torch.cuda.is_available() else "cpu"))
 
 
 class RemoteVerb:
