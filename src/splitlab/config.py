@@ -196,7 +196,7 @@ class RunConfig(BaseModel):
         ge=0,
         le=64,
         description="backend=ray: GPUs of every actor (fractions share one: 0.25 puts four actors on a GPU); "
-        "with device=auto an actor uses CUDA exactly when Ray gave it a GPU",
+        "with device=auto an actor uses CUDA when Ray gave it a GPU that torch there can use, else the CPU",
     )
     max_restarts: int = Field(
         3,
