@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import heapq
 import json
+import os
 import shutil
 import threading
 import types
@@ -327,6 +328,45 @@ def test_ray_workers_import_the_plugins_of_the_run(local_ray, tmp_path: Path, mo
     run(config("fedavg", tmp_path / "builtin"), progress=False)
     run(config("ray_fedavg", tmp_path / "ray", plugins="ray_plugin", backend="ray", workers=2), progress=False)
     assert results(tmp_path / "builtin") == results(tmp_path / "ray")
+
+
+#: a plugin whose client nodes cannot be built outside the driver's process, as on a node whose
+#: CUDA or libraries fail (an error that is no UserError, raised in an actor's constructor)
+BROKEN_ON_ACTORS = """
+import os
+
+from splitlab.algorithms.fedavg import FedAvg
+from splitlab.roles import ClientNode
+
+
+class NodeClient(ClientNode):
+    def __init__(self, *args, **kwargs):
+        if os.getpid() != {pid}:
+            raise RuntimeError("CUDA error: no kernel image is available for execution on the device\\nmore")
+        super().__init__(*args, **kwargs)
+
+
+class BrokenOnActors(FedAvg):
+    name = "broken_on_actors"
+    Client = NodeClient
+"""
+
+
+def test_an_actor_that_cannot_build_its_roles_is_named_in_one_line(local_ray, tmp_path: Path, monkeypatch):
+    """Not a dead actor's traceback: the node and the error, one line, exit 2, no run directory."""
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "broken_plugin.py").write_text(BROKEN_ON_ACTORS.format(pid=os.getpid()))
+    monkeypatch.syspath_prepend(str(folder))
+    with pytest.raises(
+        UserError, match=r"building the roles failed: RuntimeError: CUDA error: no kernel image"
+    ) as error:
+        run(
+            config("broken_on_actors", tmp_path / "o", plugins="broken_plugin", backend="ray", workers=2),
+            progress=False,
+        )
+    assert "\n" not in str(error.value) and "more" not in str(error.value)
+    assert not (tmp_path / "o").exists()
 
 
 def test_a_run_from_init_on_ray_is_bit_identical_to_in_process(local_ray, tmp_path: Path):

@@ -40,6 +40,7 @@ from splitlab.config import ResolvedConfig
 from splitlab.data.datasets import Dataset
 from splitlab.errors import NonFiniteStep, RoleLost, UserError
 from splitlab.ledger import Ledger
+from splitlab.logs import LOGGER
 from splitlab.metrics import TASK_METRICS, logits_in_batches
 from splitlab.models import shared_state
 from splitlab.plugins import ray_options
@@ -70,6 +71,10 @@ class RoleHost:
             self._build(config, shared, placed, data_shape)
         except UserError as error:
             self.failure = f"{cluster.this_node()}: {error}"
+        except Exception as error:  # the node's libraries or devices (e.g. CUDA): named, not a dead actor
+            LOGGER.exception("building the roles failed")  # the traceback, in the actor's log
+            reason = (str(error).strip().splitlines() or [""])[0][:200]
+            self.failure = f"{cluster.this_node()}: building the roles failed: {type(error).__name__}: {reason}"
 
     def _build(self, config: ResolvedConfig, shared: dict[str, Any] | None, placed: list[int], data_shape: str) -> None:
         from splitlab.algorithms import get_algorithm
