@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import Checks, Refused
+from splitlab.net.client import ClientSettings, run_client
 from splitlab.rundir import CHECKPOINT
 
 CONFIG = dict(dataset="fashion_mnist", model="mlp", clients=2, rounds=2, batch_size=32, device="cpu", seed=0)
@@ -96,12 +96,13 @@ def test_own_data_gives_what_run_gives_and_data_unlike_the_run_is_refused(tmp_pa
         assert refusal.value.code() == grpc.StatusCode.PERMISSION_DENIED
         rogue.close()
     small = write_fashion(tmp_path / "small", "train", np.zeros((20, 8, 8)), np.arange(20) % 10)
-    wrong = server.client(1, stderr=subprocess.PIPE, data="own", data_dir=small)
-    assert wrong.wait() == 2
-    assert wrong.stderr.read().splitlines()[1:] == [  # after the line saying it reported 20 samples
-        "error: the server refused client 1: its data: its samples have shape [1, 8, 8]; "
+    wrong = ClientSettings(connect=server.address, client_id=1, certs=certs, data="own", data_dir=str(small))
+    with pytest.raises(UserError) as refusal:  # in process, as `splitlab client` runs it (and prints it in one line)
+        run_client(wrong)
+    assert str(refusal.value) == (
+        "the server refused client 1: its data: its samples have shape [1, 8, 8]; "
         "fashion_mnist samples have [1, 28, 28]"
-    ]
+    )
     clients = [server.client(k, data="own", data_dir=dataset[f"client{k}"]) for k in range(2)]
     assert server.process.wait() == 0 and all(client.wait() == 0 for client in clients)
 
@@ -136,10 +137,13 @@ def test_a_resumed_own_data_run_refuses_a_client_with_other_samples(tmp_path, da
     second = servers(own, address=first.address, resume=True)
     node = client_node({**CONFIG, **SKEWED, "data_dir": str(dataset["whole"])}, 1)
     fewer = write_fashion(tmp_path / "fewer", "train", node.x[1:, 0].numpy(), node.y[1:].numpy())
-    impostor = second.client(1, stderr=subprocess.PIPE, data="own", data_dir=fewer)
-    assert impostor.wait() == 2
-    line = impostor.stderr.read().splitlines()[-1]
-    assert line.startswith(f"error: the server refused client 1: its data: it holds {node.num_samples - 1} samples")
+    certs = tmp_path / "certs"
+    impostor = ClientSettings(connect=second.address, client_id=1, certs=certs, data="own", data_dir=str(fewer))
+    with pytest.raises(UserError) as refusal:  # in process, as `splitlab client` runs it
+        run_client(impostor)
+    assert str(refusal.value).startswith(
+        f"the server refused client 1: its data: it holds {node.num_samples - 1} samples"
+    )
     back = second.client(1, data="own", data_dir=dataset["client1"])
     assert second.process.wait() == 0 and clients[0].wait() == 0 and back.wait() == 0
     run_in_one_thread({**config, **SKEWED, "data_dir": str(dataset["whole"]), "out": str(tmp_path / "run")})
