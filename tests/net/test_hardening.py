@@ -21,7 +21,6 @@ from splitlab.errors import UserError
 from splitlab.net import protocol
 from splitlab.net.audit import AuditLog
 from splitlab.net.certs import make_certs
-from splitlab.net.client import ClientSettings, run_client
 from splitlab.net.server import Hub, ServerSettings
 
 
@@ -81,8 +80,7 @@ def test_a_stopped_client_is_replaced_by_a_new_connection_with_its_key(tmp_path,
     server.wait_for_log("client 1 holds")
     vanished.send_signal(signal.SIGSTOP)  # its host is gone: no FIN, no heartbeat, no answer
     try:
-        back = ClientSettings(connect=server.address, client_id=1, certs=tmp_path / "certs")
-        assert run_client(back) == 0  # in process (a client process would add its start-up): until the run ends
+        assert server.client_in_process(1) == 0  # until the run ends
         assert server.process.wait() == 0 and first.wait() == 0
     finally:
         vanished.kill()
@@ -106,9 +104,8 @@ def test_a_revoked_client_is_dropped_and_refused_and_every_event_audited(tmp_pat
     revoked.write_text("client-1  # its laptop was stolen\n")
     assert leaving.wait() == 2
     assert "the server refused client 1: client 1 is revoked" in leaving.stderr.read()  # type: ignore[union-attr]
-    again = ClientSettings(connect=server.address, client_id=1, certs=tmp_path / "certs")  # in process: no startup
     with pytest.raises(UserError, match=r"the server refused client 1: the certificate of client-1 .* is revoked"):
-        run_client(again)
+        server.client_in_process(1)
     assert server.process.wait() == 0 and staying.wait() == 0
     audit = [json.loads(line) for line in (tmp_path / "run" / "connections.jsonl").read_text().splitlines()]
     events = [(row["event"], row["client"]) for row in audit]

@@ -24,7 +24,6 @@ from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import Checks, Refused
-from splitlab.net.client import ClientSettings, run_client
 from splitlab.rundir import CHECKPOINT
 
 CONFIG = dict(dataset="fashion_mnist", model="mlp", clients=2, rounds=2, batch_size=32, device="cpu", seed=0)
@@ -96,9 +95,8 @@ def test_own_data_gives_what_run_gives_and_data_unlike_the_run_is_refused(tmp_pa
         assert refusal.value.code() == grpc.StatusCode.PERMISSION_DENIED
         rogue.close()
     small = write_fashion(tmp_path / "small", "train", np.zeros((20, 8, 8)), np.arange(20) % 10)
-    wrong = ClientSettings(connect=server.address, client_id=1, certs=certs, data="own", data_dir=str(small))
-    with pytest.raises(UserError) as refusal:  # in process, as `splitlab client` runs it (and prints it in one line)
-        run_client(wrong)
+    with pytest.raises(UserError) as refusal:
+        server.client_in_process(1, data="own", data_dir=str(small))
     assert str(refusal.value) == (
         "the server refused client 1: its data: its samples have shape [1, 8, 8]; "
         "fashion_mnist samples have [1, 28, 28]"
@@ -137,10 +135,8 @@ def test_a_resumed_own_data_run_refuses_a_client_with_other_samples(tmp_path, da
     second = servers(own, address=first.address, resume=True)
     node = client_node({**CONFIG, **SKEWED, "data_dir": str(dataset["whole"])}, 1)
     fewer = write_fashion(tmp_path / "fewer", "train", node.x[1:, 0].numpy(), node.y[1:].numpy())
-    certs = tmp_path / "certs"
-    impostor = ClientSettings(connect=second.address, client_id=1, certs=certs, data="own", data_dir=str(fewer))
-    with pytest.raises(UserError) as refusal:  # in process, as `splitlab client` runs it
-        run_client(impostor)
+    with pytest.raises(UserError) as refusal:
+        second.client_in_process(1, data="own", data_dir=str(fewer))
     assert str(refusal.value).startswith(
         f"the server refused client 1: its data: it holds {node.num_samples - 1} samples"
     )
