@@ -214,13 +214,12 @@ def test_every_aux_kind_builds_for_every_cut_and_gives_logits(name):
     for cut in model.valid_cuts:
         client, server = split(model, cut)
         smashed = client.eval()(x)
-        sizes = {}
-        for kind in AUX_KINDS:
-            aux = build_aux(kind, model, cut, shape).eval()
+        built = {kind: build_aux(kind, model, cut, shape).eval() for kind in AUX_KINDS}
+        for kind, aux in built.items():  # in eval mode: running statistics, and so the weights, unchanged
             assert aux(smashed).shape == (2, 10), (cut, kind)
-            sizes[kind] = parameters(aux)
+        sizes = {kind: parameters(aux) for kind, aux in built.items()}
         assert sizes["linear"] == min(sizes.values()) and sizes["full"] == parameters(server) == max(sizes.values())
-        full = build_aux("full", model, cut, shape).state_dict()
+        full = built["full"].state_dict()
         assert full.keys() == server.state_dict().keys()
         assert all(torch.equal(full[k], v) for k, v in server.state_dict().items())
 

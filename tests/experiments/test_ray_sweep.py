@@ -24,7 +24,9 @@ SPEC = {"base": {**BASE, "rounds": 8}, "axes": {"algorithm": ["sfl_v1", "sfl_v2"
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # address="local": a Ray of its own, even where another one runs on this machine (ray.init would
+    # join that one, and refuse num_cpus there)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 

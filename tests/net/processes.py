@@ -20,7 +20,7 @@ from splitlab.build import client_node
 from splitlab.net import protocol
 from splitlab.net.certs import client_name
 from splitlab.net.checks import data_report
-from splitlab.net.client import _answer, _heartbeats
+from splitlab.net.client import ClientSettings, _answer, _heartbeats, run_client
 from splitlab.net.launch import _free_port
 
 SPLITLAB = [sys.executable, "-m", "splitlab"]
@@ -59,6 +59,12 @@ class Server:
             stderr=stderr,
             text=True,
         )
+
+    def client_in_process(self, client_id: int, **keys: Any) -> int:
+        """What `splitlab client` runs, here, until the run ends (0) or the server refuses it
+        (UserError, which the command prints in one line): a client without a process's start-up
+        (seconds), for the tests that need no process of its own."""
+        return run_client(ClientSettings(connect=self.address, client_id=client_id, certs=self.certs, **keys))
 
 
 def credentials(certs: Path, name: str | None, own: Path | None = None) -> grpc.ChannelCredentials:

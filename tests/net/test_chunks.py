@@ -1,21 +1,18 @@
-"""Messages larger than the chunk size go in chunks, joined again with checks: bit for bit the
-same run over loopback gRPC with mutual TLS, and a peer whose chunks do not add up is dropped
-with one line saying why."""
+"""Messages larger than the chunk size go in chunks, joined again with checks (a whole run in
+chunks, bit for bit the same: test_launch's SFL-V1 case), and a peer whose chunks do not add up is
+dropped with one line saying why."""
 
 from __future__ import annotations
 
 import pytest
 from processes import Rogue, credentials
-from safetensors.torch import load_file
 
 from helpers import quick
 from splitlab import codec
 from splitlab.build import client_node
-from splitlab.engine import run
 from splitlab.net import protocol
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import data_report
-from splitlab.net.launch import LaunchSettings, launch
 
 
 def _message(size: int) -> object:
@@ -75,17 +72,6 @@ def test_chunks_that_do_not_make_one_message_are_refused_in_one_line():
     unchunked = protocol.Assembler(1 << 20, "max_message_mib=1", chunk_bytes=1000)
     with pytest.raises(protocol.ChunkError, match="a RESULT of 2560 bytes in one envelope, over the chunk size 1000"):
         unchunked.add(_message(2560))
-
-
-def test_a_chunked_run_over_grpc_is_bit_identical_to_run(tmp_path):
-    """chunk_kib=4: the model, the smashed data and the gradients of SFL-V1 all go in chunks."""
-    config = quick(algorithm="sfl_v1", clients=2, rounds=1, train_subset=128, test_subset=64)
-    run({**config, "out": str(tmp_path / "run")}, progress=False)
-    assert launch({**config, "out": str(tmp_path / "net")}, {"chunk_kib": 4}, LaunchSettings(), progress=False) == 0
-    here = load_file(tmp_path / "run" / "weights.safetensors")
-    there = load_file(tmp_path / "net" / "weights.safetensors")
-    assert here.keys() == there.keys() and all((here[k] == there[k]).all() for k in here)
-    assert 32 * 200 * 4 > 4 * 1024  # a batch of the MLP's cut activations: sent whole, it would be refused
 
 
 def _join(address: str, creds, client_id: int) -> tuple[Rogue, object]:

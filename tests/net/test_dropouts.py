@@ -38,8 +38,8 @@ def test_a_silent_client_is_dropped_the_round_completes_and_it_rejoins(tmp_path,
 
     threading.Thread(target=silent.serve, args=(answer,), daemon=True).start()
     server.wait_for_log("dropped client 2: no heartbeat")
-    back = server.client(2)
-    assert server.process.wait() == 0 and all(p.wait() == 0 for p in [*honest, back])
+    assert server.client_in_process(2) == 0  # back
+    assert server.process.wait() == 0 and all(p.wait() == 0 for p in honest)
 
     run({**config, "out": str(tmp_path / "local")}, progress=False, transport=DropsOut.at_call(at=1))
     net, local = (
@@ -142,9 +142,9 @@ def test_an_average_missing_a_contribution_is_renormalised_over_the_others():
 
 def test_a_psl_client_that_leaves_mid_round_rejoins_with_its_own_client_part(tmp_path, servers):
     """PSL over the network: client 2 (a real node, answering by hand) leaves at its second
-    forward of round 2, and a `splitlab client` process takes its place. The round completes
-    without it (its server copy left out), and the new node gets client 2's part as checkpointed
-    after round 1: the same metrics and ledger as in process (helpers.DropsOut)."""
+    forward of round 2, and a fresh `splitlab client` (run in process) takes its place. The round
+    completes without it (its server copy left out), and the new node gets client 2's part as
+    checkpointed after round 1: the same metrics and ledger as in process (helpers.DropsOut)."""
     config = quick(algorithm="psl", clients=3, rounds=3, train_subset=150, test_subset=50, checkpoint_every=0)
     make_certs(tmp_path / "certs", 3, [])
     server = servers({**config, "out": str(tmp_path / "net")}, rejoin_wait=60, join_timeout=60)
@@ -152,8 +152,8 @@ def test_a_psl_client_that_leaves_mid_round_rejoins_with_its_own_client_part(tmp
     leaving = Node(server.address, tmp_path / "certs", 2)
     leaving.answer_until("forward", round=1, nth=2)  # gone, without a reply
     leaving.leave()
-    back = server.client(2)
-    assert server.process.wait() == 0 and all(p.wait() == 0 for p in [*honest, back])
+    assert server.client_in_process(2) == 0  # a fresh node in its place
+    assert server.process.wait() == 0 and all(p.wait() == 0 for p in honest)
 
     run({**config, "out": str(tmp_path / "local")}, progress=False, transport=DropsOut.at_call(round=1, at=2))
     net, local = (

@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -96,12 +95,12 @@ def test_own_data_gives_what_run_gives_and_data_unlike_the_run_is_refused(tmp_pa
         assert refusal.value.code() == grpc.StatusCode.PERMISSION_DENIED
         rogue.close()
     small = write_fashion(tmp_path / "small", "train", np.zeros((20, 8, 8)), np.arange(20) % 10)
-    wrong = server.client(1, stderr=subprocess.PIPE, data="own", data_dir=small)
-    assert wrong.wait() == 2
-    assert wrong.stderr.read().splitlines()[1:] == [  # after the line saying it reported 20 samples
-        "error: the server refused client 1: its data: its samples have shape [1, 8, 8]; "
+    with pytest.raises(UserError) as refusal:
+        server.client_in_process(1, data="own", data_dir=str(small))
+    assert str(refusal.value) == (
+        "the server refused client 1: its data: its samples have shape [1, 8, 8]; "
         "fashion_mnist samples have [1, 28, 28]"
-    ]
+    )
     clients = [server.client(k, data="own", data_dir=dataset[f"client{k}"]) for k in range(2)]
     assert server.process.wait() == 0 and all(client.wait() == 0 for client in clients)
 
@@ -136,10 +135,11 @@ def test_a_resumed_own_data_run_refuses_a_client_with_other_samples(tmp_path, da
     second = servers(own, address=first.address, resume=True)
     node = client_node({**CONFIG, **SKEWED, "data_dir": str(dataset["whole"])}, 1)
     fewer = write_fashion(tmp_path / "fewer", "train", node.x[1:, 0].numpy(), node.y[1:].numpy())
-    impostor = second.client(1, stderr=subprocess.PIPE, data="own", data_dir=fewer)
-    assert impostor.wait() == 2
-    line = impostor.stderr.read().splitlines()[-1]
-    assert line.startswith(f"error: the server refused client 1: its data: it holds {node.num_samples - 1} samples")
+    with pytest.raises(UserError) as refusal:
+        second.client_in_process(1, data="own", data_dir=str(fewer))
+    assert str(refusal.value).startswith(
+        f"the server refused client 1: its data: it holds {node.num_samples - 1} samples"
+    )
     back = second.client(1, data="own", data_dir=dataset["client1"])
     assert second.process.wait() == 0 and clients[0].wait() == 0 and back.wait() == 0
     run_in_one_thread({**config, **SKEWED, "data_dir": str(dataset["whole"]), "out": str(tmp_path / "run")})
