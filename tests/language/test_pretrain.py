@@ -11,7 +11,7 @@ import yaml
 from safetensors.torch import load_file
 
 from splitlab.assembly import load_data
-from splitlab.build import _client_indices
+from splitlab.build import client_indices
 from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.experiments import run_sweep
@@ -30,7 +30,7 @@ def _spec(lm: dict) -> dict:
 def test_train_range_picks_disjoint_stretches_in_the_dataset_s_order(lm):
     def pool(value: str) -> np.ndarray:
         config = resolve_config({**lm, "train_range": value})
-        return np.sort(np.concatenate(_client_indices(config, load_data(config.run))))
+        return np.sort(np.concatenate(client_indices(config, load_data(config.run))))
 
     first, rest = pool("0:0.5"), pool("0.5:1")
     everything = pool("0:1")
