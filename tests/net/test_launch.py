@@ -26,8 +26,7 @@ def rows(out) -> list[dict]:
         ("fedavg", "none", {}),
         ("fsl_sage", "none", {}),
         # SFL-V2's messages compressed: the compressed forms pass the server's checks (plain ones: the
-        # cases above). noise:2, not less: both `run` and the server put the run's epsilon in its
-        # summary, which takes the PLD accountant 0.3 s at noise:2 and 15 s at noise:0.1
+        # cases above)
         ("sfl_v2", "clip:5+noise:2+topk:0.5+quantize:int8", {}),
     ],
     ids=["sfl_v1-chunked", "fedavg", "fsl_sage", "sfl_v2-compressed"],

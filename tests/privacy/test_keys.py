@@ -16,9 +16,7 @@ from splitlab.engine import build, run
 from splitlab.privacy import keys
 from splitlab.rundir import CHECKPOINT
 
-# noise multipliers of 1 (noise:2 over the sensitivity 2C): a run summary's epsilon takes the PLD accountant
-# about 0.2 s, and seconds at smaller ones (0.9 s at noise:0.5, 3 s for 3 rounds at noise:0.3)
-NOISE = 2.0
+NOISE = 2.0  # a noise multiplier of 1 (noise:2 over the sensitivity 2C)
 CONFIG = quick(algorithm="sfl_v2", rounds=1, defense=f"clip:1+noise:{NOISE}", record=8)
 
 
