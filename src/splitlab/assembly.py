@@ -161,9 +161,12 @@ def blueprint_of(
     input_dtype: torch.dtype,
     task: str,
     init_state: Mapping[str, torch.Tensor] | None,
+    builders: Mapping[str, Callable[[Blueprint], nn.Module]] | None = None,
+    recorder: Recorder | None = None,
 ) -> Blueprint:
     """The run's blueprint from what it needs of the data: a role that holds no samples (the
-    training server on Ray) gets these from the driver and never loads the dataset."""
+    training server on Ray) gets these from the driver and never loads the dataset. `builders` and
+    `recorder`: the algorithm's models and the vanilla recorder unless given (a vertical run's)."""
     run = config.run
     return Blueprint(
         run,
@@ -173,8 +176,8 @@ def blueprint_of(
         num_classes,
         input_dtype,
         task,
-        builders=get_algorithm(run.algorithm).models,
-        recorder=Recorder(run.record) if run.record else None,
+        builders=builders or get_algorithm(run.algorithm).models,
+        recorder=recorder or (Recorder(run.record) if run.record else None),
         init_state=init_state,
     )
 

@@ -26,7 +26,7 @@ from splitlab.algorithms.vertical_sl import (
     top_model,
     vertical_models,
 )
-from splitlab.assembly import load_data, resolve_device, seeded_subset, test_set
+from splitlab.assembly import blueprint_of, load_data, resolve_device, seeded_subset, test_set
 from splitlab.config import ResolvedConfig, RunConfig
 from splitlab.data import Dataset
 from splitlab.data.tables import csv_training_set, table_ids
@@ -120,17 +120,9 @@ def vertical_blueprint(
     run = config.run
     groups = parse_features(run.features, input_shape[-1], run.parties)
     plan = FeaturePlan(input_shape, groups, run.combine, run.labels_at)
-    blueprint = Blueprint(
-        run,
-        config.params,
-        device,
-        input_shape,
-        num_classes,
-        input_dtype,
-        task,
-        builders=vertical_models(plan),
-        recorder=PartyRecorder(run.record) if run.record else None,
-        init_state=init_state(run),
+    recorder = PartyRecorder(run.record) if run.record else None
+    blueprint = blueprint_of(
+        config, device, input_shape, num_classes, input_dtype, task, init_state(run), vertical_models(plan), recorder
     )
     return plan, blueprint
 

@@ -36,7 +36,7 @@ from splitlab.errors import UserError
 from splitlab.io import write_json, write_png
 from splitlab.models import HeadAndTail, output_shape, split
 from splitlab.privacy import attacks, completion, fsha, tokens, unsplit
-from splitlab.privacy.record import attack_sizes, record_files, record_problem
+from splitlab.privacy.record import attack_sizes, chosen_round, record_files, record_problem
 from splitlab.roles import client_part, server_part
 
 if typing.TYPE_CHECKING:
@@ -320,14 +320,8 @@ def _load(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int) -> d
 def _recorded(
     path: Path, files: dict[int, Path], rnd: int | None, shapes: dict[str, tuple[int, ...]], num_classes: int
 ) -> tuple[int, dict[str, torch.Tensor]] | None:
-    rounds = sorted(files)
-    if rnd is not None and rnd not in rounds:
-        have = f"recorded rounds: {rounds}" if rounds else "the run recorded nothing (run it with record=N)"
-        raise UserError(f"round {rnd} was not recorded in {str(path)!r}; {have}")
-    if not rounds:
-        return None
-    chosen = rounds[-1] if rnd is None else rnd
-    return chosen, _load(files[chosen], shapes, num_classes)
+    chosen = chosen_round(path, files, rnd)
+    return None if chosen is None else (chosen, _load(files[chosen], shapes, num_classes))
 
 
 def _picture(file: Path, originals: torch.Tensor, reconstructed: torch.Tensor) -> None:

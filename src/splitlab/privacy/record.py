@@ -190,3 +190,15 @@ def record_problem(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int
     if language and not bool(((inputs >= 0) & (inputs < num_classes) & (inputs == inputs.round())).all()):
         return f"inputs must be token ids, whole numbers 0 to {num_classes - 1}"
     return ""
+
+
+def chosen_round(path: Path, files: dict[int, Path], rnd: int | None) -> int | None:
+    """The recorded round to attack: `rnd`, else the last; None if the run recorded nothing and no
+    round was asked for (an attack then uses the final model)."""
+    rounds = sorted(files)
+    if rnd is not None and rnd not in rounds:
+        have = f"recorded rounds: {rounds}" if rounds else "the run recorded nothing (run it with record=N)"
+        raise UserError(f"round {rnd} was not recorded in {str(path)!r}; {have}")
+    if not rounds:
+        return None
+    return rounds[-1] if rnd is None else rnd

@@ -125,15 +125,11 @@ def _recorded(
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from splitlab.privacy.record import record_problem
+    from splitlab.privacy.record import chosen_round, record_problem
 
-    rounds = sorted(files)
-    if rnd is not None and rnd not in rounds:
-        have = f"recorded rounds: {rounds}" if rounds else "the run recorded nothing (run it with record=N)"
-        raise UserError(f"round {rnd} was not recorded in {str(path)!r}; {have}")
-    if not rounds:
+    chosen = chosen_round(path, files, rnd)
+    if chosen is None:
         return None
-    chosen = rounds[-1] if rnd is None else rnd
     file = files[chosen]
     try:
         tensors = load_file(file)
