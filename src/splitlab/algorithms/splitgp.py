@@ -21,10 +21,8 @@ sync server's, under the same slot names.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -34,7 +32,7 @@ from torch import nn
 
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.metrics import logits_in_batches
-from splitlab.models import output_shape
+from splitlab.models import inference, output_shape
 from splitlab.privacy import defenses
 from splitlab.roles import (
     SENT,
@@ -90,20 +88,6 @@ def entropy(logits: torch.Tensor) -> torch.Tensor:
 def to_server(client_logits: torch.Tensor, threshold: float) -> torch.Tensor:
     """Eq. (11): a sample leaves the client exactly when its client entropy exceeds E_th."""
     return entropy(client_logits) > threshold
-
-
-@contextlib.contextmanager
-def inference(*modules: nn.Module) -> Iterator[None]:
-    """No gradients, and `modules` in eval mode for the block (their mode is restored after)."""
-    modes = [module.training for module in modules]
-    try:
-        with torch.no_grad():
-            for module in modules:
-                module.eval()
-            yield
-    finally:
-        for module, mode in zip(modules, modes):
-            module.train(mode)
 
 
 class SplitGPClient(ClientNode[SplitGPParams]):

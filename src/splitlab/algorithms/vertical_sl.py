@@ -54,7 +54,7 @@ from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.config import NoParams
 from splitlab.errors import UserError
 from splitlab.metrics import TASK_METRICS
-from splitlab.models import build_model, output_shape, split
+from splitlab.models import build_model, inference, output_shape, split
 from splitlab.privacy.defenses import decode
 from splitlab.privacy.record import PartyRecorder
 from splitlab.roles import STREAM_BATCHES, Blueprint, ClientNode, State, TrainingServer, server_part
@@ -314,12 +314,8 @@ class FeatureParty(IdHolder, ClientNode[NoParams]):
         """The bottom model on this party's columns of test samples `start` to `stop`, as the whole
         model is evaluated (eval mode, no defense at the cut), for the joint evaluation."""
         model = self.model("client_model")
-        training = model.training
-        try:
-            with torch.no_grad():
-                return model.eval()(self.inputs(self.test_x[start:stop]))
-        finally:
-            model.train(training)
+        with inference(model):
+            return model(self.inputs(self.test_x[start:stop]))
 
 
 class LabelParty(FeatureParty):
@@ -385,12 +381,8 @@ class VerticalServer(IdHolder, TrainingServer[NoParams]):
     def test_logits(self, embeddings: list[torch.Tensor]) -> torch.Tensor:
         """The top model (eval mode) on the parties' embeddings of one batch of test samples, combined."""
         model = self.model("server_model")
-        training = model.training
-        try:
-            with torch.no_grad():
-                return model.eval()(self.plan.join(embeddings, self.shapes))
-        finally:
-            model.train(training)
+        with inference(model):
+            return model(self.plan.join(embeddings, self.shapes))
 
     @verb()
     def test_metrics(self, logits: torch.Tensor, labels: torch.Tensor | None) -> dict[str, float]:

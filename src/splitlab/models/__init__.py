@@ -12,7 +12,15 @@ from splitlab.errors import UserError
 from splitlab.models.gpt import gpt
 from splitlab.models.hf import hf_model
 from splitlab.models.leaf import LEAF_MODELS
-from splitlab.models.staged import HeadAndTail, StagedModel, joined, largest_activation_bytes, output_shape, split
+from splitlab.models.staged import (
+    HeadAndTail,
+    StagedModel,
+    inference,
+    joined,
+    largest_activation_bytes,
+    output_shape,
+    split,
+)
 from splitlab.models.trainable import load_shared, share_frozen_copy, shared_state
 from splitlab.models.zoo import MODELS, ModelBuilder
 
@@ -86,6 +94,7 @@ __all__ = [
     "model_names",
     "model_option_names",
     "output_shape",
+    "inference",
     "register_model",
     "share_frozen_copy",
     "shared_state",

@@ -9,9 +9,11 @@ loss and the labels) in one part, `HeadAndTail`; the server holds the stages bet
 
 from __future__ import annotations
 
+import contextlib
 import math
 import typing
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -98,13 +100,24 @@ def joined(parts: list[nn.Module]) -> nn.Sequential:
     return UShaped(*parts) if isinstance(parts[0], HeadAndTail) else nn.Sequential(*parts)
 
 
+@contextlib.contextmanager
+def inference(*modules: nn.Module) -> Iterator[None]:
+    """No gradients, and `modules` in eval mode for the block (their mode is restored after)."""
+    modes = [module.training for module in modules]
+    try:
+        with torch.no_grad():
+            for module in modules:
+                module.eval()
+            yield
+    finally:
+        for module, mode in zip(modules, modes):
+            module.train(mode)
+
+
 def output_shape(module: nn.Module, input_shape: tuple[int, ...], dtype=torch.float32) -> tuple[int, ...]:
     """Shape of one sample's output, found by a dry run; used to size layers after a cut."""
-    with torch.no_grad():
-        was_training = module.training
-        module.eval()
+    with inference(module):
         out = module(torch.zeros((2, *input_shape), dtype=dtype))
-        module.train(was_training)
     return tuple(out.shape[1:])
 
 
