@@ -42,7 +42,7 @@ class RunConfig(BaseModel):
     data: Literal["partition", "own"] = Field(
         "partition",
         description="partition: clients are a seeded partition of the dataset | own: each client brings the "
-        "training samples in its own data_dir (splitlab server only)",
+        "training samples in its own data_dir (a vertical party: a CSV of its own columns; splitlab server only)",
     )
     model: str = Field("cnn", description="the model (see `splitlab models`)")
     layers: int | None = Field(None, ge=1, le=1024, description="model=gpt: transformer blocks (default 4)")

@@ -142,6 +142,10 @@ class Transport:
         """The class counts every remote client reported, once all have (data=own)."""
         raise NotImplementedError(f"the {self.name} transport reaches only roles in this process")
 
+    def reported_parties(self, parties: int) -> dict[int, dict[str, Any]]:
+        """What every party of a vertical run reported of its own files, once all have (data=own)."""
+        raise NotImplementedError(f"the {self.name} transport reaches only roles in this process")
+
     def drop(self, client_id: int, reason: str) -> None:
         """Drop client `client_id` (a transport whose clients can drop out): it is disconnected and
         left out of the round; it may come back as a fresh node."""

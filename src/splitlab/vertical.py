@@ -7,6 +7,7 @@ same as for any run; only what the roles hold differs, so `build` (splitlab.buil
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ from splitlab.algorithms.vertical_sl import (
 from splitlab.assembly import blueprint_of, load_data, resolve_device, seeded_subset, test_set
 from splitlab.config import ResolvedConfig, RunConfig
 from splitlab.data import Dataset
-from splitlab.data.tables import csv_training_set, table_ids
+from splitlab.data.tables import csv_training_set, own_csv_table, table_ids
 from splitlab.errors import UserError
 from splitlab.privacy.record import PartyRecorder
 from splitlab.roles import Blueprint
@@ -71,7 +72,6 @@ def _refusals(run: RunConfig) -> None:
         "test_split": (run.test_split != "global", "a vertical run evaluates on the dataset's test set"),
         "participation": (run.participation != 1, "every party takes part in every step"),
         "clients": (run.clients != RunConfig.model_fields["clients"].default, "parties= says how many hold features"),
-        "data": (run.data != "partition", "each party's data comes from the dataset's columns"),
         "lora": (
             run.lora is not None,
             "LoRA fine-tunes a pretrained language model (init=); a vertical run's tables and images train "
@@ -81,12 +81,32 @@ def _refusals(run: RunConfig) -> None:
     for key, (refused, why) in checks.items():
         if refused:
             raise UserError(f"{key}={getattr(run, key)} cannot be used with setting=vertical: {why}")
+    if run.data == "own":
+        _own_data_refusals(run)
+
+
+def _own_data_refusals(run: RunConfig) -> None:
+    """What a vertical run whose parties bring their own files (data=own) cannot do."""
+    checks = {
+        "dataset": (run.dataset != "csv", "each party's own file is a CSV table of its columns (dataset=csv)"),
+        "features": (run.features is not None, "each party's file holds its columns; the parties report how many"),
+        "train_subset": (run.train_subset is not None, "each party uses every row of its own file"),
+        "backend": (run.backend != "local", "the parties are `splitlab client` processes with their own files"),
+    }
+    for key, (refused, why) in checks.items():
+        if refused:
+            raise UserError(f"{key}={getattr(run, key)} cannot be used with setting=vertical data=own: {why}")
 
 
 def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
     """Validate a vertical run and derive its data, feature groups and blueprint; UserError on bad input."""
     run = config.run
     _refusals(run)
+    if run.data == "own":
+        raise UserError(
+            "setting=vertical data=own: no process holds every party's columns; run the server with "
+            "`splitlab server` and each party with `splitlab client data=own data_dir=DIR` (docs/deployment.md)"
+        )
     data = load_data(run)
     data_dir = None if run.data_dir is None else Path(run.data_dir)
     if data.task != "classification":
@@ -210,10 +230,122 @@ def party_rows(vertical: VerticalPlan, party: int) -> np.ndarray:
 def party_node(config: ResolvedConfig, party: int) -> FeatureParty:
     """Party `party`'s node, built in its own process (`splitlab client`): the same rows and
     initial weights as in `build_vertical`; it aligns them when the server asks."""
-    vertical = plan_vertical(config)
-    if not 0 <= party < vertical.plan.parties:
-        raise UserError(f"client_id={party} is not a party of this run; allowed: 0 to {vertical.plan.parties - 1}")
-    return local_party(vertical, party)
+    if not 0 <= party < config.run.parties:
+        raise UserError(f"client_id={party} is not a party of this run; allowed: 0 to {config.run.parties - 1}")
+    if config.run.data == "own":
+        return _own_party(config, party)
+    return local_party(plan_vertical(config), party)
+
+
+def _own_party(config: ResolvedConfig, party: int) -> FeatureParty:
+    """Party `party`'s node from its own files (data=own): its columns only, standardised as in
+    the whole table, its bottom model built for them as in a run that reads the whole table (the
+    weights depend on the seed and the number of columns alone). It reports its columns, its rows,
+    its test rows (their ids' digest: every party must hold the same) and, the label holder, the
+    number of classes; the server plans the run from those reports."""
+    _refusals(config.run)
+    run, holds_labels = config.run, config.run.labels_at == party
+    data, ids, labelled, test_ids = own_csv_table(Path(str(run.data_dir)), holds_labels, features=True)
+    columns = data.input_shape[-1]
+    # the other parties' columns are theirs: this party's plan knows its own alone
+    groups = tuple(tuple(range(columns)) if j == party else () for j in range(run.parties))
+    plan = FeaturePlan((columns,), groups, run.combine, run.labels_at)
+    # a party without labels does not know the classes; the stages before the cut never see them
+    classes = data.num_classes if holds_labels else 1
+    recorder = PartyRecorder(run.record) if run.record else None
+    blueprint = blueprint_of(
+        config,
+        resolve_device(run.device),
+        (columns,),
+        classes,
+        data.train_x.dtype,
+        data.task,
+        init_state(run),
+        vertical_models(plan),
+        recorder,
+    )
+    missing = torch.isnan(data.train_x).numpy()
+    test = seeded_subset(len(test_ids), run.test_subset, run.seed, "test_subset")
+    vertical = VerticalPlan(data, plan, blueprint, ids, labelled, missing, np.arange(len(ids)), test)
+    node = local_party(vertical, party)
+    node.reported = own_report(columns, test_ids, classes if holds_labels else 0)
+    return node
+
+
+@dataclasses.dataclass
+class OwnPlan:
+    """What the server of a vertical run with the parties' own files (data=own) derives from their
+    reports (and, `labels_at=server`, its own file of ids and labels): no feature reaches it."""
+
+    plan: FeaturePlan
+    blueprint: Blueprint
+    server: Holding
+    held: list[int]  # how many rows each party held before alignment
+    data: Dataset  # no sample: the dataset's shape and classes
+
+    @property
+    def features(self) -> list[list[int]]:
+        return [list(group) for group in self.plan.groups]
+
+
+def check_own_server(run: RunConfig) -> None:
+    """What a server of a vertical run with the parties' own files can refuse before they report."""
+    _refusals(run)
+    if run.labels_at != LABELS_AT_SERVER and not 0 <= int(run.labels_at) < run.parties:
+        raise UserError(f"labels_at={run.labels_at} is not a party; allowed: server or 0 to {run.parties - 1}")
+    if run.labels_at == LABELS_AT_SERVER and run.data_dir is None:
+        raise UserError(
+            "setting=vertical data=own labels_at=server: the server reads its ids and labels from data_dir="
+        )
+
+
+def plan_own_server(config: ResolvedConfig, reports: dict[int, dict[str, Any]]) -> OwnPlan:
+    """The server's plan from the parties' reports: party j's columns follow party j-1's (their
+    order in a table that joins their files), the classes the label holder's (or the server's own
+    labels), the test samples those every party holds; UserError if the parties' test rows differ."""
+    run = config.run
+    check_own_server(run)
+    widths = [reports[j]["columns"] for j in range(run.parties)]
+    ends = np.cumsum(widths).tolist()
+    features = "/".join(f"{end - width}-{end - 1}" for width, end in zip(widths, ends))
+    if run.labels_at == LABELS_AT_SERVER:
+        labels, ids, labelled, test_ids = own_csv_table(Path(str(run.data_dir)), labels=True, features=False)
+        classes = labels.num_classes
+        rows = np.flatnonzero(labelled)
+        rows = rows[np.argsort(ids[rows], kind="stable")]
+        mine: dict[str, Any] | None = own_report(0, test_ids, classes)
+    else:
+        classes, mine = reports[int(run.labels_at)]["classes"], None
+    samples = reports[0]["test_samples"]
+    for holder, report in [*((f"party {j}", reports[j]) for j in range(run.parties)), ("the server", mine)]:
+        if report is not None and report["test_ids"] != reports[0]["test_ids"]:
+            raise UserError(
+                f"{holder}'s test.csv holds other test samples ({report['test_samples']} rows with every cell) "
+                f"than party 0's ({samples}): every holder's test.csv lists the same ids, in the same order"
+            )
+    test = seeded_subset(samples, run.test_subset, run.seed, "test_subset")
+    planned = dataclasses.replace(config, run=run.model_copy(update={"features": features}))
+    plan, blueprint = vertical_blueprint(
+        planned, resolve_device(run.device), (ends[-1],), classes, torch.float32, "classification"
+    )
+    blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model: one line
+    top_model(blueprint, plan)  # embeddings the combination cannot join: one line
+    if mine is None:
+        server = Holding(np.zeros(0, dtype=np.int64), torch.zeros(0, dtype=torch.long), test_samples=len(test))
+    else:
+        server = Holding(
+            ids[rows], labels.train_y[torch.as_tensor(rows)], test_samples=len(test), test_y=labels.test_y[test]
+        )
+    empty = torch.zeros(0, ends[-1])
+    data = Dataset("csv", empty, empty[:, 0].long(), empty, empty[:, 0].long(), classes, (ends[-1],))
+    return OwnPlan(plan, blueprint, server, [reports[j]["samples"] for j in range(run.parties)], data)
+
+
+def own_report(columns: int, test_ids: np.ndarray, classes: int) -> dict[str, Any]:
+    """What a party (or the server, holding the labels) with its own files says of them besides
+    its rows: its columns, its test rows and their ids' digest (in order), the classes it knows."""
+    digest = hashlib.sha256(np.ascontiguousarray(test_ids, dtype="<i8").tobytes()).hexdigest()
+    return {"columns": columns, "test_samples": len(test_ids), "test_ids": digest, "classes": classes}
 
 
 def party_class(plan: FeaturePlan, party: int) -> type[FeatureParty]:

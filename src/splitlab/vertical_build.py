@@ -18,24 +18,29 @@ from splitlab.algorithms.base import ClientInfo, Context
 from splitlab.algorithms.vertical_sl import (
     LABELS_AT_SERVER,
     FeatureParty,
+    FeaturePlan,
     VerticalAssembler,
     VerticalServer,
     VerticalSplitNN,
 )
-from splitlab.assembly import Experiment, Roles
+from splitlab.assembly import Experiment, Roles, resolve_device
 from splitlab.config import ResolvedConfig
+from splitlab.data import Dataset
 from splitlab.data.partition import counts_report
 from splitlab.errors import UserError
 from splitlab.ledger import Ledger
 from splitlab.privacy import keys
-from splitlab.roles import SyncServer
+from splitlab.roles import Blueprint, SyncServer
 from splitlab.transport import TRANSPORTS, Transport
 from splitlab.vertical import (
+    OwnPlan,
     VerticalPlan,
+    check_own_server,
     local_party,
     party_class,
     party_holding,
     party_rows,
+    plan_own_server,
     plan_vertical,
     server_holding,
     vertical_server,
@@ -48,18 +53,21 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
     """The vertical run's experiment: parties (here, over the network: one process each, or on
     Ray actors), server, transport, algorithm; the parties' samples aligned by private set
     intersection (counted in the ledger) before anything is returned."""
-    vertical = plan_vertical(config)
-    run, data, plan, blueprint = config.run, vertical.data, vertical.plan, vertical.blueprint
-    device = blueprint.device
+    run = config.run
     ledger = Ledger(run.ledger)
-    parties: list[FeatureParty] = []
-    server: Any
-    transport_: Transport
     if run.record and (transport is not None or run.backend == "ray"):
         raise UserError(
             f"record={run.record} needs the parties in this process (`splitlab run`, backend=local): it keeps "
             f"each party's inputs for scoring, which a party in another process never sends"
         )
+    if run.data == "own":
+        return _build_own(config, transport, ledger)
+    vertical = plan_vertical(config)
+    data, plan, blueprint = vertical.data, vertical.plan, vertical.blueprint
+    device = blueprint.device
+    parties: list[FeatureParty] = []
+    server: Any
+    transport_: Transport
     if run.backend == "ray":  # every party's node on a Ray actor, the server on its own
         transport_, proxies, server = _on_ray(config, vertical, ledger)
     else:
@@ -75,7 +83,53 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
         else:
             parties = [local_party(vertical, j) for j in range(plan.parties)]
             proxies = {party.id: transport_.connect(party, counted=True) for party in parties}
-    sync: SyncServer = SyncServer(blueprint)
+    # no sample here: the parties and the server evaluate among themselves (VerticalSplitNN.role_metrics)
+    none = dict(train_x=data.train_x[:0], train_y=data.train_y[:0], test_x=data.test_x[:0], test_y=data.test_y[:0])
+    test = dataclasses.replace(data, **none, prepare=None)
+    roles = None if run.backend == "ray" else Roles(list(parties), server, SyncServer(blueprint))
+    return _experiment(config, test, plan, blueprint, transport_, proxies, server, roles, vertical)
+
+
+def _build_own(
+    config: ResolvedConfig, transport: Callable[[Ledger, torch.device], Transport] | None, ledger: Ledger
+) -> Any:
+    """A vertical run whose parties bring their own files (data=own): the server plans it from
+    their reports (splitlab.vertical.plan_own_server) and never reads a feature."""
+    run = config.run
+    transport_ = None if transport is None else transport(ledger, resolve_device(run.device))
+    if transport_ is None or not transport_.remote:
+        plan_vertical(config)  # refuses data=own in one line, saying how to run it
+    assert transport_ is not None
+    try:
+        check_own_server(run)
+        reports = transport_.reported_parties(run.parties)
+        own = plan_own_server(config, reports)
+    except BaseException:  # the parties told the run is over, not left waiting for it
+        transport_.close()
+        raise
+    plan, blueprint = own.plan, own.blueprint
+    server = vertical_server(blueprint, plan, own.server)
+    proxies = transport_.connect_remote({j: party_class(plan, j) for j in range(plan.parties)}, blueprint, reports)
+    return _experiment(
+        config, own.data, plan, blueprint, transport_, proxies, server, Roles([], server, SyncServer(blueprint)), own
+    )
+
+
+def _experiment(
+    config: ResolvedConfig,
+    test: Dataset,
+    plan: FeaturePlan,
+    blueprint: Blueprint,
+    transport_: Transport,
+    proxies: dict[int, Any],
+    server: Any,
+    roles: Roles | None,
+    planned: VerticalPlan | OwnPlan,
+) -> Experiment:
+    """The algorithm on the roles built, its parties aligned (the run stops if they hold no
+    sample in common), and the experiment the engine runs."""
+    run = config.run
+    sync = roles.sync if roles is not None else SyncServer(blueprint)
     context = Context(
         run,
         config.params,
@@ -87,7 +141,7 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
     )
     algorithm = VerticalSplitNN(context)
     try:
-        common, truth = _aligned(algorithm, proxies[0], vertical)
+        common, report = _aligned(algorithm, proxies[0], planned)
     except BaseException:  # the actors of backend=ray stopped, not left holding the parties
         transport_.close()
         raise
@@ -95,25 +149,23 @@ def build_vertical(config: ResolvedConfig, transport: Callable[[Ledger, torch.de
     transport_.on_rejoin = algorithm.rejoined
     if blueprint.defense.random:  # the noise key of the parties played here (splitlab.privacy.keys)
         transport_.install_noise_secret(blueprint, keys.for_run(run.noise_key))
-    # no sample here: the parties and the server evaluate among themselves (VerticalSplitNN.role_metrics)
-    none = dict(train_x=data.train_x[:0], train_y=data.train_y[:0], test_x=data.test_x[:0], test_y=data.test_y[:0])
-    test = dataclasses.replace(data, **none, prepare=None)
     return Experiment(
         config,
         test,
         context.clients,
         algorithm,
-        _report(vertical, truth),
-        None if run.backend == "ray" else Roles(list(parties), server, sync),
+        report,
+        roles,
         blueprint,
         transport_,
         _assembler=VerticalAssembler(blueprint, plan),  # type: ignore[arg-type]
     )
 
 
-def _aligned(algorithm: VerticalSplitNN, first: Any, vertical: VerticalPlan) -> tuple[int, np.ndarray]:
+def _aligned(algorithm: VerticalSplitNN, first: Any, planned: VerticalPlan | OwnPlan) -> tuple[int, dict[str, Any]]:
     """The parties aligned by private set intersection: how many samples they have in common (as
-    the first party reports) and their ids (as the dataset says); UserError if none, or if they differ."""
+    the first party reports), and the run's partition.json; UserError if none, or if that differs
+    from the dataset's ids (when the server has read them all: not with data=own)."""
     algorithm.align()
     common = first.sample_count()
     if common == 0:
@@ -121,10 +173,12 @@ def _aligned(algorithm: VerticalSplitNN, first: Any, vertical: VerticalPlan) -> 
             "the parties have no sample in common (their private set intersection is empty); "
             "check that their id columns name the same samples"
         )
-    truth = _common_ids(vertical)
+    if isinstance(planned, OwnPlan):
+        return common, _own_report(planned, common)
+    truth = _common_ids(planned)
     if common != len(truth):  # only a party that lies can make them differ (tested: PSI finds the truth)
         raise UserError(f"party 0 holds {common} samples after alignment; the parties have {len(truth)} in common")
-    return common, truth
+    return common, _report(planned, truth)
 
 
 def _on_ray(config: ResolvedConfig, vertical: VerticalPlan, ledger: Ledger) -> tuple[Transport, dict[int, Any], Any]:
@@ -153,6 +207,12 @@ def _common_ids(vertical: VerticalPlan) -> np.ndarray:
     if vertical.plan.labels_at == LABELS_AT_SERVER:
         holders.append(vertical.pool[vertical.labelled[vertical.pool]])
     return functools.reduce(np.intersect1d, [vertical.ids[rows] for rows in holders])
+
+
+def _own_report(own: OwnPlan, common: int) -> dict[str, Any]:
+    """partition.json of a vertical run with the parties' own files: as `_report`, without the
+    class counts (the server sees the labels only with labels_at=server)."""
+    return {"setting": "vertical", "features": own.features, "held_before_alignment": own.held, "aligned": common}
 
 
 def _report(vertical: VerticalPlan, common: np.ndarray) -> dict[str, Any]:

@@ -281,6 +281,7 @@ class FeatureParty(IdHolder, ClientNode[NoParams]):
         self.ids = ids
         self.test_x = x[:0] if test_x is None else test_x
         self.test_y = torch.zeros(0, dtype=torch.long) if test_y is None else test_y
+        self.reported: dict[str, Any] = {}  # data=own: what it says of its files when it joins
         self.model("client_model")
 
     @property

@@ -45,9 +45,14 @@ def _standardised(name: str, tr_x: np.ndarray, tr_y: np.ndarray, te_x: np.ndarra
     )
 
 
-def read_table(path: Path) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
+def read_table(
+    path: Path, labels: bool = True, features: bool = True
+) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarray]:
     """A CSV file with a header: its feature columns' names, the ids (int64), the labels (float,
-    NaN where empty) and the features (float, NaN where empty). UserError naming the file and row."""
+    NaN where empty; all NaN without a label column) and the features (float, NaN where empty).
+    `labels`/`features`: whether the file must have a label column / feature columns, or must not
+    (a vertical party's own file: labels only at the label holder; the server's: no features).
+    UserError naming the file and row."""
     try:
         with path.open(newline="") as file:
             rows = list(csv.reader(file))
@@ -56,32 +61,42 @@ def read_table(path: Path) -> tuple[list[str], np.ndarray, np.ndarray, np.ndarra
     if not rows:
         raise UserError(f"CSV file {str(path)!r} is empty; expected a header with {ID_COLUMN!r} and {LABEL_COLUMN!r}")
     header = [name.strip() for name in rows[0]]
-    for needed in (ID_COLUMN, LABEL_COLUMN):
+    for needed in (ID_COLUMN, LABEL_COLUMN) if labels else (ID_COLUMN,):
         if needed not in header:
             raise UserError(f"CSV file {str(path)!r} has no {needed!r} column; its columns: {', '.join(header)}")
-    features = [name for name in header if name not in (ID_COLUMN, LABEL_COLUMN)]
-    if not features:
+    if not labels and LABEL_COLUMN in header:
+        raise UserError(
+            f"CSV file {str(path)!r} has a {LABEL_COLUMN!r} column; only the label holder's (labels_at=) may"
+        )
+    names = [name for name in header if name not in (ID_COLUMN, LABEL_COLUMN)]
+    if features and not names:
         raise UserError(f"CSV file {str(path)!r} has no feature columns besides {ID_COLUMN!r} and {LABEL_COLUMN!r}")
-    id_at, label_at = header.index(ID_COLUMN), header.index(LABEL_COLUMN)
-    feature_at = [header.index(name) for name in features]
-    ids, labels, values = [], [], []
+    if not features and names:
+        raise UserError(
+            f"CSV file {str(path)!r} has feature columns ({', '.join(names[:3])}...); the server's holds only "
+            f"{ID_COLUMN!r} and {LABEL_COLUMN!r}"
+        )
+    id_at = header.index(ID_COLUMN)
+    label_at = header.index(LABEL_COLUMN) if labels else None
+    feature_at = [header.index(name) for name in names]
+    ids, label_cells, values = [], [], []
     for line, row in enumerate(rows[1:], start=2):
         if len(row) != len(header):
             raise UserError(f"{str(path)!r} line {line}: {len(row)} cells, the header has {len(header)}")
         try:
             ids.append(int(row[id_at]))
-            labels.append(_number(row[label_at]))
+            label_cells.append(math.nan if label_at is None else _number(row[label_at]))
             values.append([_number(row[i]) for i in feature_at])
         except ValueError as error:
             raise UserError(f"{str(path)!r} line {line}: {error}; ids are integers, cells numbers or empty") from None
-    label_array = np.asarray(labels, dtype=np.float64)
+    label_array = np.asarray(label_cells, dtype=np.float64)
     known = label_array[~np.isnan(label_array)]
     if np.any(known < 0) or np.any(known != np.round(known)):
         raise UserError(f"{str(path)!r}: labels must be class numbers 0, 1, 2, ...")
     id_array = np.asarray(ids, dtype=np.int64)
     if len(np.unique(id_array)) != len(id_array):
         raise UserError(f"{str(path)!r}: an id appears twice; every row needs its own id")
-    return features, id_array, label_array, np.asarray(values, dtype=np.float64).reshape(len(ids), len(features))
+    return names, id_array, label_array, np.asarray(values, dtype=np.float64).reshape(len(ids), len(names))
 
 
 def _number(cell: str) -> float:
@@ -147,6 +162,30 @@ def table_ids(name: str, data_dir: Path | None, dataset: Dataset) -> tuple[np.nd
         return np.arange(count, dtype=np.int64), np.ones(count, dtype=bool), np.zeros((count, 0), dtype=bool)
     full, ids, labelled = _load_csv_table(data_dir)
     return ids, labelled, torch.isnan(full.train_x).numpy()
+
+
+def own_csv_table(
+    data_dir: Path | None, labels: bool, features: bool
+) -> tuple[Dataset, np.ndarray, np.ndarray, np.ndarray]:
+    """A vertical run's own files (data=own: a party's columns, with the labels at the label
+    holder; the server's ids and labels): every training row (missing cells NaN, missing labels
+    -1, columns standardised as in the whole table), its training ids, which rows are labelled,
+    and the ids of its test rows with every cell (and label), in the file's order."""
+    train_path, test_path = _csv_files(data_dir)
+    names, ids, train_labels, x = read_table(train_path, labels, features)
+    test_names, test_ids, test_labels, test_x = read_table(test_path, labels, features)
+    if test_names != names:
+        raise UserError(f"data=own: {str(test_path)!r}'s feature columns differ from {str(train_path)!r}'s")
+    complete = ~np.isnan(test_x).any(axis=1) & (~np.isnan(test_labels) if labels else True)
+    labelled = ~np.isnan(train_labels)
+    dataset = _standardised(
+        "csv",
+        x,
+        np.where(labelled, train_labels, -1).astype(np.int64),
+        test_x[complete],
+        np.nan_to_num(test_labels[complete], nan=0.0).astype(np.int64),
+    )
+    return dataset, ids, labelled, test_ids[complete]
 
 
 def csv_training_set(data_dir: Path | None) -> Dataset:

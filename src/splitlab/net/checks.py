@@ -19,7 +19,8 @@ than its reported samples allow (`_psi`); in the joint evaluation, its embedding
 start to stop have its bottom model's dtype and shape (stop - start, *cut shape), the label
 holder's labels of them are the task's targets (`_test_batch`). A client's REPORT of its data must fit the run
 (`Checks.report`): class counts, for a language task its number of sequences and count of each
-target token id, for a vertical party the number of samples it holds and its columns' shape. A
+target token id, for a vertical party the number of samples it holds and its columns' shape (with
+data=own first checked for its form alone, `OwnPartyReports`: the server plans the run from it). A
 failed check is a `Refused` with one line saying what was wrong.
 """
 
@@ -32,7 +33,7 @@ from typing import Any
 
 import torch
 
-from splitlab.algorithms.vertical_sl import parse_features
+from splitlab.algorithms.vertical_sl import FeatureParty, parse_features
 from splitlab.data.datasets import IGNORED, SUMMARY_KEYS, data_summary
 from splitlab.privacy import defenses
 from splitlab.roles import Blueprint, ClientNode, pooled
@@ -40,6 +41,8 @@ from splitlab.transport import KEYED, VerbSpec
 
 #: what a vertical party reports of its data beside its columns' shape: how many samples it holds
 VERTICAL_SUMMARY_KEYS = ("samples",)
+#: ... and with its own files (data=own): its columns, its test samples, their ids' digest, the classes it knows
+OWN_PARTY_SUMMARY_KEYS = ("samples", "columns", "test_samples", "test_ids", "classes")
 #: a private set intersection message's bytes per id (a compressed curve point and its framing, splitlab.psi)
 PSI_POINT_BYTES = 35
 #: a private set intersection message's bytes beyond its points (the protobuf message's own fields)
@@ -234,7 +237,7 @@ class Checks:
         reported before), if any."""
         config, shape = self.blueprint.config, list(self.blueprint.input_shape)
         vertical = config.setting == "vertical"
-        summary_keys = VERTICAL_SUMMARY_KEYS if vertical else SUMMARY_KEYS[self.blueprint.task]
+        summary_keys = _vertical_keys(config.data) if vertical else SUMMARY_KEYS[self.blueprint.task]
         if vertical:
             shape = list(_party_shape(self.blueprint, client_id))
         *keys, last = ("data", "input_shape", *summary_keys)
@@ -255,8 +258,12 @@ class Checks:
         if expected is not None and summary != expected:
             raise Refused(f"it holds {_described(summary)}; the run has {_described(expected)} for it")
         if vertical and client_id is not None:
-            self._samples[client_id] = summary["samples"]
+            self.holds(client_id, summary["samples"])
         return summary
+
+    def holds(self, party: int, samples: int) -> None:
+        """Vertical party `party` holds `samples` rows (reported): its PSI messages' bound."""
+        self._samples[party] = samples
 
     def _class_summary(self, summary: dict[str, Any]) -> None:
         classes, counts = self.blueprint.num_classes, summary["class_counts"]
@@ -402,11 +409,36 @@ def data_report(node: ClientNode, data: str) -> dict[str, Any]:
     """What a client says of its samples once it has built its node (`data`: how it got them; a
     vertical party: how many it holds, since only one party, or none, holds labels)."""
     blueprint = node.blueprint
-    if blueprint.config.setting == "vertical":
-        summary: dict[str, Any] = {"samples": node.num_samples}
+    if isinstance(node, FeatureParty):  # a vertical party: data=own says more (vertical._own_party)
+        summary: dict[str, Any] = {"samples": node.num_samples, **node.reported}
     else:
         summary = data_summary(node.y, blueprint.task, blueprint.num_classes)
     return {"data": data, "input_shape": list(node.x.shape[1:]), **summary}
+
+
+def _vertical_keys(data: str) -> tuple[str, ...]:
+    return OWN_PARTY_SUMMARY_KEYS if data == "own" else VERTICAL_SUMMARY_KEYS
+
+
+class OwnPartyReports:
+    """The REPORTs of a vertical run's parties with their own files (data=own), checked for their
+    form before the server knows the parties' columns: it plans the run from them (then `Checks`
+    holds a party that joins again to what it first reported)."""
+
+    def report(self, report: Any, expected: dict[str, Any] | None, client_id: int | None = None) -> dict[str, Any]:
+        keys = ("data", "input_shape", *OWN_PARTY_SUMMARY_KEYS)
+        if not isinstance(report, dict) or set(report) != set(keys):
+            raise Refused(f"a report holds exactly {', '.join(keys)}")
+        if report["data"] != "own":
+            raise Refused(f"the client was started with data={report['data']!r}; this run has data=own")
+        counts = [report[key] for key in ("samples", "columns", "test_samples", "classes")]
+        if not _whole_numbers(counts) or min(counts[:3]) < 1 or counts[3] < 0:
+            raise Refused(f"it reports {counts!r} samples, columns, test samples and classes; expected whole numbers")
+        if report["input_shape"] != [report["columns"]]:
+            raise Refused(f"its samples have shape {report['input_shape']!r}, not its {report['columns']} columns")
+        if not isinstance(report["test_ids"], str) or len(report["test_ids"]) != 64:
+            raise Refused("its test_ids is not a sha256 digest in hex")
+        return {key: report[key] for key in OWN_PARTY_SUMMARY_KEYS}
 
 
 def held(summary: dict[str, Any]) -> str:

@@ -47,7 +47,7 @@ from splitlab.ledger import Ledger
 from splitlab.net import protocol
 from splitlab.net.audit import AuditLog, Identity, Revocations
 from splitlab.net.certs import SERVER, client_name, read_pair
-from splitlab.net.checks import Checks, Refused, held
+from splitlab.net.checks import Checks, OwnPartyReports, Refused, held
 from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint
 from splitlab.rundir import check_out_dir
@@ -159,7 +159,7 @@ class Hub:
         self._reported: set[int] = set()  # ids whose data was accepted at least once
         self._expected: set[int] | None = None
         self._summaries: dict[int, dict[str, Any]] = {}  # what each client must report of its data
-        self._checks: Checks | None = None
+        self._checks: Checks | OwnPartyReports | None = None
         self._changed = threading.Condition()
         self._seq = itertools.count(1)
         self._wire_lock = threading.Lock()
@@ -203,7 +203,9 @@ class Hub:
             threading.Thread(target=self._watch_revocations, daemon=True).start()
         log(f"listening on {self.settings.listen} (mutual TLS, run {self.run_id})")
 
-    def expect(self, summaries: Mapping[int, dict[str, Any] | None], ledger: Ledger, checks: Checks) -> None:
+    def expect(
+        self, summaries: Mapping[int, dict[str, Any] | None], ledger: Ledger, checks: Checks | OwnPartyReports
+    ) -> None:
         """The run's clients, all at once (the transport says so as it is built; a client admitted
         in between would be refused as not belonging to the run): client k must report holding the
         data `summaries[k]` describes (`data_summary`; None: what it first reports, data=own)."""
@@ -215,6 +217,10 @@ class Hub:
 
     def reported_counts(self) -> list[list[int]]:
         """Every client's class counts, once all have reported (data=own), waiting until join_timeout."""
+        return [summary["class_counts"] for summary in self.reported().values()]  # classification datasets only
+
+    def reported(self) -> dict[int, dict[str, Any]]:
+        """Every client's summary of its data, once all have reported (data=own), waiting until join_timeout."""
         with self._changed:
             ids = sorted(self._expected or ())
             remaining = max(0.0, self._join_deadline - time.monotonic())
@@ -225,7 +231,7 @@ class Hub:
                 f"client(s) {', '.join(missing)} did not report their data within join_timeout="
                 f"{self.settings.join_timeout:g} s; with data=own the server needs every client's before round 1"
             )
-        return [self._summaries[k]["class_counts"] for k in ids]  # data=own: classification datasets only
+        return {k: self._summaries[k] for k in ids}
 
     def close(self) -> None:
         """The run is over (or failed): BYE to every client, then stop."""
@@ -583,11 +589,20 @@ class NetworkTransport(Transport):
         self, role_classes: Mapping[int, type], blueprint: Blueprint, summaries: Mapping[int, dict[str, Any] | None]
     ) -> dict[int, Proxy]:
         self.checks = self.checks or Checks(blueprint)
+        for k, summary in summaries.items():
+            if summary is not None and "samples" in summary:  # a vertical party's rows (data=own: reported)
+                self.checks.holds(k, summary["samples"])
         self.hub.expect(summaries, self.ledger, self.checks)
         return {k: RemoteProxy(self, k, role_class) for k, role_class in role_classes.items()}
 
     def reported_counts(self) -> list[list[int]]:
         return self.hub.reported_counts()
+
+    def reported_parties(self, parties: int) -> dict[int, dict[str, Any]]:
+        """What every party of a vertical run with its own files (data=own) reports of them, once
+        all have: the server plans the run from these (splitlab.vertical_build)."""
+        self.hub.expect(dict.fromkeys(range(parties)), self.ledger, OwnPartyReports())
+        return self.hub.reported()
 
     def drop(self, client_id: int, reason: str) -> None:
         self.hub.expel(client_id, reason)
