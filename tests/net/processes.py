@@ -98,9 +98,10 @@ class Rogue:
         while (message := self.outgoing.get()) is not None:
             yield message
 
-    def first_reply(self, report: dict | None = None) -> Any:
+    def first_reply(self, report: dict | None = None, **own: Any) -> Any:
         """The server's first message (WELCOME), or the RpcError that refused this client. After a
-        WELCOME it REPORTs its data: `report`, or that of `node`, the node a client of the run builds."""
+        WELCOME it REPORTs its data: `report`, or that of `node`, the node a client of the run builds
+        (with `own` keys of its own, as `splitlab client data=own data_dir=...`)."""
         try:
             reply = next(self.replies)
         except grpc.RpcError as error:
@@ -108,8 +109,8 @@ class Rogue:
         if reply.kind == protocol.WELCOME:
             self.config = codec.decode(bytes(reply.payload))["config"]
             if report is None:
-                self.node = client_node(self.config, self.client_id)
-                report = data_report(self.node, "partition")
+                self.node = client_node({**self.config, **own}, self.client_id)
+                report = data_report(self.node, own.get("data", "partition"))
             self.outgoing.put(protocol.envelope(protocol.REPORT, reply.run_id, payload=codec.encode(report)))
         return reply
 
@@ -152,9 +153,9 @@ class Node:
     calls and sends heartbeats until the call `answer_until` names, which gets no reply; `leave`
     then ends its heartbeats and its connection, as a process that dies."""
 
-    def __init__(self, address: str, certs: Path, client_id: int) -> None:
+    def __init__(self, address: str, certs: Path, client_id: int, **own: Any) -> None:
         self.rogue = Rogue(address, credentials(certs, client_name(client_id)), client_id)
-        self.welcome = self.rogue.first_reply()
+        self.welcome = self.rogue.first_reply(**own)
         assert self.welcome.kind == protocol.WELCOME, self.welcome
         settings = codec.decode(bytes(self.welcome.payload))
         self.node = self.rogue.node

@@ -11,6 +11,8 @@ import time
 import torch
 from processes import Node
 from safetensors.torch import load_file
+from test_vertical_own import CONFIG as OWN
+from test_vertical_own import write_tables
 
 from helpers import quick
 from splitlab import codec
@@ -77,3 +79,49 @@ def test_a_vertical_run_resumes_over_the_network_as_run(tmp_path, servers):
         assert resumed[key] == json.loads(json.dumps(straight[key])), key
     net, local = load_file(out / "weights.safetensors"), load_file(tmp_path / "run" / "weights.safetensors")
     assert net.keys() == local.keys() and all(torch.equal(net[k], local[k]) for k in local)
+
+
+def test_a_vertical_run_of_own_files_resumes_over_the_network_as_run(tmp_path, servers):
+    """As above with data=own: the resumed server plans the run again from the parties' reports
+    (party 1 reconnected by itself, party 0, the label holder, a fresh `splitlab client` reading
+    its own file) and ends with the weights, metrics and ledger of `run` on the table that joins
+    their files."""
+    tables = write_tables(tmp_path, 0)
+    config = {**OWN, "rounds": 3, "device": "cpu"}
+    make_certs(tmp_path / "certs", 2, [])
+    out = tmp_path / "net"
+    first = servers({**config, "data": "own", "out": str(out)}, join_timeout=60)
+    party = Node(first.address, tmp_path / "certs", 0, data="own", data_dir=str(tables["party0"]))
+    other = first.client(1, data="own", data_dir=tables["party1"])
+    party.answer_until("begin_round", round=1)
+    while not (out / CHECKPOINT).exists():  # written in the background after round 1
+        assert first.process.poll() is None
+        time.sleep(0.05)
+    first.process.send_signal(signal.SIGKILL)
+    assert first.process.wait() == -signal.SIGKILL
+    party.leave()
+    assert codec.decode((out / CHECKPOINT).read_bytes())["loop"]["round"] == 1
+    before = (out / "metrics.jsonl").read_text().splitlines()
+    second = servers({**config, "data": "own", "out": str(out)}, address=first.address, resume=True, join_timeout=60)
+    party_again = second.client(0, data="own", data_dir=tables["party0"])
+    assert second.process.wait() == 0, second.log.read_text()
+    assert party_again.wait() == 0 and other.wait() == 0
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the processes: a matmul's sums in other orders differ in the last bits
+    try:
+        whole = {"data_dir": str(tables["whole"]), "features": "0-14/15-29", "out": str(tmp_path / "run")}
+        run({**config, **whole}, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    net, local = load_file(out / "weights.safetensors"), load_file(tmp_path / "run" / "weights.safetensors")
+    assert net.keys() == local.keys() and all(torch.equal(net[k], local[k]) for k in local)
+    keys = ("test_accuracy", "test_loss", "test_f1", "train_loss", "comm_bytes_by_kind")
+    after, straight = ((folder / "metrics.jsonl").read_text().splitlines() for folder in (out, tmp_path / "run"))
+    assert len(before) == 1 and len(after) == 3 and after[0] == before[0]  # round 1 was not run again
+    assert [[json.loads(row)[k] for k in keys] for row in after] == [
+        [json.loads(row)[k] for k in keys] for row in straight
+    ]
+    resumed, whole_run = (json.loads((folder / "summary.json").read_text()) for folder in (out, tmp_path / "run"))
+    for key in ("comm_bytes_by_kind", "comm_bytes_by_client", "final_loss"):
+        assert resumed[key] == whole_run[key], key
