@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -142,6 +143,8 @@ def _experiment(
     algorithm = VerticalSplitNN(context)
     try:
         common, report = _aligned(algorithm, proxies[0], planned)
+        if isinstance(planned, OwnPlan):
+            _as_when_begun(config, report)
     except BaseException:  # the actors of backend=ray stopped, not left holding the parties
         transport_.close()
         raise
@@ -179,6 +182,26 @@ def _aligned(algorithm: VerticalSplitNN, first: Any, planned: VerticalPlan | Own
     if common != len(truth):  # only a party that lies can make them differ (tested: PSI finds the truth)
         raise UserError(f"party 0 holds {common} samples after alignment; the parties have {len(truth)} in common")
     return common, _report(planned, truth)
+
+
+def _as_when_begun(config: ResolvedConfig, report: dict[str, Any]) -> None:
+    """A resumed run of the parties' own files goes on only with the files it began with: their
+    columns, rows and common rows as in its partition.json (UserError otherwise), as a client of
+    a horizontal data=own run must report its class counts again (splitlab.build)."""
+    path = config.out_dir / "partition.json"
+    if not config.run.resume or not path.exists():
+        return
+    try:
+        stored = json.loads(path.read_text())
+    except (ValueError, OSError) as error:
+        raise UserError(f"cannot resume: {str(path)!r} is unreadable ({error})") from None
+    for key, value in report.items():
+        if not isinstance(stored, dict) or stored.get(key) != value:
+            began = stored.get(key) if isinstance(stored, dict) else None
+            raise UserError(
+                f"cannot resume: the parties' files give {key} {value}, not {began} as when the run began "
+                f"({str(path)!r}); resume with the files it began with, or start anew without resume=true"
+            )
 
 
 def _on_ray(config: ResolvedConfig, vertical: VerticalPlan, ledger: Ledger) -> tuple[Transport, dict[int, Any], Any]:

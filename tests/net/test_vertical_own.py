@@ -21,6 +21,7 @@ from splitlab.errors import UserError
 from splitlab.net.certs import make_certs
 from splitlab.resolve import resolve_config
 from splitlab.vertical import own_report, plan_own_server
+from splitlab.vertical_build import _as_when_begun
 
 CONFIG = dict(
     setting="vertical", algorithm="sl", dataset="csv", model="mlp", labels_at=0, rounds=2, local_steps=2, seed=0
@@ -149,3 +150,21 @@ def test_parties_with_other_test_samples_are_refused():
     reports[1] = {"samples": 50, **own_report(15, np.arange(10), 0)}
     plan = plan_own_server(resolve_config({**CONFIG, "data": "own"}), reports)
     assert plan.features == [list(GROUPS[0]), list(GROUPS[1])] and plan.server.test_samples == 10
+
+
+def test_a_resume_with_other_files_is_refused(tmp_path):
+    """The parties of a resumed run must bring the files it began with (its partition.json), not
+    others that the checkpoint's models would go on with silently."""
+    report = {
+        "setting": "vertical",
+        "features": [list(GROUPS[0]), list(GROUPS[1])],
+        "held_before_alignment": [375, 380],
+    }
+    (tmp_path / "partition.json").write_text(json.dumps({**report, "aligned": 355}))
+    config = resolve_config({**CONFIG, "data": "own", "out": str(tmp_path), "resume": True})
+    _as_when_begun(config, {**report, "aligned": 355})
+    with pytest.raises(
+        UserError, match=r"the parties' files give held_before_alignment \[375, 379\], not \[375, 380\]"
+    ):
+        _as_when_begun(config, {**report, "held_before_alignment": [375, 379], "aligned": 355})
+    _as_when_begun(resolve_config({**CONFIG, "data": "own", "out": str(tmp_path)}), {**report, "aligned": 354})
