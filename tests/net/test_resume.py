@@ -7,12 +7,13 @@ from __future__ import annotations
 import json
 import signal
 import time
+from pathlib import Path
 
 import torch
 from processes import Node
 from safetensors.torch import load_file
 from test_vertical_own import CONFIG as OWN
-from test_vertical_own import write_tables
+from test_vertical_own import run_joined, write_tables
 
 from helpers import quick
 from splitlab import codec
@@ -47,6 +48,18 @@ def test_a_killed_server_resumes_and_its_clients_reconnect(tmp_path, servers):
     assert all(torch.equal(net[k], local[k]) for k in local)
 
 
+def killed_after_round_one(server, out: Path) -> list[str]:
+    """SIGKILL `server` once round 1's checkpoint is written (a party holds round 2 up); the
+    metrics rows it wrote."""
+    while not (out / CHECKPOINT).exists():  # written in the background after round 1
+        assert server.process.poll() is None
+        time.sleep(0.05)
+    server.process.send_signal(signal.SIGKILL)
+    assert server.process.wait() == -signal.SIGKILL
+    assert codec.decode((out / CHECKPOINT).read_bytes())["loop"]["round"] == 1
+    return (out / "metrics.jsonl").read_text().splitlines()
+
+
 def test_a_vertical_run_resumes_over_the_network_as_run(tmp_path, servers):
     """One process per party: the server is killed while party 0 (answering by hand) holds up round
     2, after round 1's checkpoint; resumed, it aligns the parties anew (party 1 reconnected by
@@ -59,14 +72,8 @@ def test_a_vertical_run_resumes_over_the_network_as_run(tmp_path, servers):
     party = Node(first.address, tmp_path / "certs", 0)
     labels = first.client(1)
     party.answer_until("begin_round", round=1)
-    while not (out / CHECKPOINT).exists():  # written in the background after round 1
-        assert first.process.poll() is None
-        time.sleep(0.05)
-    first.process.send_signal(signal.SIGKILL)
-    assert first.process.wait() == -signal.SIGKILL
+    before = killed_after_round_one(first, out)
     party.leave()
-    assert codec.decode((out / CHECKPOINT).read_bytes())["loop"]["round"] == 1
-    before = (out / "metrics.jsonl").read_text().splitlines()
     second = servers({**config, "out": str(out)}, address=first.address, resume=True, join_timeout=60)
     party_again = second.client(0)
     assert second.process.wait() == 0 and party_again.wait() == 0 and labels.wait() == 0
@@ -94,26 +101,14 @@ def test_a_vertical_run_of_own_files_resumes_over_the_network_as_run(tmp_path, s
     party = Node(first.address, tmp_path / "certs", 0, data="own", data_dir=str(tables["party0"]))
     other = first.client(1, data="own", data_dir=tables["party1"])
     party.answer_until("begin_round", round=1)
-    while not (out / CHECKPOINT).exists():  # written in the background after round 1
-        assert first.process.poll() is None
-        time.sleep(0.05)
-    first.process.send_signal(signal.SIGKILL)
-    assert first.process.wait() == -signal.SIGKILL
+    before = killed_after_round_one(first, out)
     party.leave()
-    assert codec.decode((out / CHECKPOINT).read_bytes())["loop"]["round"] == 1
-    before = (out / "metrics.jsonl").read_text().splitlines()
     second = servers({**config, "data": "own", "out": str(out)}, address=first.address, resume=True, join_timeout=60)
     party_again = second.client(0, data="own", data_dir=tables["party0"])
     assert second.process.wait() == 0, second.log.read_text()
     assert party_again.wait() == 0 and other.wait() == 0
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the processes: a matmul's sums in other orders differ in the last bits
-    try:
-        whole = {"data_dir": str(tables["whole"]), "features": "0-14/15-29", "out": str(tmp_path / "run")}
-        run({**config, **whole}, progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    run_joined(tables, config, tmp_path / "run")
     net, local = load_file(out / "weights.safetensors"), load_file(tmp_path / "run" / "weights.safetensors")
     assert net.keys() == local.keys() and all(torch.equal(net[k], local[k]) for k in local)
     keys = ("test_accuracy", "test_loss", "test_f1", "train_loss", "comm_bytes_by_kind")

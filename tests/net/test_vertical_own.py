@@ -63,6 +63,16 @@ def write_tables(folder: Path, labels_at: int | str) -> dict[str, Path]:
     return folders
 
 
+def run_joined(tables: dict[str, Path], config: dict, out: Path) -> None:
+    """`splitlab run` on the table that joins the parties' files, their columns as the groups."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the processes: a matmul's sums in other orders differ in the last bits
+    try:
+        run({**config, "data_dir": str(tables["whole"]), "features": "0-14/15-29", "out": str(out)}, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def tables(tmp_path) -> dict[str, Path]:
     return write_tables(tmp_path, 0)
@@ -72,13 +82,7 @@ def tables(tmp_path) -> dict[str, Path]:
 def test_own_files_give_what_run_gives_on_the_joined_table(tmp_path, servers, labels_at):
     tables = write_tables(tmp_path, labels_at)
     config = {**CONFIG, "labels_at": labels_at}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the processes: a matmul's sums in other orders differ in the last bits
-    try:
-        whole = {"data_dir": str(tables["whole"]), "features": "0-14/15-29", "out": str(tmp_path / "run")}
-        run({**config, **whole}, progress=False)
-    finally:
-        torch.set_num_threads(threads)
+    run_joined(tables, config, tmp_path / "run")
     make_certs(tmp_path / "certs", 2, [])
     mine = {"data_dir": str(tables["server"])} if labels_at == "server" else {}  # ids and labels, no feature
     server = servers({**config, "data": "own", "out": str(tmp_path / "net"), **mine})
