@@ -526,6 +526,9 @@ RUN_CONTROL_KEYS = (
 class ResolvedConfig:
     run: RunConfig
     params: BaseModel
+    #: the algorithm's class (a splitlab.algorithms.base.Algorithm, which this module sits below),
+    #: looked up once by splitlab.resolve
+    algorithm_class: Any
 
     def as_dict(self) -> dict[str, Any]:
         return {**self.run.model_dump(), **self.params.model_dump()}

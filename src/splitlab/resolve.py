@@ -51,7 +51,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
     check_applicable(run, raw)
-    return ResolvedConfig(run, params)
+    return ResolvedConfig(run, params, algorithm)
 
 
 def two_cuts(raw: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -16,7 +16,7 @@ from splitlab.algorithms.vertical_sl import FeatureParty, LabelParty
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import Checks, Refused
 from splitlab.resolve import resolve_config
-from splitlab.vertical import plan_vertical
+from splitlab.settings.vertical import plan_vertical
 
 IMAGES = dict(setting="vertical", algorithm="sl", dataset="fashion_mnist", model="cnn", cut=1, device="cpu", seed=0)
 TABLE = dict(setting="vertical", algorithm="sl", dataset="breast_cancer", model="mlp", device="cpu", seed=0)

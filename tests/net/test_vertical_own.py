@@ -20,8 +20,7 @@ from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.net.certs import make_certs
 from splitlab.resolve import resolve_config
-from splitlab.vertical import own_report, plan_own_server
-from splitlab.vertical_build import _as_when_begun
+from splitlab.settings.vertical import _as_when_begun, own_report, plan_own_server
 
 CONFIG = dict(
     setting="vertical", algorithm="sl", dataset="csv", model="mlp", labels_at=0, rounds=2, local_steps=2, seed=0
@@ -153,7 +152,7 @@ def test_parties_with_other_test_samples_are_refused():
         plan_own_server(resolve_config({**CONFIG, "data": "own"}), reports)
     reports[1] = {"samples": 50, **own_report(15, np.arange(10), 0)}
     plan = plan_own_server(resolve_config({**CONFIG, "data": "own"}), reports)
-    assert plan.features == [list(GROUPS[0]), list(GROUPS[1])] and plan.server.test_samples == 10
+    assert [list(g) for g in plan.plan.groups] == [list(GROUPS[0]), list(GROUPS[1])] and plan.holding.test_samples == 10
 
 
 def test_a_resume_with_other_files_is_refused(tmp_path):

@@ -600,7 +600,7 @@ class NetworkTransport(Transport):
 
     def reported_parties(self, parties: int) -> dict[int, dict[str, Any]]:
         """What every party of a vertical run with its own files (data=own) reports of them, once
-        all have: the server plans the run from these (splitlab.vertical_build)."""
+        all have: the server plans the run from these (splitlab.settings.vertical)."""
         self.hub.expect(dict.fromkeys(range(parties)), self.ledger, OwnPartyReports())
         return self.hub.reported()
 

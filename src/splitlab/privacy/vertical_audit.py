@@ -42,7 +42,7 @@ def attack_vertical(path: Path, stored: dict[str, Any], settings: AttackSettings
     """Run `settings.attack` on the vertical run in `path`; its result (the caller keeps it in attack.json)."""
     from splitlab.assembly import test_set
     from splitlab.privacy.record import attack_sizes, record_files
-    from splitlab.vertical import load_final
+    from splitlab.settings.vertical import load_final
 
     attack = settings.attack
     if attack not in ("inversion", "label_leak"):
