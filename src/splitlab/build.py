@@ -17,13 +17,14 @@ import torch
 from splitlab import ray_backend, rundir
 from splitlab.algorithms.base import Context
 from splitlab.assembly import Experiment, Roles, resolve_device
+from splitlab.config import ResolvedConfig
 from splitlab.errors import UserError
 from splitlab.ledger import Ledger
 from splitlab.loggers import check_logger
 from splitlab.privacy import keys
 from splitlab.resolve import resolve_config
 from splitlab.roles import ClientNode
-from splitlab.settings import setting_of
+from splitlab.settings import Plan, setting_of
 from splitlab.transport import TRANSPORTS, Proxy, Transport
 
 
@@ -66,21 +67,31 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     if transport is not None and run.backend == "ray":
         raise UserError("backend=ray runs clients on Ray actors; a networked server takes backend=local")
     ledger, device = Ledger(run.ledger), resolve_device(run.device)
-    transport_: Transport
-    if run.backend == "ray":
-        transport_ = ray_backend.RayTransport(ledger, device, run.workers)
-    else:
-        transport_ = (transport or TRANSPORTS[run.transport])(ledger, device)
+    made: list[Transport] = []  # made once needed: a plan refused first makes none
+
+    def transport_() -> Transport:
+        if not made:
+            make = transport or TRANSPORTS[run.transport]
+            ray = run.backend == "ray"
+            made.append(ray_backend.RayTransport(ledger, device, run.workers) if ray else make(ledger, device))
+        return made[0]
+
+    def reports(nodes: int) -> dict[int, dict[str, Any]]:
+        return transport_().reported_parties(nodes)
+
     try:
-        return _placed(config, transport_)
+        plan = setting_of(config).plan(config, transport is not None, reports)
+        return _placed(config, plan, transport_())
     except BaseException:  # the actors stopped, the networked nodes told the run is over
-        transport_.close()
+        for placed in made:
+            placed.close()
         raise
 
 
-def _placed(config: Any, transport: Transport) -> Experiment:
+def _placed(config: ResolvedConfig, plan: Plan, transport: Transport) -> Experiment:
+    """The plan's nodes and server placed where `transport` reaches them, the algorithm on them,
+    the nodes aligned."""
     run = config.run
-    plan = setting_of(config).plan(config, transport)
     blueprint = plan.blueprint
     sync = plan.sync()
     nodes: list[ClientNode] = []

@@ -15,9 +15,10 @@ results are bit for bit those of an in-process run. Ray itself pickles what it c
 those bytes, client ids, verb names and the dataset's arrays), between processes of a cluster
 the user started and trusts.
 
-A vertical run (`setting=vertical`, splitlab.vertical) puts its parties on the client workers
-(party j on worker j mod workers, for the whole run) and its server (the top model, and the labels
-unless a party holds them) on the server's actor; each actor gets only what its roles hold.
+What each actor gets and how it builds its roles is the run's setting's (splitlab.settings): a
+vertical run puts its parties on the client workers (party j on worker j mod workers, for the
+whole run) and its server (the top model, and the labels unless a party holds them) on the
+server's actor; each actor gets only what its roles hold.
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ from splitlab.transport import Proxy, Transport
 
 #: the training server's key among a Ray actor's roles
 SERVER = "server"
+#: the reports of a run's n nodes in other processes of their data, once all have reported (data=own)
+Reports = Callable[[int], dict[int, dict[str, Any]]]
 #: what a role that holds no dataset needs of its shape to make the blueprint: input shape, classes, input dtype, task
 DataShape = tuple[tuple[int, ...], int, torch.dtype, str]
 
@@ -124,9 +126,10 @@ class Setting(abc.ABC):
         """UserError if `plan` would refuse the run (for a sweep, before its first run)."""
 
     @abc.abstractmethod
-    def plan(self, config: ResolvedConfig, transport: Transport) -> Plan:
-        """Validate the run and derive its plan; UserError on bad input. `transport`: where the
-        nodes are (with data=own the nodes' reports may be where the plan comes from)."""
+    def plan(self, config: ResolvedConfig, elsewhere: bool, reports: Reports) -> Plan:
+        """Validate the run and derive its plan; UserError on bad input. `elsewhere`: the nodes
+        are processes of their own that report their data (`splitlab server`); `reports(n)`: the
+        n nodes' reports, once all have reported (with data=own the plan may come from them)."""
 
     @abc.abstractmethod
     def node_count(self, config: ResolvedConfig) -> int:

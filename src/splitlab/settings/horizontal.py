@@ -19,7 +19,7 @@ from splitlab.data.datasets import data_summary
 from splitlab.errors import UserError
 from splitlab.roles import Blueprint, ClientNode, Role
 from splitlab.runmodel import init_state
-from splitlab.settings.base import SERVER, DataShape, Hosted, Plan, Setting, as_arrays, as_tensors
+from splitlab.settings.base import SERVER, DataShape, Hosted, Plan, Reports, Setting, as_arrays, as_tensors
 from splitlab.transport import Transport
 
 
@@ -154,12 +154,14 @@ class Horizontal(Setting):
             plan = _plan(config)
             seeded_subset(len(plan.data.test_y), config.run.test_subset, config.run.seed, "test_subset")
 
-    def plan(self, config: ResolvedConfig, transport: Transport) -> HorizontalPlan:
-        if config.run.data == "own" and not transport.remote:
+    def plan(self, config: ResolvedConfig, elsewhere: bool, reports: Reports) -> HorizontalPlan:
+        if config.run.data == "own" and not elsewhere:
             raise UserError("data=own: the clients bring their own samples to a server; run it with `splitlab server`")
         return _plan(config)
 
     def node_count(self, config: ResolvedConfig) -> int:
+        if config.run.data == "own" and config.run.clients != "all":  # the clients that will report
+            return config.run.clients
         return _plan(config).node_count
 
     def node_here(self, config: ResolvedConfig, k: int) -> ClientNode:

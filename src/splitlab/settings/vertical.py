@@ -8,6 +8,7 @@ the parties' own files (data=own) the server plans the run from their reports.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import functools
 import hashlib
@@ -39,9 +40,9 @@ from splitlab.data.partition import counts_report
 from splitlab.data.tables import csv_training_set, own_csv_table, table_ids
 from splitlab.errors import UserError
 from splitlab.privacy.record import PartyRecorder
-from splitlab.roles import Blueprint, ClientNode, Role, SyncServer
+from splitlab.roles import Blueprint, ClientNode, Role
 from splitlab.runmodel import init_state
-from splitlab.settings.base import SERVER, DataShape, Hosted, Plan, Setting, as_arrays, as_tensors
+from splitlab.settings.base import SERVER, DataShape, Hosted, Plan, Reports, Setting, as_arrays, as_tensors
 from splitlab.transport import Proxy, Transport
 
 #: algorithm -> its meaning in the vertical setting (the others have none here yet)
@@ -70,9 +71,6 @@ class Parties(Plan):
     def server_class(self) -> type[Role]:
         return VerticalServer
 
-    def sync(self) -> Any:
-        return SyncServer(self.blueprint)
-
     def clients(self, transport: Transport) -> tuple[list[ClientInfo], dict[str, Any]]:
         return [ClientInfo(j, 0) for j in range(self.plan.parties)], {}
 
@@ -91,9 +89,9 @@ class Parties(Plan):
             )
         return [ClientInfo(j, common) for j in range(self.plan.parties)], self.report(common)
 
+    @abc.abstractmethod
     def report(self, common: int) -> dict[str, Any]:
         """partition.json, once `common` samples are aligned."""
-        raise NotImplementedError
 
     def assembler(self) -> Any:
         return VerticalAssembler(self.blueprint, self.plan)
@@ -502,17 +500,17 @@ class Vertical(Setting):
     def check(self, config: ResolvedConfig) -> None:
         plan_vertical(config)
 
-    def plan(self, config: ResolvedConfig, transport: Transport) -> Parties:
+    def plan(self, config: ResolvedConfig, elsewhere: bool, reports: Reports) -> Parties:
         run = config.run
-        if run.record and (transport.remote or run.backend == "ray"):
+        if run.record and (elsewhere or run.backend == "ray"):
             raise UserError(
                 f"record={run.record} needs the parties in this process (`splitlab run`, backend=local): it keeps "
                 f"each party's inputs for scoring, which a party in another process never sends"
             )
-        if run.data != "own" or not transport.remote:
+        if run.data != "own" or not elsewhere:
             return plan_vertical(config)  # data=own: refused in one line, saying how to run it
         check_own_server(run)
-        return plan_own_server(config, transport.reported_parties(run.parties))
+        return plan_own_server(config, reports(run.parties))
 
     def node_count(self, config: ResolvedConfig) -> int:
         return config.run.parties
@@ -563,6 +561,12 @@ def load_final(path: Path, stored: dict[str, Any], device: str) -> tuple[Resolve
 
     from splitlab.resolve import resolve_config
 
+    if stored.get("data") == "own":
+        raise UserError(
+            f"{str(path)!r} is a vertical run of the parties' own files (data=own): its final model runs only on "
+            f"every party's columns of the test samples together, which no one process holds; the parties and the "
+            f"server computed its final test metrics together: see its summary.json"
+        )
     config = resolve_config({**stored, "device": device, "out": str(path), "backend": "local"})
     vertical = plan_vertical(config)
     model = VerticalAssembler(vertical.blueprint, vertical.plan).model
