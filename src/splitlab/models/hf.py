@@ -73,10 +73,13 @@ class Layout:
     layers: str  # the decoder layers' list, under the body: h / layers
     norm: str  # the final norm, under the body: ln_f / norm
     rotary: bool  # positions by rotary embeddings computed at model level (Llama) or learned (GPT-2)
+    dropouts: tuple[str, ...]  # the config's dropout probabilities, set to 0 at load (see `load_staged`)
 
 
-GPT2 = Layout(body="transformer", layers="h", norm="ln_f", rotary=False)
-LLAMA = Layout(body="model", layers="layers", norm="norm", rotary=True)
+GPT2 = Layout(
+    body="transformer", layers="h", norm="ln_f", rotary=False, dropouts=("embd_pdrop", "attn_pdrop", "resid_pdrop")
+)
+LLAMA = Layout(body="model", layers="layers", norm="norm", rotary=True, dropouts=("attention_dropout",))
 #: config.json's `model_type` -> layout.
 LAYOUTS = {"gpt2": GPT2, "llama": LLAMA, "qwen2": LLAMA, "mistral": LLAMA}
 
@@ -190,8 +193,11 @@ def staged_from_hf(model: Any) -> StagedModel:
 
 
 def load_staged(model_dir: str | Path, attn_implementation: str = "eager") -> StagedModel:
-    """The model in `model_dir` (float32) as stages `embed`, `block1`..`blockN`, `head`."""
-    read_config(model_dir)
+    """The model in `model_dir` (float32) as stages `embed`, `block1`..`blockN`, `head`, in train
+    mode like every model splitlab builds, with the checkpoint's dropout off: a dropout layer would
+    draw from torch's global random state, which no model may (a client computes the same in any
+    process, and every copy of a part, FSL-SAGE's auxiliary model included, computes alike)."""
+    layout = LAYOUTS[read_config(model_dir)["model_type"]]
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -204,12 +210,13 @@ def load_staged(model_dir: str | Path, attn_implementation: str = "eager") -> St
         local_files_only=True,
         attn_implementation=attn_implementation,
         output_loading_info=True,
+        **dict.fromkeys(layout.dropouts, 0.0),
     )
     model, info = loaded
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise UserError(f"model_dir={model_dir}: the weights lack {len(missing)} tensors of the model: {missing[:5]}")
-    return staged_from_hf(model)
+    return staged_from_hf(model).train()
 
 
 def hf_model(input_shape: tuple[int, ...], num_classes: int, model_dir: str | None = None) -> StagedModel:
