@@ -345,7 +345,7 @@ EVERYWHERE = frozenset(
     | {"local_steps", "batch_size", "optimizer", "lr", "weight_decay", "seed", "device", "eval_every"}
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
     | {"backend", "checkpoint_every", "defense", "overwrite", "setting"}
-    | {"init", "seq_len", "lora", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
+    | {"init", "seq_len", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
 )
 
 
@@ -398,6 +398,12 @@ ONLY_WHEN: dict[str, Applies] = {
         for size in ("layers", "heads", "width", "context")
     },
     "model_dir": Applies(lambda r: r.model == "hf", "model_dir is where model=hf is read from", {"model_dir": "/tmp"}),
+    "lora": Applies(
+        lambda r: r.model == "hf" or r.init is not None,
+        "LoRA fine-tunes a pretrained model's weights, and this one starts from random ones: give init=RUN_DIR "
+        "(a finished run of this model) or model=hf model_dir=DIR",
+        {"model": "mlp", "lora": "4:8"},
+    ),
     "lora_targets": Applies(
         lambda r: r.lora is not None, "lora_targets needs lora=R:ALPHA", {"lora_targets": "c_attn"}
     ),

@@ -108,6 +108,12 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Sequence[str]
     return wrapped
 
 
+def linear_layer_names(model: nn.Module) -> list[str]:
+    """The distinct short names (`c_attn`) of `model`'s linear layers, adapted or not: what
+    `lora_targets` may name."""
+    return _short_names([name for name, m in model.named_modules() if _is_linear(m) or isinstance(m, LoraLinear)])
+
+
 def _short_names(names: list[str]) -> list[str]:
     """Distinct last components of module names (`h.0.attn.c_attn` -> `c_attn`), in first-seen order."""
     return list(dict.fromkeys(name.rpartition(".")[2] for name in names))
@@ -126,15 +132,32 @@ def merge_lora(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_base(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
-    """Load a base's weights (`merge_lora`'s output) into a freshly built `model`, whose adapters keep
-    their initial values (B = 0: the model computes what the base did); UserError naming `source`
-    (`init=RUN_DIR`) if they do not fit."""
+ADAPTERS = (".lora_A", ".lora_B")
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s adapters (`...lora_A`, `...lora_B`) under its state-dict names."""
+    return {name: t.detach() for name, t in model.state_dict().items() if name.endswith(ADAPTERS)}
+
+
+def load_init(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Load `init=`'s weights into a freshly built `model`: a base's (`merge_lora`'s output), whose
+    adapters then keep their initial values (B = 0: the model computes what the base did), or
+    adapters alone (a peft folder), over the model's own base. UserError naming `source` if they
+    do not fit."""
+    adapters_only = all(name.endswith(ADAPTERS) for name in state)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as error:
         why = str(error).strip().splitlines()[-1].strip()[:160]
         raise UserError(f"{source}: its model does not fit this run's ({why})") from None
-    missing = [name for name in missing if not name.endswith(("lora_A", "lora_B"))]
+    missing = [name for name in missing if name.endswith(ADAPTERS) == adapters_only]
+    if adapters_only and (missing or unexpected):
+        mine = sorted({name.rpartition(".")[0].rpartition(".")[2] for name in adapter_state(model)})
+        theirs = sorted({name.rpartition(".")[0].rpartition(".")[2] for name in state})
+        raise UserError(
+            f"{source}: its adapters do not fit this run's (theirs on {', '.join(theirs)}, this run's on "
+            f"{', '.join(mine)}; missing {missing[:2]}, extra {unexpected[:2]})"
+        )
     if missing or unexpected:
         raise UserError(f"{source}: its model does not fit this run's (missing {missing[:3]}, extra {unexpected[:3]})")
