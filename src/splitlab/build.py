@@ -179,7 +179,7 @@ def check_model(config: ResolvedConfig) -> None:
         raise UserError(f"seq_len={run.seq_len} is beyond the model's context of {context} tokens")
     if run.lora is not None:
         targets = run.lora_targets.split(",") if run.lora_targets is not None else None
-        apply_lora(model, *parse_lora(run.lora), targets)
+        apply_lora(model, *parse_lora(run.lora), targets, run.lora_dropout, run.seed)
     shapes = init_shapes(run)
     if shapes is not None:
         load_init(model, shapes, f"init={run.init}")

@@ -132,7 +132,8 @@ def export_hf(config: RunConfig, parts: list[nn.Module], vocabulary: str | None,
     written = {"hf_export": str(out / "hf")}
     if config.lora is not None:
         adapters = {name: t for part in parts for name, t in adapter_state(part).items()}
-        hf.save_peft(adapters, layout, parse_lora(config.lora), peft_base(config), tokenizer, out / "peft")
+        lora = parse_lora(config.lora)
+        hf.save_peft(adapters, layout, lora, config.lora_dropout, peft_base(config), tokenizer, out / "peft")
         written["peft_export"] = str(out / "peft")
     return written
 

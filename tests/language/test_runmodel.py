@@ -150,12 +150,15 @@ def test_out_peft_loads_in_peft_with_out_hfs_logits_and_init_resumes_its_adapter
     config = dict(
         dataset="shakespeare_lm", data_dir=plays, model="hf", model_dir=str(model_dir), seq_len=32, lora="4:8",
         algorithm="sfl_v2", clients=2, batch_size=4, local_steps=2, rounds=2, device="cpu", optimizer="sgd", lr=0.5,
+        lora_dropout=0.1,
     )  # fmt: skip
     out = tmp_path / "run"
     summary = run(dict(config, out=str(out)), progress=False)
     assert summary["peft_export"] == str(out / "peft")
     adapter_config = json.loads((out / "peft" / "adapter_config.json").read_text())
-    assert [adapter_config[key] for key in ("r", "lora_alpha", "fan_in_fan_out")] == [4, 8, arch == "gpt2"]
+    assert [adapter_config[key] for key in ("r", "lora_alpha", "lora_dropout", "fan_in_fan_out")] == [
+        4, 8, 0.1, arch == "gpt2"
+    ]  # fmt: skip
     tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
     merged = AutoModelForCausalLM.from_pretrained(out / "hf", local_files_only=True).eval()
     base = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()

@@ -121,3 +121,26 @@ def test_the_wrapped_layer_keeps_the_base_tensors_themselves():
     apply_lora(block, 2, 4.0, ["c_attn"])
     assert isinstance(block.attn.c_attn, LoraLinear)
     assert block.attn.c_attn.weight is weight and not weight.requires_grad
+
+
+def test_lora_dropout_drops_the_adapters_input_as_peft_from_a_keyed_stream():
+    """peft's `lora_B(lora_A(dropout(x))) * scaling` beside the frozen path on the whole input; the
+    mask drawn from the layer's key and the input, never from torch's global random state."""
+    torch.manual_seed(0)
+    layer = LoraLinear(nn.Linear(64, 8), rank=4, alpha=8, dropout=0.25, key="0:fc")
+    nn.init.normal_(layer.lora_B)
+    x = torch.randn(32, 64)
+    global_state = torch.get_rng_state()
+    dropped = layer.dropped(x)
+    assert torch.equal(torch.get_rng_state(), global_state)
+    kept = dropped != 0
+    assert 0.2 < 1 - float(kept.float().mean()) < 0.3
+    assert torch.allclose(dropped[kept], x[kept] / 0.75)
+    assert torch.equal(layer.dropped(x), dropped)  # the same input and key, the same mask
+    other = LoraLinear(nn.Linear(64, 8), rank=4, alpha=8, dropout=0.25, key="0:other")
+    assert not torch.equal(other.dropped(x), dropped)
+    with torch.no_grad():
+        frozen = nn.functional.linear(x, layer.weight, layer.bias)
+        assert torch.allclose(layer(x), frozen + dropped @ layer.lora_A.T @ layer.lora_B.T * 2, atol=1e-6)
+        layer.eval()  # no dropout in evaluation
+        assert torch.allclose(layer(x), frozen + x @ layer.lora_A.T @ layer.lora_B.T * 2, atol=1e-6)

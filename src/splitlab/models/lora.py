@@ -10,10 +10,19 @@ adapters, and `merge_lora` hands back the base's names with `W + (alpha / r) B A
 It wraps `nn.Linear` and transformers' `Conv1D` (GPT-2's projections), whose weight is stored
 transposed (in x out); that one is recognised by its class name so this module does not import
 transformers.
+
+LoRA dropout (`lora_dropout=P`, as peft's): in training, the adapters see their input with each
+element zeroed with probability P and the rest scaled 1 / (1 - P); the frozen path sees it whole.
+No model may draw from torch's global random state (a client must compute the same in any
+process), so the mask comes from a generator keyed by the run's seed, the layer's name and the
+input's bytes: a part and every copy of it (SFL-V1's server copies, FSL-SAGE's auxiliary model)
+drop alike given the same input, and resuming needs no generator state. Hashing the input costs a
+pass over it (and a copy to the host on a GPU) per adapted layer and step.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 
@@ -42,7 +51,7 @@ def _is_linear(module: nn.Module) -> bool:
 class LoraLinear(nn.Module):
     """A frozen linear layer (the base's own `weight` and `bias` tensors) plus `lora_A`, `lora_B`."""
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float) -> None:
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0, key: str = "") -> None:
         super().__init__()
         self.transposed = _is_conv1d(base)  # Conv1D: y = x W + b with W of shape (in, out)
         self.weight: nn.Parameter = base.weight  # type: ignore[assignment]
@@ -53,6 +62,7 @@ class LoraLinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # what nn.Linear does to its weight
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
+        self.dropout, self.key = dropout, key  # key: the run's seed and the layer's name
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The wrapped layer's own computation, operation for operation (so it is bit-identical)."""
@@ -63,7 +73,17 @@ class LoraLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base_forward(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+        adapted = self.dropped(x) if self.training and self.dropout > 0 else x
+        return self.base_forward(x) + F.linear(F.linear(adapted, self.lora_A), self.lora_B) * self.scaling
+
+    def dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` with each element zeroed with probability `dropout`, the rest scaled to keep the mean;
+        the mask from a generator keyed by `key` and `x`'s bytes (see the module docstring)."""
+        data = x.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
+        digest = hashlib.sha256(self.key.encode() + b"\0" + data).digest()
+        generator = torch.Generator(x.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        keep = torch.rand(x.shape, generator=generator, device=x.device) >= self.dropout
+        return x * keep / (1 - self.dropout)
 
     def merged_weight(self) -> torch.Tensor:
         """`W + (alpha / r) B A` in the base's layout."""
@@ -71,18 +91,26 @@ class LoraLinear(nn.Module):
         return self.weight + (delta.T if self.transposed else delta)
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, alpha={self.alpha}, transposed={self.transposed}"
+        return f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, transposed={self.transposed}"
 
 
 def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Sequence[str] | None = None) -> list[str]:
+def apply_lora(
+    model: nn.Module,
+    rank: int,
+    alpha: float,
+    targets: Sequence[str] | None = None,
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> list[str]:
     """Freeze every parameter of `model`, then wrap in place each linear layer whose name is a
     target or ends with `.target` (`c_proj` matches both of GPT-2's, `attn.c_proj` only the
-    attention's). `targets=None` takes the `DEFAULT_TARGETS` the model has. Returns the names of
-    the wrapped layers, in module order (the order their `lora_A` are drawn in)."""
+    attention's). `targets=None` takes the `DEFAULT_TARGETS` the model has. `dropout` applies to
+    the adapters' input in training, its masks keyed by `seed` and the layer's name. Returns the
+    names of the wrapped layers, in module order (the order their `lora_A` are drawn in)."""
     if rank < 1 or alpha <= 0:
         raise UserError(f"lora={rank}:{alpha}: the rank must be at least 1 and alpha positive")
     linear = [name for name, module in model.named_modules() if _is_linear(module)]
@@ -104,7 +132,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Sequence[str]
     for name in wrapped:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoraLinear(getattr(parent, child), rank, alpha))
+        setattr(parent, child, LoraLinear(getattr(parent, child), rank, alpha, dropout, f"{seed}:{name}"))
     return wrapped
 
 
