@@ -144,3 +144,21 @@ def test_lora_dropout_drops_the_adapters_input_as_peft_from_a_keyed_stream():
         assert torch.allclose(layer(x), frozen + dropped @ layer.lora_A.T @ layer.lora_B.T * 2, atol=1e-6)
         layer.eval()  # no dropout in evaluation
         assert torch.allclose(layer(x), frozen + x @ layer.lora_A.T @ layer.lora_B.T * 2, atol=1e-6)
+
+
+def test_a_split_that_leaves_the_client_nothing_to_train_names_the_cuts_that_would():
+    """The CNN's linear layers (`1` in fc1, `out`) are all on the server at cut 1, so LoRA on them
+    would leave the client part's optimizer empty: refused, naming cut 3 (fc1 on the client)."""
+    from splitlab.algorithms import get_algorithm
+    from splitlab.build import check_split
+    from splitlab.config import RunConfig
+    from splitlab.models import build_model
+
+    model = build_model("cnn", (1, 28, 28), 10, lora=(4, 8.0), lora_targets=("out", "1"))
+    with pytest.raises(UserError) as refused:
+        check_split(model, RunConfig(algorithm="sfl_v2", model="cnn", cut=1), get_algorithm("sfl_v2"))
+    assert str(refused.value) == (
+        "cut=1 leaves the client part nothing to train (lora trains only its adapters, none in that part); "
+        "cuts that train both parts: 3"
+    )
+    check_split(model, RunConfig(algorithm="sfl_v2", model="cnn", cut=3), get_algorithm("sfl_v2"))
