@@ -304,8 +304,8 @@ def _cmd_latency(args: argparse.Namespace) -> int:
 
 
 def _cmd_attack(args: argparse.Namespace) -> int:
+    from splitlab.audit.run import attack_run
     from splitlab.config import parse_overrides
-    from splitlab.privacy.audit import attack_run
 
     result = attack_run(args.dir, parse_overrides(args.overrides))
     table = Table(show_header=False, title=f"{result['attack']} on {result['targets']} (defense {result['defense']})")
@@ -370,8 +370,8 @@ def _fsha_row(row: dict) -> str:
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
+    from splitlab.audit.advise import advise
     from splitlab.config import parse_overrides
-    from splitlab.privacy.advise import advise
 
     result = advise(parse_overrides(args.overrides))
     print(result["markdown"])

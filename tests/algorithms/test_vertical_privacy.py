@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import max_abs_difference, straight_and_resumed, train
+from splitlab.audit.run import attack_run
 from splitlab.cli import main
 from splitlab.engine import build, run
 from splitlab.errors import UserError
-from splitlab.privacy.audit import attack_run
 from splitlab.splitgp_evaluation import evaluate_run
 from splitlab.transport import Transport
 

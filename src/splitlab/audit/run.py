@@ -7,12 +7,12 @@ held-out test samples through the final client part, with the run's defense appl
 server's auxiliary data is a seeded part of the test split, disjoint from those held-out samples.
 Results go to RUN/attack.json (one entry per attack) and, for the reconstructions, RUN/attack_<attack>.png.
 Image runs take `inversion`, `unsplit`, `fsha`, `label_leak` and `model_completion`
-(splitlab.privacy.completion),
-language runs `token_inversion` (splitlab.privacy.tokens); each is refused in one line on the other.
+(splitlab.audit.model_completion),
+language runs `token_inversion` (splitlab.audit.token_inversion); each is refused in one line on the other.
 `inversion` of a table's rows (breast_cancer, csv) is scored by R^2 per column and MSE, without a
-picture. Vertical runs take `inversion` per party and `label_leak` (splitlab.privacy.vertical_audit).
+picture. Vertical runs take `inversion` per party and `label_leak` (splitlab.audit.vertical).
 `fsha` is different: an active attack during training, simulated afresh on the run's configuration
-and data (splitlab.privacy.fsha), not played on what the run recorded.
+and data (splitlab.audit.fsha), not played on what the run recorded.
 """
 
 from __future__ import annotations
@@ -31,12 +31,14 @@ from torch import nn
 
 from splitlab import rundir
 from splitlab.algorithms import get_algorithm
+from splitlab.audit import attacks, fsha, unsplit
+from splitlab.audit import model_completion as completion
+from splitlab.audit import token_inversion as tokens
+from splitlab.audit.records import attack_sizes, chosen_round, record_files, record_problem
 from splitlab.config import UNSPLIT_ALGORITHMS, RunConfig
 from splitlab.errors import UserError
 from splitlab.io import write_json, write_png
 from splitlab.models import HeadAndTail, output_shape, split
-from splitlab.privacy import attacks, completion, fsha, tokens, unsplit
-from splitlab.privacy.record import attack_sizes, chosen_round, record_files, record_problem
 from splitlab.roles import client_part, server_part
 
 if typing.TYPE_CHECKING:
@@ -94,8 +96,8 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     settings = parse_settings(AttackSettings, raw)
     path = Path(run_dir)
     stored = rundir.stored_config(path, "attack", "point attack at a finished run's directory")
-    if stored.get("setting") == "vertical":  # parties holding features: splitlab.privacy.vertical_audit
-        from splitlab.privacy.vertical_audit import attack_vertical
+    if stored.get("setting") == "vertical":  # parties holding features: splitlab.audit.vertical
+        from splitlab.audit.vertical import attack_vertical
 
         found = attack_vertical(path, stored, settings)
         earlier = json.loads((path / RESULTS).read_text()) if (path / RESULTS).is_file() else {}

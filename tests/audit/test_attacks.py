@@ -12,9 +12,9 @@ from safetensors.torch import load_file
 from scipy.stats import rankdata
 
 from helpers import quick, train
+from splitlab.audit import attacks
 from splitlab.cli import main
 from splitlab.engine import run
-from splitlab.privacy import attacks
 from splitlab.privacy.accounting import epsilon
 from splitlab.privacy.defenses import parse_defense
 

@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from splitlab.audit import attacks
 from splitlab.errors import UserError
-from splitlab.privacy import attacks
 
 if TYPE_CHECKING:
-    from splitlab.privacy.audit import AttackSettings
+    from splitlab.audit.run import AttackSettings
 
 OFFERED = (
     "offered: inversion (each party's features from its embedding) and label_leak (the labels from the "
@@ -41,7 +41,7 @@ _PARTY_TENSOR = re.compile(r"(inputs|smashed|labels|cut_grad)@(\d+)")
 def attack_vertical(path: Path, stored: dict[str, Any], settings: AttackSettings) -> dict[str, Any]:
     """Run `settings.attack` on the vertical run in `path`; its result (the caller keeps it in attack.json)."""
     from splitlab.assembly import test_set
-    from splitlab.privacy.record import attack_sizes, record_files
+    from splitlab.audit.records import attack_sizes, record_files
     from splitlab.vertical import load_final
 
     attack = settings.attack
@@ -125,7 +125,7 @@ def _recorded(
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from splitlab.privacy.record import chosen_round, record_problem
+    from splitlab.audit.records import chosen_round, record_problem
 
     chosen = chosen_round(path, files, rnd)
     if chosen is None:

@@ -5,7 +5,7 @@ The curious training server of a split language model receives, per sequence, th
 the learning-based attack of the split-LLM literature (the embedding-inversion attack that
 SplitLLM's BiSR starts from; He et al. 2019's decoder, for tokens): a per-position classifier
 from a hidden state to the token at that position, trained on auxiliary text passed through a
-copy of the client part. Assumed, as for image inversion (splitlab.privacy.attacks): the server
+copy of the client part. Assumed, as for image inversion (splitlab.audit.attacks): the server
 holds auxiliary text from the clients' distribution (a seeded part of the test split, disjoint
 from the targets), the client part's weights (the run's final global client part: a training
 server that is, or colludes with, the sync server has them) and the defense configuration, which
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitlab.privacy.attacks import DECODER_WIDTH, defended_smashed, fit
+from splitlab.audit.attacks import DECODER_WIDTH, defended_smashed, fit
 from splitlab.privacy.defenses import Defense
 
 EXAMPLE_CHARACTERS = 64

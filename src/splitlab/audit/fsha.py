@@ -42,9 +42,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitlab.audit.unsplit import surrogate_of
 from splitlab.privacy import defenses
 from splitlab.privacy.defenses import Defense, decode
-from splitlab.privacy.unsplit import surrogate_of
 
 WIDTH = 512  # hidden width of the decoder and the discriminator
 GRADIENT_PENALTY = 10.0  # WGAN-GP's weight (Gulrajani et al. 2017), as FSHA uses it
@@ -150,7 +150,7 @@ def simulate(
     """Train the client part `steps` steps against an honest or a malicious (FSHA) server, the
     client running SplitGuard. Malicious: the decoder's SSIM/PSNR on the client's first 64
     private samples at `checkpoints` evenly spaced steps, against the mean image of the aux data."""
-    from splitlab.privacy.attacks import image_scores
+    from splitlab.audit.attacks import image_scores
 
     generator = torch.Generator(setup.private_x.device).manual_seed(seed)
     rng = np.random.default_rng(seed)

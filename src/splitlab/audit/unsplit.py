@@ -96,7 +96,7 @@ def scored_unsplit(
     floor of the inversion attack. The floor needs auxiliary data this attacker does not have, so
     it is not folded into the figure: it says whether the data-oblivious attacker does better than
     one that only knows the average input."""
-    from splitlab.privacy.attacks import image_scores
+    from splitlab.audit.attacks import image_scores
 
     if target_inputs.dim() != 4:
         raise ValueError(

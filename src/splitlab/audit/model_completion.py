@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitlab.privacy.attacks import fit
+from splitlab.audit.attacks import fit
 
 HEAD_WIDTH = 128
 DEFAULT_PER_CLASS = 40  # labelled samples of each class the attacker holds by default
