@@ -59,7 +59,7 @@ def command_settings() -> dict[str, Any]:
     """Every command's settings model: `run` (RunConfig, then each algorithm's own keys as
     `run algorithm=<name>`), then the other commands'. A new command with keys is added here."""
     from splitlab.audit.advise import AdviseSettings
-    from splitlab.audit.run import AttackSettings
+    from splitlab.audit.settings import AttackSettings
     from splitlab.config import RunConfig
     from splitlab.net.client import ClientSettings
     from splitlab.net.launch import LaunchSettings

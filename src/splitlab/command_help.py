@@ -28,7 +28,7 @@ SETTINGS = {
     "client": ["splitlab.net.client:ClientSettings"],
     "evaluate": ["splitlab.splitgp_evaluation:EvaluationSettings"],
     "latency": ["splitlab.splitgp_latency:LatencySettings"],
-    "attack": ["splitlab.audit.run:AttackSettings"],
+    "attack": ["splitlab.audit.settings:AttackSettings"],
     "advise": ["splitlab.audit.advise:AdviseSettings"],
     "generate": ["splitlab.runmodel:GenerateSettings"],
 }

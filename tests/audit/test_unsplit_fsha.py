@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from splitlab.audit.attacks import image_scores
+from splitlab.audit.common import image_scores
 from splitlab.audit.fsha import splitguard_score
 from splitlab.audit.unsplit import surrogate_of, total_variation
 from splitlab.cli import main

@@ -124,7 +124,7 @@ def advise(raw: dict) -> dict[str, Any]:
     is checked, and the sizes fixed, before the first probe trains."""
     from splitlab.algorithms import get_algorithm
     from splitlab.audit.records import attack_sizes
-    from splitlab.audit.run import attack_run, check_classification
+    from splitlab.audit.run import attack_run
     from splitlab.config import parse_settings
     from splitlab.data import load_dataset
     from splitlab.engine import run
@@ -276,3 +276,15 @@ def _plot(file: Path, settings: AdviseSettings, rows: list[dict[str, Any]]) -> N
     ax.legend(fontsize=7)
     write_png(file, fig)
     plt.close(fig)
+
+
+def check_classification(dataset: str, what: str) -> None:
+    """Refuse, in one line, these attacks on a language dataset: they are image classification's."""
+    from splitlab.data import SEQUENCE_DATASETS
+
+    if dataset in SEQUENCE_DATASETS:
+        raise UserError(
+            f"{what} does not apply to dataset={dataset}: inversion rebuilds images (scored by SSIM/PSNR) and "
+            f"label_leak infers class labels from cut gradients, but a language run's inputs are tokens, and its "
+            f"targets (the text shifted by one token) already reach the server in the clear"
+        )

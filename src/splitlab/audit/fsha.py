@@ -42,7 +42,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitlab.audit.attack import Attack, Target
+from splitlab.audit.common import image_scores, write_picture
 from splitlab.audit.unsplit import surrogate_of
+from splitlab.errors import UserError
 from splitlab.privacy import defenses
 from splitlab.privacy.defenses import Defense, decode
 
@@ -150,8 +153,6 @@ def simulate(
     """Train the client part `steps` steps against an honest or a malicious (FSHA) server, the
     client running SplitGuard. Malicious: the decoder's SSIM/PSNR on the client's first 64
     private samples at `checkpoints` evenly spaced steps, against the mean image of the aux data."""
-    from splitlab.audit.attacks import image_scores
-
     generator = torch.Generator(setup.private_x.device).manual_seed(seed)
     rng = np.random.default_rng(seed)
     client, head = copy.deepcopy(setup.client).train(), copy.deepcopy(setup.server).train()
@@ -231,3 +232,46 @@ def _accuracy(client: nn.Module, head: nn.Module, setup: Simulation) -> float:
             for x, y in zip(setup.test_x.split(256), setup.test_y.split(256))
         )
     return correct / len(setup.test_y)
+
+
+class FSHA(Attack):
+    name = "fsha"
+    inputs = ("images",)
+    why = "FSHA reconstructs images"
+    replays_record = False  # an active attack during training: simulated afresh on the run's setting
+
+    def run(self, target: Target) -> dict[str, Any]:
+        from splitlab.roles import client_part, server_part
+
+        settings, experiment = target.settings, target.experiment
+        warmup = settings.steps // 5  # SplitGuard starts once training has settled a little
+        if (settings.steps - warmup) // settings.guard < 1:
+            raise UserError(
+                f"guard={settings.guard} leaves SplitGuard no fake batch and regular ones to compare in "
+                f"steps={settings.steps} (the first {warmup} are warm-up); allowed: 2 to {(settings.steps - warmup)}"
+            )
+        assert experiment.roles is not None  # load_run builds every role in this process
+        node = experiment.roles.clients[settings.client]
+        blueprint = experiment.blueprint
+        setup = Simulation(
+            client=client_part(blueprint),
+            server=server_part(blueprint),
+            make_optimizer=blueprint.optimizer,
+            defense=target.defense,
+            private_x=node.inputs(node.x),
+            private_y=node.y,
+            aux_x=target.aux_x,
+            test_x=target.x,
+            test_y=target.y,
+            num_classes=blueprint.num_classes,
+            batch_size=experiment.config.run.batch_size,
+        )
+        result: dict[str, Any] = {
+            "targets": f"client {settings.client}'s training samples, {settings.steps} simulated steps"
+        }
+        result["malicious"] = simulate(setup, True, settings.steps, 5, warmup, settings.guard, settings.seed)
+        result["honest"] = simulate(setup, False, settings.steps, 5, warmup, settings.guard, settings.seed)
+        write_picture(
+            target.path / "attack_fsha.png", setup.private_x[:16].cpu(), result["malicious"].pop("reconstructed")
+        )
+        return result

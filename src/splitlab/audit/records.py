@@ -7,6 +7,8 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
 
 from splitlab.data.datasets import IGNORED
 from splitlab.errors import UserError
@@ -91,3 +93,15 @@ def chosen_round(path: Path, files: dict[int, Path], rnd: int | None) -> int | N
     if not rounds:
         return None
     return rounds[-1] if rnd is None else rnd
+
+
+def load_record(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int) -> dict[str, torch.Tensor]:
+    """A recorded round, every tensor checked: names, dtypes, shapes, one length, finite, labels in range."""
+    try:
+        tensors = load_file(file)
+    except (OSError, SafetensorError) as error:
+        raise UserError(f"cannot read {str(file)!r}: {str(error).splitlines()[0][:160]}") from None
+    problem = record_problem(tensors, shapes, num_classes)
+    if problem:
+        raise UserError(f"{str(file)!r} is not a record of this run: {problem}")
+    return tensors
