@@ -35,7 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("splitlab.config", "splitlab.plugins"),  # the settings
     ("splitlab.data", "splitlab.models"),
     ("splitlab.privacy",),  # what the roles use: defenses, keys, record, accounting
-    ("splitlab.transport", "splitlab.roles", "splitlab.psi"),
+    ("splitlab.transport", "splitlab.roles", "splitlab.u_shaped", "splitlab.psi"),
     ("splitlab.algorithms",),
     ("splitlab.resolve",),
     ("splitlab.assembly",),
