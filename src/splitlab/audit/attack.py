@@ -92,12 +92,18 @@ class Attack:
     def run_vertical(self, target: VerticalTarget) -> dict[str, Any]:
         raise NotImplementedError
 
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        """The result as `splitlab attack` prints it: (what, figure) rows."""
+        raise NotImplementedError
+
 
 def attacks() -> dict[str, type[Attack]]:
-    """Name -> attack class, the built-in ones in their listed order."""
+    """Name -> attack class, the built-in ones in their listed order (each module is named after its attack)."""
     for module in ATTACK_MODULES:
         importlib.import_module(f"splitlab.audit.{module}")
-    return {cls.name: cls for cls in _subclasses(Attack)}
+    found = {cls.name: cls for cls in _subclasses(Attack)}
+    return dict(sorted(found.items(), key=lambda item: ATTACK_MODULES.index(item[0])))
 
 
 def _subclasses(cls: type[Attack]) -> list[type[Attack]]:

@@ -275,3 +275,23 @@ class FSHA(Attack):
             target.path / "attack_fsha.png", setup.private_x[:16].cpu(), result["malicious"].pop("reconstructed")
         )
         return result
+
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        malicious, honest = result["malicious"], result["honest"]
+        rows = [
+            (
+                f"  step {step}: SSIM / PSNR, task accuracy",
+                f"{row['ssim']:.3f} / {row['psnr']:.2f} dB, {row['task_accuracy']:.2%}",
+            )
+            for step, row in malicious["by_step"].items()
+        ]
+        return [
+            *rows,
+            ("floor: mean image", f"{malicious['baseline']['ssim']:.3f} / {malicious['baseline']['psnr']:.2f} dB"),
+            (
+                "task accuracy: honest / FSHA server",
+                f"{honest['task_accuracy']:.2%} / {malicious['task_accuracy']:.2%}",
+            ),
+            ("SplitGuard score: honest / FSHA server", f"{honest['splitguard']:.3f} / {malicious['splitguard']:.3f}"),
+        ]

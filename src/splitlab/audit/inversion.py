@@ -47,6 +47,20 @@ class Inversion(Attack):
             write_picture(target.path / "attack_inversion.png", x[:16].cpu(), reconstructed)
         return scores
 
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        """Per party on a vertical run: images SSIM / PSNR, table rows mean R^2 per column / MSE, with the floor."""
+        rows = []
+        for party, scores in result.get("by_party", {None: result}).items():
+            who = "" if party is None else f"party {party}: "
+            measure, floor = ("SSIM / PSNR", "mean image") if "ssim" in scores else ("R^2 per column / MSE", "mean row")
+            rows += [
+                (f"{who}{measure} ({scores['attacker']})", _said(scores)),
+                (f"{who}decoder", _said(scores["decoder"])),
+                (f"{who}floor: {floor}", _said(scores["baseline"])),
+            ]
+        return rows
+
     def run_vertical(self, target: VerticalTarget) -> dict[str, Any]:
         plan, settings, by_party = target.plan, target.settings, {}
         try:
@@ -141,3 +155,9 @@ def inversion(
         "aux_samples": len(aux_inputs),
         "reconstructed": (reconstructed if best == "decoder" else mean_input)[:16].cpu(),
     }
+
+
+def _said(scores: dict[str, Any]) -> str:
+    if "ssim" in scores:
+        return f"{scores['ssim']:.3f} / {scores['psnr']:.2f} dB"
+    return f"{scores['r2']:.3f} / {scores['mse']:.4f}"

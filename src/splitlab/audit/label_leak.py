@@ -55,6 +55,18 @@ class LabelLeak(Attack):
             grads = cut_gradients(target.client, target.server, target.x, target.y, target.defense, batch, seed)
         return {**result, **label_leak(grads, target.y)}
 
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        rows = [
+            ("norm attack AUC", f"{result['norm_auc']:.3f} ({result['scored']})"),
+            ("direction attack AUC", f"{result['direction_auc']:.3f}"),
+        ]
+        for rnd, row in result.get("by_round", {}).items():
+            rows.append((f"  round {rnd} (norm / direction)", f"{row['norm_auc']:.3f} / {row['direction_auc']:.3f}"))
+        for party, row in result.get("by_party", {}).items():  # a vertical run: every passive party
+            rows.append((f"  party {party} (norm / direction)", f"{row['norm_auc']:.3f} / {row['direction_auc']:.3f}"))
+        return rows
+
     def run_vertical(self, target: VerticalTarget) -> dict[str, Any]:
         passive, recorded, by_party = target.passive, target.recorded, {}
         if not passive:

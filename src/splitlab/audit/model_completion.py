@@ -168,3 +168,11 @@ class ModelCompletion(Attack):
             settings.epochs,
             settings.seed,
         )
+
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        return [
+            (f"label accuracy ({result['labelled']} labelled)", f"{result['accuracy']:.2%}"),
+            ("untrained client part, same head", f"{result['untrained_accuracy']:.2%}"),
+            (f"floor: always class {result['floor_class']}", f"{result['floor']:.2%}"),
+        ]

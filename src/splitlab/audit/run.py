@@ -1,18 +1,17 @@
 """`splitlab attack RUN attack=...`: attacks on a finished run (the curious server's, a malicious
-server's, and model completion).
+server's, and model completion). The attack is looked up in the registry (splitlab.audit.attack),
+the run checked against what it declares it needs, and its target built here once for all.
 
 Targets are what the server saw during training when the run was made with `record=N` (the last
 recorded round by default, `round=` another), otherwise what it would see from the final model:
 held-out test samples through the final client part, with the run's defense applied. The
 server's auxiliary data is a seeded part of the test split, disjoint from those held-out samples.
 Results go to RUN/attack.json (one entry per attack) and, for the reconstructions, RUN/attack_<attack>.png.
-Image runs take `inversion`, `unsplit`, `fsha`, `label_leak` and `model_completion`
-(splitlab.audit.model_completion),
-language runs `token_inversion` (splitlab.audit.token_inversion); each is refused in one line on the other.
-`inversion` of a table's rows (breast_cancer, csv) is scored by R^2 per column and MSE, without a
-picture. Vertical runs take `inversion` per party and `label_leak` (splitlab.audit.vertical).
-`fsha` is different: an active attack during training, simulated afresh on the run's configuration
-and data (splitlab.audit.fsha), not played on what the run recorded.
+Image runs take `inversion`, `unsplit`, `fsha`, `label_leak` and `model_completion`, table runs
+`inversion`, `label_leak` and `model_completion`, language runs `token_inversion`; vertical runs
+`inversion` per party and `label_leak` (splitlab.audit.vertical). `fsha` is different: an active
+attack during training, simulated afresh on the run's configuration and data, not played on what
+the run recorded.
 """
 
 from __future__ import annotations
@@ -35,9 +34,6 @@ from splitlab.config import UNSPLIT_ALGORITHMS, RunConfig
 from splitlab.errors import UserError
 from splitlab.io import write_json
 from splitlab.models import HeadAndTail, output_shape
-
-if typing.TYPE_CHECKING:
-    pass
 
 RESULTS = "attack.json"
 

@@ -110,3 +110,12 @@ class TokenInversion(Attack):
             settings.seed,
             experiment.data.vocabulary,
         )
+
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        return [
+            (f"token accuracy ({result['attacker']})", f"{result['accuracy']:.2%}"),
+            ("decoder", f"{result['decoder']:.2%}"),
+            (f"floor: always token {result['baseline_token']}", f"{result['baseline']:.2%}"),
+            *((name, repr(text)) for name, text in result.get("example", {}).items()),
+        ]

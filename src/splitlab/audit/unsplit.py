@@ -139,3 +139,11 @@ class UnSplit(Attack):
             raise UserError(f"cannot attack {str(target.path)!r}: {error}") from None
         write_picture(target.path / "attack_unsplit.png", x[:16].cpu(), scores.pop("reconstructed"))
         return scores
+
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        baseline = result["baseline"]
+        return [
+            ("SSIM / PSNR (unsplit, no data)", f"{result['ssim']:.3f} / {result['psnr']:.2f} dB"),
+            ("floor: mean image", f"{baseline['ssim']:.3f} / {baseline['psnr']:.2f} dB"),
+        ]

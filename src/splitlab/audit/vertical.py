@@ -49,10 +49,9 @@ def vertical_target(
         raise UserError(f"client={settings.client} does not apply to a vertical run: every party is attacked")
     if stored.get("data") == "own":
         raise UserError(
-            f"attack={attack.name} on a vertical run needs every party's columns of the test samples (or a round "
-            f"recorded where all parties ran in one process) beside the final model; {str(path)!r} is a data=own "
-            f"run: each party's columns stayed in its own files and nothing was recorded, so no process here "
-            f"holds what the attack needs"
+            f"attack={attack.name} on a vertical run needs every party's columns of the test samples in one "
+            f"process, beside the final model (or a round recorded there); {str(path)!r} is a data=own run: each "
+            f"party's columns stayed in its own files and no round could be recorded, so nothing here can be attacked"
         )
     files = record_files(path)  # stray or misnamed files refused before any work
     config, vertical, model = load_final(path, stored, settings.device)
