@@ -192,8 +192,8 @@ def test_launch_from_per_party_folders_gives_what_run_gives_on_the_joined_table(
     capsys.readouterr()
     assert main(["evaluate", str(tmp_path / "net")]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "vertical run of the parties' own files (data=own)" in err
-    assert "see its summary.json" in err and not (tmp_path / "net" / "evaluation.json").exists()
+    assert len(err.splitlines()) == 1 and "needs every party's columns of the test samples in one process" in err
+    assert "are in its summary.json" in err and not (tmp_path / "net" / "evaluation.json").exists()
 
 
 @pytest.mark.parametrize(

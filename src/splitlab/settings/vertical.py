@@ -561,12 +561,6 @@ def load_final(path: Path, stored: dict[str, Any], device: str) -> tuple[Resolve
 
     from splitlab.resolve import resolve_config
 
-    if stored.get("data") == "own":
-        raise UserError(
-            f"{str(path)!r} is a vertical run of the parties' own files (data=own): its final model runs only on "
-            f"every party's columns of the test samples together, which no one process holds; the parties and the "
-            f"server computed its final test metrics together: see its summary.json"
-        )
     config = resolve_config({**stored, "device": device, "out": str(path), "backend": "local"})
     vertical = plan_vertical(config)
     model = VerticalAssembler(vertical.blueprint, vertical.plan).model
