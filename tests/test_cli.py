@@ -149,3 +149,44 @@ def test_an_unknown_key_close_to_a_known_one_gets_did_you_mean(capsys):
     assert code == 2 and err == "error: unknown key 'lrr' for algorithm 'sfl_v2'; did you mean 'lr'?\n"
     code, _, err = run_cli(capsys, "certs", "client=2")
     assert code == 2 and "did you mean 'clients'?" in err
+
+
+@pytest.mark.parametrize("text", ["ROMEO:", "yes", "1e3", "null", "[a]", "a: b", "{a: 1}", "~", "0x10", ""])
+def test_a_string_key_keeps_the_exact_text_typed(text):
+    """Command-line values are read by the key's type, not as YAML: a string stays what was typed."""
+    from splitlab.config import parse_overrides, parse_settings
+    from splitlab.runmodel import GenerateSettings
+
+    assert parse_settings(GenerateSettings, parse_overrides([f"prompt={text}"])).prompt == text
+
+
+def test_command_line_values_are_converted_by_the_keys_type():
+    from splitlab.config import parse_overrides, parse_settings
+    from splitlab.resolve import resolve_config
+    from splitlab.splitgp_evaluation import EvaluationSettings
+
+    config = resolve_config(
+        parse_overrides(
+            ["rounds=3", "lr=1e-2", "resume=yes", "local_steps=none", "clients=all", "dataset=shakespeare",
+             "defense=clip:10+noise:0.5", "noise_key=null", "out=", "cut=1,2", "labels_at=server", "lora=4:8"]
+        )
+    ).run  # fmt: skip
+    assert (config.rounds, config.lr, config.resume, config.local_steps, config.clients) == (3, 0.01, True, None, "all")
+    assert (config.defense, config.noise_key, config.out, config.cut, config.tail_cut) == (
+        "clip:10+noise:0.5", "null", None, 1, 2,
+    )  # fmt: skip
+    assert config.lora == "4:8"
+    sgd = resolve_config(parse_overrides(["partition=dirichlet:0.5", "momentum=0.5", "optimizer=sgd"])).run
+    assert (sgd.partition, sgd.momentum) == ("dirichlet:0.5", 0.5)
+    for text in ("0,0.2", "[0, 0.2]"):
+        assert parse_settings(EvaluationSettings, parse_overrides([f"rho={text}"])).rho == [0, 0.2]
+
+
+def test_generate_takes_a_prompt_that_looks_like_yaml(monkeypatch, capsys, tmp_path):
+    """`splitlab generate RUN prompt="ROMEO:"` reaches the run with the prompt as typed."""
+    import splitlab.runmodel
+
+    seen = []
+    monkeypatch.setattr(splitlab.runmodel, "generate", lambda run_dir, **settings: seen.append(settings) or "text")
+    code, out, _ = run_cli(capsys, "generate", str(tmp_path), "prompt=ROMEO:", "max_tokens=3")
+    assert (code, out, seen[0]["prompt"], seen[0]["max_tokens"]) == (0, "text\n", "ROMEO:", 3)

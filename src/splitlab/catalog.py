@@ -59,6 +59,7 @@ def command_settings() -> dict[str, Any]:
     """Every command's settings model: `run` (RunConfig, then each algorithm's own keys as
     `run algorithm=<name>`), then the other commands'. A new command with keys is added here."""
     from splitlab.config import RunConfig
+    from splitlab.net.certs import CertsSettings
     from splitlab.net.client import ClientSettings
     from splitlab.net.launch import LaunchSettings
     from splitlab.net.server import ServerSettings
@@ -80,6 +81,7 @@ def command_settings() -> dict[str, Any]:
         "attack": AttackSettings,
         "advise": AdviseSettings,
         "generate": GenerateSettings,
+        "certs": CertsSettings,
     }
 
 

@@ -24,9 +24,6 @@ from splitlab.units import format_bytes
 console = Console()
 log = logging.getLogger("splitlab.cli")
 
-#: `splitlab certs clients=` at most: a certificate and key each (about 8 KB), made one by one
-MAX_CERT_CLIENTS = 1000
-
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from splitlab.engine import run
@@ -55,26 +52,12 @@ def _run_config(args: argparse.Namespace) -> dict:
 
 
 def _cmd_certs(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from splitlab.config import parse_overrides, parse_settings
+    from splitlab.net.certs import CertsSettings, make_certs
 
-    from splitlab.command_help import CERTS_KEYS
-    from splitlab.config import parse_overrides
-    from splitlab.net.certs import make_certs
-
-    keys = parse_overrides(args.overrides)
-    unknown = sorted(set(keys) - set(CERTS_KEYS))
-    if unknown:
-        raise unknown_key(unknown[0], CERTS_KEYS, "certs")
-    overwrite = keys.get("overwrite", False)
-    if not isinstance(overwrite, bool):
-        raise UserError(f"invalid value {overwrite!r} for overwrite: expected true or false")
-    clients = keys.get("clients", 1)
-    if isinstance(clients, bool) or not isinstance(clients, int) or not 1 <= clients <= MAX_CERT_CLIENTS:
-        raise UserError(
-            f"invalid value {clients!r} for clients: expected a whole number of clients, 1 to {MAX_CERT_CLIENTS}"
-        )
-    hosts = [h for h in str(keys.get("hosts") or "").split(",") if h]
-    written = make_certs(Path(str(keys.get("out", "certs"))).expanduser(), clients, hosts, overwrite)
+    keys = parse_settings(CertsSettings, parse_overrides(args.overrides))
+    hosts = [h for h in (keys.hosts or "").split(",") if h]
+    written = make_certs(keys.out.expanduser(), keys.clients, hosts, keys.overwrite)
     console.print(f"written to {written[0].parent}: {', '.join(p.stem for p in written)} (.pem and .key)")
     return 0
 

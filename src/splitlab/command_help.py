@@ -13,13 +13,6 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-#: `splitlab certs` keys (a command too small for a settings model): name -> (default, description)
-CERTS_KEYS: dict[str, tuple[Any, str]] = {
-    "out": ("certs", "directory to write ca, server and client certificates and keys to"),
-    "clients": (1, "how many client certificates"),
-    "hosts": (None, "names or addresses, comma-separated, the server certificate is also valid for"),
-    "overwrite": (False, "replace an existing CA (every key it issued stops working)"),
-}
 WIDTH = 100
 #: command -> its settings models, as module:class
 SETTINGS = {
@@ -30,6 +23,7 @@ SETTINGS = {
     "latency": ["splitlab.splitgp_latency:LatencySettings"],
     "attack": ["splitlab.privacy.audit:AttackSettings"],
     "advise": ["splitlab.privacy.advise:AdviseSettings"],
+    "certs": ["splitlab.net.certs:CertsSettings"],
     "generate": ["splitlab.runmodel:GenerateSettings"],
 }
 
@@ -70,8 +64,6 @@ def command_keys(command: str) -> str:
     """The `--help` epilog of `command`: its keys, from its settings models."""
     if command == "run":
         return run_keys()
-    if command == "certs":
-        return section("keys", ((k, d, text) for k, (d, text) in CERTS_KEYS.items()))
     try:
         models = _models(command)
     except ImportError as missing:  # an optional extra that is not installed

@@ -481,7 +481,7 @@ def check_finite(settings: BaseModel | Mapping[str, Any]) -> None:
 def check_no_booleans(fields: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
     """true/false where a number is expected (pydantic would read True as 1) is refused."""
     for key, value in raw.items():
-        if key in fields and isinstance(value, bool) and not _accepts_bool(fields[key].annotation):
+        if key in fields and isinstance(value, bool) and not accepts(fields[key].annotation, bool):
             raise UserError(f"invalid value {value!r} for {key}: expected a number or name, not a boolean")
 
 
@@ -547,7 +547,18 @@ def one_line(err: ValidationError) -> str:
     message = first["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
-    return f"invalid value {first.get('input')!r} for {key}: {message}"
+    return f"invalid value {shown(first.get('input'))} for {key}: {message}"
+
+
+def shown(value: Any) -> str:
+    """A value as a message names it: a number as written (whether typed as text or not), else its repr."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return repr(value)
+        return value
+    return repr(value)
 
 
 Settings = typing.TypeVar("Settings", bound=BaseModel)
@@ -558,6 +569,7 @@ def parse_settings(cls: type[Settings], raw: Mapping[str, Any]) -> Settings:
     unknown = sorted(set(raw) - set(cls.model_fields))
     if unknown:
         raise unknown_key(unknown[0], cls.model_fields)
+    raw = from_text(cls.model_fields, raw)
     check_no_booleans(cls.model_fields, raw)
     check_finite(raw)
     try:
@@ -568,14 +580,10 @@ def parse_settings(cls: type[Settings], raw: Mapping[str, Any]) -> Settings:
     return settings
 
 
-def _accepts_bool(annotation: Any) -> bool:
-    """Whether a field's type admits True/False (pydantic would otherwise read True as 1)."""
-    return annotation is bool or any(_accepts_bool(arg) for arg in typing.get_args(annotation))
-
-
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """KEY=VALUE strings -> dict, values read as YAML scalars (numbers, booleans, null, strings)."""
-    parsed: dict[str, Any] = {}
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """KEY=VALUE strings -> {KEY: VALUE}, each value the exact text typed: the settings model reads
+    it by its field's type (`from_text`), so that a string such as `ROMEO:` or `yes` stays a string."""
+    parsed: dict[str, str] = {}
     given: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -585,13 +593,45 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if key in parsed:
             raise UserError(f"key {key!r} is given twice ({given[key]} and {item}); give it once")
         given[key] = item
-        try:
-            parsed[key] = yaml.safe_load(value) if value.strip() else None
-        except yaml.YAMLError:
-            parsed[key] = value
-        if ":" in value and isinstance(parsed[key], (int, float)):  # YAML 1.1 reads 4:8 as 4 * 60 + 8
-            parsed[key] = value
+        parsed[key] = value
     return parsed
+
+
+#: Texts that mean "no value" for a field that takes none but takes no text either (`local_steps=none`).
+NO_VALUE = ("", "none", "null")
+
+
+def from_text(fields: Mapping[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings whose values may be text (the command line's KEY=VALUE) read by their field's type:
+    a string field keeps the exact text; an empty value unsets a field that may be unset; `none` or
+    `null` unsets one that takes no text; `a,b` (or `[a,b]`) is a list for a list field; numbers and
+    booleans are left to the schema to convert (pydantic). Values that are not text (a YAML file's,
+    Python's) and keys of no field are kept as they are."""
+    return {
+        key: _read_text(fields[key].annotation, value) if key in fields and isinstance(value, str) else value
+        for key, value in raw.items()
+    }
+
+
+def _read_text(annotation: Any, text: str) -> Any:
+    unset = not text.strip() or (text.strip().lower() in NO_VALUE and not accepts(annotation, str))
+    if unset and accepts(annotation, type(None)):
+        return None
+    if accepts(annotation, str):
+        return text
+    if accepts(annotation, list):
+        items = text.strip().removeprefix("[").removesuffix("]")
+        return [item.strip() for item in items.split(",")] if items.strip() else []
+    return text
+
+
+def accepts(annotation: Any, kind: type) -> bool:
+    """Whether a field's type admits values of `kind` (a union or Annotated type: any of its members)."""
+    if annotation is kind or typing.get_origin(annotation) is kind:
+        return True
+    if typing.get_origin(annotation) is Literal:
+        return False
+    return any(accepts(arg, kind) for arg in typing.get_args(annotation))
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from splitlab.config import (
     check_applicable,
     check_finite,
     check_no_booleans,
+    from_text,
     one_line,
 )
 from splitlab.errors import UserError, unknown_key
@@ -39,7 +40,9 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     for key in raw:
         if key not in common and key not in own:
             raise unknown_key(key, common | own, f"algorithm {algorithm.name!r}")
-    check_no_booleans({**RunConfig.model_fields, **algorithm.Params.model_fields}, raw)
+    fields = {**RunConfig.model_fields, **algorithm.Params.model_fields}
+    raw = from_text(fields, raw)
+    check_no_booleans(fields, raw)
     check_finite(raw)
     try:
         run = RunConfig(**{k: v for k, v in raw.items() if k in common})

@@ -57,6 +57,9 @@ def test_generate_prints_the_prompt_and_its_continuation(finished, capsys):
     assert capsys.readouterr().out.rstrip("\n") == greedy  # greedy is deterministic
     assert main(["generate", finished, "prompt=To be", "max_tokens=12", "temperature=1.5"]) == 0
     assert capsys.readouterr().out.startswith("To be")
+    for prompt in ("ROMEO:", "yes", "null", "1e3"):  # text that YAML would read as something else
+        assert main(["generate", finished, f"prompt={prompt}", "max_tokens=2"]) == 0
+        assert capsys.readouterr().out.rstrip("\n")[: len(prompt)] == prompt
     assert main(["generate", finished, "prompt=To be €", "max_tokens=2"]) == 2
     assert "outside the model's vocabulary" in capsys.readouterr().err
 
