@@ -56,7 +56,15 @@ BAD_INPUT = [
     (["rounds=0"], "invalid value 0 for rounds"),
     (["participation=1.5"], "invalid value 1.5 for participation"),
     (["colour=blue"], "unknown key 'colour' for algorithm 'sfl_v2'; "),
-    (["server_schedule=sequential", "algorithm=fedavg"], "unknown key 'server_schedule' for algorithm 'fedavg'"),
+    (["server_schedule=sequential", "algorithm=fedavg"], "server_schedule applies to algorithm sfl_v2, not fedavg"),
+    (["aux=blocks:1", "algorithm=sfl_v2"], "error: aux applies to algorithm cse_fsl and fsl_sage, not sfl_v2\n"),
+    (["layers=2"], "error: layers applies to model gpt, not mlp\n"),
+    (["colourfulness=1"], "unknown key 'colourfulness' for algorithm 'sfl_v2'; the command's --help lists the keys\n"),
+    (
+        ["model=cnn", "dataset=shakespeare_lm"],
+        "error: model=cnn takes images, but dataset=shakespeare_lm holds tokens; models for tokens: gpt, hf, lstm\n",
+    ),
+    (["model=gpt", "dataset=synthetic"], "model=gpt takes tokens, but dataset=synthetic holds images; models for"),
     (["train_subset=99999"], "train_subset=99999 is more than the 1200 samples"),
     (["device=cuda"], "device 'cuda'"),
     (["lr"], "expected KEY=VALUE, got 'lr'"),
@@ -168,7 +176,8 @@ def test_command_line_values_are_converted_by_the_keys_type():
     config = resolve_config(
         parse_overrides(
             ["rounds=3", "lr=1e-2", "resume=yes", "local_steps=none", "clients=all", "dataset=shakespeare",
-             "defense=clip:10+noise:0.5", "noise_key=null", "out=", "cut=1,2", "labels_at=server", "lora=4:8"]
+             "model=lstm", "defense=clip:10+noise:0.5", "noise_key=null", "out=", "cut=1,2", "labels_at=server",
+             "lora=4:8"]
         )
     ).run  # fmt: skip
     assert (config.rounds, config.lr, config.resume, config.local_steps, config.clients) == (3, 0.01, True, None, "all")

@@ -119,7 +119,7 @@ def _plan(config: ResolvedConfig) -> _Plan:
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)
-    data = load_data(run)
+    data = load_data(config)
     _check_task(config, data)
     indices = client_indices(config, data)
     held_out = parse_test_split(run.test_split)

@@ -24,6 +24,7 @@ SETTINGS = {
     "attack": ["splitlab.privacy.audit:AttackSettings"],
     "advise": ["splitlab.privacy.advise:AdviseSettings"],
     "certs": ["splitlab.net.certs:CertsSettings"],
+    **dict.fromkeys(["models", "algorithms", "datasets"], ["splitlab.plugins:ListingSettings"]),
     "generate": ["splitlab.runmodel:GenerateSettings"],
 }
 
@@ -48,20 +49,32 @@ def section(title: str, entries: Iterable[tuple[str, Any, str]]) -> str:
 
 
 def run_keys() -> str:
-    """The keys of `run`: those of every run, then each algorithm's own."""
+    """The keys of `run`: those of every run, then each algorithm's own, then each model's own."""
     from splitlab.algorithms import algorithms
     from splitlab.config import RunConfig
+    from splitlab.models import MODEL_PARAMS
 
     parts = [section("keys of every run (KEY=VALUE)", rows(RunConfig))]
     for name, cls in sorted(algorithms().items()):
         own = rows(cls.Params)
         if own:
             parts.append(section(f"keys of algorithm={name}", own))
+    for name, params in sorted(MODEL_PARAMS.items()):
+        parts.append(section(f"keys of model={name}", rows(params)))
     return "\n\n".join(parts)
 
 
-def command_keys(command: str) -> str:
-    """The `--help` epilog of `command`: its keys, from its settings models."""
+def command_keys(command: str, plugins: str | None = None) -> str:
+    """The `--help` epilog of `command`: its keys, from its settings models (with `plugins`: the
+    algorithms and models those modules define too)."""
+    if plugins is not None:
+        from splitlab.errors import UserError
+        from splitlab.plugins import load_plugins
+
+        try:
+            load_plugins(plugins)
+        except UserError as err:
+            return f"(keys not listed: {err})"
     if command == "run":
         return run_keys()
     try:

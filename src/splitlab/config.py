@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from splitlab.errors import UserError, unknown_key
+from splitlab.errors import UserError, one_line, unknown_key
 
 
 class RunConfig(BaseModel):
@@ -45,17 +45,6 @@ class RunConfig(BaseModel):
         "training samples in its own data_dir (a vertical party: a CSV of its own columns; splitlab server only)",
     )
     model: str = Field("cnn", description="the model (see `splitlab models`)")
-    layers: int | None = Field(None, ge=1, le=1024, description="model=gpt: transformer blocks (default 4)")
-    heads: int | None = Field(None, ge=1, le=1024, description="model=gpt: attention heads per block (default 4)")
-    width: int | None = Field(
-        None, ge=1, le=65536, description="model=gpt: hidden width D, a multiple of heads (default 128)"
-    )
-    context: int | None = Field(
-        None, ge=1, le=1_048_576, description="model=gpt: the longest sequence it takes, in tokens (default 256)"
-    )
-    model_dir: str | None = Field(
-        None, description="model=hf: a local Hugging Face causal-LM folder (config.json, *.safetensors, tokenizer)"
-    )
     init: str | None = Field(
         None,
         description="start from the model of this finished run's directory (same model and sizes; e.g. "
@@ -284,12 +273,11 @@ class RunConfig(BaseModel):
             parse_lora(value)
         return value
 
-    def model_settings(self) -> dict[str, Any]:
-        """The model's own settings that were given (`splitlab.models.build_model`'s options)."""
-        sizes = {key: getattr(self, key) for key in ("layers", "heads", "width", "context", "model_dir")}
+    def adapters(self) -> dict[str, Any]:
+        """The LoRA settings that were given, as `splitlab.models.build_model` takes them."""
         lora = {"lora": parse_lora(self.lora)} if self.lora is not None else {}
         targets = {"lora_targets": tuple(self.lora_targets.split(","))} if self.lora_targets is not None else {}
-        return {**{k: v for k, v in sizes.items() if v is not None}, **lora, **targets}
+        return {**lora, **targets}
 
     @field_validator("test_split")
     @classmethod
@@ -393,11 +381,6 @@ ONLY_WHEN: dict[str, Applies] = {
         "this algorithm does not split the model: nothing crosses a cut to record",
         {"algorithm": "fedavg", "record": 10},
     ),
-    **{
-        size: Applies(lambda r: r.model == "gpt", f"{size} sizes model=gpt", {"model": "mlp", size: 2})
-        for size in ("layers", "heads", "width", "context")
-    },
-    "model_dir": Applies(lambda r: r.model == "hf", "model_dir is where model=hf is read from", {"model_dir": "/tmp"}),
     "lora_targets": Applies(
         lambda r: r.lora is not None, "lora_targets needs lora=R:ALPHA", {"lora_targets": "c_attn"}
     ),
@@ -524,41 +507,32 @@ RUN_CONTROL_KEYS = (
 
 @dataclass(frozen=True)
 class ResolvedConfig:
+    """A run's settings validated: those of every run, the algorithm's own and the model's own."""
+
     run: RunConfig
     params: BaseModel
+    model_params: BaseModel = NoParams()
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.run.model_dump(), **self.params.model_dump()}
+        return {**self.run.model_dump(), **self.params.model_dump(), **self.model_params.model_dump()}
 
     def defaults(self) -> dict[str, Any]:
-        """Every key at its default value, for this algorithm."""
-        return {**RunConfig(algorithm=self.run.algorithm).model_dump(), **type(self.params)().model_dump()}
+        """Every key at its default value, for this algorithm and model."""
+        return {
+            **RunConfig(algorithm=self.run.algorithm, model=self.run.model).model_dump(),
+            **type(self.params)().model_dump(),
+            **type(self.model_params)().model_dump(),
+        }
+
+    def model_settings(self) -> dict[str, Any]:
+        """What `splitlab.models.build_model` takes beyond the data: the model's own keys and LoRA's."""
+        return {**self.model_params.model_dump(), **self.run.adapters()}
 
     @property
     def out_dir(self) -> Path:
         r = self.run
         cut = r.cut if r.tail_cut is None else f"{r.cut}-{r.tail_cut}"
         return Path(r.out or f"runs/{r.algorithm}_{r.dataset}_{r.model}_cut{cut}_seed{r.seed}")
-
-
-def one_line(err: ValidationError) -> str:
-    first = err.errors()[0]
-    key = str(first["loc"][0]) if first["loc"] else "config"  # flat settings: the key (not a union branch)
-    message = first["msg"]
-    if message.startswith("Value error, "):
-        message = message[len("Value error, ") :]
-    return f"invalid value {shown(first.get('input'))} for {key}: {message}"
-
-
-def shown(value: Any) -> str:
-    """A value as a message names it: a number as written (whether typed as text or not), else its repr."""
-    if isinstance(value, str):
-        try:
-            float(value)
-        except ValueError:
-            return repr(value)
-        return value
-    return repr(value)
 
 
 Settings = typing.TypeVar("Settings", bound=BaseModel)
@@ -578,6 +552,16 @@ def parse_settings(cls: type[Settings], raw: Mapping[str, Any]) -> Settings:
         raise UserError(one_line(err)) from None
     check_finite(settings)
     return settings
+
+
+def flat_settings(config: BaseModel | Mapping[str, Any], *params: BaseModel) -> dict[str, Any]:
+    """A run's settings as the flat KEY: VALUE mapping they are resolved from (splitlab.resolve):
+    `config` a RunConfig (the keys it was given) or a mapping; `params` the algorithm's Params and
+    the model's params models, typed, their given keys added."""
+    flat = config.model_dump(exclude_unset=True) if isinstance(config, BaseModel) else dict(config)
+    for own in params:
+        flat.update(own.model_dump(exclude_unset=True))
+    return flat
 
 
 def parse_overrides(items: list[str]) -> dict[str, str]:

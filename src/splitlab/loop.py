@@ -189,7 +189,7 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
 def _export_hf(experiment: Experiment) -> bool:
     """out/hf: the global model as a Hugging Face folder, for models that have that form (model=gpt, hf)."""
     parts = experiment.assembler.parts  # full_state assembled the model
-    return export_hf(experiment.config.run, parts, experiment.data.vocabulary, experiment.out / "hf")
+    return export_hf(experiment.config, parts, experiment.data.vocabulary, experiment.out / "hf")
 
 
 @contextlib.contextmanager

@@ -18,43 +18,85 @@ from splitlab.config import (
     check_finite,
     check_no_booleans,
     from_text,
-    one_line,
 )
-from splitlab.errors import UserError, unknown_key
+from splitlab.errors import UserError, one_line, unknown_key
+from splitlab.models import MODEL_INPUTS, MODEL_PARAMS, NoModelParams, model_params
 from splitlab.plugins import load_plugins
 from splitlab.privacy.defenses import check_applies
 
 
 def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
-    """Validate a flat dict of settings against RunConfig and the algorithm's Params, after
-    importing the plugins it names (they may define the algorithm, model or dataset it uses)."""
+    """Validate a flat dict of settings against RunConfig, the algorithm's Params and the model's
+    params, after importing the plugins it names (they may define the algorithm, model or dataset
+    it uses). Values given as text (the command line's) are read by their key's type."""
     plugins = raw.get("plugins")
     if plugins is not None and not isinstance(plugins, str):
         raise UserError(f"invalid value {plugins!r} for plugins: expected module names, comma-separated")
     load_plugins(plugins)
 
     algorithm = get_algorithm(raw.get("algorithm", RunConfig.model_fields["algorithm"].default))
+    model_name = raw.get("model", RunConfig.model_fields["model"].default)
+    model = model_params(model_name) if isinstance(model_name, str) else NoModelParams
     raw = two_cuts(raw)
-    common = set(RunConfig.model_fields)
-    own = set(algorithm.Params.model_fields)
+    common, own, model_own = set(RunConfig.model_fields), set(algorithm.Params.model_fields), set(model.model_fields)
     for key in raw:
-        if key not in common and key not in own:
-            raise unknown_key(key, common | own, f"algorithm {algorithm.name!r}")
-    fields = {**RunConfig.model_fields, **algorithm.Params.model_fields}
+        if key not in common | own | model_own:
+            raise misplaced_key(key, algorithm.name, str(model_name))
+    fields = {**RunConfig.model_fields, **algorithm.Params.model_fields, **model.model_fields}
     raw = from_text(fields, raw)
     check_no_booleans(fields, raw)
     check_finite(raw)
     try:
         run = RunConfig(**{k: v for k, v in raw.items() if k in common})
         params = algorithm.Params(**{k: v for k, v in raw.items() if k in own})
+        model_settings = model(**{k: v for k, v in raw.items() if k in model_own})
     except ValidationError as err:
         raise UserError(one_line(err)) from None
-    check_finite(run)
-    check_finite(params)
+    for settings in (run, params, model_settings):
+        check_finite(settings)
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
     check_applicable(run, raw)
-    return ResolvedConfig(run, params)
+    check_model_fits(run)
+    return ResolvedConfig(run, params, model_settings)
+
+
+def misplaced_key(key: str, algorithm: str, model: str) -> UserError:
+    """A key the run's algorithm and model do not take: which algorithms or models it applies to,
+    or the closest key name."""
+    from splitlab.algorithms import algorithms
+
+    takers = sorted(name for name, cls in algorithms().items() if key in cls.Params.model_fields)
+    if takers:
+        return UserError(f"{key} applies to algorithm {_listed(takers)}, not {algorithm}")
+    takers = sorted(name for name, params in MODEL_PARAMS.items() if key in params.model_fields)
+    if takers:
+        return UserError(f"{key} applies to model {_listed(takers)}, not {model}")
+    known = set(RunConfig.model_fields).union(
+        *(cls.Params.model_fields for cls in algorithms().values()),
+        *(params.model_fields for params in MODEL_PARAMS.values()),
+    )
+    return unknown_key(key, known, f"algorithm {algorithm!r}")
+
+
+def _listed(names: list[str]) -> str:
+    """a | a and b | a, b and c"""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def check_model_fits(run: RunConfig) -> None:
+    """A model that cannot take the dataset's samples (an image CNN on tokens) is refused in one
+    line, from what both declare, before any data is loaded."""
+    from splitlab.data import SAMPLES
+
+    takes, holds = MODEL_INPUTS.get(run.model), SAMPLES.get(run.dataset)
+    if takes is None or holds is None or holds in takes:
+        return
+    fitting = sorted(name for name, kinds in MODEL_INPUTS.items() if holds in kinds)
+    raise UserError(
+        f"model={run.model} takes {' or '.join(sorted(takes))}, but dataset={run.dataset} holds {holds}; "
+        f"models for {holds}: {', '.join(fitting)}"
+    )
 
 
 def two_cuts(raw: Mapping[str, Any]) -> Mapping[str, Any]:

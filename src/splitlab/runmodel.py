@@ -8,7 +8,6 @@ the frozen base; the model itself is rebuilt from the run's `config.yaml`.
 from __future__ import annotations
 
 import functools
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from splitlab.assembly import load_data
-from splitlab.config import RunConfig
+from splitlab.config import ResolvedConfig, RunConfig
 from splitlab.errors import UserError
-from splitlab.models import MODELS, StagedModel, build_model, split
+from splitlab.models import StagedModel, build_model, split
 from splitlab.models.lora import merge_lora
 from splitlab.resolve import resolve_config
 from splitlab.rundir import stored_config
@@ -30,21 +29,23 @@ def run_model(run_dir: str | Path) -> tuple[RunConfig, StagedModel, Any, int]:
     tokenizer (a Hugging Face tokenizer, model=hf, or a character vocabulary, a str) and its
     sequence length."""
     path = Path(run_dir)
-    config = resolve_config(stored_config(path, "load the model of", "give a finished run's directory")).run
+    resolved = resolve_config(stored_config(path, "load the model of", "give a finished run's directory"))
+    config = resolved.run
     weights = path / "weights.safetensors"
     if not weights.is_file():
         raise UserError(f"{str(path)!r} holds no weights.safetensors: the run is not finished or has no global model")
-    data = load_data(config)
+    data = load_data(resolved)
     if data.task != "language":
         raise UserError(f"{str(path)!r} trained on {config.dataset}, not a language dataset")
-    model = build_model(config.model, data.input_shape, data.num_classes, config.seed, **config.model_settings())
+    settings = resolved.model_settings()
+    model = build_model(config.model, data.input_shape, data.num_classes, config.seed, **settings)
     from safetensors.torch import load_file
 
     model.load_state_dict(load_file(weights))
     if config.model == "hf":
         from splitlab.models.hf import load_tokenizer
 
-        return config, model.eval(), load_tokenizer(str(config.model_dir)), data.input_shape[0]
+        return config, model.eval(), load_tokenizer(str(settings["model_dir"])), data.input_shape[0]
     return config, model.eval(), data.vocabulary, data.input_shape[0]
 
 
@@ -60,20 +61,20 @@ def init_state(run: RunConfig) -> dict[str, torch.Tensor] | None:
     return None if run.init is None else base_state(run.init)
 
 
-def export_hf(config: RunConfig, parts: list[nn.Module], vocabulary: str | None, out_dir: Path) -> bool:
+def export_hf(config: ResolvedConfig, parts: list[nn.Module], vocabulary: str | None, out_dir: Path) -> bool:
     """Write the model (client and server parts, adapters merged) to `out_dir` as a folder
     `transformers.AutoModelForCausalLM.from_pretrained` loads, with its tokenizer; False (nothing
     written) for a model with no Hugging Face form."""
-    if config.model not in ("gpt", "hf"):
+    model = config.run.model
+    if model not in ("gpt", "hf"):
         return False
     from splitlab.models import hf
 
     state = {name: t for part in parts for name, t in merge_lora(part).items()}
-    if config.model == "hf":
-        hf.save_hf(state, str(config.model_dir), out_dir)
+    sizes = config.model_params.model_dump()
+    if model == "hf":
+        hf.save_hf(state, str(sizes["model_dir"]), out_dir)
         return True
-    defaults = {k: p.default for k, p in inspect.signature(MODELS["gpt"]).parameters.items() if k != "input_shape"}
-    sizes = {key: getattr(config, key) or defaults[key] for key in ("layers", "heads", "width", "context")}
     vocab = state["head.lm_head.weight"].shape[0]
     tokenizer = hf.char_tokenizer(vocabulary) if vocabulary is not None else None
     hf.save_gpt2(state, hf.gpt2_config(**sizes, vocab=vocab), out_dir, tokenizer)

@@ -107,7 +107,7 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
             "setting=vertical data=own: no process holds every party's columns; run the server with "
             "`splitlab server` and each party with `splitlab client data=own data_dir=DIR` (docs/deployment.md)"
         )
-    data = load_data(run)
+    data = load_data(config)
     data_dir = None if run.data_dir is None else Path(run.data_dir)
     if data.task != "classification":
         raise UserError(f"setting=vertical divides a sample's features; {run.dataset}'s sequences are not split so")
