@@ -199,3 +199,13 @@ def test_generate_takes_a_prompt_that_looks_like_yaml(monkeypatch, capsys, tmp_p
     monkeypatch.setattr(splitlab.runmodel, "generate", lambda run_dir, **settings: seen.append(settings) or "text")
     code, out, _ = run_cli(capsys, "generate", str(tmp_path), "prompt=ROMEO:", "max_tokens=3")
     assert (code, out, seen[0]["prompt"], seen[0]["max_tokens"]) == (0, "text\n", "ROMEO:", 3)
+
+
+def test_a_config_yaml_from_before_models_owned_their_keys_still_resolves():
+    """Earlier runs recorded every model's keys, null where not given: null is the model's default."""
+    from splitlab.resolve import resolve_config
+
+    old = {"layers": None, "heads": None, "width": None, "context": None, "model_dir": None}
+    assert resolve_config({"model": "mlp", **old}).model_params.model_dump() == {}
+    gpt = resolve_config({"model": "gpt", "dataset": "shakespeare_lm", **old, "layers": 2}).model_params
+    assert gpt.model_dump() == {"layers": 2, "heads": 4, "width": 128, "context": 256}

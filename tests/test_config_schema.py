@@ -13,7 +13,7 @@ import pytest
 
 from splitlab import catalog
 from splitlab.cli import main
-from splitlab.config import EVERYWHERE, ONLY_WHEN, RunConfig, accepts, bound_value, field_bounds
+from splitlab.config import EVERYWHERE, GROUPS, ONLY_WHEN, RunConfig, accepts, bound_value, field_bounds
 
 SETTINGS = catalog.command_settings()
 CASES = [(command, key) for command, model in SETTINGS.items() for key in model.model_fields]
@@ -72,6 +72,11 @@ def test_every_run_key_is_documented_and_says_where_it_applies():
     keys = set(RunConfig.model_fields)
     assert keys == _documented(), "every key of RunConfig needs a row in docs/cli.md's table, and only those"
     for key in keys:
+        extra = RunConfig.model_fields[key].json_schema_extra
+        assert isinstance(extra, dict) and extra.get("group") in GROUPS, (
+            f"key {key!r}: tag its Field with the concern it belongs to: json_schema_extra=DATA, MODEL, TRAINING, "
+            f"PRIVACY or DEPLOYMENT (splitlab.config.GROUPS), as `run --help` and docs/cli.md group it"
+        )
         assert (key in EVERYWHERE) != (key in ONLY_WHEN), (
             f"key {key!r}: add it to splitlab.config.EVERYWHERE (applies to every run) or to ONLY_WHEN "
             f"(Applies(when, why, example))"

@@ -48,13 +48,28 @@ def section(title: str, entries: Iterable[tuple[str, Any, str]]) -> str:
     return "\n".join(lines)
 
 
+def grouped(model: type[BaseModel]) -> dict[str, list[str]]:
+    """A settings model's keys by the concern their field is tagged with (`json_schema_extra`'s
+    group; RunConfig's: splitlab.config.GROUPS, in that order), untagged keys last, under "other"."""
+    from splitlab.config import GROUPS
+
+    groups: dict[str, list[str]] = {group: [] for group in GROUPS}
+    for name, field in model.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        groups.setdefault(str(extra.get("group", "other")), []).append(name)
+    return {group: keys for group, keys in groups.items() if keys}
+
+
 def run_keys() -> str:
     """The keys of `run`: those of every run, then each algorithm's own, then each model's own."""
     from splitlab.algorithms import algorithms
     from splitlab.config import RunConfig
     from splitlab.models import MODEL_PARAMS
 
-    parts = [section("keys of every run (KEY=VALUE)", rows(RunConfig))]
+    parts = [
+        section(f"keys of every run (KEY=VALUE): {group}", [row for row in rows(RunConfig) if row[0] in keys])
+        for group, keys in grouped(RunConfig).items()
+    ]
     for name, cls in sorted(algorithms().items()):
         own = rows(cls.Params)
         if own:

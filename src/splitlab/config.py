@@ -22,8 +22,14 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.json_schema import JsonDict
 
 from splitlab.errors import UserError, one_line, unknown_key
+
+#: The concerns RunConfig's keys are grouped by (in `run --help` and docs/cli.md), each field tagged
+#: with its own; the command line stays one flat set of KEY=VALUE.
+GROUPS = ("data", "model", "training", "privacy", "deployment")
+DATA, MODEL, TRAINING, PRIVACY, DEPLOYMENT = (typing.cast(JsonDict, {"group": group}) for group in GROUPS)
 
 
 class RunConfig(BaseModel):
@@ -35,34 +41,45 @@ class RunConfig(BaseModel):
         None,
         description="modules of your own to import first, comma-separated (algorithms, models, datasets; "
         "docs/extending.md)",
+        json_schema_extra=DEPLOYMENT,
     )
-    algorithm: str = Field("sfl_v2", description="the algorithm (see `splitlab algorithms`; a plugin's too)")
-    dataset: str = Field("fashion_mnist", description="the dataset (see `splitlab datasets`)")
-    data_dir: str | None = Field(None, description="directory with the dataset's files, if not the default")
+    algorithm: str = Field(
+        "sfl_v2", description="the algorithm (see `splitlab algorithms`; a plugin's too)", json_schema_extra=TRAINING
+    )
+    dataset: str = Field("fashion_mnist", description="the dataset (see `splitlab datasets`)", json_schema_extra=DATA)
+    data_dir: str | None = Field(
+        None, description="directory with the dataset's files, if not the default", json_schema_extra=DATA
+    )
     data: Literal["partition", "own"] = Field(
         "partition",
         description="partition: clients are a seeded partition of the dataset | own: each client brings the "
         "training samples in its own data_dir (a vertical party: a CSV of its own columns; splitlab server only)",
+        json_schema_extra=DATA,
     )
-    model: str = Field("cnn", description="the model (see `splitlab models`)")
+    model: str = Field("cnn", description="the model (see `splitlab models`)", json_schema_extra=MODEL)
     init: str | None = Field(
         None,
         description="start from the model of this finished run's directory (same model and sizes; e.g. "
         "pretrained centrally, then fine-tuned split with lora)",
+        json_schema_extra=MODEL,
     )
     seq_len: int | None = Field(
         None,
         ge=1,
         le=1_048_576,
         description="language datasets: tokens per sequence (default 64), at most the model's context",
+        json_schema_extra=DATA,
     )
     lora: str | None = Field(
         None,
         description="R:ALPHA: freeze the model and train rank-R LoRA adapters scaled ALPHA/R, e.g. 8:16 "
         "(docs/language.md)",
+        json_schema_extra=MODEL,
     )
     lora_targets: str | None = Field(
-        None, description="with lora: comma-separated names of the projections to adapt (default: the model's)"
+        None,
+        description="with lora: comma-separated names of the projections to adapt (default: the model's)",
+        json_schema_extra=MODEL,
     )
     cut: int = Field(
         1,
@@ -70,6 +87,7 @@ class RunConfig(BaseModel):
         le=1000,
         description="cut layer, in the model's numbering (see `splitlab models`); cut=A,B: a U-shaped split, "
         "cut A and tail_cut B",
+        json_schema_extra=MODEL,
     )
     tail_cut: int | None = Field(
         None,
@@ -77,108 +95,166 @@ class RunConfig(BaseModel):
         le=1000,
         description="U-shaped split (also written cut=A,B): the client also holds the stages from this second "
         "cut on, with the labels and the loss; the server only those between (docs/configurations.md)",
+        json_schema_extra=MODEL,
     )
     clients: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["all"] = Field(
-        10, description="number of clients K (1 to 1,000,000); 'all' = one per natural user"
+        10,
+        description="number of clients K (1 to 1,000,000); 'all' = one per natural user",
+        json_schema_extra=DATA,
     )
     setting: Literal["vanilla", "vertical"] = Field(
         "vanilla",
         description="vanilla (clients hold samples) | vertical (parties hold different features of shared "
         "samples, aligned by private set intersection; algorithm=sl; docs/configurations.md)",
+        json_schema_extra=DATA,
     )
-    parties: int = Field(2, ge=1, le=64, description="setting=vertical: parties holding features")
+    parties: int = Field(
+        2, ge=1, le=64, description="setting=vertical: parties holding features", json_schema_extra=DATA
+    )
     features: str | None = Field(
         None,
         description="setting=vertical: each party's feature columns, / between parties, ranges and commas "
         "within, e.g. 0-13/14-27 (default: `parties` contiguous groups of image or table columns)",
+        json_schema_extra=DATA,
     )
     labels_at: Annotated[int, Field(ge=0, le=63)] | Literal["server"] = Field(
-        "server", description="setting=vertical: who holds the labels: server | a party's index"
+        "server",
+        description="setting=vertical: who holds the labels: server | a party's index",
+        json_schema_extra=DATA,
     )
     combine: Literal["concat", "sum", "mean"] = Field(
-        "concat", description="setting=vertical: how the server combines the parties' embeddings at the cut"
+        "concat",
+        description="setting=vertical: how the server combines the parties' embeddings at the cut",
+        json_schema_extra=MODEL,
     )
-    participation: float = Field(1.0, gt=0, le=1, description="fraction C of clients sampled per round")
-    rounds: int = Field(10, ge=1, le=10_000_000, description="training rounds")
-    local_epochs: int = Field(1, ge=1, le=100_000, description="passes over its samples a client makes per round")
+    participation: float = Field(
+        1.0, gt=0, le=1, description="fraction C of clients sampled per round", json_schema_extra=TRAINING
+    )
+    rounds: int = Field(10, ge=1, le=10_000_000, description="training rounds", json_schema_extra=TRAINING)
+    local_epochs: int = Field(
+        1, ge=1, le=100_000, description="passes over its samples a client makes per round", json_schema_extra=TRAINING
+    )
     local_steps: int | None = Field(
         None,
         ge=1,
         le=1_000_000_000,
         description="cap on a client's mini-batches per round (after local_epochs); none = all of them",
+        json_schema_extra=TRAINING,
     )
-    batch_size: int = Field(64, ge=1, le=1_000_000, description="samples per mini-batch")
-    optimizer: Literal["sgd", "adam"] = Field("adam", description="sgd | adam, for every part of the model")
-    lr: float = Field(1e-3, gt=0, le=1e6, description="learning rate")
+    batch_size: int = Field(64, ge=1, le=1_000_000, description="samples per mini-batch", json_schema_extra=TRAINING)
+    optimizer: Literal["sgd", "adam"] = Field(
+        "adam", description="sgd | adam, for every part of the model", json_schema_extra=TRAINING
+    )
+    lr: float = Field(1e-3, gt=0, le=1e6, description="learning rate", json_schema_extra=TRAINING)
     lr_schedule: str = Field(
         "none",
         description="the learning rate by round, as factors of lr joined by +: step:<every>:<gamma> | cosine | "
         "warmup:<rounds> (e.g. warmup:5+cosine); none = lr throughout",
+        json_schema_extra=TRAINING,
     )
     loss: str = Field(
         "cross_entropy",
         description="the training loss: cross_entropy | label_smoothing:<eps> | focal:<gamma> (or a plugin's); "
         "evaluation reports cross-entropy",
+        json_schema_extra=TRAINING,
     )
     augment: str = Field(
         "none",
         description="augment clients' training batches, +-joined in order: flip | crop:<pad> (or a plugin's; e.g. "
         "crop:4+flip); images only; none = as stored",
+        json_schema_extra=DATA,
     )
-    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
-    weight_decay: float = Field(0.0, ge=0, le=1e3, description="L2 penalty of the optimizer")
-    partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="random seed (0 to 2**32-1, what numpy and torch both accept)")
-    device: Literal["cpu", "cuda", "auto"] = Field("auto", description="cpu | cuda | auto (cuda when there is one)")
-    eval_every: int = Field(1, ge=1, le=10_000_000, description="evaluate every N rounds (and after the last)")
-    train_subset: int | None = Field(None, ge=1, le=10**10, description="use only N training samples (seeded choice)")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum", json_schema_extra=TRAINING)
+    weight_decay: float = Field(
+        0.0, ge=0, le=1e3, description="L2 penalty of the optimizer", json_schema_extra=TRAINING
+    )
+    partition: str = Field(
+        "iid", description="iid | dirichlet:<alpha> | shards:<shards per client>", json_schema_extra=DATA
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**32 - 1,
+        description="random seed (0 to 2**32-1, what numpy and torch both accept)",
+        json_schema_extra=TRAINING,
+    )
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "auto", description="cpu | cuda | auto (cuda when there is one)", json_schema_extra=DEPLOYMENT
+    )
+    eval_every: int = Field(
+        1, ge=1, le=10_000_000, description="evaluate every N rounds (and after the last)", json_schema_extra=TRAINING
+    )
+    train_subset: int | None = Field(
+        None, ge=1, le=10**10, description="use only N training samples (seeded choice)", json_schema_extra=DATA
+    )
     train_range: str | None = Field(
         None,
         description="A:B, fractions 0 <= A < B <= 1: only that stretch of the training samples in the dataset's "
         "order (shakespeare_lm: play by play), e.g. 0:0.5 to pretrain and 0.5:1 to fine-tune on the rest",
+        json_schema_extra=DATA,
     )
     test_subset: int | None = Field(
-        None, ge=1, le=10**10, description="evaluate on only N test samples (seeded choice)"
+        None,
+        ge=1,
+        le=10**10,
+        description="evaluate on only N test samples (seeded choice)",
+        json_schema_extra=DATA,
     )
-    comm_budget_gib: float | None = Field(None, gt=0, le=1e9, description="stop once this much has been communicated")
+    comm_budget_gib: float | None = Field(
+        None, gt=0, le=1e9, description="stop once this much has been communicated", json_schema_extra=TRAINING
+    )
     test_split: str = Field(
         "global",
         description="global (the dataset's test set) | client:<fraction> (each "
         "client holds out that fraction of its own samples)",
+        json_schema_extra=DATA,
     )
     target_accuracy: float | None = Field(
-        None, gt=0, le=1, description="summary reports the first evaluated round (and GiB) reaching this accuracy"
+        None,
+        gt=0,
+        le=1,
+        description="summary reports the first evaluated round (and GiB) reaching this accuracy",
+        json_schema_extra=TRAINING,
     )
     ledger: Literal["splitlab", "fsl_sage"] = Field(
         "splitlab",
         description="byte-counting convention: splitlab counts everything; fsl_sage leaves labels "
         "out, as the FSL-SAGE authors' code does",
+        json_schema_extra=DEPLOYMENT,
     )
     logger: Literal["none", "csv", "tensorboard", "mlflow", "wandb"] = Field(
         "none",
         description="also log every evaluated round to: csv (OUT/metrics.csv) | tensorboard (OUT/tensorboard) | "
         "mlflow (OUT/mlruns) | wandb (offline, OUT/wandb); all but csv need their package (docs/cli.md)",
+        json_schema_extra=DEPLOYMENT,
     )
     out: str | None = Field(
-        None, description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>"
+        None,
+        description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>",
+        json_schema_extra=DEPLOYMENT,
     )
     transport: Literal["direct", "serialized"] = Field(
         "direct",
         description="how roles exchange messages: direct (in-process, zero-copy) | serialized "
         "(every message encoded to bytes and back, as over a network; same results)",
+        json_schema_extra=DEPLOYMENT,
     )
     backend: Literal["local", "ray"] = Field(
         "local",
         description="where roles live: local (this process) | ray (clients on `workers` Ray actors, the "
         "training server on its own; every message as bytes; same results; docs/ray.md)",
+        json_schema_extra=DEPLOYMENT,
     )
-    workers: int = Field(2, ge=1, le=10_000, description="backend=ray: Ray actors holding the client nodes")
+    workers: int = Field(
+        2, ge=1, le=10_000, description="backend=ray: Ray actors holding the client nodes", json_schema_extra=DEPLOYMENT
+    )
     cpus_per_client: int = Field(
         1,
         ge=1,
         le=1024,
         description="backend=ray: CPUs (torch threads) of every actor: each client worker, which trains one "
         "client at a time, and the training server's (results equal in-process ones run with as many threads)",
+        json_schema_extra=DEPLOYMENT,
     )
     gpus_per_client: float = Field(
         0.0,
@@ -186,6 +262,7 @@ class RunConfig(BaseModel):
         le=64,
         description="backend=ray: GPUs of every actor (fractions share one: 0.25 puts four actors on a GPU); "
         "with device=auto an actor uses CUDA when Ray gave it a GPU that torch there can use, else the CPU",
+        json_schema_extra=DEPLOYMENT,
     )
     max_restarts: int = Field(
         3,
@@ -193,6 +270,7 @@ class RunConfig(BaseModel):
         le=1000,
         description="backend=ray: times a run whose Ray actor (or node) was lost builds its roles again and "
         "replays from its last checkpoint, before it stops with a resume hint",
+        json_schema_extra=DEPLOYMENT,
     )
     checkpoint_every: float = Field(
         60.0,
@@ -200,23 +278,34 @@ class RunConfig(BaseModel):
         le=10**8,
         description="seconds between checkpoints (0: after every round; never sooner than 50x the last snapshot's "
         "in-loop time); a resumed run replays from the last one",
+        json_schema_extra=DEPLOYMENT,
     )
     defense: str = Field(
         "none",
         description="defenses at the cut, +-joined: clip:<C> noise:<sigma> dp:epsilon=<E> gradnoise:<scale> "
         "nopeek:<alpha> quantize:int8|fp16 topk:<fraction>; none = no defense (docs/privacy.md)",
+        json_schema_extra=PRIVACY,
     )
     record: int = Field(
-        0, ge=0, le=10**7, description="record what the server saw at the cut, up to N samples per round, for attacks"
+        0,
+        ge=0,
+        le=10**7,
+        description="record what the server saw at the cut, up to N samples per round, for attacks",
+        json_schema_extra=PRIVACY,
     )
     noise_key: str | None = Field(
         None,
         min_length=1,
         description="fix the defenses' noise (reproducible); the guarantee then assumes this key stays secret "
         "from the server (default: each party draws its own secret key)",
+        json_schema_extra=PRIVACY,
     )
-    resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
-    overwrite: bool = Field(False, description="replace a finished or partial run in `out`")
+    resume: bool = Field(
+        False, description="continue the run in `out` from its checkpoint", json_schema_extra=DEPLOYMENT
+    )
+    overwrite: bool = Field(
+        False, description="replace a finished or partial run in `out`", json_schema_extra=DEPLOYMENT
+    )
 
     @field_validator("out", "data_dir")
     @classmethod

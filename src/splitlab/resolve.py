@@ -37,7 +37,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     algorithm = get_algorithm(raw.get("algorithm", RunConfig.model_fields["algorithm"].default))
     model_name = raw.get("model", RunConfig.model_fields["model"].default)
     model = model_params(model_name) if isinstance(model_name, str) else NoModelParams
-    raw = two_cuts(raw)
+    raw = without_null_model_keys(two_cuts(raw))
     common, own, model_own = set(RunConfig.model_fields), set(algorithm.Params.model_fields), set(model.model_fields)
     for key in raw:
         if key not in common | own | model_own:
@@ -59,6 +59,13 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_applicable(run, raw)
     check_model_fits(run)
     return ResolvedConfig(run, params, model_settings)
+
+
+def without_null_model_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """`raw` less the models' keys given as null, which means their default: the config.yaml of a run
+    from before models owned their keys records every model's keys, null where not given."""
+    model_keys = set().union(*(params.model_fields for params in MODEL_PARAMS.values()))
+    return {key: value for key, value in raw.items() if not (value is None and key in model_keys)}
 
 
 def misplaced_key(key: str, algorithm: str, model: str) -> UserError:
