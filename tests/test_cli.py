@@ -176,15 +176,13 @@ def test_command_line_values_are_converted_by_the_keys_type():
     config = resolve_config(
         parse_overrides(
             ["rounds=3", "lr=1e-2", "resume=yes", "local_steps=none", "clients=all", "dataset=shakespeare",
-             "model=lstm", "defense=clip:10+noise:0.5", "noise_key=null", "out=", "cut=1,2", "labels_at=server",
-             "lora=4:8"]
+             "model=lstm", "defense=clip:10+noise:0.5", "noise_key=null", "out=", "cut=1,2", "labels_at=server"]
         )
     ).run  # fmt: skip
     assert (config.rounds, config.lr, config.resume, config.local_steps, config.clients) == (3, 0.01, True, None, "all")
     assert (config.defense, config.noise_key, config.out, config.cut, config.tail_cut) == (
         "clip:10+noise:0.5", "null", None, 1, 2,
     )  # fmt: skip
-    assert config.lora == "4:8"
     sgd = resolve_config(parse_overrides(["partition=dirichlet:0.5", "momentum=0.5", "optimizer=sgd"])).run
     assert (sgd.partition, sgd.momentum) == ("dirichlet:0.5", 0.5)
     for text in ("0,0.2", "[0, 0.2]"):

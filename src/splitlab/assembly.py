@@ -197,8 +197,7 @@ def client_nodes(blueprint: Blueprint, data: Dataset, owners: Mapping[int, np.nd
 def load_data(config: ResolvedConfig) -> Dataset:
     """The run's dataset (a language dataset at its `seq_len`, tokenised by model=hf's tokenizer if any)."""
     run = config.run
-    tokenizer_dir = config.model_settings().get("model_dir") if run.model == "hf" else None
-    return load_dataset(run.dataset, run.data_dir, seed=run.seed, seq_len=run.seq_len, tokenizer_dir=tokenizer_dir)
+    return load_dataset(run.dataset, run.data_dir, seed=run.seed, seq_len=run.seq_len, tokenizer_dir=config.model_dir)
 
 
 def personal_metrics(

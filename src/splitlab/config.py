@@ -81,6 +81,13 @@ class RunConfig(BaseModel):
         description="with lora: comma-separated names of the projections to adapt (default: the model's)",
         json_schema_extra=MODEL,
     )
+    lora_dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="with lora: dropout on the adapters' input in training, as peft's lora_dropout",
+        json_schema_extra=MODEL,
+    )
     cut: int = Field(
         1,
         ge=0,
@@ -366,7 +373,8 @@ class RunConfig(BaseModel):
         """The LoRA settings that were given, as `splitlab.models.build_model` takes them."""
         lora = {"lora": parse_lora(self.lora)} if self.lora is not None else {}
         targets = {"lora_targets": tuple(self.lora_targets.split(","))} if self.lora_targets is not None else {}
-        return {**lora, **targets}
+        dropout = {"lora_dropout": self.lora_dropout} if self.lora_dropout else {}
+        return {**lora, **targets, **dropout}
 
     @field_validator("test_split")
     @classmethod
@@ -422,7 +430,7 @@ EVERYWHERE = frozenset(
     | {"local_steps", "batch_size", "optimizer", "lr", "weight_decay", "seed", "device", "eval_every"}
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
     | {"backend", "checkpoint_every", "defense", "overwrite", "setting"}
-    | {"init", "seq_len", "lora", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
+    | {"init", "seq_len", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
 )
 
 
@@ -470,9 +478,16 @@ ONLY_WHEN: dict[str, Applies] = {
         "this algorithm does not split the model: nothing crosses a cut to record",
         {"algorithm": "fedavg", "record": 10},
     ),
+    "lora": Applies(
+        lambda r: r.model == "hf" or r.init is not None,
+        "LoRA fine-tunes a pretrained model's weights, and this one starts from random ones: give init=RUN_DIR "
+        "(a finished run of this model) or model=hf model_dir=DIR",
+        {"model": "mlp", "lora": "4:8"},
+    ),
     "lora_targets": Applies(
         lambda r: r.lora is not None, "lora_targets needs lora=R:ALPHA", {"lora_targets": "c_attn"}
     ),
+    "lora_dropout": Applies(lambda r: r.lora is not None, "lora_dropout needs lora=R:ALPHA", {"lora_dropout": 0.1}),
     **{
         key: Applies(
             lambda r: r.backend == "ray", f"{key} sets the Ray actors' resources; it needs backend=ray", example
@@ -616,6 +631,11 @@ class ResolvedConfig:
     def model_settings(self) -> dict[str, Any]:
         """What `splitlab.models.build_model` takes beyond the data: the model's own keys and LoRA's."""
         return {**self.model_params.model_dump(), **self.run.adapters()}
+
+    @property
+    def model_dir(self) -> str | None:
+        """model=hf's folder, where its weights and tokenizer are read (None for other models)."""
+        return self.model_params.model_dump().get("model_dir") if self.run.model == "hf" else None
 
     @property
     def out_dir(self) -> Path:

@@ -265,7 +265,7 @@ class RunDirectory:
 
         # A key the stored config lacks (added to splitlab after the run began) counts as its default.
         # A model's key stored as null (a run from before models owned their keys) counts as its default too.
-        model_keys = self.config.model_params.model_fields
+        model_keys = type(self.config.model_params).model_fields
         given = {k: v for k, v in stored_config(self.path).items() if not (v is None and k in model_keys)}
         stored = {**self.config.defaults(), **given}
         current = self.config.as_dict()

@@ -142,7 +142,7 @@ def vertical_blueprint(
     plan = FeaturePlan(input_shape, groups, run.combine, run.labels_at)
     recorder = PartyRecorder(run.record) if run.record else None
     blueprint = blueprint_of(
-        config, device, input_shape, num_classes, input_dtype, task, init_state(run), vertical_models(plan), recorder
+        config, device, input_shape, num_classes, input_dtype, task, init_state(config), vertical_models(plan), recorder
     )
     return plan, blueprint
 
@@ -260,7 +260,7 @@ def _own_party(config: ResolvedConfig, party: int) -> FeatureParty:
         classes,
         data.train_x.dtype,
         data.task,
-        init_state(run),
+        init_state(config),
         vertical_models(plan),
         recorder,
     )

@@ -114,13 +114,15 @@ def build_model(
     seed: int = 0,
     lora: tuple[int, float] | None = None,
     lora_targets: tuple[str, ...] | None = None,
+    lora_dropout: float = 0.0,
     **options: Any,
 ) -> StagedModel:
     """A freshly initialised model; the init depends only on `seed`, not on global RNG state.
 
     `options` are the model's own keys (`model_params`: a GPT's layers, heads, ...), refused for a
     model that does not take them. `lora=(rank, alpha)` then freezes the base and wraps the
-    `lora_targets` projections (None: the architecture's default) in low-rank adapters."""
+    `lora_targets` projections (None: the architecture's default) in low-rank adapters, with
+    `lora_dropout` on their input in training."""
     settings = model_settings(name, options).model_dump()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -131,7 +133,7 @@ def build_model(
         if lora is not None:
             from splitlab.models.lora import apply_lora
 
-            apply_lora(model, lora[0], lora[1], lora_targets)
+            apply_lora(model, lora[0], lora[1], lora_targets, lora_dropout, seed)
     return model
 
 
