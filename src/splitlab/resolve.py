@@ -129,8 +129,9 @@ def check_u_shape(run: RunConfig) -> None:
         raise UserError(
             f"cut={run.cut},{run.tail_cut}: the cuts are out of order; a U-shaped split needs cut=A,B with A < B"
         )
-    why = get_algorithm(run.algorithm).not_u_shaped
-    if why:
+    algorithm = get_algorithm(run.algorithm)
+    if not algorithm.supports_u_shape:
+        why = algorithm.not_u_shaped or "it does not declare U-shape support (supports_u_shape, docs/extending.md)"
         raise UserError(
             f"tail_cut={run.tail_cut} (cut={run.cut},{run.tail_cut}, U-shaped) does not fit "
             f"algorithm={run.algorithm}: {why}"
