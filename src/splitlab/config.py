@@ -151,6 +151,13 @@ class RunConfig(BaseModel):
     test_subset: int | None = Field(
         None, ge=1, le=10**10, description="evaluate on only N test samples (seeded choice)"
     )
+    eval_generate: int = Field(
+        0,
+        ge=0,
+        le=10**7,
+        description="language datasets with references (e2e): at the final evaluation, continue N test prompts "
+        "greedily and write BLEU and ROUGE-L to summary.json (docs/language.md); 0: none",
+    )
     comm_budget_gib: float | None = Field(None, gt=0, le=1e9, description="stop once this much has been communicated")
     test_split: str = Field(
         "global",
@@ -398,6 +405,11 @@ ONLY_WHEN: dict[str, Applies] = {
         for size in ("layers", "heads", "width", "context")
     },
     "model_dir": Applies(lambda r: r.model == "hf", "model_dir is where model=hf is read from", {"model_dir": "/tmp"}),
+    "eval_generate": Applies(
+        lambda r: r.setting == "vanilla" and r.data == "partition",
+        "eval_generate continues the test prompts of a language dataset with references (e2e) with the global model",
+        {"setting": "vertical", "eval_generate": 4},
+    ),
     "lora_targets": Applies(
         lambda r: r.lora is not None, "lora_targets needs lora=R:ALPHA", {"lora_targets": "c_attn"}
     ),
