@@ -106,9 +106,13 @@ def test_e2e_trains_an_hf_model_with_the_loss_on_the_references_only(tmp_path):
     model_dir = tiny_hf_model(tmp_path / "gpt2", "gpt2")
     config = dict(
         algorithm="sfl_v2", dataset="e2e", data_dir=str(tmp_path), model="hf", model_dir=str(model_dir), seq_len=48,
-        lora="4:8", clients=2, rounds=2, batch_size=4, device="cpu", out=str(tmp_path / "run"),
+        lora="4:8", clients=2, rounds=2, batch_size=4, device="cpu", out=str(tmp_path / "run"), eval_generate=3,
     )  # fmt: skip
     summary = run(config, progress=False)
+    assert summary["eval_generate"] == 3 and 0 <= summary["bleu"] <= 100 and 0 <= summary["rouge_l"] <= 1
+    generated = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    assert [g["prompt"] for g in generated] == [f"<|endoftext|>{mr} ||" for mr, _ in rows[:3]]  # bos, mr, separator
+    assert [g["references"] for g in generated] == [[ref] for _, ref in rows[:3]]
     rows_out = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows_out[-1]["test_loss"] < rows_out[0]["test_loss"] and summary["final_loss"] == rows_out[-1]["test_loss"]
     from helpers import train
