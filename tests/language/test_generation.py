@@ -100,7 +100,7 @@ def test_beam_search_is_transformers_beam_search_on_the_exported_model(plays, tm
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "run"
-    config = dict(COMMON, dataset="shakespeare_lm", data_dir=plays, algorithm="sfl_v2", clients=2, lora="2:4")
+    config = dict(COMMON, dataset="shakespeare_lm", data_dir=plays, algorithm="sfl_v2", clients=2)
     run(dict(config, rounds=1, local_steps=3, out=str(out)), progress=False)
     model, prompt = the_model(str(out))
     exported = AutoModelForCausalLM.from_pretrained(out / "hf", local_files_only=True).eval()
