@@ -459,7 +459,18 @@ class ClientNode(Role[ParamsT]):
         if self.blueprint.config.tail_cut is not None and step is not None:
             self.tail_stash[step] = y
             return defended, {"smashed": wire}
-        return defended, {"smashed": wire, "labels": y}
+        return defended, {"smashed": wire, "labels": self._labels_out(y)}
+
+    def _labels_out(self, y: torch.Tensor) -> torch.Tensor:
+        """The labels as they leave: with `label_dp`, randomised response from a stream keyed by
+        this client's secret, the round and the release (as the smashed data's noise)."""
+        defense = self.blueprint.defense
+        if defense.label_dp is None:
+            return y
+        generator = keys.generator(
+            self.blueprint.noise_secret, f"client {self.id} labels", self.round, self._releases, device=y.device
+        )
+        return defense.private_labels(y, self.blueprint.num_classes, generator)
 
     def _noise_generator(self, device: torch.device) -> torch.Generator | None:
         """The release's own noise stream, keyed by this client's secret, the round and the
@@ -599,18 +610,19 @@ class TrainingServer(Role[ParamsT]):
         configured) and the loss."""
         smashed = decode(smashed).requires_grad_()
         reply = self.learn(smashed, labels, slot)
-        return {"cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad)), **reply}
+        return {"cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad), labels), **reply}
 
-    def send_gradient(self, grad: torch.Tensor) -> Any:
-        """A cut gradient as sent down: `gradnoise` from a stream keyed by the server's secret and
-        the gradient itself (splitlab.privacy.keys), then compressed as configured."""
+    def send_gradient(self, grad: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        """A cut gradient as sent down: `gradnoise` and `marvell` (which needs the batch's `labels`)
+        from a stream keyed by the server's secret and the gradient itself (splitlab.privacy.keys),
+        then compressed as configured."""
         defense = self.blueprint.defense
         generator = None
-        if defense.gradnoise > 0:
+        if defense.noises_gradients:
             generator = keys.generator(
                 self.blueprint.noise_secret, "server", keys.content_counter(grad), device=grad.device
             )
-        return defense.send_gradient(grad, generator)
+        return defense.send_gradient(grad, generator, labels)
 
     @verb()
     def learn(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:
