@@ -218,7 +218,8 @@ class RunConfig(BaseModel):
     defense: str = Field(
         "none",
         description="defenses at the cut, +-joined: clip:<C> noise:<sigma> dp:epsilon=<E> gradnoise:<scale> "
-        "nopeek:<alpha> quantize:int8|fp16 topk:<fraction>; none = no defense (docs/privacy.md)",
+        "nopeek:<alpha> quantize:int8|fp16 topk:<fraction> marvell[:<scale>] label_dp:<epsilon>; "
+        "none = no defense (docs/privacy.md)",
     )
     record: int = Field(
         0, ge=0, le=10**7, description="record what the server saw at the cut, up to N samples per round, for attacks"

@@ -410,6 +410,8 @@ class ClientNode(Role[ParamsT]):
         self.tail_stash: dict[int, Any] = {}
         self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
         self._releases = 0
+        #: this round's client-part passes (the key of each one's `dchi` noise)
+        self._embeddings = 0
 
     @property
     def num_samples(self) -> int:
@@ -442,6 +444,7 @@ class ClientNode(Role[ParamsT]):
         super().begin_round(rnd)
         self._batches = self.batches(rnd)
         self._releases = 0
+        self._embeddings = 0
 
     def release(
         self, x: torch.Tensor, y: torch.Tensor, smashed: torch.Tensor, step: int | None = None
@@ -460,6 +463,21 @@ class ClientNode(Role[ParamsT]):
             self.tail_stash[step] = y
             return defended, {"smashed": wire}
         return defended, {"smashed": wire, "labels": self._labels_out(y)}
+
+    def client_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The client part on `x`, with `dchi` noise on the token embeddings from a stream keyed by
+        this client's secret, the round and the pass (splitlab.privacy.keys)."""
+        defense, generator = self.blueprint.defense, None
+        if defense.dchi is not None:
+            generator = keys.generator(
+                self.blueprint.noise_secret,
+                f"client {self.id} embeddings",
+                self.round,
+                self._embeddings,
+                device=x.device,
+            )
+        self._embeddings += 1
+        return defense.client_output(self.model("client_model"), x, generator)
 
     def _labels_out(self, y: torch.Tensor) -> torch.Tensor:
         """The labels as they leave: with `label_dp`, randomised response from a stream keyed by
@@ -508,7 +526,7 @@ class ClientNode(Role[ParamsT]):
         """Client part on the next batch; the activations wait (by step) for their gradient."""
         x, y = self.next_batch()
         with self.blueprint.timed("client"):
-            smashed = self.model("client_model")(x)
+            smashed = self.client_output(x)
             defended, message = self.release(x, y, smashed, step)
             self.stash[step] = defended, self.blueprint.defense.penalty(x, smashed)
         return message

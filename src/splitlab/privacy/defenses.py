@@ -17,6 +17,9 @@ layer's tensors are compressed on the wire.
   adds to each cut gradient Gaussian noise whose covariance depends on the sample's class, chosen
   to minimise the symmetrised KL divergence between the two classes' gradient distributions
   under a power budget S x ||mean positive gradient - mean negative gradient||^2 (`marvell_variances`);
+- `dchi:E`: d_chi-privacy (metric DP) of each token's embedding (Feyisetan et al. 2020): on a
+  language model the client adds to the embedding stage's output, per token, noise of density
+  proportional to exp(-E ||z||), which the client's later stages only post-process;
 - `label_dp:E`: randomised response on the labels a client sends (E-label-DP, Warner 1965 /
   Ghazi et al. 2021): each kept with probability e^E / (e^E + K - 1), else a uniformly drawn other class;
 
@@ -57,6 +60,7 @@ ITEMS = {
     "topk": "topk:<fraction in (0, 1]>",
     "marvell": "marvell[:<power scale > 0>]",
     "label_dp": "label_dp:<epsilon > 0>",
+    "dchi": "dchi:<epsilon > 0>",
 }
 #: Marvell's power scale without `:S`: the smallest of 1, 4, 16 that kept both of Li et al.'s attacks within
 #: 0.1 of chance on breast_cancer over three noise keys (docs/privacy.md)
@@ -84,6 +88,8 @@ class Defense:
     marvell: float | None = None
     #: `label_dp:E`: the epsilon of randomised response on the labels clients send
     label_dp: float | None = None
+    #: `dchi:E`: the epsilon of d_chi-privacy on each token's embedding (language models)
+    dchi: float | None = None
 
     @property
     def random(self) -> bool:
@@ -94,6 +100,7 @@ class Defense:
             or self.dp is not None
             or self.marvell is not None
             or self.label_dp is not None
+            or self.dchi is not None
         )
 
     @property
@@ -118,14 +125,33 @@ class Defense:
             smashed = smashed + self.noise_std * noise
         return smashed
 
+    def client_output(self, client: nn.Module, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """The client part on `x`: with `dchi:E`, d_chi-privacy noise on every token's embedding
+        (the first stage's output), which the client's later stages only post-process."""
+        if self.dchi is None:
+            return client(x)
+        first, *rest = client.children()
+        hidden = first(x)
+        hidden = hidden + dchi_noise(hidden, self.dchi, generator)
+        for stage in rest:
+            hidden = stage(hidden)
+        return hidden
+
     @property
     def changes_forward(self) -> bool:
-        """Whether the server's input differs from the client part's output (clip, noise, compression)."""
-        return self.clip is not None or self.noise > 0 or self.quantize is not None or self.topk is not None
+        """Whether the server's input differs from the undefended client part's output (dchi, clip,
+        noise, compression)."""
+        return (
+            self.dchi is not None
+            or self.clip is not None
+            or self.noise > 0
+            or self.quantize is not None
+            or self.topk is not None
+        )
 
     def deployed(self, client: nn.Module, server: nn.Module, generator: torch.Generator) -> nn.Module:
-        """The split model as it runs in deployment: the defense applied at the cut (for accuracy as deployed)."""
-        return nn.Sequential(client, _AtTheCut(self, generator), server)
+        """The split model as it runs in deployment: the defense applied (for accuracy as deployed)."""
+        return nn.Sequential(_Defended(self, client, generator), server)
 
     def penalty(self, inputs: torch.Tensor, smashed: torch.Tensor) -> torch.Tensor | None:
         """NoPeek's term of the client's objective (None without NoPeek)."""
@@ -186,15 +212,24 @@ class Defense:
         return tensor
 
 
-class _AtTheCut(nn.Module):
-    """Clip, noise and wire compression between the client part and the server part."""
+class _Defended(nn.Module):
+    """The client part with its defenses and the wire compression: what the server part receives."""
 
-    def __init__(self, defense: Defense, generator: torch.Generator) -> None:
+    def __init__(self, defense: Defense, client: nn.Module, generator: torch.Generator | None) -> None:
         super().__init__()
-        self.defense, self.generator = defense, generator
+        self.defense, self.client, self.generator = defense, client, generator
 
-    def forward(self, smashed: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        smashed = self.defense.client_output(self.client, x, self.generator)
         return decode(self.defense.encode(self.defense.protect(smashed, self.generator)))
+
+
+def received(client: nn.Module, x: torch.Tensor, defense: Defense, seed: int) -> torch.Tensor:
+    """What a server receives for inputs `x`, every defense applied (noise from a generator seeded
+    `seed`: an attacker's own draw, Kerckhoffs), in batches of 256, without gradients."""
+    defended = _Defended(defense, client, torch.Generator(x.device).manual_seed(seed))
+    with torch.no_grad():
+        return torch.cat([defended(b) for b in x.split(256)])
 
 
 def decode(message: Any) -> torch.Tensor:
@@ -264,6 +299,20 @@ def distance_correlation(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     a, b = centered(x), centered(z)
     dcov2_xz, dcov2_xx, dcov2_zz = (a * b).mean(), (a * a).mean(), (b * b).mean()
     return (dcov2_xz.clamp_min(0) / (dcov2_xx * dcov2_zz).sqrt().clamp_min(1e-12)).clamp_min(1e-12).sqrt()
+
+
+def dchi_noise(embeddings: torch.Tensor, epsilon: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Noise for each vector along the last axis (a token's embedding, dimension d) with density
+    proportional to exp(-epsilon ||z||): a uniform direction (a normalised Gaussian) times a norm
+    drawn from Gamma(d, 1/epsilon), here exactly as the sum of d Exp(1) draws over epsilon. The
+    released embedding is then epsilon d(x, x')-private for tokens x, x' (d: the Euclidean distance
+    of their embeddings): metric DP, not (epsilon, delta)-DP."""
+    shape, device = embeddings.shape, embeddings.device
+    gaussian = torch.randn(shape, generator=generator, device=device, dtype=torch.float64)
+    direction = torch.nn.functional.normalize(gaussian, dim=-1)
+    uniform = 1 - torch.rand(shape, generator=generator, device=device, dtype=torch.float64)  # in (0, 1]
+    norm = -uniform.log().sum(-1, keepdim=True) / epsilon
+    return (direction * norm).to(embeddings.dtype)
 
 
 def keep_probability(epsilon: float, classes: int) -> float:
@@ -362,9 +411,11 @@ def check_applies(config: Any, splits: bool) -> None:
         raise UserError(f"{key} does not apply to {config.algorithm}: nothing crosses a cut (use a split algorithm)")
     if config.noise_key is not None and not defense.random:
         raise UserError(
-            "noise_key= applies to a randomised defense (noise, dp, gradnoise, marvell, label_dp), "
+            "noise_key= applies to a randomised defense (noise, dp, gradnoise, marvell, label_dp, dchi), "
             f"not {config.defense!r}"
         )
+    if defense.dchi is not None and config.tail_cut is not None:
+        raise UserError(f"defense={config.defense}: dchi is not implemented for U-shaped splits (cut=A,B)")
     label_defenses = [name for name in ("marvell", "label_dp") if getattr(defense, name) is not None]
     if label_defenses and config.tail_cut is not None:
         raise UserError(
@@ -376,8 +427,14 @@ def check_applies(config: Any, splits: bool) -> None:
 
 
 def check_task(defense: Defense, value: str, dataset: str, task: str, classes: int) -> None:
-    """Refuse a label defense the dataset's task does not fit: Marvell is defined for binary
-    classification (two class-conditional gradient distributions)."""
+    """Refuse a defense the dataset's task does not fit: Marvell is defined for binary
+    classification (two class-conditional gradient distributions), d_chi-privacy for the token
+    embeddings of a language model."""
+    if defense.dchi is not None and task != "language":
+        raise UserError(
+            f"defense={value}: dchi noises a language model's token embeddings; {dataset} is not a language "
+            "dataset (use noise:S or clip:C+dp:epsilon=E)"
+        )
     if defense.marvell is not None and (task != "classification" or classes != 2):
         raise UserError(
             f"defense={value}: marvell needs a binary classification task; {dataset} has {classes} "
@@ -387,7 +444,7 @@ def check_task(defense: Defense, value: str, dataset: str, task: str, classes: i
 
 def parse_defense(value: str) -> Defense:
     """`none` or `+`-joined items (clip:C, noise:S, dp:epsilon=E, gradnoise:S, nopeek:A, quantize:int8|fp16,
-    topk:F, marvell[:S], label_dp:E)."""
+    topk:F, marvell[:S], label_dp:E, dchi:E)."""
     if value == "none":
         return Defense()
     settings: dict[str, Any] = {}
@@ -436,6 +493,7 @@ def _argument(name: str, arg: str, value: str) -> float | str | tuple[float, flo
         "topk": 0 < number <= 1,
         "marvell": 0 < number < math.inf,
         "label_dp": 0 < number < math.inf,
+        "dchi": 0 < number < math.inf,
     }[name]
     if not valid:
         raise UserError(f"invalid defense {value!r}: expected {ITEMS[name]}")
