@@ -20,7 +20,7 @@ from splitlab.ledger import Ledger
 from splitlab.logs import LOGGER
 from splitlab.loop import run_rounds
 from splitlab.process_settings import prepare_process
-from splitlab.rundir import CHECKPOINT, RunDirectory
+from splitlab.rundir import RunDirectory
 from splitlab.transport import Transport
 
 
@@ -77,22 +77,8 @@ def _run(
     resume = run_config.resume if resume is None else resume
     directory = RunDirectory(experiment.config)
     kept = lambda: rundir.kept_after_interruption(directory.path)  # noqa: E731
-    with rundir.file_errors(directory.path, kept), rundir.locked(directory.path):
-        existing = directory.existing()
-        if existing and run_config.overwrite:
-            directory.clear()
-        elif existing and not resume:
-            raise UserError(
-                f"out {str(directory.path)!r} already holds a run; use resume=true to continue it "
-                f"or overwrite=true to replace it"
-            )
-        elif existing:
-            directory.check_resumable()
-            if "summary.json" in existing:
-                return directory.summary()
-            if CHECKPOINT not in existing:
-                LOGGER.info(f"{str(directory.path)!r} holds no checkpoint: starting again at round 1")
-        try:
-            return run_rounds(experiment, progress, callbacks)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the CLI says what was kept
-            raise KeyboardInterrupt(rundir.kept_after_interruption(directory.path)) from None
+    try:
+        with rundir.file_errors(directory.path, kept), directory.started(resume, run_config.overwrite) as finished:
+            return finished if finished is not None else run_rounds(experiment, progress, callbacks)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the CLI says what was kept
+        raise KeyboardInterrupt(kept()) from None
