@@ -51,23 +51,22 @@ def run(
                 return _run(experiment, resume, progress, callbacks)
         except RoleLost as lost:
             restarts += 1
+            resume = bool(RunDirectory(experiment.config).existing())  # lost before its first checkpoint: nothing kept
+            again = "with resume=true to go on from its last checkpoint" if resume else "(no checkpoint was kept)"
             if restarts > limit:
-                raise RoundFailed(
-                    f"{lost}; stopped after max_restarts={limit} restarts: run it again with resume=true "
-                    f"to go on from its last checkpoint"
-                ) from None
+                stopped = f"stopped after max_restarts={limit} restarts"
+                raise RoundFailed(f"{lost}; {stopped}: run it again {again}") from None
             LOGGER.warning(
                 f"{lost}: building the roles again and replaying from the last checkpoint "
                 f"(restart {restarts} of at most {limit})"
             )
             try:
-                experiment = build({**config, "resume": True, "overwrite": False}, transport)
+                experiment = build({**config, "resume": True, "overwrite": False} if resume else config, transport)
             except UserError as refused:  # what is left of the cluster cannot hold the roles (fewer CPUs)
                 raise RoundFailed(
                     f"{lost}; the roles could not be built again: {refused}; then run it again with resume=true "
                     f"to go on from its last checkpoint"
                 ) from None
-            resume = True
 
 
 def _run(
