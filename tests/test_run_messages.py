@@ -33,19 +33,14 @@ def interrupted_at(round_number: int, args: list[str], monkeypatch, capsys) -> s
 def test_ctrl_c_before_the_first_checkpoint_says_nothing_was_kept(tmp_path, monkeypatch, capsys):
     args = [*ARGS, "rounds=4", f"out={tmp_path}/run"]  # checkpoint_every=60: no checkpoint in a short run
     err = interrupted_at(3, args, monkeypatch, capsys)
-    assert "nothing of the run was kept" in err and "run the same command again" in err
-    assert err.count("\n") == 1 and not (tmp_path / "run").exists()  # what it wrote is removed
-    assert main(["run", *args]) == 0
-
-
-def test_a_resumed_run_without_a_checkpoint_stays_resumable_when_interrupted(tmp_path, monkeypatch, capsys):
-    args = [*ARGS, "rounds=4", f"out={tmp_path}/run"]
-    assert main(["run", *args]) == 0
-    (tmp_path / "run" / "summary.json").unlink()  # as if it had stopped before its first checkpoint
-    err = interrupted_at(2, [*args, "resume=true"], monkeypatch, capsys)
     assert "nothing to continue from was saved" in err and "resume=true will start again at round 1" in err
+    assert err.count("\n") == 1 and not (tmp_path / "run" / ".lock").exists()
     assert main(["run", *args, "resume=true"]) == 0
     assert "holds no checkpoint: starting again at round 1" in capsys.readouterr().err
+    again = [*ARGS, "rounds=4", f"out={tmp_path}/again"]
+    interrupted_at(3, again, monkeypatch, capsys)  # or the same command again, without resume=true
+    assert main(["run", *again]) == 0
+    assert "it stopped before its first checkpoint" in capsys.readouterr().err
 
 
 def test_a_run_draws_its_curves_and_says_where_its_files_are(tmp_path, capsys, monkeypatch):

@@ -1,7 +1,8 @@
 """A run started afresh that fails before its first checkpoint, at whatever stage and whatever
-stopped it (a user's mistake, a full disk, Ctrl-C, a bug), leaves nothing of its own: the
-corrected command on the same out= starts afresh. A resumed run's files, an overwritten run and
-files that were there before stay as they should."""
+stopped it (a user's mistake, a full disk, a bug), leaves nothing of its own: the corrected
+command on the same out= starts afresh (after Ctrl-C, which keeps what was written for
+resume=true: tests/test_run_messages.py, it does too). A resumed run's files, an overwritten run
+and files that were there before stay as they should."""
 
 from __future__ import annotations
 
@@ -42,8 +43,8 @@ STAGES = {
         lambda path, *_: path.name == "partition.json",
         1,
     ),
-    # config.yaml and partition.json are written; Ctrl-C as the trackers start
-    "after partition.json": (loop, "_callbacks", KeyboardInterrupt(), lambda *_: True, 130),
+    # config.yaml and partition.json are written; a mistake found as the trackers start
+    "after partition.json": (loop, "_callbacks", UserError("a mistake found late"), lambda *_: True, 2),
     # a mistake found while the roles are built (before the directory is touched)
     "building the roles": (build, "Roles", UserError("a mistake found late"), lambda *_: True, 2),
     # a bug in round 1, before the first checkpoint (taken every 60 s by default)

@@ -214,7 +214,8 @@ def kept_after_interruption(path: Path) -> str:
     if (path / "config.yaml").is_file():
         return (
             f"nothing to continue from was saved in {str(path)!r} (no checkpoint yet: one is taken every "
-            f"checkpoint_every seconds, 0 = every round); resume=true will start again at round 1"
+            f"checkpoint_every seconds, 0 = every round); resume=true will start again at round 1, as will "
+            f"the same command"
         )
     return f"nothing of the run was kept in {str(path)!r} (no checkpoint yet); run the same command again"
 
@@ -264,17 +265,22 @@ class RunDirectory:
 
     @contextlib.contextmanager
     def started(self, resume: bool, overwrite: bool) -> Iterator[dict[str, Any] | None]:
-        """Hold the directory's lock and start a run there (replacing one with overwrite=true) or
-        resume the one there; yields the summary of a run already finished (nothing to do), else
-        None while the run goes on. A run started afresh that fails before its first checkpoint
-        (any exception, Ctrl-C included) removes what it wrote, and the directory if it made it:
-        nothing is left to resume, and the same command, corrected, starts afresh there. A resumed
-        run's files stay as they were resumable."""
+        """Hold the directory's lock and start a run there (replacing one with overwrite=true, or
+        one that stopped before its first checkpoint: nothing to continue from) or resume the one
+        there; yields the summary of a run already finished (nothing to do), else None while the
+        run goes on. A run started afresh that fails before its first checkpoint (any exception
+        but Ctrl-C, which keeps what it wrote for `resume=true` to start again) removes what it
+        wrote, and the directory if it made it: the same command, corrected, starts afresh there.
+        A resumed run's files stay as they were."""
         made = not self.path.exists()
         undone = False
         try:
             with locked(self.path):
                 existing = self.existing()
+                stopped_early = not {CHECKPOINT, "summary.json"} & set(existing)
+                if existing and stopped_early and not overwrite and not resume:
+                    LOGGER.info(f"replacing the run in {str(self.path)!r}: it stopped before its first checkpoint")
+                    overwrite = True
                 if existing and not overwrite and not resume:
                     raise UserError(
                         f"out {str(self.path)!r} already holds a run; use resume=true to continue it "
@@ -294,7 +300,7 @@ class RunDirectory:
                 there = {name for name in WRITTEN if (self.path / name).exists()}  # not this run's
                 try:
                     yield None
-                except BaseException:
+                except Exception:
                     undone = not (self.path / CHECKPOINT).exists()
                     if undone:
                         clear(self.path, [name for name in WRITTEN if name not in there])
