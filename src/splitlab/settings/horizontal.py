@@ -19,6 +19,7 @@ from splitlab.data.datasets import data_summary
 from splitlab.errors import UserError
 from splitlab.models import StagedModel, split
 from splitlab.models.lora import apply_lora, linear_layer_names, load_init
+from splitlab.privacy.defenses import check_task, parse_defense
 from splitlab.roles import Blueprint, ClientNode, Role
 from splitlab.runmodel import init_shapes, init_state
 from splitlab.settings.base import SERVER, DataShape, Hosted, Plan, Reports, Setting, as_arrays, as_tensors
@@ -290,6 +291,7 @@ def _check_task(config: ResolvedConfig, data: Dataset) -> None:
         raise UserError(
             f"partition={run.partition} splits by class; {run.dataset}'s sequences have none: use iid or clients=all"
         )
+    check_task(parse_defense(run.defense), run.defense, run.dataset, data.task, data.num_classes)
     if run.eval_generate and data.references is None:
         raise UserError(
             f"eval_generate={run.eval_generate}: {run.dataset} has no reference texts to score generations "
