@@ -39,6 +39,16 @@ class RunConfig(BaseModel):
     algorithm: str = Field("sfl_v2", description="the algorithm (see `splitlab algorithms`; a plugin's too)")
     dataset: str = Field("fashion_mnist", description="the dataset (see `splitlab datasets`)")
     data_dir: str | None = Field(None, description="directory with the dataset's files, if not the default")
+    data_file: str | None = Field(
+        None,
+        description="dataset=jsonl: a JSON Lines file of rows with text | prompt + completion | messages "
+        "(docs/data.md)",
+    )
+    test_file: str | None = Field(
+        None,
+        description="dataset=jsonl: its test rows, in the same format (default: a fixed random tenth of data_file's "
+        "rows)",
+    )
     data: Literal["partition", "own"] = Field(
         "partition",
         description="partition: clients are a seeded partition of the dataset | own: each client brings the "
@@ -229,7 +239,7 @@ class RunConfig(BaseModel):
     resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
     overwrite: bool = Field(False, description="replace a finished or partial run in `out`")
 
-    @field_validator("out", "data_dir")
+    @field_validator("out", "data_dir", "data_file", "test_file")
     @classmethod
     def _expand_home(cls, value: str | None) -> str | None:
         """`~` and `~user` as a shell would expand them (a folder literally named `~` is never meant)."""
@@ -384,10 +394,14 @@ ONLY_WHEN: dict[str, Applies] = {
         {"clients": "all", "train_range": "0:0.5"},
     ),
     "data_dir": Applies(
-        lambda r: _reads_files(r.dataset),
-        "this dataset is bundled or generated and reads no files",
+        lambda r: _reads_files(r.dataset) and r.dataset != "jsonl",
+        "this dataset reads no folder (bundled, generated, or dataset=jsonl's data_file)",
         {"dataset": "digits", "data_dir": "/tmp"},
     ),
+    **{
+        key: Applies(lambda r: r.dataset == "jsonl", f"{key} is read by dataset=jsonl", {key: "/tmp/rows.jsonl"})
+        for key in ("data_file", "test_file")
+    },
     "record": Applies(
         lambda r: r.algorithm not in UNSPLIT_ALGORITHMS,
         "this algorithm does not split the model: nothing crosses a cut to record",

@@ -8,6 +8,7 @@ from splitlab.data.datasets import (
     LOCATORS,
     SEQUENCE_DATASETS,
     Dataset,
+    TextSource,
     dataset_availability,
     dataset_names,
     load_dataset,
@@ -29,7 +30,7 @@ SEQUENCE_DATASETS.update(language.LOADERS)
 LOCATORS.update(language.LOCATORS)
 DATASETS.update(
     {
-        name: functools.partial(lambda name, data_dir, seed: SEQUENCE_DATASETS[name](data_dir, None, None), name)
+        name: functools.partial(lambda name, data_dir, seed: SEQUENCE_DATASETS[name](TextSource(data_dir)), name)
         for name in SEQUENCE_DATASETS
     }  # fmt: skip
 )
@@ -40,6 +41,7 @@ __all__ = [
     "DATASETS",
     "LOCATORS",
     "Dataset",
+    "TextSource",
     "dataset_availability",
     "dataset_names",
     "load_dataset",
