@@ -1,6 +1,5 @@
 """Tests mirror the package (tests/algorithms, tests/data, ...); `helpers` is shared by all."""
 
-import os
 import sys
 from pathlib import Path
 

@@ -88,9 +88,14 @@ def test_conversations_have_the_loss_on_the_assistant_turns_only():
 
 def test_a_template_that_rewrites_earlier_turns_puts_the_whole_conversation_in_the_loss(caplog):
     tokenizer = chat_tokenizer()  # earlier assistant turns shown without their content: not a prefix
-    tokenizer.chat_template = CHAT_TEMPLATE.replace("{{ m.content }}", "{% if not loop.last and m.role == 'assistant' "
-                                                    "%}...{% else %}{{ m.content }}{% endif %}")
-    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}, {"role": "user", "content": "x"}]
+    tokenizer.chat_template = CHAT_TEMPLATE.replace(
+        "{{ m.content }}", "{% if not loop.last and m.role == 'assistant' %}...{% else %}{{ m.content }}{% endif %}"
+    )
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Yo"},
+        {"role": "user", "content": "x"},
+    ]
     assert assistant_spans(messages, tokenizer)[1] is None
     tokens, mask = encode(rows_of([{"messages": messages}]), tokenizer, seq_len=40, title="t")
     length = len(tokenizer(tokenizer.apply_chat_template(messages, tokenize=False))["input_ids"])

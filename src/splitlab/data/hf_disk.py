@@ -17,8 +17,10 @@ TEST_SPLITS = ("test", "validation")
 
 
 def check_folder(folder: Path | None) -> Path:
-    if folder is None or not folder.is_dir():
-        raise UserError(f"dataset=hf_disk needs data_dir=DIR, a folder written by datasets' save_to_disk; not {folder}")
+    if folder is None:
+        raise UserError("dataset=hf_disk needs data_dir=DIR, a folder written by datasets' save_to_disk")
+    if not folder.is_dir():
+        raise UserError(f"dataset=hf_disk: data_dir={folder} is not a folder (one written by datasets' save_to_disk)")
     return folder
 
 
