@@ -111,13 +111,14 @@ class ProgressBar(Callback):
     def on_round_start(self, state: State, batches: int | None) -> None:
         title = f"round {state['round'] + 1}/{self.rounds}"
         self.round_lines = Lines(title, batches or 0, "client batches")
-        self.bar.reset(self.batches, total=batches, description=title, visible=bool(batches))
+        self.bar.reset(self.batches, total=batches, description=title, visible=False)
 
     def _batch(self) -> None:
+        """Shown from the first batch counted: none is where clients run elsewhere."""
         if self.lines:
             self.round_lines.advance()
         else:
-            self.bar.advance(self.batches)
+            self.bar.update(self.batches, advance=1, visible=True)
 
     def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
         if self.lines and row is not None:

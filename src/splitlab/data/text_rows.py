@@ -35,8 +35,8 @@ from splitlab.logs import LOGGER, progress
 #: format -> the fields a row of it needs
 FORMATS = {"text": ("text",), "prompt/completion": ("prompt", "completion"), "messages": ("messages",)}
 ALLOWED = "text | prompt + completion | messages"
-#: rows tokenised per call, so that progress shows
-_CHUNK = 512
+#: characters tokenised per call (at least a row), so that progress shows
+_CHUNK = 1 << 18
 
 
 def row_format(row: Any, where: str) -> str:
@@ -104,13 +104,18 @@ def tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
 
 
 def tokenize_with_progress(tokenizer: Any, texts: list[str], title: str) -> list[list[int]]:
-    """`tokenize`, a chunk of rows at a time, saying how far it is while it lasts."""
+    """`tokenize`, about `_CHUNK` characters at a time, saying how far it is while it lasts."""
     ids: list[list[int]] = []
     with progress(title, sum(map(len, texts)), "characters") as advance:
-        for start in range(0, len(texts), _CHUNK):
-            chunk = texts[start : start + _CHUNK]
-            ids += tokenize(tokenizer, chunk)
-            advance(sum(map(len, chunk)))
+        start = 0
+        while start < len(texts):
+            stop, size = start, 0
+            while stop < len(texts) and (size < _CHUNK or stop == start):
+                size += len(texts[stop])
+                stop += 1
+            ids += tokenize(tokenizer, texts[start:stop])
+            advance(size)
+            start = stop
     return ids
 
 
