@@ -7,6 +7,8 @@ import logging
 import sys
 import threading
 
+import pytest
+
 from splitlab.cli import main
 from splitlab.logs import setup_logging
 
@@ -73,3 +75,25 @@ def test_without_a_terminal_long_work_says_how_far_it_is_every_few_seconds(tmp_p
     assert batches[:2] == ["round 1/2: 7% (1 of 14 client batches)", "round 1/2: 14% (2 of 14 client batches)"]
     assert batches[-1] == "round 2/2: 100% (14 of 14 client batches)" and len(batches) == 28
     assert lines[-1].startswith("round 2/2  acc ")  # the evaluated round's line, as before
+
+
+def every_algorithm() -> list[dict]:
+    from splitlab.algorithms import algorithm_names
+
+    vertical = dict(setting="vertical", algorithm="sl", dataset="breast_cancer", model="mlp", parties=2)
+    return [dict(algorithm=name) for name in algorithm_names()] + [vertical]
+
+
+@pytest.mark.parametrize("settings", every_algorithm(), ids=lambda s: s.get("setting", s["algorithm"]))
+def test_a_round_draws_the_client_batches_its_progress_counts_on(settings):
+    """The total a round's progress line counts toward is what its clients draw."""
+    from helpers import quick
+    from splitlab.engine import build
+
+    vertical = "setting" in settings
+    experiment = build({**settings, "device": "cpu"} if vertical else quick(train_subset=200, **settings))
+    drawn = []
+    experiment.blueprint.on_batch = lambda: drawn.append(1)
+    experiment.algorithm.run_round(0, experiment.clients)
+    expected = experiment.algorithm.round_batches(experiment.clients)
+    assert len(drawn) == (expected or 0) and (expected is None) == vertical
