@@ -1,9 +1,10 @@
 """Rows of text as causal-LM sequences: the row formats of `dataset=jsonl` and `dataset=hf_disk`.
 
-Every row of a file has one format, that of its first row (other fields are ignored):
+Every row of a file has one format, that of its first row (the first of these whose fields it
+has; other fields are ignored):
 
 - `text`: plain language modelling. Each row's tokens are followed by the tokenizer's
-  end-of-sequence token (LEAF's characters: a newline), the rows are joined into one stream and
+  end-of-sequence token where it has one (LEAF's characters: a newline), the rows are joined into one stream and
   cut into sequences of `seq_len + 1` tokens that share one token with the next (the stream's end
   that fills no whole sequence is dropped, as transformers' run_clm does); every position is in
   the loss.
@@ -74,7 +75,7 @@ def row_value(row: dict, form: str, where: str) -> Any:
 
 
 class Rows(NamedTuple):
-    """A file's rows: their format, their values (`row_value`) and where each is, for messages."""
+    """A file's rows: their format, their values (`row_value`) and where each is (for refusals)."""
 
     form: str
     values: list[Any]
