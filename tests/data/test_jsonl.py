@@ -178,3 +178,14 @@ def test_bad_files_are_one_line_exit_2_and_nothing_written(tmp_path, capsys):
     refused(capsys, tmp_path, f"data_file={good}", f"data_dir={tmp_path}", match="data_dir=")
     assert main(["run", "dataset=digits", f"data_file={good}", f"out={tmp_path / 'out'}"]) == 2
     assert "data_file is read by dataset=jsonl" in capsys.readouterr().err
+
+
+def test_a_checkpoints_chat_template_renders_messages_rows(tmp_path):
+    model_dir = tiny_hf_model(tmp_path / "model")
+    chat_tokenizer().save_pretrained(model_dir)  # writes chat_template.jinja beside tokenizer.json
+    chat = [{"role": "user", "content": "To be?"}, {"role": "assistant", "content": "Or not."}]
+    data_file = write_jsonl(tmp_path / "chats.jsonl", [{"messages": chat}] * 3)
+    data = load_dataset("jsonl", seq_len=32, tokenizer_dir=str(model_dir), data_file=data_file)
+    assert len(data.train_y) == 2 and len(data.test_y) == 1
+    for targets in torch.cat([data.train_y, data.test_y]):
+        assert chat_tokenizer().decode(targets[targets != IGNORED]) == "Or not.<|endoftext|>"
