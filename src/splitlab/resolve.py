@@ -51,7 +51,24 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
     check_applicable(run, raw)
-    return ResolvedConfig(run, params)
+    return ResolvedConfig(with_model_sizes(run), params)
+
+
+def with_model_sizes(run: RunConfig) -> RunConfig:
+    """`model=gpt`'s sizes that were not given set to its defaults, so that `config.yaml` and the
+    export say what the run used (`context: 256`, not `context: null`)."""
+    if run.model != "gpt":
+        return run
+    import inspect
+
+    from splitlab.models.gpt import gpt
+
+    defaults = {key: p.default for key, p in inspect.signature(gpt).parameters.items() if key in GPT_SIZES}
+    return run.model_copy(update={key: defaults[key] for key in GPT_SIZES if getattr(run, key) is None})
+
+
+#: `model=gpt`'s own settings (`splitlab.models.gpt.gpt`'s keyword arguments)
+GPT_SIZES = ("layers", "heads", "width", "context")
 
 
 def two_cuts(raw: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -45,7 +45,7 @@ from splitlab.models import (
     shared_state,
     split,
 )
-from splitlab.models.lora import load_base
+from splitlab.models.lora import load_init
 from splitlab.privacy import defenses, keys
 from splitlab.privacy.defenses import Defense, decode
 from splitlab.privacy.record import Recorder
@@ -151,7 +151,7 @@ class Blueprint:
         if self.config.init is not None:
             if self.init_state is None:
                 raise RuntimeError(f"init={self.config.init}: the blueprint was built without its init_state")
-            load_base(model, self.init_state, f"init={self.config.init}")
+            load_init(model, self.init_state, f"init={self.config.init}")
         return model
 
     @functools.cached_property
