@@ -20,6 +20,7 @@ straddle two roles exist in that view but belong to no role, so `train_groups` n
 
 from __future__ import annotations
 
+import os
 import re
 import tarfile
 from pathlib import Path
@@ -167,7 +168,7 @@ def _starts(parts: list[np.ndarray]) -> list[np.ndarray]:
 def default_dirs() -> list[Path]:
     """Where `make setup` puts the sdist: `data/` under the working directory and the checkout."""
     checkout = Path(__file__).resolve().parents[3] / "data"
-    return list(dict.fromkeys([Path("data").resolve(), checkout]))
+    return list(dict.fromkeys([Path(os.path.realpath("data")), checkout]))  # realpath: a symlink loop is no error
 
 
 def find_sdist(roots: list[Path]) -> Path | None:
