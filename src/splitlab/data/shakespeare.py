@@ -57,17 +57,22 @@ def encode(text: str) -> np.ndarray:
     return _LOOKUP[np.minimum(codes, 255)]
 
 
-class Characters:
-    """LEAF's vocabulary as a tokenizer, for language datasets without one (model=gpt): a token per
-    character (`encode`), a newline ends a sequence, no beginning-of-sequence token."""
+class CharacterTokenizer:
+    """LEAF's characters as a tokenizer, with the members of a Hugging Face tokenizer that the
+    language datasets' encoding and decoding use, for `model=gpt`: a newline (which the plays' role
+    texts never hold) ends a text; symbols outside the vocabulary become spaces, as in the plays;
+    no beginning-of-sequence token, no chat template."""
 
     bos_token_id = None
-    eos_token_id = VOCAB.index("\n")
     pad_token_id = None
+    eos_token_id = VOCAB.index("\n")
     chat_template = None
 
     def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict[str, list[list[int]]]:
         return {"input_ids": [encode(text).tolist() for text in texts]}
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(VOCAB[i] for i in ids)
 
     def __len__(self) -> int:
         return len(VOCAB)

@@ -23,7 +23,7 @@ from typing import Any
 
 import splitlab
 from splitlab.data.download import cache_dir
-from splitlab.data.shakespeare import VOCAB, Characters
+from splitlab.data.shakespeare import VOCAB, CharacterTokenizer
 from splitlab.io import write_safetensors
 from splitlab.lazy import torch
 from splitlab.logs import LOGGER
@@ -62,7 +62,7 @@ def tokenizer_identity(tokenizer: Any) -> str:
     """What decides a tokenizer's tokens, digested: a Hugging Face tokenizer's whole `tokenizers`
     definition (vocabulary, merges, normalizer, added tokens), special tokens and chat template;
     LEAF's characters' vocabulary."""
-    if isinstance(tokenizer, Characters):
+    if isinstance(tokenizer, CharacterTokenizer):
         return hashlib.sha256(f"characters {VOCAB!r}".encode()).hexdigest()
     fields = {
         "class": type(tokenizer).__name__,
