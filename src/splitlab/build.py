@@ -38,6 +38,7 @@ from splitlab.loggers import check_logger
 from splitlab.models import StagedModel, split
 from splitlab.models.lora import apply_lora, linear_layer_names, load_init
 from splitlab.privacy import keys
+from splitlab.privacy.defenses import check_task, parse_defense
 from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint, ClientNode
 from splitlab.runmodel import init_shapes, init_state
@@ -198,6 +199,7 @@ def _check_task(config: ResolvedConfig, data: Dataset) -> None:
         raise UserError(
             f"partition={run.partition} splits by class; {run.dataset}'s sequences have none: use iid or clients=all"
         )
+    check_task(parse_defense(run.defense), run.defense, run.dataset, data.task, data.num_classes)
     if run.eval_generate and data.references is None:
         raise UserError(
             f"eval_generate={run.eval_generate}: {run.dataset} has no reference texts to score generations "

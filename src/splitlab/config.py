@@ -310,7 +310,8 @@ class RunConfig(BaseModel):
     defense: str = Field(
         "none",
         description="defenses at the cut, +-joined: clip:<C> noise:<sigma> dp:epsilon=<E> gradnoise:<scale> "
-        "nopeek:<alpha> quantize:int8|fp16 topk:<fraction>; none = no defense (docs/privacy.md)",
+        "nopeek:<alpha> quantize:int8|fp16 topk:<fraction> marvell[:<scale>] label_dp:<epsilon> dchi:<epsilon>; "
+        "none = no defense (docs/privacy.md)",
         json_schema_extra=PRIVACY,
     )
     record: int = Field(

@@ -157,11 +157,11 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
                 callback.on_round_start(state, algorithm.round_batches(clients))
             started = time.perf_counter()
             try:
-                with _needs_the_client(cfg.algorithm, rnd + 1):
+                with _needs_the_client(cfg.algorithm, rnd + 1, checkpoints):
                     algorithm.run_round(rnd, clients)
             except NonFiniteStep as step:  # in process, or no one client to blame: training diverged
                 _check_finite(step.value, f"server's {step.what}", rnd + 1)
-            _check_enough_finished(experiment, clients, rnd + 1)
+            _check_enough_finished(experiment, clients, rnd + 1, checkpoints)
             state.setdefault("dropped", []).extend([rnd + 1, k] for k in sorted(algorithm.dropped))
             train_loss = algorithm.pop_train_loss()
             _check_finite(train_loss, "training loss", rnd + 1)
@@ -175,7 +175,7 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
                 state["stopped_by"] = stops[0]
             row = None
             if state["round"] % cfg.eval_every == 0 or state["round"] == cfg.rounds or stops:
-                with _needs_the_client(cfg.algorithm, rnd + 1):  # personal models are fetched from clients
+                with _needs_the_client(cfg.algorithm, rnd + 1, checkpoints):  # personal models are fetched from clients
                     row = _metrics_row(experiment, state, train_loss, compute_seconds)
                 _check_finite(row["test_loss"], "test loss", state["round"])
                 state["metrics"].append(row)
@@ -184,7 +184,7 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
             if state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
                 checkpoints.maybe_save(state)
     checkpoints.wait()
-    summary = _finish(experiment, state)
+    summary = _finish(experiment, state, checkpoints)
     checkpoints.remove()
     return summary
 
@@ -225,7 +225,7 @@ def _eval_generate(experiment: Experiment, states: list) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
+def _needs_the_client(algorithm: str, round_number: int, checkpoints: Checkpointer) -> Iterator[None]:
     """A client dropped out of a step that cannot go on without it (the evaluation of its personal
     model, SplitGP's final per-client weights): the run stops with one line."""
     try:
@@ -233,7 +233,7 @@ def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
     except ClientDropped as dropped:
         raise RoundFailed(
             f"round {round_number}: {dropped}, in a step {algorithm} cannot finish without it; "
-            f"restart the client and add resume=true"
+            f"restart the client and {checkpoints.again()}"
         ) from None
 
 
@@ -282,7 +282,9 @@ def _dropouts(experiment: Experiment, state: dict) -> dict[str, Any]:
     return {"dropped_clients": dropped}
 
 
-def _check_enough_finished(experiment: Experiment, clients: list[ClientInfo], round_number: int) -> None:
+def _check_enough_finished(
+    experiment: Experiment, clients: list[ClientInfo], round_number: int, checkpoints: Checkpointer
+) -> None:
     """Fewer than `min_clients` (or all sampled, if fewer) finished the round: the run stops there."""
     dropped = experiment.algorithm.dropped
     needed = min(experiment.transport.min_clients, len(clients))
@@ -299,11 +301,11 @@ def _check_enough_finished(experiment: Experiment, clients: list[ClientInfo], ro
         raise RoundFailed(
             f"round {round_number}: only {finished} of {len(clients)} clients finished "
             f"(dropped: {', '.join(map(str, sorted(dropped)))}), fewer than min_clients={needed}; "
-            f"restart the clients and add resume=true"
+            f"restart the clients and {checkpoints.again()}"
         )
 
 
-def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
+def _finish(experiment: Experiment, state: dict, checkpoints: Checkpointer) -> dict[str, Any]:
     cfg, out = experiment.config.run, experiment.out
     rows = state["metrics"]
     best = max(rows, key=lambda row: row["test_accuracy"])
@@ -349,7 +351,7 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
             summary.update(_export_hf(experiment))
         if cfg.eval_generate:  # (personal models refused when built)
             summary.update(_eval_generate(experiment, model))
-    with _needs_the_client(cfg.algorithm, state["round"]):  # SplitGP's are fetched from the clients
+    with _needs_the_client(cfg.algorithm, state["round"], checkpoints):  # SplitGP's are fetched from the clients
         client_weights = experiment.algorithm.client_weights()
     if client_weights is not None:
         save_safetensors(out / "clients.safetensors", client_weights)

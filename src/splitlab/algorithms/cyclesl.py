@@ -121,7 +121,7 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
         with self.blueprint.timed("server"):
             grads = [self.frozen_cut_grad(z, y) for z, y in zip(features, labels)]
         cut_grads = average_cut_grads(grads, sizes, set(averaged))
-        return {"cut_grads": [self.send_gradient(g) for g in cut_grads], "losses": losses}
+        return {"cut_grads": [self.send_gradient(g, y) for g, y in zip(cut_grads, labels)], "losses": losses}
 
     def server_batches(self, rnd: int, samples: int, first_client: int, device: torch.device) -> list[torch.Tensor]:
         """The server task's mini-batches of the round's `samples` pooled samples: `server_epochs`
