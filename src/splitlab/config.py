@@ -119,7 +119,40 @@ class RunConfig(BaseModel):
         description="cap on a client's mini-batches per round (after local_epochs); none = all of them",
     )
     batch_size: int = Field(64, ge=1, le=1_000_000, description="samples per mini-batch")
-    optimizer: Literal["sgd", "adam"] = Field("adam", description="sgd | adam, for every part of the model")
+    optimizer: Literal["sgd", "adam", "adamw"] = Field(
+        "adam",
+        description="sgd | adam | adamw, for every part of the model (adamw: weight_decay decoupled, as "
+        "Loshchilov & Hutter; with sgd and adam it is an L2 penalty added to the gradient)",
+    )
+    grad_accum: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="micro-batches of batch_size per optimizer step: a step takes grad_accum x batch_size "
+        "samples, and every role computes its loss micro-batch by micro-batch (docs/performance.md)",
+    )
+    max_grad_norm: float | None = Field(
+        None,
+        gt=0,
+        le=1e9,
+        description="clip the gradients of what each role trains, slot by slot, to this total L2 norm "
+        "before its optimizer steps; none = no clipping",
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="fp32 | bf16: every role's forward and loss under torch's autocast in bfloat16, weights "
+        "and optimizers in float32; hidden states and cut gradients cross the cut as bfloat16",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="keep only each stage's input during the forward pass and recompute the stage in the "
+        "backward: less activation memory, about one more forward pass of time; same results",
+    )
+    deterministic: bool = Field(
+        True,
+        description="device=cuda: deterministic kernels, cuDNN's autotuner off (runs repeat bit for bit; "
+        "slower, docs/performance.md); false: torch's fastest kernels. The CPU's are deterministic",
+    )
     lr: float = Field(1e-3, gt=0, le=1e6, description="learning rate")
     lr_schedule: str = Field(
         "none",
@@ -137,7 +170,9 @@ class RunConfig(BaseModel):
         "crop:4+flip); images only; none = as stored",
     )
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
-    weight_decay: float = Field(0.0, ge=0, le=1e3, description="L2 penalty of the optimizer")
+    weight_decay: float = Field(
+        0.0, ge=0, le=1e3, description="sgd, adam: an L2 penalty on the gradient; adamw: decoupled weight decay"
+    )
     partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="random seed (0 to 2**32-1, what numpy and torch both accept)")
     device: Literal["cpu", "cuda", "auto"] = Field("auto", description="cpu | cuda | auto (cuda when there is one)")
@@ -346,6 +381,7 @@ EVERYWHERE = frozenset(
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
     | {"backend", "checkpoint_every", "defense", "overwrite", "setting"}
     | {"init", "seq_len", "lora", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
+    | {"max_grad_norm", "precision", "gradient_checkpointing"}
 )
 
 
@@ -426,6 +462,16 @@ ONLY_WHEN: dict[str, Applies] = {
             ("combine", {"combine": "sum"}),
         )
     },
+    "grad_accum": Applies(
+        lambda r: r.setting == "vanilla",
+        "a vertical run's parties step on every batch of shared samples; grad_accum needs setting=vanilla",
+        {"setting": "vertical", "grad_accum": 2},
+    ),
+    "deterministic": Applies(
+        lambda r: r.device != "cpu",
+        "the CPU's kernels are deterministic; deterministic=false needs device=cuda or auto",
+        {"device": "cpu", "deterministic": False},
+    ),
     "resume": Applies(
         lambda r: not r.overwrite,
         "overwrite=true replaces the run that resume=true would continue",
@@ -519,6 +565,7 @@ RUN_CONTROL_KEYS = (
     "cpus_per_client",
     "gpus_per_client",
     "max_restarts",
+    "deterministic",
 )
 
 

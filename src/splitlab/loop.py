@@ -50,7 +50,13 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     samples and the metrics are computed on all of them pooled (accuracy and loss are then the
     test-size-weighted means of the per-client values). On the global test set, algorithms with
     personal client models get the unweighted mean over clients of each client's model's metrics.
-    An algorithm whose roles evaluate among themselves (`role_metrics`: vertical) gives its own."""
+    An algorithm whose roles evaluate among themselves (`role_metrics`: vertical) gives its own.
+    The model runs in the run's precision (precision=bf16: under autocast, as it trained)."""
+    with experiment.blueprint.autocast():
+        return _evaluate(experiment)
+
+
+def _evaluate(experiment: Experiment) -> dict[str, float]:
     data, algorithm, batch = experiment.data, experiment.algorithm, experiment.blueprint.inference_batch
     by_roles = algorithm.role_metrics()
     if by_roles is not None:
