@@ -143,6 +143,11 @@ class RunConfig(BaseModel):
         description="fp32 | bf16: every role's forward and loss under torch's autocast in bfloat16, weights "
         "and optimizers in float32; hidden states and cut gradients cross the cut as bfloat16",
     )
+    base_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="with lora and precision=bf16: the dtype the frozen base is held in (bfloat16: half the "
+        "memory); what trains stays float32",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="keep only each stage's input during the forward pass and recompute the stage in the "
@@ -462,6 +467,12 @@ ONLY_WHEN: dict[str, Applies] = {
             ("combine", {"combine": "sum"}),
         )
     },
+    "base_dtype": Applies(
+        lambda r: r.lora is not None and r.precision == "bf16",
+        "only a LoRA model has a frozen base, which computes in bfloat16 under autocast: base_dtype needs "
+        "lora=R:ALPHA and precision=bf16",
+        {"base_dtype": "bfloat16"},
+    ),
     "grad_accum": Applies(
         lambda r: r.setting == "vanilla",
         "a vertical run's parties step on every batch of shared samples; grad_accum needs setting=vanilla",

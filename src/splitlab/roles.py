@@ -47,6 +47,7 @@ from splitlab.models import (
     split,
 )
 from splitlab.models.lora import load_base
+from splitlab.models.trainable import hold_frozen_in
 from splitlab.privacy import defenses, keys
 from splitlab.privacy.defenses import Defense, decode
 from splitlab.privacy.record import Recorder
@@ -60,6 +61,10 @@ STREAM_BATCHES = register_stream("batches", 1)
 State = dict[str, Any]
 SENT = ("smashed", "labels")
 """What a client's release of smashed data holds (`ClientNode.release`)."""
+
+
+STEP_FIGURES = ("loss", "gradient norm", "cut-layer gradient norm")
+"""What a training server checks of each step (`TrainingServer.step`), in order."""
 
 
 def sent_if(send: bool) -> tuple[str, ...]:
@@ -155,6 +160,8 @@ class Blueprint:
             if self.init_state is None:
                 raise RuntimeError(f"init={self.config.init}: the blueprint was built without its init_state")
             load_base(model, self.init_state, f"init={self.config.init}")
+        if self.config.base_dtype == "bfloat16":
+            hold_frozen_in(model, torch.bfloat16)
         model.checkpointed = self.config.gradient_checkpointing
         return model
 
@@ -638,8 +645,14 @@ class ClientNode(Role[ParamsT]):
 class TrainingServer(Role[ParamsT]):
     """The server part (slot `server_model`), trained on the smashed data clients send."""
 
+    #: whether each step's figures (`step`) are checked before its optimizer steps, as where one
+    #: client's data can be to blame (over a network, on Ray); False in process, where a non-finite
+    #: step means training diverged: the figures stay on the device, checked at `end_round`
+    checks_each_step = True
+
     def __init__(self, blueprint: Blueprint) -> None:
         super().__init__(blueprint)
+        self._unchecked: list[torch.Tensor] = []
         self._average: ModelAverage | None = None
         #: U-shaped: by slot, the smashed data and the output of the step awaiting the gradient at cut B
         self._middle: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -659,23 +672,29 @@ class TrainingServer(Role[ParamsT]):
         and that of `inputs`' (the smashed data: the cut gradient) are finite; else NonFiniteStep,
         and the model and its optimizer are untouched (a client's extreme data cannot corrupt them:
         a norm that overflows would overflow Adam's moments or any clipping too). The gradients
-        are clipped (`max_grad_norm`) with the norm checked. One sync. What `backward` returns
-        (the loss, if `value` is None)."""
+        are clipped (`max_grad_norm`) with the norm checked. One sync; none unless
+        `checks_each_step` (the round's figures are checked at its end, and a run whose were not
+        finite stops as diverged). What `backward` returns (the loss, if `value` is None)."""
         optimizer = self.optimizer(slot)
         optimizer.zero_grad(set_to_none=True)
         result = backward()
         if value is None and isinstance(result, torch.Tensor):
             value = result
-        figures = {
+        figures = {  # STEP_FIGURES
             "loss": torch.zeros(()) if value is None else value.detach(),
             "gradient norm": get_total_norm([p.grad for p in self.model(slot).parameters() if p.grad is not None]),
             "cut-layer gradient norm": get_total_norm([z.grad for z in inputs if z.grad is not None]),
         }
         device = figures["gradient norm"].device
-        for what, figure in zip(figures, torch.stack([f.float().to(device) for f in figures.values()]).tolist()):
-            if not math.isfinite(figure):
+        stacked = torch.stack([f.float().to(device) for f in figures.values()])
+        if self.checks_each_step:
+            try:
+                self._check_finite(stacked[None])
+            except NonFiniteStep:
                 optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteStep(what, figure)
+                raise
+        else:
+            self._unchecked.append(stacked)
         self.clip(slot, figures["gradient norm"])
         optimizer.step()
         return result
@@ -767,10 +786,20 @@ class TrainingServer(Role[ParamsT]):
             load_shared(server, self._average.result(shared_state(server)))
         self._average = None
 
+    def _check_finite(self, steps: torch.Tensor) -> None:
+        """NonFiniteStep for the first of `steps` (rows of `step`'s figures) with a figure not finite. One sync."""
+        for row in steps.tolist():
+            for what, figure in zip(STEP_FIGURES, row):
+                if not math.isfinite(figure):
+                    raise NonFiniteStep(what, figure)
+
     @verb()
     def end_round(self) -> None:
         self._middle.clear()  # a U-shaped step whose client dropped out before its tail replied
         super().end_round()
+        if self._unchecked:
+            steps, self._unchecked = torch.stack(self._unchecked), []
+            self._check_finite(steps)
 
 
 class SyncServer(Role[ParamsT]):

@@ -3,11 +3,15 @@ optimizer=adamw, precision=bf16, gradient_checkpointing (docs/performance.md).""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
 from splitlab.data.datasets import IGNORED
+from splitlab.engine import run
 from splitlab.loop import evaluate
 
 #: SGD, so that one step on a batch of 16 is the mean of the gradients of its 16 samples exactly
@@ -132,3 +136,19 @@ def test_gradient_checkpointing_repeats_the_dropout_it_drew():
         stages(x).sum().backward()
         grads.append([p.grad.clone() for p in stages.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_base_dtype_holds_the_frozen_base_in_bf16_and_trains_the_adapters_in_fp32(lm, tmp_path):
+    config = dict(lm, algorithm="sfl_v2", cut=1, lora="2:4", precision="bf16", rounds=3)
+    run(dict(config, base_dtype="bfloat16", out=str(tmp_path / "half")), progress=False)
+    run(dict(config, out=str(tmp_path / "full")), progress=False)
+    server = train(0, **dict(config, base_dtype="bfloat16")).roles.server.model("server_model")
+    dtypes = {(p.requires_grad, p.dtype) for p in server.parameters()}
+    assert dtypes == {(True, torch.float32), (False, torch.bfloat16)}
+    half, full = (losses_of(tmp_path / name) for name in ("half", "full"))
+    assert half[-1] < half[0] and half[-1] == pytest.approx(full[-1], abs=0.05)
+    assert (tmp_path / "half" / "hf" / "model.safetensors").exists()
+
+
+def losses_of(out: Path) -> list[float]:
+    return [json.loads(line)["test_loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
