@@ -110,7 +110,8 @@ def evaluate_deployed(experiment: Experiment, rnd: int) -> dict[str, float]:
     deployed = defense.deployed(client, server, generator)
     if isinstance(client, HeadAndTail):  # U-shaped: the client's tail after the server's stages
         deployed = nn.Sequential(deployed, client.tail_part())
-    logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)
+    with experiment.blueprint.autocast():  # as `evaluate`
+        logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)
     metrics = TASK_METRICS[experiment.data.task](logits, experiment.data.test_y)
     return {"test_accuracy_deployed": metrics["accuracy"]}
 
