@@ -1,5 +1,5 @@
 """The training conveniences every algorithm and role share: grad_accum, max_grad_norm,
-optimizer=adamw, precision=bf16, gradient_checkpointing (docs/performance.md)."""
+optimizer=adamw, precision=bf16, base_dtype, gradient_checkpointing (docs/performance.md)."""
 
 from __future__ import annotations
 
