@@ -8,7 +8,8 @@ by hand (GPT-2's c_attn, D -> 3D, is the default target: R (D + 3D) parameters p
 checked against the model's trainable parameters.
 
 Each K runs one round (every client one batch) in a fresh process: on CPU its peak resident set
-size (VmHWM), on CUDA `torch.cuda.max_memory_allocated` after building the run.
+size (VmHWM), on CUDA `torch.cuda.max_memory_allocated` after building the run. LoRA fine-tunes a
+pretrained model (`init=`): a one-step centralized run stands in for the pretraining.
 
     .venv/bin/python benchmarks/language_memory.py [--device cpu|cuda] [--width 256] [--layers 4] [--rank 8]
 """
@@ -19,6 +20,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 
 MIB = 2**20
 
@@ -28,8 +30,16 @@ def config(args: argparse.Namespace, clients: int) -> dict:
         algorithm="sfl_v1", dataset="shakespeare_lm", model="gpt", layers=args.layers, width=args.width,
         heads=4, context=args.seq_len, seq_len=args.seq_len, lora=f"{args.rank}:{2 * args.rank}", cut=1,
         clients=clients, train_subset=clients * args.batch, batch_size=args.batch, local_steps=1,
-        optimizer="adam", lr=1e-3, device=args.device, seed=0,
+        optimizer="adam", lr=1e-3, device=args.device, seed=0, init=args.init,
     )  # fmt: skip
+
+
+def pretrain(args: argparse.Namespace, out: str) -> None:
+    """The model the runs fine-tune: the same GPT after one centralized step."""
+    from splitlab.engine import run
+
+    settings = {k: v for k, v in config(args, 1).items() if k not in ("lora", "cut", "init")}
+    run(dict(settings, algorithm="centralized", rounds=1, out=out), progress=False)
 
 
 def adapter_parameters(args: argparse.Namespace) -> int:
@@ -79,12 +89,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--clients", default="10,100", help="the two client counts compared")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--init", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
         child(args, args.child)
         return
     small_k, large_k = (int(k) for k in args.clients.split(","))
-    small, large = measure(args, small_k), measure(args, large_k)
+    with tempfile.TemporaryDirectory() as folder:
+        args.init = f"{folder}/pretrained"
+        pretrain(args, args.init)
+        small, large = measure(args, small_k), measure(args, large_k)
     by_hand = adapter_parameters(args)
     assert small["trainable"] == by_hand, (small["trainable"], by_hand)  # the formula is the model's
     set_mib = 3 * 4 * by_hand / MIB  # float32 weights + Adam's two moments

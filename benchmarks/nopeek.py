@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from splitlab.audit.run import attack_run
 from splitlab.engine import run
-from splitlab.privacy.audit import attack_run
 from splitlab.privacy.defenses import distance_correlation
 
 

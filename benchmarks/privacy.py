@@ -2,7 +2,7 @@
 
 For every configuration (cuts 1..3 without a defense, then each defense at cut 1): a SplitFed-v2
 run with `record=` of the last round, then both attacks of a curious server on what it recorded
-(splitlab.privacy.audit): input reconstruction (SSIM / PSNR of the stronger of the decoder and the
+(splitlab.audit.run): input reconstruction (SSIM / PSNR of the stronger of the decoder and the
 floor of the auxiliary mean image, and the decoder's own SSIM) and label inference from the cut
 gradients (direction and norm AUC), with the run's accuracy (undefended path and as deployed), the
 bytes of smashed data and cut gradients, and epsilon (PLD) where clip + noise apply.
@@ -19,8 +19,8 @@ from pathlib import Path
 
 import torch
 
+from splitlab.audit.run import attack_run
 from splitlab.engine import run
-from splitlab.privacy.audit import attack_run
 from splitlab.units import format_bytes
 
 DEFENSES = (

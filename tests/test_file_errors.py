@@ -70,8 +70,9 @@ def test_a_failure_in_the_background_checkpoint_writer(tmp_path, monkeypatch, ca
 
 
 def test_a_failure_in_sweep_report_attack_advise_and_certs(tmp_path, monkeypatch, capsys):
+    from splitlab.audit import advise
+    from splitlab.audit import run as audit
     from splitlab.experiments import report, sweep
-    from splitlab.privacy import advise, audit
 
     (tmp_path / "grid.yaml").write_text(
         "base: {dataset: digits, model: mlp, clients: 2, rounds: 1, train_subset: 200, device: cpu, record: 10}\n"

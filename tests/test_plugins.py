@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 import splitlab
@@ -172,3 +173,54 @@ def test_entry_points_of_installed_packages_are_imported(tmp_path, monkeypatch):
 
     plugins._load_entry_points.cache_clear()
     assert resolve_config({"algorithm": "ep_fedavg"}).run.algorithm == "ep_fedavg"
+
+
+def test_a_plugin_split_algorithm_written_the_natural_way_runs_and_is_refused_u_shaped_in_one_line():
+    """forward, the server's train_step, backward: sfl_v2 bit for bit at one cut; `cut=1,2` is
+    refused in one line, as the algorithm does not declare U-shape support."""
+    from helpers import global_weights, train
+    from splitlab.algorithms.base import Algorithm, ClientInfo
+    from splitlab.config import NoParams
+
+    class NaturalSplit(Algorithm[NoParams]):
+        name = "natural_split"
+
+        def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
+            for client in clients:
+                self.download(client.id)
+            for k, step in self.ctx.interleaved(rnd, clients):
+                node = self.client(clients[k].id)
+                sent = node.forward(step)
+                reply = self.server.train_step(sent["smashed"], sent["labels"])
+                node.backward(step, reply["cut_grad"])
+            self.federated_average(clients)
+
+    mine, builtin = (global_weights(train(2, **quick(algorithm=name))) for name in ("natural_split", "sfl_v2"))
+    assert mine.keys() == builtin.keys() and all(torch.equal(mine[n], builtin[n]) for n in mine)
+    with pytest.raises(UserError) as error:
+        resolve_config(quick(algorithm="natural_split", cut="1,2"))
+    message = str(error.value)
+    assert "cut=1,2" in message and "algorithm=natural_split" in message and "supports_u_shape" in message
+    assert "\n" not in message
+    del NaturalSplit
+    import gc
+
+    gc.collect()
+
+
+def test_declaring_u_shape_support_without_a_client_that_holds_the_tail_is_refused_at_definition():
+    from splitlab.algorithms.sfl_v2 import SFLV2
+    from splitlab.roles import ClientNode
+
+    with pytest.raises(
+        TypeError, match="Careless declares supports_u_shape, but its Client ClientNode does not extend"
+    ):
+
+        class Careless(SFLV2):
+            name = "careless"
+            Client = ClientNode
+
+    import gc
+
+    gc.collect()  # the half-made class leaves the registry
+    assert "careless" not in algorithm_names()

@@ -208,9 +208,9 @@ def test_the_boundary_check_catches_a_reach_into_a_role():
 
 def test_a_proxy_exposes_verbs_only():
     experiment = train(0, **quick(algorithm="sfl_v2"))
-    with pytest.raises(AttributeError, match="TrainingServer.models is not a verb"):
+    with pytest.raises(AttributeError, match="UShapedServer.models is not a verb"):
         experiment.algorithm.server.models  # noqa: B018
-    with pytest.raises(AttributeError, match="ClientNode.x is not a verb"):
+    with pytest.raises(AttributeError, match="UShapedClient.x is not a verb"):
         experiment.algorithm.client(0).x  # noqa: B018
 
 
@@ -224,3 +224,19 @@ def test_a_tensor_through_a_verb_without_a_ledger_kind_is_refused():
     proxy = Transport(experiment.ledger, torch.device("cpu")).connect(Leaky(experiment.blueprint), counted=True)
     with pytest.raises(TypeError, match="declares no ledger kind"):
         proxy.leak()
+
+
+@pytest.mark.parametrize("transport", ["direct", "serialized"])
+def test_a_key_a_verb_does_not_return_is_one_line_naming_the_verb(transport):
+    """U-shaped, the labels stay with the client: reading them from forward's message says so."""
+    from splitlab.engine import build
+    from splitlab.transport import MessageKeyError
+
+    experiment = build(quick(algorithm="sfl_v2", cut="1,2", transport=transport))
+    algorithm, client_id = experiment.algorithm, experiment.clients[0].id
+    algorithm.download(client_id)
+    algorithm.client(client_id).begin_round(0)
+    sent = algorithm.client(client_id).forward(0)
+    with pytest.raises(MessageKeyError) as error:
+        sent["labels"]
+    assert str(error.value) == "UShapedClient.forward returns no 'labels': its message holds smashed"

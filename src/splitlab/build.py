@@ -29,16 +29,18 @@ from splitlab.assembly import (
     seeded_subset,
     test_set,
 )
-from splitlab.config import ResolvedConfig, parse_test_split, parse_train_range
+from splitlab.config import ResolvedConfig, RunConfig, parse_lora, parse_test_split, parse_train_range
 from splitlab.data import Dataset, counts_report, load_split, partition, partition_report
 from splitlab.data.datasets import data_summary
 from splitlab.errors import UserError
 from splitlab.ledger import Ledger
 from splitlab.loggers import check_logger
+from splitlab.models import StagedModel, split
+from splitlab.models.lora import apply_lora, linear_layer_names, load_init
 from splitlab.privacy import keys
 from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint, ClientNode
-from splitlab.runmodel import init_state
+from splitlab.runmodel import init_shapes, init_state
 from splitlab.transport import TRANSPORTS, Transport
 from splitlab.vertical import party_node, plan_vertical
 from splitlab.vertical_build import build_vertical
@@ -116,6 +118,7 @@ class _Plan:
 def _plan(config: ResolvedConfig) -> _Plan:
     run = config.run
     assert run.setting != "vertical", "a vertical run's parties are planned by splitlab.vertical"
+    check_model(config)
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)
@@ -136,18 +139,51 @@ def _plan(config: ResolvedConfig) -> _Plan:
 
 
 def _check_cut(blueprint: Blueprint, algorithm_class: type[Algorithm]) -> None:
-    """A cut outside the model's range, or one whose server part has nothing to train (a frozen
-    base whose adapters are all on the client side), fails here."""
-    cut = blueprint.config.cut
-    blueprint.new_model().client_stage_count(cut)
-    blueprint.new_split()  # a U-shaped split's second cut
-    if "server_model" in algorithm_class.models and not any(
-        p.requires_grad for p in blueprint.new_split()[1].parameters()
-    ):
+    check_split(blueprint.new_model(), blueprint.config, algorithm_class)
+
+
+def check_split(model: StagedModel, run: RunConfig, algorithm_class: type[Algorithm]) -> None:
+    """A cut outside the model's range, or one that leaves a part that trains nothing to train (a
+    frozen base whose adapters are all in the other part), in one line naming what would do."""
+    client, server = split(model, run.cut, run.tail_cut)
+    for side, part, slot in (("client", client, "client_model"), ("server", server, "server_model")):
+        if slot not in algorithm_class.models or any(p.requires_grad for p in part.parameters()):
+            continue
+        cut = run.cut if run.tail_cut is None else f"{run.cut},{run.tail_cut}"
+        why = f"cut={cut} leaves the {side} part nothing to train (lora trains only its adapters, none in that part)"
+        fitting = [
+            str(c)
+            for c in model.valid_cuts
+            if run.tail_cut is None and all(any(p.requires_grad for p in half.parameters()) for half in split(model, c))
+        ]
+        layers = linear_layer_names(part)
         raise UserError(
-            f"cut={cut} leaves the server part nothing to train (lora freezes all but its adapters); "
-            f"choose a lower cut, or lora_targets that reach the server's layers"
+            why
+            + (f"; cuts that train both parts: {', '.join(fitting)}" if fitting else "")
+            + (f"; or add to lora_targets one of the {side} part's layers: {', '.join(layers)}" if layers else "")
         )
+
+
+def check_model(config: ResolvedConfig) -> None:
+    """What can be checked of model=hf before its data is read and tokenised (seconds for a
+    corpus): its folder and architecture, the sequence length, the LoRA targets, the cut, and that
+    init= fits, on the model's skeleton (no weights)."""
+    run = config.run
+    if run.model != "hf" or run.model_dir is None:
+        return
+    from splitlab.models import hf
+
+    model = hf.skeleton(run.model_dir)
+    context = hf.context_length(hf.read_config(run.model_dir))
+    if run.seq_len is not None and run.seq_len > context:
+        raise UserError(f"seq_len={run.seq_len} is beyond the model's context of {context} tokens")
+    if run.lora is not None:
+        targets = run.lora_targets.split(",") if run.lora_targets is not None else None
+        apply_lora(model, *parse_lora(run.lora), targets, run.lora_dropout, run.seed)
+    shapes = init_shapes(run)
+    if shapes is not None:
+        load_init(model, shapes, f"init={run.init}")
+    check_split(model, run, get_algorithm(run.algorithm))
 
 
 def _check_task(config: ResolvedConfig, data: Dataset) -> None:

@@ -58,12 +58,12 @@ def _own_algorithms() -> list[tuple[str, Any]]:
 def command_settings() -> dict[str, Any]:
     """Every command's settings model: `run` (RunConfig, then each algorithm's own keys as
     `run algorithm=<name>`), then the other commands'. A new command with keys is added here."""
+    from splitlab.audit.advise import AdviseSettings
+    from splitlab.audit.settings import AttackSettings
     from splitlab.config import RunConfig
     from splitlab.net.client import ClientSettings
     from splitlab.net.launch import LaunchSettings
     from splitlab.net.server import ServerSettings
-    from splitlab.privacy.advise import AdviseSettings
-    from splitlab.privacy.audit import AttackSettings
     from splitlab.runmodel import GenerateSettings
     from splitlab.splitgp_evaluation import EvaluationSettings
     from splitlab.splitgp_latency import LatencySettings

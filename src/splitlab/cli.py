@@ -304,74 +304,22 @@ def _cmd_latency(args: argparse.Namespace) -> int:
 
 
 def _cmd_attack(args: argparse.Namespace) -> int:
+    from splitlab.audit.attack import attacks
+    from splitlab.audit.run import attack_run
     from splitlab.config import parse_overrides
-    from splitlab.privacy.audit import attack_run
 
     result = attack_run(args.dir, parse_overrides(args.overrides))
     table = Table(show_header=False, title=f"{result['attack']} on {result['targets']} (defense {result['defense']})")
-    if result["attack"] == "inversion":
-        for party, scores in result.get("by_party", {None: result}).items():
-            _inversion_rows(table, scores, "" if party is None else f"party {party}: ")
-    elif result["attack"] == "unsplit":
-        table.add_row("SSIM / PSNR (unsplit, no data)", f"{result['ssim']:.3f} / {result['psnr']:.2f} dB")
-        baseline = result["baseline"]
-        table.add_row("floor: mean image", f"{baseline['ssim']:.3f} / {baseline['psnr']:.2f} dB")
-    elif result["attack"] == "fsha":
-        malicious, honest = result["malicious"], result["honest"]
-        for step, row in malicious["by_step"].items():
-            table.add_row(f"  step {step}: SSIM / PSNR, task accuracy", _fsha_row(row))
-        table.add_row(
-            "floor: mean image", f"{malicious['baseline']['ssim']:.3f} / {malicious['baseline']['psnr']:.2f} dB"
-        )
-        table.add_row(
-            "task accuracy: honest / FSHA server", f"{honest['task_accuracy']:.2%} / {malicious['task_accuracy']:.2%}"
-        )
-        table.add_row(
-            "SplitGuard score: honest / FSHA server", f"{honest['splitguard']:.3f} / {malicious['splitguard']:.3f}"
-        )
-    elif result["attack"] == "model_completion":
-        table.add_row(f"label accuracy ({result['labelled']} labelled)", f"{result['accuracy']:.2%}")
-        table.add_row("untrained client part, same head", f"{result['untrained_accuracy']:.2%}")
-        table.add_row(f"floor: always class {result['floor_class']}", f"{result['floor']:.2%}")
-    elif result["attack"] == "token_inversion":
-        table.add_row(f"token accuracy ({result['attacker']})", f"{result['accuracy']:.2%}")
-        table.add_row("decoder", f"{result['decoder']:.2%}")
-        table.add_row(f"floor: always token {result['baseline_token']}", f"{result['baseline']:.2%}")
-        for name, text in result.get("example", {}).items():
-            table.add_row(name, repr(text))
-    else:
-        table.add_row("norm attack AUC", f"{result['norm_auc']:.3f} ({result['scored']})")
-        table.add_row("direction attack AUC", f"{result['direction_auc']:.3f}")
-        for rnd, row in result.get("by_round", {}).items():
-            table.add_row(f"  round {rnd} (norm / direction)", f"{row['norm_auc']:.3f} / {row['direction_auc']:.3f}")
-        for party, row in result.get("by_party", {}).items():  # a vertical run: every passive party
-            table.add_row(f"  party {party} (norm / direction)", f"{row['norm_auc']:.3f} / {row['direction_auc']:.3f}")
+    for row in attacks()[result["attack"]].rows(result):
+        table.add_row(*row)
     console.print(table)
     console.print(f"written to {args.dir}/attack.json")
     return 0
 
 
-def _inversion_rows(table: Table, result: dict, who: str) -> None:
-    """An inversion's scores (images: SSIM / PSNR; table rows: mean R^2 per column / MSE) with the floor."""
-
-    def said(scores: dict) -> str:
-        if "ssim" in scores:
-            return f"{scores['ssim']:.3f} / {scores['psnr']:.2f} dB"
-        return f"{scores['r2']:.3f} / {scores['mse']:.4f}"
-
-    measure = "SSIM / PSNR" if "ssim" in result else "R^2 per column / MSE"
-    table.add_row(f"{who}{measure} ({result['attacker']})", said(result))
-    table.add_row(f"{who}decoder", said(result["decoder"]))
-    table.add_row(f"{who}floor: {'mean image' if 'ssim' in result else 'mean row'}", said(result["baseline"]))
-
-
-def _fsha_row(row: dict) -> str:
-    return f"{row['ssim']:.3f} / {row['psnr']:.2f} dB, {row['task_accuracy']:.2%}"
-
-
 def _cmd_advise(args: argparse.Namespace) -> int:
+    from splitlab.audit.advise import advise
     from splitlab.config import parse_overrides
-    from splitlab.privacy.advise import advise
 
     result = advise(parse_overrides(args.overrides))
     print(result["markdown"])

@@ -28,8 +28,8 @@ SETTINGS = {
     "client": ["splitlab.net.client:ClientSettings"],
     "evaluate": ["splitlab.splitgp_evaluation:EvaluationSettings"],
     "latency": ["splitlab.splitgp_latency:LatencySettings"],
-    "attack": ["splitlab.privacy.audit:AttackSettings"],
-    "advise": ["splitlab.privacy.advise:AdviseSettings"],
+    "attack": ["splitlab.audit.settings:AttackSettings"],
+    "advise": ["splitlab.audit.advise:AdviseSettings"],
     "generate": ["splitlab.runmodel:GenerateSettings"],
 }
 

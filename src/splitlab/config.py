@@ -75,6 +75,9 @@ class RunConfig(BaseModel):
     lora_targets: str | None = Field(
         None, description="with lora: comma-separated names of the projections to adapt (default: the model's)"
     )
+    lora_dropout: float = Field(
+        0.0, ge=0, lt=1, description="with lora: dropout on the adapters' input in training, as peft's lora_dropout"
+    )
     cut: int = Field(
         1,
         ge=0,
@@ -329,7 +332,8 @@ class RunConfig(BaseModel):
         sizes = {key: getattr(self, key) for key in ("layers", "heads", "width", "context", "model_dir")}
         lora = {"lora": parse_lora(self.lora)} if self.lora is not None else {}
         targets = {"lora_targets": tuple(self.lora_targets.split(","))} if self.lora_targets is not None else {}
-        return {**{k: v for k, v in sizes.items() if v is not None}, **lora, **targets}
+        dropout = {"lora_dropout": self.lora_dropout} if self.lora_dropout else {}
+        return {**{k: v for k, v in sizes.items() if v is not None}, **lora, **targets, **dropout}
 
     @field_validator("test_split")
     @classmethod
@@ -385,7 +389,7 @@ EVERYWHERE = frozenset(
     | {"local_steps", "batch_size", "optimizer", "lr", "weight_decay", "seed", "device", "eval_every"}
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
     | {"backend", "checkpoint_every", "defense", "overwrite", "setting"}
-    | {"init", "seq_len", "lora", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
+    | {"init", "seq_len", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
     | {"max_grad_norm", "precision", "gradient_checkpointing"}
 )
 
@@ -439,9 +443,16 @@ ONLY_WHEN: dict[str, Applies] = {
         for size in ("layers", "heads", "width", "context")
     },
     "model_dir": Applies(lambda r: r.model == "hf", "model_dir is where model=hf is read from", {"model_dir": "/tmp"}),
+    "lora": Applies(
+        lambda r: r.model == "hf" or r.init is not None,
+        "LoRA fine-tunes a pretrained model's weights, and this one starts from random ones: give init=RUN_DIR "
+        "(a finished run of this model) or model=hf model_dir=DIR",
+        {"model": "mlp", "lora": "4:8"},
+    ),
     "lora_targets": Applies(
         lambda r: r.lora is not None, "lora_targets needs lora=R:ALPHA", {"lora_targets": "c_attn"}
     ),
+    "lora_dropout": Applies(lambda r: r.lora is not None, "lora_dropout needs lora=R:ALPHA", {"lora_dropout": 0.1}),
     **{
         key: Applies(
             lambda r: r.backend == "ray", f"{key} sets the Ray actors' resources; it needs backend=ray", example

@@ -1,16 +1,19 @@
 """Atomic file writes: a crash leaves the old file or the new one, never half of either.
 
-Temporary files are named `.<name>.<random>.tmp` beside their target (`TEMP_GLOB`), so one left by
-a killed process can be found and removed; finished files get the permissions the umask allows
-(not mkstemp's 0600); JSON is strict (NaN or inf is a bug, not a number to write).
+Temporary files and folders are named `.<name>.<random>.tmp` beside their target (`TEMP_GLOB`), so
+one left by a killed process can be found and removed; finished files and folders get the
+permissions the umask allows (not mkstemp's 0600 or mkdtemp's 0700); JSON is strict (NaN or inf
+is a bug, not a number to write).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +43,23 @@ def _atomic(path: Path, write: Callable[[str], object]) -> None:
         raise OSError(error.errno, error.strerror, str(path)) from error
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_folder(path: Path) -> Iterator[Path]:
+    """A temporary sibling folder to write into, moved into place whole (replacing what was there)
+    when the block ends without an error, and removed when it does not: never half a folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
+    try:
+        yield tmp
+        os.chmod(tmp, 0o777 & ~_umask())
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
 
 

@@ -193,10 +193,11 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
     return summary
 
 
-def _export_hf(experiment: Experiment) -> bool:
-    """out/hf: the global model as a Hugging Face folder, for models that have that form (model=gpt, hf)."""
+def _export_hf(experiment: Experiment) -> dict[str, str]:
+    """out/hf: the global model as a Hugging Face folder, for models that have that form (model=gpt,
+    hf), and out/peft: its LoRA adapters in peft's format; the folders written."""
     parts = experiment.assembler.parts  # full_state assembled the model
-    return export_hf(experiment.config.run, parts, experiment.data.vocabulary, experiment.out / "hf")
+    return export_hf(experiment.config.run, parts, experiment.data.vocabulary, experiment.out)
 
 
 @contextlib.contextmanager
@@ -320,8 +321,8 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         personal = experiment.algorithm.personal_models
         weights = experiment.assembler.server_state(model[-1]) if personal else experiment.full_state(model)
         save_safetensors(out / "weights.safetensors", weights)
-        if not personal and _export_hf(experiment):  # one global model to export
-            summary["hf_export"] = str(out / "hf")
+        if not personal:  # one global model to export
+            summary.update(_export_hf(experiment))
     with _needs_the_client(cfg.algorithm, state["round"]):  # SplitGP's are fetched from the clients
         client_weights = experiment.algorithm.client_weights()
     if client_weights is not None:

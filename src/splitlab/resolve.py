@@ -51,7 +51,24 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
     check_applicable(run, raw)
-    return ResolvedConfig(run, params)
+    return ResolvedConfig(with_model_sizes(run), params)
+
+
+def with_model_sizes(run: RunConfig) -> RunConfig:
+    """`model=gpt`'s sizes that were not given set to its defaults, so that `config.yaml` and the
+    export say what the run used (`context: 256`, not `context: null`)."""
+    if run.model != "gpt":
+        return run
+    import inspect
+
+    from splitlab.models.gpt import gpt
+
+    defaults = {key: p.default for key, p in inspect.signature(gpt).parameters.items() if key in GPT_SIZES}
+    return run.model_copy(update={key: defaults[key] for key in GPT_SIZES if getattr(run, key) is None})
+
+
+#: `model=gpt`'s own settings (`splitlab.models.gpt.gpt`'s keyword arguments)
+GPT_SIZES = ("layers", "heads", "width", "context")
 
 
 def two_cuts(raw: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -77,8 +94,9 @@ def check_u_shape(run: RunConfig) -> None:
         raise UserError(
             f"cut={run.cut},{run.tail_cut}: the cuts are out of order; a U-shaped split needs cut=A,B with A < B"
         )
-    why = get_algorithm(run.algorithm).not_u_shaped
-    if why:
+    algorithm = get_algorithm(run.algorithm)
+    if not algorithm.supports_u_shape:
+        why = algorithm.not_u_shaped or "it does not declare U-shape support (supports_u_shape, docs/extending.md)"
         raise UserError(
             f"tail_cut={run.tail_cut} (cut={run.cut},{run.tail_cut}, U-shaped) does not fit "
             f"algorithm={run.algorithm}: {why}"

@@ -37,7 +37,6 @@ from splitlab.data.datasets import IGNORED
 from splitlab.errors import NonFiniteStep
 from splitlab.losses import Loss, parse_loss
 from splitlab.models import (
-    HeadAndTail,
     StagedModel,
     build_model,
     largest_activation_bytes,
@@ -46,7 +45,7 @@ from splitlab.models import (
     shared_state,
     split,
 )
-from splitlab.models.lora import load_base
+from splitlab.models.lora import load_init
 from splitlab.models.trainable import hold_frozen_in
 from splitlab.privacy import defenses, keys
 from splitlab.privacy.defenses import Defense, decode
@@ -159,7 +158,7 @@ class Blueprint:
         if self.config.init is not None:
             if self.init_state is None:
                 raise RuntimeError(f"init={self.config.init}: the blueprint was built without its init_state")
-            load_base(model, self.init_state, f"init={self.config.init}")
+            load_init(model, self.init_state, f"init={self.config.init}")
         if self.config.base_dtype == "bfloat16":
             hold_frozen_in(model, torch.bfloat16)
         model.checkpointed = self.config.gradient_checkpointing
@@ -492,8 +491,6 @@ class ClientNode(Role[ParamsT]):
         #: stored samples -> model inputs, batch by batch (uint8 images stay uint8 until used)
         self.prepare = prepare
         self.stash: dict[int, Any] = {}
-        #: U-shaped: by step, the labels awaiting the server's output, then the tail's gradients
-        self.tail_stash: dict[int, Any] = {}
         self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
         self._releases = 0
 
@@ -535,8 +532,7 @@ class ClientNode(Role[ParamsT]):
     ) -> tuple[torch.Tensor, State]:
         """Smashed data on its way out, with the client's defenses (splitlab.privacy.defenses)
         applied: the defended tensor (which the cut gradient will reach) and the message for the
-        server, compressed as configured. Without a defense: `smashed` and its detached self.
-        U-shaped, the labels stay: they wait (by step) for the server's output at the second cut."""
+        server, compressed as configured. Without a defense: `smashed` and its detached self."""
         defense = self.blueprint.defense
         if self.blueprint.cut_dtype is not None:
             smashed = smashed.to(self.blueprint.cut_dtype)
@@ -545,9 +541,6 @@ class ClientNode(Role[ParamsT]):
         if self.blueprint.recorder is not None:  # a release without a step awaits no gradient: a key no step has
             self.blueprint.recorder.sent(self.id, -1 - self._releases if step is None else step, x, decode(wire), y)
         self._releases += 1
-        if self.blueprint.config.tail_cut is not None and step is not None:
-            self.tail_stash[step] = y
-            return defended, {"smashed": wire}
         return defended, {"smashed": wire, "labels": y}
 
     def _noise_generator(self, device: torch.device) -> torch.Generator | None:
@@ -591,40 +584,19 @@ class ClientNode(Role[ParamsT]):
             self.stash[step] = defended, self.blueprint.defense.penalty(x, smashed)
         return message
 
-    @verb(down="server_output", up=KEYED, keys=("tail_grad", "loss"))
-    def tail_step(self, step: int, output: torch.Tensor) -> State:
-        """U-shaped: the tail on the server's output at the second cut for the batch of `step`, the
-        loss on the labels that never left; the gradient at that cut goes back up, the tail's own
-        gradients wait for the head's (`backward`: one optimizer step for the whole client part)."""
-        y = self.tail_stash.pop(step)
-        if not isinstance(output, torch.Tensor) or output.dim() == 0 or len(output) != len(y):
-            raise ValueError(f"the server's output for step {step} is not a batch of {len(y)} samples")
-        model = cast(HeadAndTail, self.model("client_model"))
-        output = output.detach().requires_grad_()
-        with self.blueprint.timed("client"):
-            value = self.blueprint.loss(model.tail(output), y)
-            tail = model.tail_parameters()
-            grad, *tail_grads = torch.autograd.grad(value, [output, *tail])
-        self.tail_stash[step] = list(zip(tail, tail_grads))
-        if self.blueprint.recorder is not None:
-            self.blueprint.recorder.received_tail(self.id, step, grad)
-        return {"tail_grad": grad, "loss": value.detach()}
-
     @verb(down="cut_grad")
     def backward(self, step: int, cut_grad: Any) -> None:
         """Back-propagate the cut gradient of `step` (one vector is broadcast over the batch) and
-        NoPeek's penalty, if any, and step (U-shaped: with the tail's gradients of the step)."""
+        NoPeek's penalty, if any, and step."""
         defended, penalty = self.stash.pop(step)
         grad = self.receive(step, cut_grad).expand_as(defended)
-        tail = self.tail_stash.pop(step, [])
-
-        def backward() -> None:
-            defenses.backward((defended, grad), (penalty, None))
-            for parameter, tail_grad in tail:  # a weight the head shares (GPT's tied embedding) adds both
-                parameter.grad = tail_grad if parameter.grad is None else parameter.grad + tail_grad
-
         with self.blueprint.timed("client"):
-            self.step("client_model", backward)
+            self.step("client_model", functools.partial(self.backpropagate, step, (defended, grad), (penalty, None)))
+
+    def backpropagate(self, step: int, *pairs: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+        """The client part's gradients for `step`: of each (tensor, its gradient) pair (a U-shaped
+        client adds its tail's: splitlab.u_shaped)."""
+        defenses.backward(*pairs)
 
     @verb(up=KEYED, keys=("loss",))
     def local_step(self) -> State:
@@ -638,7 +610,6 @@ class ClientNode(Role[ParamsT]):
     def end_round(self) -> None:
         if self.stash:
             raise RuntimeError(f"client {self.id} ends the round with steps {sorted(self.stash)} awaiting gradients")
-        self.tail_stash.clear()  # a step whose server reply never came (its data was refused)
         super().end_round()
 
 
@@ -654,8 +625,6 @@ class TrainingServer(Role[ParamsT]):
         super().__init__(blueprint)
         self._unchecked: list[torch.Tensor] = []
         self._average: ModelAverage | None = None
-        #: U-shaped: by slot, the smashed data and the output of the step awaiting the gradient at cut B
-        self._middle: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def objective(self, value: torch.Tensor) -> torch.Tensor:
         """What the server minimises given the batch loss (SplitGP scales it)."""
@@ -728,26 +697,6 @@ class TrainingServer(Role[ParamsT]):
             value = self.step(slot, lambda: self.accumulate(model, smashed, labels, self.objective), inputs)
         return {"loss": value}
 
-    # --- U-shaped splits: the server holds only the stages between the two cuts ----------------
-    @verb()
-    def forward_middle(self, smashed: Any, slot: str = "server_model") -> torch.Tensor:
-        """The server's stages on received smashed data: their output at the second cut, for the
-        client's tail; the step waits for the gradient there (`backward_middle`)."""
-        smashed = decode(smashed).requires_grad_()
-        with self.blueprint.timed("server"):
-            output = self.model(slot)(smashed)
-        self._middle[slot] = smashed, output
-        return output.detach()
-
-    @verb()
-    def backward_middle(self, tail_grad: torch.Tensor, slot: str = "server_model") -> State:
-        """Step `slot` on the client's gradient at the second cut; the cut gradient at the first,
-        compressed as configured, goes back (checked finite first, as every server step)."""
-        smashed, output = self._middle.pop(slot)
-        with self.blueprint.timed("server"):
-            self.step(slot, lambda: output.backward(tail_grad), (smashed,))
-        return {"cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad))}
-
     @verb()
     def learn_from(self, client_id: int, smashed: torch.Tensor, labels: torch.Tensor) -> State:
         """A server step on what a client sent unasked (federated split learning with aux models)."""
@@ -795,7 +744,7 @@ class TrainingServer(Role[ParamsT]):
 
     @verb()
     def end_round(self) -> None:
-        self._middle.clear()  # a U-shaped step whose client dropped out before its tail replied
+        """Give the working copies back; the round's step figures, if not checked at each step, are checked now."""
         super().end_round()
         if self._unchecked:
             steps, self._unchecked = torch.stack(self._unchecked), []

@@ -1,5 +1,6 @@
-"""A finished run's model: starting another run from it (`init=RUN_DIR`), writing it as a Hugging
-Face folder (`out/hf`), and generating text with it (`splitlab generate`).
+"""A finished run's model: starting another run from it (`init=RUN_DIR`, or `init=PEFT_DIR`: LoRA
+adapters in peft's format), writing it as a Hugging Face folder (`out/hf`) and its adapters in
+peft's format (`out/peft`), and generating text with it (`splitlab generate`).
 
 A run's `weights.safetensors` holds its whole model under the stage names, adapters (LoRA) beside
 the frozen base; the model itself is rebuilt from the run's `config.yaml`.
@@ -8,7 +9,6 @@ the frozen base; the model itself is rebuilt from the run's `config.yaml`.
 from __future__ import annotations
 
 import functools
-import inspect
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from splitlab.assembly import load_data
-from splitlab.config import RunConfig
+from splitlab.config import RunConfig, parse_lora
 from splitlab.errors import UserError
-from splitlab.models import MODELS, StagedModel, build_model, split
-from splitlab.models.lora import merge_lora
-from splitlab.resolve import resolve_config
+from splitlab.models import StagedModel, build_model, split
+from splitlab.models.lora import ADAPTERS, adapter_state, merge_lora
+from splitlab.resolve import GPT_SIZES, resolve_config
 from splitlab.rundir import stored_config
 
 
@@ -31,9 +31,7 @@ def run_model(run_dir: str | Path) -> tuple[RunConfig, StagedModel, Any, int]:
     sequence length."""
     path = Path(run_dir)
     config = resolve_config(stored_config(path, "load the model of", "give a finished run's directory")).run
-    weights = path / "weights.safetensors"
-    if not weights.is_file():
-        raise UserError(f"{str(path)!r} holds no weights.safetensors: the run is not finished or has no global model")
+    weights = _weights_file(path)
     data = load_data(config)
     if data.task != "language":
         raise UserError(f"{str(path)!r} trained on {config.dataset}, not a language dataset")
@@ -48,6 +46,13 @@ def run_model(run_dir: str | Path) -> tuple[RunConfig, StagedModel, Any, int]:
     return config, model.eval(), data.vocabulary, data.input_shape[0]
 
 
+def _weights_file(run_dir: Path) -> Path:
+    weights = run_dir / "weights.safetensors"
+    if not weights.is_file():
+        raise UserError(f"{str(run_dir)!r} holds no weights.safetensors: the run is unfinished or has no global model")
+    return weights
+
+
 @functools.cache
 def base_state(run_dir: str) -> dict[str, torch.Tensor]:
     """The plain weights of a finished run's model (adapters merged), for `init=RUN_DIR`."""
@@ -55,29 +60,90 @@ def base_state(run_dir: str) -> dict[str, torch.Tensor]:
 
 
 def init_state(run: RunConfig) -> dict[str, torch.Tensor] | None:
-    """The weights every model of a run with `init=RUN_DIR` starts from (None without `init`): the
-    finished run's, adapters merged. Whoever builds the run's `Blueprint` hands them to it."""
-    return None if run.init is None else base_state(run.init)
+    """The weights every model of a run with `init=` starts from (None without `init`): a finished
+    run's, adapters merged, or a peft folder's adapters (`peft_adapters`). Whoever builds the run's
+    `Blueprint` hands them to it."""
+    if run.init is None:
+        return None
+    return peft_adapters(run) if is_peft_folder(run.init) else base_state(run.init)
 
 
-def export_hf(config: RunConfig, parts: list[nn.Module], vocabulary: str | None, out_dir: Path) -> bool:
-    """Write the model (client and server parts, adapters merged) to `out_dir` as a folder
-    `transformers.AutoModelForCausalLM.from_pretrained` loads, with its tokenizer; False (nothing
-    written) for a model with no Hugging Face form."""
+def init_shapes(run: RunConfig) -> dict[str, torch.Tensor] | None:
+    """`init_state`'s names and shapes as meta tensors, read without any data (from the finished
+    run's weights file's header; a peft folder's adapters), to check that they fit before the data
+    is read and tokenised."""
+    if run.init is None:
+        return None
+    if is_peft_folder(run.init):
+        return {name: t.to("meta") for name, t in peft_adapters(run).items()}
+    from safetensors import safe_open
+
+    path = Path(run.init)
+    stored_config(path, "load the model of", "give a finished run's directory")
+    with safe_open(_weights_file(path), "pt") as weights:
+        names = [name for name in weights.keys() if not name.endswith(ADAPTERS)]  # noqa: SIM118 (not a dict)
+        return {name: torch.empty(weights.get_slice(name).get_shape(), device="meta") for name in names}
+
+
+def is_peft_folder(path: str | Path) -> bool:
+    from splitlab.models.hf import ADAPTER_CONFIG
+
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def peft_adapters(run: RunConfig) -> dict[str, torch.Tensor]:
+    """`init=PEFT_DIR`: its LoRA adapters under stage names, for a model=hf run with the same rank
+    and alpha (`lora=`), on the checkpoint they adapt (`model_dir=`)."""
+    from splitlab.models import hf
+
+    if run.model != "hf":
+        raise UserError(f"init={run.init} holds peft adapters, which start a model=hf run (model_dir=their base)")
+    config, adapters = hf.read_peft(str(run.init), str(run.model_dir))
+    theirs = f"{config.get('r')}:{config.get('lora_alpha')}"
+    if run.lora is None or parse_lora(run.lora) != parse_lora(theirs):
+        raise UserError(
+            f"init={run.init} holds LoRA adapters of r={config.get('r')}, lora_alpha="
+            f"{config.get('lora_alpha')}: give lora={theirs}, the rank and alpha they were trained with"
+        )
+    return adapters
+
+
+def export_hf(config: RunConfig, parts: list[nn.Module], vocabulary: str | None, out: Path) -> dict[str, str]:
+    """Write the model (client and server parts, adapters merged) to `out/hf`, a folder
+    `transformers.AutoModelForCausalLM.from_pretrained` loads, with its tokenizer; with LoRA, its
+    adapters to `out/peft`, a folder `peft.PeftModel.from_pretrained` loads on the model they adapt
+    (`peft_base`). Returns the folders written, for summary.json (none for a model with no Hugging
+    Face form)."""
     if config.model not in ("gpt", "hf"):
-        return False
+        return {}
     from splitlab.models import hf
 
     state = {name: t for part in parts for name, t in merge_lora(part).items()}
     if config.model == "hf":
-        hf.save_hf(state, str(config.model_dir), out_dir)
-        return True
-    defaults = {k: p.default for k, p in inspect.signature(MODELS["gpt"]).parameters.items() if k != "input_shape"}
-    sizes = {key: getattr(config, key) or defaults[key] for key in ("layers", "heads", "width", "context")}
-    vocab = state["head.lm_head.weight"].shape[0]
-    tokenizer = hf.char_tokenizer(vocabulary) if vocabulary is not None else None
-    hf.save_gpt2(state, hf.gpt2_config(**sizes, vocab=vocab), out_dir, tokenizer)
-    return True
+        hf.save_hf(state, str(config.model_dir), out / "hf")
+        tokenizer = hf.export_tokenizer(str(config.model_dir))
+        layout = hf.LAYOUTS[hf.read_config(str(config.model_dir))["model_type"]]
+    else:
+        sizes = {key: getattr(config, key) for key in GPT_SIZES}
+        vocab = state["head.lm_head.weight"].shape[0]
+        tokenizer = hf.char_tokenizer(vocabulary, sizes["context"]) if vocabulary is not None else None
+        hf.save_gpt2(state, hf.gpt2_config(**sizes, vocab=vocab), out / "hf", tokenizer)
+        layout = hf.GPT2
+    written = {"hf_export": str(out / "hf")}
+    if config.lora is not None:
+        adapters = {name: t for part in parts for name, t in adapter_state(part).items()}
+        lora = parse_lora(config.lora)
+        hf.save_peft(adapters, layout, lora, config.lora_dropout, peft_base(config), tokenizer, out / "peft")
+        written["peft_export"] = str(out / "peft")
+    return written
+
+
+def peft_base(run: RunConfig) -> str:
+    """The folder of the model a LoRA run's adapters apply to: the export of the finished run it
+    started from (`init=RUN_DIR`: RUN_DIR/hf), else model=hf's `model_dir`."""
+    if run.init is not None and not is_peft_folder(run.init):
+        return str((Path(run.init) / "hf").resolve())
+    return str(Path(str(run.model_dir)).resolve())
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

@@ -435,6 +435,12 @@ def _evaluate_vertical(path: Path, stored: dict[str, Any], settings: EvaluationS
         )
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
+    if stored.get("data") == "own":
+        raise UserError(
+            f"evaluate on a vertical run needs every party's columns of the test samples in one process; "
+            f"{str(path)!r} is a data=own run: each party's columns stayed in its own files, so no process here "
+            f"holds them; its final test metrics, which the parties computed together, are in its summary.json"
+        )
     result = {
         "run": str(path),
         "algorithm": stored.get("algorithm", "sl"),

@@ -86,9 +86,37 @@ class Proxy:
             raise AttributeError(
                 f"{self._class.__name__}.{name} is not a verb; roles are reached only through their verbs"
             )
-        call = functools.partial(self._transport.call, getattr(self._role, name), spec, self._counted)
+        call: Callable[..., Any] = functools.partial(
+            self._transport.call, getattr(self._role, name), spec, self._counted
+        )
+        if spec.up == KEYED:
+            call = functools.partial(_keyed, f"{self._class.__name__}.{name}", call)
         setattr(self, name, call)  # looked up once per verb
         return call
+
+
+def _keyed(verb_name: str, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return as_message(verb_name, call(*args, **kwargs))
+
+
+class MessageKeyError(LookupError):
+    """A key read from a verb's result that the verb does not return: an algorithm's mistake."""
+
+
+class Message(dict):
+    """A keyed verb's result (`@verb(up=KEYED, keys=...)`) as the algorithm reads it: a key it does
+    not hold is one line naming the verb and what it returns, never a bare KeyError."""
+
+    def __init__(self, verb_name: str, result: dict[str, Any]) -> None:
+        super().__init__(result)
+        self.verb_name = verb_name
+
+    def __missing__(self, key: str) -> Any:
+        raise MessageKeyError(f"{self.verb_name} returns no {key!r}: its message holds {', '.join(sorted(self))}")
+
+
+def as_message(verb_name: str, result: Any) -> Any:
+    return Message(verb_name, result) if isinstance(result, dict) else result
 
 
 def client_of(method: Callable[..., Any]) -> int | None:

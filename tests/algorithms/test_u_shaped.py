@@ -24,7 +24,7 @@ from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.net.checks import Checks, Refused
 from splitlab.resolve import resolve_config
-from splitlab.roles import ClientNode
+from splitlab.u_shaped import UShapedClient
 
 OPTIMIZERS = [dict(optimizer="sgd", lr=0.05), dict(optimizer="adam", lr=1e-3)]
 
@@ -162,7 +162,7 @@ def test_a_u_shaped_server_refuses_labels_and_a_misshapen_gradient_at_the_second
     experiment = train(0, **quick(algorithm="psl", cut="1,2", clients=2, train_subset=100))
     checks, node = Checks(experiment.blueprint), experiment.roles.clients[0]
     node.begin_round(0)
-    forward, tail_step = ClientNode.forward.__verb__, ClientNode.tail_step.__verb__
+    forward, tail_step = UShapedClient.forward.__verb__, UShapedClient.tail_step.__verb__
     sent = node.forward(0)
     checks.result("forward", forward, (0,), sent)  # honest: smashed only
     with pytest.raises(Refused, match=r"forward returns exactly \['smashed'\]"):

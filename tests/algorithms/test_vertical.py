@@ -256,8 +256,8 @@ def test_a_party_that_drops_out_is_left_out_of_the_round(combine, who, steps):
 
 
 def test_a_passive_party_infers_labels_from_its_gradients(tmp_path):
+    from splitlab.audit.run import attack_run
     from splitlab.engine import run
-    from splitlab.privacy.audit import attack_run
 
     run(dict(TABLE, labels_at=0, rounds=1, local_steps=5, out=str(tmp_path / "v")), progress=False)
     result = attack_run(tmp_path / "v", {"attack": "label_leak", "targets": 100})

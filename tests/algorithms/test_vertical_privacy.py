@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file
 
 from helpers import max_abs_difference, straight_and_resumed, train
+from splitlab.audit.run import attack_run
 from splitlab.cli import main
 from splitlab.engine import build, run
 from splitlab.errors import UserError
-from splitlab.privacy.audit import attack_run
 from splitlab.splitgp_evaluation import evaluate_run
 from splitlab.transport import Transport
 
@@ -100,3 +100,16 @@ def test_table_columns_are_inverted_per_party_against_the_mean_row(tmp_path):
     assert [p["columns"] for p in result["by_party"].values()] == [list(range(15)), list(range(15, 30))]
     for party in result["by_party"].values():  # R^2 per column: the mean row scores about 0, the decoder well above
         assert party["baseline"]["r2"] < 0.05 < 0.3 < party["decoder"]["r2"] and len(party["r2_by_column"]) == 15
+
+
+def test_evaluate_on_a_vertical_run_of_the_parties_own_files_says_what_it_needs_and_where_the_metrics_are(tmp_path):
+    import yaml
+
+    config = dict(setting="vertical", algorithm="sl", dataset="csv", model="mlp", labels_at=0, data="own")
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(config))
+    (tmp_path / "summary.json").write_text("{}")
+    with pytest.raises(UserError) as error:
+        evaluate_run(tmp_path, {})
+    message = str(error.value)
+    assert message.startswith("evaluate on a vertical run needs every party's columns of the test samples")
+    assert "data=own run" in message and "summary.json" in message and "\n" not in message

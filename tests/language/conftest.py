@@ -33,6 +33,17 @@ def lm(plays) -> dict:
     )
 
 
+@pytest.fixture(scope="session")
+def pretrained(plays, tmp_path_factory) -> str:
+    """A finished run of `lm`'s GPT (one centralized step): what `lora=` fine-tunes (init=)."""
+    from splitlab.engine import run
+
+    out = tmp_path_factory.mktemp("pretrained") / "run"
+    config = dict(dataset="shakespeare_lm", data_dir=plays, **TINY_GPT, algorithm="centralized", clients=1)
+    run(dict(config, rounds=1, local_steps=1, batch_size=8, device="cpu", out=str(out)), progress=False)
+    return str(out)
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """Tiny transformers run fastest on one thread, and far slower on a busy machine's cores."""

@@ -99,3 +99,36 @@ def test_resume_is_bit_identical_on_a_gpt(lm, algorithm):
     straight, resumed = straight_and_resumed(2, **dict(lm, algorithm=algorithm, **AUX.get(algorithm, {})))
     a, b = global_weights(straight), global_weights(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("lora_dropout", [0.0, 0.1])
+def test_fsl_sage_with_a_full_aux_equals_sfl_v2_on_a_checkpoint_with_dropout(plays, tmp_path, lora_dropout):
+    """docs/fsl.md: with aux=full and q = l = 1, FSL-SAGE's first step is SplitFed-v2's, also on a
+    GPT-2 checkpoint whose config asks for dropout 0.1: model=hf turns a checkpoint's dropout off
+    in every copy alike (the aux model, a deep copy, included), and nothing draws from torch's
+    global random state; LoRA dropout's masks, keyed by the input, are alike in every copy too,
+    and the same through every transport."""
+    from hf_helpers import tiny_hf_model
+    from splitlab.models import build_model
+
+    model_dir = tiny_hf_model(tmp_path / "gpt2", "gpt2")
+    assert json.loads((model_dir / "config.json").read_text())["resid_pdrop"] == 0.1
+    built = build_model("hf", (16,), 300, model_dir=str(model_dir))
+    assert all(m.p == 0 for m in built.modules() if isinstance(m, torch.nn.Dropout)) and built.training
+    common = dict(
+        dataset="shakespeare_lm", data_dir=plays, model="hf", model_dir=str(model_dir), seq_len=16, lora="4:8",
+        clients=1, batch_size=8, local_steps=1, cut=1, device="cpu", optimizer="sgd", lr=0.5, lora_dropout=lora_dropout,
+    )  # fmt: skip
+    sage = dict(algorithm="fsl_sage", server_update_interval=1, align_interval=1, aux="full")
+    experiment = train(0, **common, **sage)
+    global_state = torch.get_rng_state()
+    experiment.algorithm.run_round(0, experiment.clients)
+    assert torch.equal(torch.get_rng_state(), global_state)
+    sfl_v2 = train(1, **common, algorithm="sfl_v2")
+    assert max_abs_difference(global_weights(experiment), global_weights(sfl_v2)) == 0
+    assert max_abs_difference(global_weights(experiment), global_weights(train(0, **common, algorithm="sfl_v2"))) > 0
+    if lora_dropout:
+        serialized = train(1, **common, algorithm="sfl_v2", transport="serialized")
+        assert max_abs_difference(global_weights(serialized), global_weights(sfl_v2)) == 0
+        without = train(1, **dict(common, lora_dropout=0.0), algorithm="sfl_v2")
+        assert max_abs_difference(global_weights(without), global_weights(sfl_v2)) > 0

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from helpers import global_weights, max_abs_difference, train
+from splitlab.audit.advise import advise
+from splitlab.audit.run import attack_run
 from splitlab.engine import run
 from splitlab.errors import UserError
-from splitlab.privacy.advise import advise
-from splitlab.privacy.audit import attack_run
 from splitlab.privacy.defenses import Defense, distance_correlation
 
 DEFENSES = ["clip:0.05", "noise:0.5", "clip:1+noise:0.5", "gradnoise:1", "nopeek:1", "quantize:int8", "topk:0.5"]

@@ -49,6 +49,46 @@ def test_out_hf_loads_in_transformers_with_the_runs_logits(finished):
     assert summary["hf_export"].endswith("/hf")
 
 
+def test_out_peft_of_a_model_gpt_run_adapts_the_export_of_the_run_it_started_from(finished):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    adapter_config = json.loads(Path(finished, "peft", "adapter_config.json").read_text())
+    base = adapter_config["base_model_name_or_path"]
+    assert base == str(Path(finished).parent.resolve() / "pretrained" / "hf")
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), f"{finished}/peft").eval()
+    exported = AutoModelForCausalLM.from_pretrained(f"{finished}/hf", local_files_only=True).eval()
+    tokens = torch.randint(0, 80, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert float((adapted(tokens).logits - exported(tokens).logits).abs().max()) <= 1e-5
+
+
+def test_exported_folders_open_like_any_other_and_the_tokenizer_knows_its_ends(finished):
+    """Folders 0755 and files 0644 under umask 022 (mkdtemp's 0700 is not kept); the character
+    tokenizer ends and pads with the vocabulary's first symbol and is as long as the context."""
+    import os
+
+    from transformers import AutoTokenizer
+
+    umask = os.umask(0)
+    os.umask(umask)
+    for folder in ("hf", "peft"):
+        path = Path(finished, folder)
+        assert path.stat().st_mode & 0o777 == 0o777 & ~umask
+        assert {p.stat().st_mode & 0o777 for p in path.iterdir()} == {0o666 & ~umask}
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        assert (tokenizer.eos_token, tokenizer.pad_token, tokenizer.model_max_length) == ("\n", "\n", 32)
+
+
+def test_config_yaml_records_model_gpts_sizes_as_used():
+    from splitlab.resolve import resolve_config
+
+    config = resolve_config(dict(model="gpt", dataset="shakespeare_lm", layers=2))
+    assert {k: config.as_dict()[k] for k in ("layers", "heads", "width", "context")} == dict(
+        layers=2, heads=4, width=128, context=256
+    )
+
+
 def test_generate_prints_the_prompt_and_its_continuation(finished, capsys):
     assert main(["generate", finished, "prompt=To be", "max_tokens=12"]) == 0
     greedy = capsys.readouterr().out.rstrip("\n")
@@ -96,6 +136,50 @@ def test_hf_checkpoints_with_lora_keep_the_equivalences(arch, plays, tmp_path):
     assert not same(fedavg, load_file(tmp_path / "centralized_1" / "weights.safetensors"))
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_out_peft_loads_in_peft_with_out_hfs_logits_and_init_resumes_its_adapters(arch, plays, tmp_path):
+    """out/peft on the base checkpoint computes what out/hf does (GPT-2's Conv1D projections:
+    fan_in_fan_out; the Llama layout's nn.Linear ones), and a run from init=out/peft starts with
+    the finished run's adapters exactly."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from helpers import global_weights, train
+
+    model_dir = tiny_hf_model(tmp_path / arch, arch)
+    config = dict(
+        dataset="shakespeare_lm", data_dir=plays, model="hf", model_dir=str(model_dir), seq_len=32, lora="4:8",
+        algorithm="sfl_v2", clients=2, batch_size=4, local_steps=2, rounds=2, device="cpu", optimizer="sgd", lr=0.5,
+        lora_dropout=0.1,
+    )  # fmt: skip
+    out = tmp_path / "run"
+    summary = run(dict(config, out=str(out)), progress=False)
+    assert summary["peft_export"] == str(out / "peft")
+    adapter_config = json.loads((out / "peft" / "adapter_config.json").read_text())
+    assert [adapter_config[key] for key in ("r", "lora_alpha", "lora_dropout", "fan_in_fan_out")] == [
+        4, 8, 0.1, arch == "gpt2"
+    ]  # fmt: skip
+    tokens = torch.randint(0, 300, (2, 32), generator=torch.Generator().manual_seed(0))
+    merged = AutoModelForCausalLM.from_pretrained(out / "hf", local_files_only=True).eval()
+    base = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).eval()
+    with torch.no_grad():
+        before = base(tokens).logits
+        adapted = PeftModel.from_pretrained(base, out / "peft").eval()
+        logits, expected = adapted(tokens).logits, merged(tokens).logits
+    assert float((logits - expected).abs().max()) <= 1e-5
+    assert float((logits - before).abs().max()) > 1e-3  # the adapters trained
+
+    final = load_file(out / "weights.safetensors")
+    resumed = global_weights(train(0, **dict(config, init=str(out / "peft"))))
+    assert resumed and all(torch.equal(t, final[name]) for name, t in resumed.items())
+    with pytest.raises(UserError, match=r"holds LoRA adapters of r=4, lora_alpha=8: give lora=4:8"):
+        train(0, **dict(config, init=str(out / "peft"), lora="2:8"))
+    theirs, targets = ("c_attn", "c_proj") if arch == "gpt2" else ("q_proj, v_proj", "k_proj")
+    mismatch = rf"its adapters do not fit this run's \(theirs on {theirs}, this run's on {targets};"
+    with pytest.raises(UserError, match=mismatch):
+        train(0, **dict(config, init=str(out / "peft"), lora_targets=targets))
+
+
 def test_e2e_trains_an_hf_model_with_the_loss_on_the_references_only(tmp_path):
     import csv
 
@@ -117,4 +201,4 @@ def test_e2e_trains_an_hf_model_with_the_loss_on_the_references_only(tmp_path):
     targets = experiment.data.test_y
     assert (targets == -100).any() and (targets != -100).any()  # the context and the padding are not in the loss
     with pytest.raises(UserError, match="dataset=e2e is tokenised by the model's tokenizer"):
-        train(0, **dict(config, model="gpt", model_dir=None))
+        train(0, **dict(config, model="gpt", model_dir=None, lora=None))

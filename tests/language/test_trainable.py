@@ -1,5 +1,5 @@
-"""Only trainable tensors train, travel, are averaged and checkpointed (LoRA on model=gpt): the
-ledger's bytes by hand, the frozen base bit-identical after training and held once."""
+"""Only trainable tensors train, travel, are averaged and checkpointed (LoRA on a pretrained
+model=gpt): the ledger's bytes by hand, the frozen base bit-identical after training and held once."""
 
 from __future__ import annotations
 
@@ -16,6 +16,12 @@ ADAPTER_BYTES = (4 * 16 + 48 * 4) * 4
 
 def frozen(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: p for name, p in module.named_parameters() if not p.requires_grad}
+
+
+@pytest.fixture
+def lm(lm, pretrained) -> dict:
+    """`lm` from a finished run of its model, which LoRA fine-tunes."""
+    return dict(lm, init=pretrained)
 
 
 def test_lora_ledger_counts_the_adapters_alone_by_hand(lm):

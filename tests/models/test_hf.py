@@ -79,7 +79,7 @@ def test_config_and_context_length(checkpoint):
 
 
 def test_folders_splitlab_cannot_load_are_refused_in_one_line(tmp_path):
-    with pytest.raises(UserError, match="no such folder"):
+    with pytest.raises(UserError, match="the folder does not exist"):
         read_config(tmp_path / "absent")
     with pytest.raises(UserError, match="no config.json"):
         read_config(tmp_path)
@@ -171,7 +171,7 @@ def test_save_gpt2_maps_model_gpts_names_and_layout_onto_gpt2(tmp_path):
     staged = staged_from_hf(original)
     state = as_model_gpt(staged.state_dict())
     assert "block1.attn.c_attn.weight" in state and state["block1.attn.c_attn.weight"].shape == (48, 16)
-    save_gpt2(state, config, tmp_path / "hf", char_tokenizer(vocab))
+    save_gpt2(state, config, tmp_path / "hf", char_tokenizer(vocab, 12))
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     tokens = torch.randint(0, len(vocab), (2, 12))
     torch.testing.assert_close(logits_of(reloaded, tokens), logits_of(original, tokens), rtol=0, atol=0)

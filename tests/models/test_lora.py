@@ -121,3 +121,44 @@ def test_the_wrapped_layer_keeps_the_base_tensors_themselves():
     apply_lora(block, 2, 4.0, ["c_attn"])
     assert isinstance(block.attn.c_attn, LoraLinear)
     assert block.attn.c_attn.weight is weight and not weight.requires_grad
+
+
+def test_lora_dropout_drops_the_adapters_input_as_peft_from_a_keyed_stream():
+    """peft's `lora_B(lora_A(dropout(x))) * scaling` beside the frozen path on the whole input; the
+    mask drawn from the layer's key and the input, never from torch's global random state."""
+    torch.manual_seed(0)
+    layer = LoraLinear(nn.Linear(64, 8), rank=4, alpha=8, dropout=0.25, key="0:fc")
+    nn.init.normal_(layer.lora_B)
+    x = torch.randn(32, 64)
+    global_state = torch.get_rng_state()
+    dropped = layer.dropped(x)
+    assert torch.equal(torch.get_rng_state(), global_state)
+    kept = dropped != 0
+    assert 0.2 < 1 - float(kept.float().mean()) < 0.3
+    assert torch.allclose(dropped[kept], x[kept] / 0.75)
+    assert torch.equal(layer.dropped(x), dropped)  # the same input and key, the same mask
+    other = LoraLinear(nn.Linear(64, 8), rank=4, alpha=8, dropout=0.25, key="0:other")
+    assert not torch.equal(other.dropped(x), dropped)
+    with torch.no_grad():
+        frozen = nn.functional.linear(x, layer.weight, layer.bias)
+        assert torch.allclose(layer(x), frozen + dropped @ layer.lora_A.T @ layer.lora_B.T * 2, atol=1e-6)
+        layer.eval()  # no dropout in evaluation
+        assert torch.allclose(layer(x), frozen + x @ layer.lora_A.T @ layer.lora_B.T * 2, atol=1e-6)
+
+
+def test_a_split_that_leaves_the_client_nothing_to_train_names_the_cuts_that_would():
+    """The CNN's linear layers (`1` in fc1, `out`) are all on the server at cut 1, so LoRA on them
+    would leave the client part's optimizer empty: refused, naming cut 3 (fc1 on the client)."""
+    from splitlab.algorithms import get_algorithm
+    from splitlab.build import check_split
+    from splitlab.config import RunConfig
+    from splitlab.models import build_model
+
+    model = build_model("cnn", (1, 28, 28), 10, lora=(4, 8.0), lora_targets=("out", "1"))
+    with pytest.raises(UserError) as refused:
+        check_split(model, RunConfig(algorithm="sfl_v2", model="cnn", cut=1), get_algorithm("sfl_v2"))
+    assert str(refused.value) == (
+        "cut=1 leaves the client part nothing to train (lora trains only its adapters, none in that part); "
+        "cuts that train both parts: 3"
+    )
+    check_split(model, RunConfig(algorithm="sfl_v2", model="cnn", cut=3), get_algorithm("sfl_v2"))

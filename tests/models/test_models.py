@@ -87,3 +87,16 @@ def test_inference_batches_keep_the_largest_activation_within_the_budget(model, 
     assert blueprint.inference_batch == batch  # the largest power of two within the device's budget
     assert batch * largest_activation_bytes(build_model(model, shape, 10, seed=0), shape) <= INFERENCE_BUDGET[device]
     assert 2 * batch * largest_activation_bytes(build_model(model, shape, 10, seed=0), shape) > INFERENCE_BUDGET[device]
+
+
+def test_inference_gives_every_submodule_its_own_mode_back():
+    """A model that keeps a part in eval mode (a checkpoint's dropout, transformers' way) finds it
+    in eval mode after `inference`, not switched on by a recursive train()."""
+    from torch import nn
+
+    from splitlab.models import inference
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.5).eval())
+    with inference(model):
+        assert not any(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == [True, True, False]

@@ -37,6 +37,7 @@ from splitlab.roles import (
     random_stream,
 )
 from splitlab.transport import ClientDropped, Proxy
+from splitlab.u_shaped import UShapedClient
 
 STREAM_ORDER = register_stream("order", 2)
 
@@ -118,12 +119,20 @@ class Algorithm(Generic[ParamsT]):
     #: with personal models: client k's model is its client slot, then the training server's slot
     #: (evaluated where the clients are, on Ray: splitlab.ray_backend)
     personal_slots: ClassVar[tuple[str, str]] = ("client_model", "server_model")
-    #: why the algorithm cannot run a U-shaped split (`cut=A,B`; one line), '' where it can: an
-    #: algorithm whose server steps only through `split_step` can (docs/configurations.md)
+    #: it runs U-shaped splits (`cut=A,B`): opted in by an algorithm whose server steps only through
+    #: `split_step`, or that takes the round trip through the clients' tails itself (SGLR, CycleSL);
+    #: `cut=A,B` is refused for any other (docs/extending.md)
+    supports_u_shape: ClassVar[bool] = False
+    #: why a built-in algorithm cannot run a U-shaped split (one line, said when `cut=A,B` is refused)
     not_u_shaped: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if getattr(cls, "name", None) and cls.supports_u_shape and not issubclass(cls.Client, UShapedClient):
+            raise TypeError(
+                f"{cls.__name__} declares supports_u_shape, but its Client {cls.Client.__name__} does not extend "
+                f"splitlab.u_shaped.UShapedClient, which holds the tail"
+            )
         for base in getattr(cls, "__orig_bases__", ()):
             (params, *_) = typing.get_args(base) or (None,)
             if isinstance(params, type) and issubclass(params, BaseModel):

@@ -58,8 +58,9 @@ from splitlab.algorithms.sl import Relay, RelayClient
 from splitlab.models import HeadAndTail
 from splitlab.privacy.defenses import decode
 from splitlab.random_streams import register_stream
-from splitlab.roles import ClientNode, State
+from splitlab.roles import State
 from splitlab.transport import KEYED, verb
+from splitlab.u_shaped import UShapedClient
 
 STREAM_SERVER_BATCHES = register_stream("cyclesl.server_batches", 4)
 
@@ -244,7 +245,7 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
         super().end_round()
 
 
-class CycleClient(ClientNode):
+class CycleClient(UShapedClient):
     """A client whose tail takes part in the U-shaped server task and ServerGrad."""
 
     @verb(down="server_output", up=KEYED, keys=("tail_grad", "loss"))
@@ -253,12 +254,10 @@ class CycleClient(ClientNode):
         share of the server batch's loss, sum of `weight` l_i over `total`; the tail steps on it
         and the gradient at the second cut goes back with the share."""
         labels = self.tail_stash[step]
-        if not isinstance(output, torch.Tensor) or output.dim() == 0 or len(output) != len(rows):
-            raise ValueError(f"the server's output is not a batch of the {len(rows)} rows it names")
+        output = self.server_output(output, len(rows), f"is not a batch of the {len(rows)} rows it names")
         if not all(0 <= r < len(labels) for r in rows):
             raise ValueError(f"the server names rows outside the batch of {len(labels)} samples of step {step}")
         model = cast(HeadAndTail, self.model("client_model"))
-        output = output.detach().requires_grad_()
         targets = labels[torch.as_tensor(rows, dtype=torch.int64, device=labels.device)]
         with self.blueprint.timed("client"):
             weights = torch.full((len(rows),), float(weight), device=output.device)
@@ -271,10 +270,8 @@ class CycleClient(ClientNode):
         """ServerGrad: the gradient at the second cut of the mean loss on the batch of `step`
         through the updated tail, which does not step; its labels are done with."""
         labels = self.tail_stash.pop(step)
-        if not isinstance(output, torch.Tensor) or output.dim() == 0 or len(output) != len(labels):
-            raise ValueError(f"the server's output for step {step} is not a batch of {len(labels)} samples")
+        output = self.server_output(output, len(labels), f"for step {step} is not a batch of {len(labels)} samples")
         model = cast(HeadAndTail, self.model("client_model"))
-        output = output.detach().requires_grad_()
         with self.blueprint.timed("client"):
             grad = torch.autograd.grad(self.blueprint.loss(model.tail(output), labels), output)[0]
         if self.blueprint.recorder is not None:
@@ -294,6 +291,7 @@ class CycleSL(Algorithm):
     """Algorithm 1, for whatever holds the round's client parts."""
 
     Server = CycleServer
+    supports_u_shape = True
 
     def cycle(self, rnd: int, clients: list[ClientInfo], averaged: Collection[int] = ()) -> None:
         """`averaged`: ids of the clients whose cut gradients are averaged. A client that drops

@@ -19,10 +19,11 @@ import torch
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.config import NoParams
-from splitlab.roles import ClientNode, State, server_copy
+from splitlab.roles import State, server_copy
+from splitlab.u_shaped import UShapedClient, UShapedServer
 
 
-class PersonalClient(ClientNode):
+class PersonalClient(UShapedClient):
     keeps = frozenset({"client_model"})
 
 
@@ -53,6 +54,8 @@ class PersonalClients(Algorithm):
 
 class PSL(PersonalClients, Algorithm[NoParams]):
     name = "psl"
+    Server = UShapedServer
+    supports_u_shape = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.fold)

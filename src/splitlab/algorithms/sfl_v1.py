@@ -14,10 +14,13 @@ from __future__ import annotations
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.config import NoParams
 from splitlab.roles import server_copy
+from splitlab.u_shaped import UShapedClient, UShapedServer
 
 
 class SFLV1(Algorithm[NoParams]):
     name = "sfl_v1"
+    Client, Server = UShapedClient, UShapedServer
+    supports_u_shape = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.fold)

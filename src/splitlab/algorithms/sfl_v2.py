@@ -19,6 +19,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitlab.algorithms.base import STREAM_ORDER, Algorithm, ClientInfo
+from splitlab.u_shaped import UShapedClient, UShapedServer
 
 
 class SFLV2Params(BaseModel):
@@ -32,6 +33,8 @@ class SFLV2Params(BaseModel):
 
 class SFLV2(Algorithm[SFLV2Params]):
     name = "sfl_v2"
+    Client, Server = UShapedClient, UShapedServer
+    supports_u_shape = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         if self.params.server_schedule == "interleaved":

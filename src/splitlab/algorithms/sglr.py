@@ -135,6 +135,7 @@ class SGLRServer(ServerWithOwnLR[SGLRParams]):
 
 class SGLR(PersonalClients, Algorithm[SGLRParams]):
     name = "sglr"
+    supports_u_shape = True
     Server = SGLRServer
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:

@@ -16,11 +16,12 @@ from __future__ import annotations
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.config import NoParams
 from splitlab.models import load_shared, shared_state
-from splitlab.roles import ClientNode, State
+from splitlab.roles import State
 from splitlab.transport import COUNTED_BY_SENDER, verb
+from splitlab.u_shaped import UShapedClient, UShapedServer
 
 
-class RelayClient(ClientNode):
+class RelayClient(UShapedClient):
     """A client that may hold the one client part between its turns."""
 
     @verb()
@@ -90,6 +91,8 @@ class Relay(Algorithm):
 
 class SplitLearning(Relay, Algorithm[NoParams]):
     name = "sl"
+    Server = UShapedServer
+    supports_u_shape = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         for client in clients:

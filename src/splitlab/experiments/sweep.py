@@ -286,9 +286,11 @@ def _check_runs(runs: list[GridPoint], where: str) -> None:
     """Every run's config as its run would check it (dataset, cut, subsets, ...), before the first starts."""
     from splitlab.build import check
 
-    pretrained = any(point.name == PRETRAIN for point in runs)  # its model, each run's init, is not made yet
+    # the pretraining run's model, each run's init, is not made yet; lora, which fine-tunes it, is
+    # checked when the run starts
+    pretrained = any(point.name == PRETRAIN for point in runs)
     for point in runs:
-        config = {k: v for k, v in point.config.items() if not (pretrained and k == "init")}
+        config = {k: v for k, v in point.config.items() if not (pretrained and k in ("init", "lora", "lora_targets"))}
         try:
             check(config)
         except UserError as error:

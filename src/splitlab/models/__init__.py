@@ -56,13 +56,15 @@ def build_model(
     seed: int = 0,
     lora: tuple[int, float] | None = None,
     lora_targets: tuple[str, ...] | None = None,
+    lora_dropout: float = 0.0,
     **options: Any,
 ) -> StagedModel:
     """A freshly initialised model; the init depends only on `seed`, not on global RNG state.
 
     `options` are the model's own settings (`model_option_names`: a GPT's layers, heads, ...), refused
     for a model that does not take them. `lora=(rank, alpha)` then freezes the base and wraps the
-    `lora_targets` projections (None: the architecture's default) in low-rank adapters."""
+    `lora_targets` projections (None: the architecture's default) in low-rank adapters, with
+    `lora_dropout` on their input in training."""
     if name not in MODELS:
         raise UserError(f"unknown model {name!r}; available: {', '.join(model_names())}")
     allowed = model_option_names(name)
@@ -78,7 +80,7 @@ def build_model(
         if lora is not None:
             from splitlab.models.lora import apply_lora
 
-            apply_lora(model, lora[0], lora[1], lora_targets)
+            apply_lora(model, lora[0], lora[1], lora_targets, lora_dropout, seed)
     return model
 
 

@@ -44,9 +44,8 @@ from __future__ import annotations
 
 import copy
 import json
-import os
+import re
 import shutil
-import tempfile
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -57,7 +56,7 @@ import torch
 from torch import nn
 
 from splitlab.errors import UserError
-from splitlab.io import cpu_copy, write_safetensors
+from splitlab.io import atomic_folder, cpu_copy, write_safetensors
 from splitlab.models.staged import StagedModel
 
 WEIGHTS = "model.safetensors"
@@ -73,12 +72,19 @@ class Layout:
     layers: str  # the decoder layers' list, under the body: h / layers
     norm: str  # the final norm, under the body: ln_f / norm
     rotary: bool  # positions by rotary embeddings computed at model level (Llama) or learned (GPT-2)
+    dropouts: tuple[str, ...]  # the config's dropout probabilities, set to 0 at load (see `load_staged`)
 
 
-GPT2 = Layout(body="transformer", layers="h", norm="ln_f", rotary=False)
-LLAMA = Layout(body="model", layers="layers", norm="norm", rotary=True)
+GPT2 = Layout(
+    body="transformer", layers="h", norm="ln_f", rotary=False, dropouts=("embd_pdrop", "attn_pdrop", "resid_pdrop")
+)
+LLAMA = Layout(body="model", layers="layers", norm="norm", rotary=True, dropouts=("attention_dropout",))
 #: config.json's `model_type` -> layout.
 LAYOUTS = {"gpt2": GPT2, "llama": LLAMA, "qwen2": LLAMA, "mistral": LLAMA}
+
+
+#: What a Hugging Face Hub id looks like (`gpt2`, `openai-community/gpt2`), as opposed to a path.
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
@@ -86,7 +92,14 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     the config, safetensors weights (never a pickle), a supported `model_type`."""
     folder = Path(model_dir)
     if not folder.is_dir():
-        raise UserError(f"model_dir={folder}: no such folder (a Hugging Face model folder: config.json, {WEIGHTS})")
+        hint = (
+            f"; if {model_dir} is a Hugging Face Hub id: splitlab reads local folders only and downloads nothing, "
+            f"so on a connected machine run `huggingface-cli download {model_dir} --local-dir DIR` (or save_pretrained"
+            f"(DIR) the model and its tokenizer) and give model_dir=DIR"
+            if HUB_ID.fullmatch(str(model_dir))
+            else f" (a Hugging Face model folder: config.json, {WEIGHTS}, the tokenizer)"
+        )
+        raise UserError(f"model_dir={model_dir}: the folder does not exist{hint}")
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise UserError(f"model_dir={folder}: no config.json (not a Hugging Face model folder)")
@@ -190,8 +203,11 @@ def staged_from_hf(model: Any) -> StagedModel:
 
 
 def load_staged(model_dir: str | Path, attn_implementation: str = "eager") -> StagedModel:
-    """The model in `model_dir` (float32) as stages `embed`, `block1`..`blockN`, `head`."""
-    read_config(model_dir)
+    """The model in `model_dir` (float32) as stages `embed`, `block1`..`blockN`, `head`, in train
+    mode like every model splitlab builds, with the checkpoint's dropout off: a dropout layer would
+    draw from torch's global random state, which no model may (a client computes the same in any
+    process, and every copy of a part, FSL-SAGE's auxiliary model included, computes alike)."""
+    layout = LAYOUTS[read_config(model_dir)["model_type"]]
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
@@ -204,11 +220,24 @@ def load_staged(model_dir: str | Path, attn_implementation: str = "eager") -> St
         local_files_only=True,
         attn_implementation=attn_implementation,
         output_loading_info=True,
+        **dict.fromkeys(layout.dropouts, 0.0),
     )
     model, info = loaded
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise UserError(f"model_dir={model_dir}: the weights lack {len(missing)} tensors of the model: {missing[:5]}")
+    return staged_from_hf(model).train()
+
+
+def skeleton(model_dir: str | Path) -> StagedModel:
+    """`load_staged`'s stages without the weights (on the meta device: no memory, no time), for
+    checks made before any data is read."""
+    read_config(model_dir)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return staged_from_hf(model)
 
 
@@ -265,7 +294,18 @@ def save_hf(state: Mapping[str, torch.Tensor], model_dir: str | Path, out_dir: s
     config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     generation = Path(model_dir) / "generation_config.json"  # the model's decoding defaults, if it has them
     hf_state = to_hf_names(state, LAYOUTS[config.model_type])
-    _write(hf_state, config, load_tokenizer(model_dir), Path(out_dir), generation if generation.is_file() else None)
+    _write(hf_state, config, export_tokenizer(model_dir), Path(out_dir), generation if generation.is_file() else None)
+
+
+def export_tokenizer(model_dir: str | Path) -> Any:
+    """The folder's tokenizer as an export writes it: at most the model's context long (not
+    transformers' 1e30 when the folder says nothing), its end-of-sequence token padding where it
+    has no pad token (what batched generation needs)."""
+    tokenizer = load_tokenizer(model_dir)
+    tokenizer.model_max_length = min(tokenizer.model_max_length, context_length(read_config(model_dir)))
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 #: `model=gpt`'s `nn.Linear` weights that GPT-2 stores as `Conv1D` (in x out).
@@ -274,7 +314,8 @@ GPT2_CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "m
 
 def gpt2_config(layers: int, heads: int, width: int, context: int, vocab: int) -> Any:
     """The `GPT2Config` of `model=gpt` with these sizes: exact GELU (torch's `nn.GELU`, not GPT-2's
-    tanh approximation), layer-norm epsilon 1e-5, no dropout, LM head not tied."""
+    tanh approximation), layer-norm epsilon 1e-5, no dropout, LM head not tied, token 0 ending and
+    padding a sequence (as in `char_tokenizer`)."""
     from transformers import GPT2Config
 
     return GPT2Config(
@@ -289,8 +330,9 @@ def gpt2_config(layers: int, heads: int, width: int, context: int, vocab: int) -
         embd_pdrop=0.0,
         attn_pdrop=0.0,
         tie_word_embeddings=False,
-        bos_token_id=None,  # characters have no special tokens
-        eos_token_id=None,
+        bos_token_id=None,
+        eos_token_id=0,
+        pad_token_id=0,
     )
 
 
@@ -303,16 +345,106 @@ def save_gpt2(state: Mapping[str, torch.Tensor], config: Any, out_dir: str | Pat
     _write(to_hf_names(staged, GPT2), config, tokenizer, Path(out_dir))
 
 
-def char_tokenizer(characters: str) -> Any:
+def char_tokenizer(characters: str, context: int) -> Any:
     """A tokenizer whose tokens are the single `characters`, in order (token i is `characters[i]`):
-    `model=gpt`'s character vocabulary, so its export decodes text in transformers."""
+    `model=gpt`'s character vocabulary, so its export decodes text in transformers. A character
+    vocabulary has no special tokens, so its first character (a newline, in the plays') ends and
+    pads a sequence; sequences are at most `context` tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = Tokenizer(models.WordLevel({c: i for i, c in enumerate(characters)}, unk_token=characters[0]))
     tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tokenizer.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+    first = characters[0]
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, eos_token=first, pad_token=first, model_max_length=context
+    )
+
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: where peft's `PeftModel` keeps the model it adapts: adapter names are `<PEFT_PREFIX><module>.lora_A.weight`
+PEFT_PREFIX = "base_model.model."
+
+
+def save_peft(
+    adapters: Mapping[str, torch.Tensor],
+    layout: Layout,
+    lora: tuple[int, float],
+    dropout: float,
+    base: str,
+    tokenizer: Any,
+    out_dir: str | Path,
+) -> None:
+    """Write LoRA `adapters` (`...lora_A`, `...lora_B` under stage names) as a folder that peft's
+    `PeftModel.from_pretrained(base_model, out_dir)` loads on the model in `base`. The maths is
+    peft's: `lora_A` (r x in) and `lora_B` (out x r) are its `lora_A.weight` and `lora_B.weight`,
+    scaled `lora_alpha / r`; GPT-2's projections are `Conv1D`s (`fan_in_fan_out`)."""
+    tensors = {}
+    for name, tensor in to_hf_names(adapters, layout).items():
+        module, _, kind = name.rpartition(".")
+        tensors[f"{PEFT_PREFIX}{module}.{kind}.weight"] = cpu_copy(tensor)
+    rank, alpha = lora
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": int(alpha) if float(alpha).is_integer() else alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted({name.rpartition(".")[0] for name in to_hf_names(adapters, layout)}),
+        "fan_in_fan_out": layout is GPT2,
+        "bias": "none",
+        "inference_mode": True,
+    }
+    with atomic_folder(Path(out_dir)) as tmp:
+        (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, metadata={"format": "pt"})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+
+
+def from_hf_name(name: str, layout: Layout) -> str:
+    """transformers' name -> `load_staged`'s stage name (`to_hf_names` backwards)."""
+    rest = name.removeprefix(f"{layout.body}.")
+    if rest == name:  # lm_head.<x>
+        return f"head.{name}"
+    if rest.startswith(f"{layout.layers}."):
+        index, _, inner = rest.removeprefix(f"{layout.layers}.").partition(".")
+        return f"block{int(index) + 1}.layer.{inner}"
+    return f"head.{rest}" if rest.startswith(f"{layout.norm}.") else f"embed.{rest}"
+
+
+def read_peft(folder: str | Path, model_dir: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A peft LoRA folder's `adapter_config.json` and its adapters under `load_staged`'s names, for a
+    model of `model_dir`'s layout; one line for what splitlab cannot take (another method, pickled
+    adapters, names of another model)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(folder)
+    try:
+        config = json.loads((path / ADAPTER_CONFIG).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{path / ADAPTER_CONFIG}: not valid JSON ({err})") from None
+    kind = config.get("peft_type") if isinstance(config, dict) else None
+    if kind != "LORA":
+        raise UserError(f"init={path}: peft adapters of type {kind!r}; splitlab takes LORA")
+    if not (path / ADAPTER_WEIGHTS).is_file():
+        raise UserError(f"init={path}: no {ADAPTER_WEIGHTS} (splitlab never unpickles adapter_model.bin)")
+    try:
+        tensors = load_file(path / ADAPTER_WEIGHTS)
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"init={path}/{ADAPTER_WEIGHTS}: not a safetensors file ({err})") from None
+    layout = LAYOUTS[read_config(model_dir)["model_type"]]
+    adapters = {}
+    for name, tensor in tensors.items():
+        inner = name.removeprefix(PEFT_PREFIX).removesuffix(".weight")
+        if not name.startswith(PEFT_PREFIX) or not inner.endswith((".lora_A", ".lora_B")):
+            raise UserError(f"init={path}: {name!r} is not a LoRA adapter of peft's ({PEFT_PREFIX}...lora_A.weight)")
+        adapters[from_hf_name(inner, layout)] = tensor
+    return config, adapters
 
 
 def _untie_if_trained(hf_state: dict[str, torch.Tensor], config: Any) -> None:
@@ -332,18 +464,10 @@ def _write(
     hf_state = dict(hf_state)
     _untie_if_trained(hf_state, config)
     config.dtype = next(iter(hf_state.values())).dtype
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
-    try:
+    with atomic_folder(out_dir) as tmp:
         config.save_pretrained(tmp)
         write_safetensors(tmp / WEIGHTS, {n: cpu_copy(t) for n, t in hf_state.items()}, metadata={"format": "pt"})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if generation is not None:
             shutil.copyfile(generation, tmp / generation.name)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

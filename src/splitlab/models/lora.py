@@ -10,10 +10,19 @@ adapters, and `merge_lora` hands back the base's names with `W + (alpha / r) B A
 It wraps `nn.Linear` and transformers' `Conv1D` (GPT-2's projections), whose weight is stored
 transposed (in x out); that one is recognised by its class name so this module does not import
 transformers.
+
+LoRA dropout (`lora_dropout=P`, as peft's): in training, the adapters see their input with each
+element zeroed with probability P and the rest scaled 1 / (1 - P); the frozen path sees it whole.
+No model may draw from torch's global random state (a client must compute the same in any
+process), so the mask comes from a generator keyed by the run's seed, the layer's name and the
+input's bytes: a part and every copy of it (SFL-V1's server copies, FSL-SAGE's auxiliary model)
+drop alike given the same input, and resuming needs no generator state. Hashing the input costs a
+pass over it (and a copy to the host on a GPU) per adapted layer and step.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 
@@ -42,7 +51,7 @@ def _is_linear(module: nn.Module) -> bool:
 class LoraLinear(nn.Module):
     """A frozen linear layer (the base's own `weight` and `bias` tensors) plus `lora_A`, `lora_B`."""
 
-    def __init__(self, base: nn.Module, rank: int, alpha: float) -> None:
+    def __init__(self, base: nn.Module, rank: int, alpha: float, dropout: float = 0.0, key: str = "") -> None:
         super().__init__()
         self.transposed = _is_conv1d(base)  # Conv1D: y = x W + b with W of shape (in, out)
         self.weight: nn.Parameter = base.weight  # type: ignore[assignment]
@@ -53,6 +62,7 @@ class LoraLinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # what nn.Linear does to its weight
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
+        self.dropout, self.key = dropout, key  # key: the run's seed and the layer's name
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The wrapped layer's own computation, operation for operation (so it is bit-identical)."""
@@ -63,7 +73,17 @@ class LoraLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base_forward(x) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+        adapted = self.dropped(x) if self.training and self.dropout > 0 else x
+        return self.base_forward(x) + F.linear(F.linear(adapted, self.lora_A), self.lora_B) * self.scaling
+
+    def dropped(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` with each element zeroed with probability `dropout`, the rest scaled to keep the mean;
+        the mask from a generator keyed by `key` and `x`'s bytes (see the module docstring)."""
+        data = x.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
+        digest = hashlib.sha256(self.key.encode() + b"\0" + data).digest()
+        generator = torch.Generator(x.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        keep = torch.rand(x.shape, generator=generator, device=x.device) >= self.dropout
+        return x * keep / (1 - self.dropout)
 
     def merged_weight(self) -> torch.Tensor:
         """`W + (alpha / r) B A` in the base's layout."""
@@ -71,18 +91,26 @@ class LoraLinear(nn.Module):
         return self.weight + (delta.T if self.transposed else delta)
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, alpha={self.alpha}, transposed={self.transposed}"
+        return f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, transposed={self.transposed}"
 
 
 def _matches(name: str, target: str) -> bool:
     return name == target or name.endswith("." + target)
 
 
-def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Sequence[str] | None = None) -> list[str]:
+def apply_lora(
+    model: nn.Module,
+    rank: int,
+    alpha: float,
+    targets: Sequence[str] | None = None,
+    dropout: float = 0.0,
+    seed: int = 0,
+) -> list[str]:
     """Freeze every parameter of `model`, then wrap in place each linear layer whose name is a
     target or ends with `.target` (`c_proj` matches both of GPT-2's, `attn.c_proj` only the
-    attention's). `targets=None` takes the `DEFAULT_TARGETS` the model has. Returns the names of
-    the wrapped layers, in module order (the order their `lora_A` are drawn in)."""
+    attention's). `targets=None` takes the `DEFAULT_TARGETS` the model has. `dropout` applies to
+    the adapters' input in training, its masks keyed by `seed` and the layer's name. Returns the
+    names of the wrapped layers, in module order (the order their `lora_A` are drawn in)."""
     if rank < 1 or alpha <= 0:
         raise UserError(f"lora={rank}:{alpha}: the rank must be at least 1 and alpha positive")
     linear = [name for name, module in model.named_modules() if _is_linear(module)]
@@ -104,8 +132,14 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, targets: Sequence[str]
     for name in wrapped:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, child, LoraLinear(getattr(parent, child), rank, alpha))
+        setattr(parent, child, LoraLinear(getattr(parent, child), rank, alpha, dropout, f"{seed}:{name}"))
     return wrapped
+
+
+def linear_layer_names(model: nn.Module) -> list[str]:
+    """The distinct short names (`c_attn`) of `model`'s linear layers, adapted or not: what
+    `lora_targets` may name."""
+    return _short_names([name for name, m in model.named_modules() if _is_linear(m) or isinstance(m, LoraLinear)])
 
 
 def _short_names(names: list[str]) -> list[str]:
@@ -126,15 +160,32 @@ def merge_lora(model: nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_base(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
-    """Load a base's weights (`merge_lora`'s output) into a freshly built `model`, whose adapters keep
-    their initial values (B = 0: the model computes what the base did); UserError naming `source`
-    (`init=RUN_DIR`) if they do not fit."""
+ADAPTERS = (".lora_A", ".lora_B")
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """`model`'s adapters (`...lora_A`, `...lora_B`) under its state-dict names."""
+    return {name: t.detach() for name, t in model.state_dict().items() if name.endswith(ADAPTERS)}
+
+
+def load_init(model: nn.Module, state: Mapping[str, torch.Tensor], source: str) -> None:
+    """Load `init=`'s weights into a freshly built `model`: a base's (`merge_lora`'s output), whose
+    adapters then keep their initial values (B = 0: the model computes what the base did), or
+    adapters alone (a peft folder), over the model's own base. UserError naming `source` if they
+    do not fit."""
+    adapters_only = all(name.endswith(ADAPTERS) for name in state)
     try:
         missing, unexpected = model.load_state_dict(state, strict=False)
     except RuntimeError as error:
         why = str(error).strip().splitlines()[-1].strip()[:160]
         raise UserError(f"{source}: its model does not fit this run's ({why})") from None
-    missing = [name for name in missing if not name.endswith(("lora_A", "lora_B"))]
+    missing = [name for name in missing if name.endswith(ADAPTERS) == adapters_only]
+    if adapters_only and (missing or unexpected):
+        mine = sorted({name.rpartition(".")[0].rpartition(".")[2] for name in adapter_state(model)})
+        theirs = sorted({name.rpartition(".")[0].rpartition(".")[2] for name in state})
+        raise UserError(
+            f"{source}: its adapters do not fit this run's (theirs on {', '.join(theirs)}, this run's on "
+            f"{', '.join(mine)}; missing {missing[:2]}, extra {unexpected[:2]})"
+        )
     if missing or unexpected:
         raise UserError(f"{source}: its model does not fit this run's (missing {missing[:3]}, extra {unexpected[:3]})")

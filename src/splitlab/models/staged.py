@@ -126,16 +126,18 @@ def joined(parts: list[nn.Module]) -> nn.Sequential:
 
 @contextlib.contextmanager
 def inference(*modules: nn.Module) -> Iterator[None]:
-    """No gradients, and `modules` in eval mode for the block (their mode is restored after)."""
-    modes = [module.training for module in modules]
+    """No gradients, and `modules` in eval mode for the block. Each submodule gets its own mode
+    back after (a recursive `train(mode)` would switch on whatever the model keeps in eval mode,
+    e.g. a checkpoint's dropout)."""
+    modes = [(sub, sub.training) for module in modules for sub in module.modules()]
     try:
         with torch.no_grad():
             for module in modules:
                 module.eval()
             yield
     finally:
-        for module, mode in zip(modules, modes):
-            module.train(mode)
+        for sub, mode in modes:
+            sub.training = mode
 
 
 def output_shape(module: nn.Module, input_shape: tuple[int, ...], dtype=torch.float32) -> tuple[int, ...]:

@@ -51,7 +51,7 @@ from splitlab.net.checks import Checks, OwnPartyReports, Refused, held
 from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint
 from splitlab.rundir import check_out_dir
-from splitlab.transport import ClientDropped, Proxy, Transport, VerbSpec
+from splitlab.transport import KEYED, ClientDropped, Proxy, Transport, VerbSpec, as_message
 
 logger = logging.getLogger(__name__)
 
@@ -567,7 +567,8 @@ class RemoteProxy(Proxy):
         transport: NetworkTransport = self._transport  # type: ignore[assignment]
 
         def call(*args: Any, **kwargs: Any) -> Any:
-            return transport.remote_call(self._client_id, name, spec, *args, **kwargs)
+            result = transport.remote_call(self._client_id, name, spec, *args, **kwargs)
+            return as_message(f"{self._role_class.__name__}.{name}", result) if spec.up == KEYED else result
 
         setattr(self, name, call)
         return call

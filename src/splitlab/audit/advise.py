@@ -3,7 +3,7 @@ the trade-off in view: what the client holds and computes, what crosses the cut,
 latency model, what a curious server recovers after a short training, and that training's accuracy.
 
 Each cut gets a short probe run (OUT/cut<c>, a normal run directory) and both attacks against its
-final model (splitlab.privacy.audit). OUT gets advise.md (the table), advise.json and advise.png.
+final model (splitlab.audit.run). OUT gets advise.md (the table), advise.json and advise.png.
 """
 
 from __future__ import annotations
@@ -123,11 +123,11 @@ def advise(raw: dict) -> dict[str, Any]:
     """Probe every cut; write OUT/advise.md, advise.json, advise.png; return the rows. Every setting
     is checked, and the sizes fixed, before the first probe trains."""
     from splitlab.algorithms import get_algorithm
+    from splitlab.audit.records import attack_sizes
+    from splitlab.audit.run import attack_run
     from splitlab.config import parse_settings
     from splitlab.data import load_dataset
     from splitlab.engine import run
-    from splitlab.privacy.audit import attack_run, check_classification
-    from splitlab.privacy.record import attack_sizes
 
     settings = parse_settings(AdviseSettings, raw)
     check_classification(settings.dataset, "advise (its probes run inversion and label_leak)")
@@ -276,3 +276,15 @@ def _plot(file: Path, settings: AdviseSettings, rows: list[dict[str, Any]]) -> N
     ax.legend(fontsize=7)
     write_png(file, fig)
     plt.close(fig)
+
+
+def check_classification(dataset: str, what: str) -> None:
+    """Refuse, in one line, these attacks on a language dataset: they are image classification's."""
+    from splitlab.data import SEQUENCE_DATASETS
+
+    if dataset in SEQUENCE_DATASETS:
+        raise UserError(
+            f"{what} does not apply to dataset={dataset}: inversion rebuilds images (scored by SSIM/PSNR) and "
+            f"label_leak infers class labels from cut gradients, but a language run's inputs are tokens, and its "
+            f"targets (the text shifted by one token) already reach the server in the clear"
+        )

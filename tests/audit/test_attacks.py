@@ -12,9 +12,11 @@ from safetensors.torch import load_file
 from scipy.stats import rankdata
 
 from helpers import quick, train
+from splitlab.audit.common import defended_smashed
+from splitlab.audit.inversion import inversion
+from splitlab.audit.label_leak import cut_gradients, label_leak
 from splitlab.cli import main
 from splitlab.engine import run
-from splitlab.privacy import attacks
 from splitlab.privacy.accounting import epsilon
 from splitlab.privacy.defenses import parse_defense
 
@@ -26,9 +28,9 @@ def digits_attacks(cut: int, defense: str) -> tuple[dict, dict]:
     client, server = experiment.assemble(experiment.algorithm.global_model())
     x, y, d = experiment.data.test_x, experiment.data.test_y, parse_defense(defense)
     aux, targets, labels = x[:200], x[200:], y[200:]
-    inversion = attacks.inversion(client, d, aux, attacks.defended_smashed(client, targets, d, 1), targets, 20, 0)
-    leak = attacks.label_leak(attacks.cut_gradients(client, server, targets, labels, d, 32, 0), labels)
-    return inversion, leak
+    scores = inversion(client, d, aux, defended_smashed(client, targets, d, 1), targets, 20, 0)
+    leak = label_leak(cut_gradients(client, server, targets, labels, d, 32, 0), labels)
+    return scores, leak
 
 
 def test_reconstruction_falls_with_depth_and_noise_and_label_leak_falls_with_gradient_noise():
@@ -46,9 +48,9 @@ def test_label_leak_scores_separate_classes_by_gradient_direction():
     torch.manual_seed(0)
     labels = torch.arange(40) % 4
     directions = torch.eye(4, 16)[labels]
-    aligned = attacks.label_leak(directions * torch.rand(40, 1) + 0.01 * torch.randn(40, 16), labels)
+    aligned = label_leak(directions * torch.rand(40, 1) + 0.01 * torch.randn(40, 16), labels)
     assert aligned["direction_auc"] == 1.0
-    assert 0.3 < attacks.label_leak(torch.randn(40, 16), labels)["direction_auc"] < 0.7
+    assert 0.3 < label_leak(torch.randn(40, 16), labels)["direction_auc"] < 0.7
 
 
 def test_record_and_the_attack_command(tmp_path, capsys):
@@ -85,6 +87,11 @@ def test_a_tables_rows_are_inverted_and_scored_per_column_without_a_picture(tmp_
     result = json.loads((out / "attack.json").read_text())["inversion"]
     assert len(result["r2_by_column"]) == 30 and result["baseline"]["r2"] < 0.05 < 0.3 < result["decoder"]["r2"]
     assert "R^2 per column / MSE (decoder)" in capsys.readouterr().out and not (out / "attack_inversion.png").exists()
+    for attack in ("unsplit", "fsha"):  # refused from what they declare they need, before any work
+        assert main(["attack", str(out), f"attack={attack}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"attack={attack} does not apply to" in err, err
+        assert "(it needs images; this run has table rows)" in err, err
 
 
 def test_label_leak_is_refused_where_no_cut_gradient_is_sent(tmp_path, capsys):
@@ -160,7 +167,7 @@ def planted_norm_leak(labels: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("classes", [2, 10])
 def test_norm_attack_sees_a_planted_perfect_leak(classes):
     labels = torch.arange(200) % classes
-    assert attacks.label_leak(planted_norm_leak(labels), labels)["norm_auc"] == pytest.approx(1.0)
+    assert label_leak(planted_norm_leak(labels), labels)["norm_auc"] == pytest.approx(1.0)
 
 
 def rank_auc(score: np.ndarray, positive: np.ndarray) -> float:
@@ -199,6 +206,6 @@ def test_label_leak_matches_li_et_al_on_digits_zero_versus_rest():
     others = np.arange(len(y)) != known
     cosine = g @ g[known] / (np.linalg.norm(g, axis=1) * np.linalg.norm(g[known]))
     theirs_cosine = rank_auc(cosine[others], positive[others])
-    ours = attacks.label_leak(torch.cat(grads), y)
+    ours = label_leak(torch.cat(grads), y)
     assert theirs_norm > 0.7  # the leak is there to see
     assert abs(ours["norm_auc"] - theirs_norm) < 0.05 and abs(ours["direction_auc"] - theirs_cosine) < 0.05

@@ -5,7 +5,7 @@ The curious training server of a split language model receives, per sequence, th
 the learning-based attack of the split-LLM literature (the embedding-inversion attack that
 SplitLLM's BiSR starts from; He et al. 2019's decoder, for tokens): a per-position classifier
 from a hidden state to the token at that position, trained on auxiliary text passed through a
-copy of the client part. Assumed, as for image inversion (splitlab.privacy.attacks): the server
+copy of the client part. Assumed, as for image inversion (splitlab.audit.inversion): the server
 holds auxiliary text from the clients' distribution (a seeded part of the test split, disjoint
 from the targets), the client part's weights (the run's final global client part: a training
 server that is, or colludes with, the sync server has them) and the defense configuration, which
@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitlab.privacy.attacks import DECODER_WIDTH, defended_smashed, fit
+from splitlab.audit.attack import Attack, Target
+from splitlab.audit.common import DECODER_WIDTH, defended_smashed, fit
 from splitlab.privacy.defenses import Defense
 
 EXAMPLE_CHARACTERS = 64
@@ -85,3 +86,36 @@ def token_inversion(
             "reconstructed": "".join(characters[t] for t in shown[:EXAMPLE_CHARACTERS].tolist()),
         }
     return result
+
+
+class TokenInversion(Attack):
+    name = "token_inversion"
+    inputs = ("tokens",)
+    why = "it reconstructs the tokens of a language run; use attack=inversion"
+
+    def run(self, target: Target) -> dict[str, Any]:
+        x, settings, experiment = target.x, target.settings, target.experiment
+        if target.recorded:
+            x, smashed = target.recorded[1]["inputs"].to(x.device).long(), target.recorded[1]["smashed"].to(x.device)
+        else:
+            smashed = defended_smashed(target.client, x, target.defense, settings.seed)
+        return token_inversion(
+            target.client,
+            target.defense,
+            target.aux_x,
+            smashed,
+            x,
+            experiment.blueprint.num_classes,
+            settings.epochs,
+            settings.seed,
+            experiment.data.vocabulary,
+        )
+
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        return [
+            (f"token accuracy ({result['attacker']})", f"{result['accuracy']:.2%}"),
+            ("decoder", f"{result['decoder']:.2%}"),
+            (f"floor: always token {result['baseline_token']}", f"{result['baseline']:.2%}"),
+            *((name, repr(text)) for name, text in result.get("example", {}).items()),
+        ]

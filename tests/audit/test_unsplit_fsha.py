@@ -10,11 +10,11 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from splitlab.audit.common import image_scores
+from splitlab.audit.fsha import splitguard_score
+from splitlab.audit.unsplit import surrogate_of, total_variation
 from splitlab.cli import main
 from splitlab.engine import run
-from splitlab.privacy.attacks import image_scores
-from splitlab.privacy.fsha import splitguard_score
-from splitlab.privacy.unsplit import surrogate_of, total_variation
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
+from splitlab.audit.advise import AdviseSettings, cut_costs, pareto_front, recommend
 from splitlab.cli import main
-from splitlab.privacy.advise import AdviseSettings, cut_costs, pareto_front, recommend
 
 
 def test_costs_per_cut_are_the_hand_computed_ones():

@@ -26,7 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitlab.privacy.attacks import fit
+from splitlab.audit.attack import Attack, Target
+from splitlab.audit.common import fit
+from splitlab.errors import UserError
+from splitlab.models import split
 
 HEAD_WIDTH = 128
 DEFAULT_PER_CLASS = 40  # labelled samples of each class the attacker holds by default
@@ -133,3 +136,43 @@ def model_completion(
         "labelled_per_class": len(aux_y) // num_classes,
         "samples": len(target_y),
     }
+
+
+class ModelCompletion(Attack):
+    name = "model_completion"
+    inputs = ("images", "table rows")
+    why = "a language run's labels are its next input tokens, which the client holds"
+
+    def run(self, target: Target) -> dict[str, Any]:
+        """Labelled samples drawn from the test samples that are not targets, against the trained
+        client part and the untrained one (the run's initial weights)."""
+        x, y, settings, experiment = target.x, target.y, target.settings, target.experiment
+        if target.recorded:
+            x, y = (target.recorded[1][name].to(x.device) for name in ("inputs", "labels"))
+        data, num_classes = experiment.data, experiment.blueprint.num_classes
+        pool = target.order[target.held_out :]
+        try:
+            labelled = pool[balanced_labelled(data.test_y[pool].cpu().numpy(), settings.aux, num_classes)]
+        except ValueError as error:
+            raise UserError(f"cannot attack {str(target.path)!r}: {error}") from None
+        untrained, _ = split(experiment.blueprint.new_model(), experiment.config.run.cut)
+        labelled_idx = torch.as_tensor(labelled, device=data.test_y.device)
+        return model_completion(
+            target.client,
+            untrained.eval(),
+            data.test_x[labelled_idx],
+            data.test_y[labelled_idx],
+            x,
+            y,
+            num_classes,
+            settings.epochs,
+            settings.seed,
+        )
+
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        return [
+            (f"label accuracy ({result['labelled']} labelled)", f"{result['accuracy']:.2%}"),
+            ("untrained client part, same head", f"{result['untrained_accuracy']:.2%}"),
+            (f"floor: always class {result['floor_class']}", f"{result['floor']:.2%}"),
+        ]

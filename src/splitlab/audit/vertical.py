@@ -3,17 +3,18 @@ party's features and what a passive party learns of the labels.
 
 - `inversion`, per party: the server (or a label-holding party, which sees no more) inverts party
   j's embedding back to party j's features (its region of an image, its columns of a table) with
-  the learning-based inversion of vanilla runs (`attacks.inversion`, the same decoder and `fit`).
+  the learning-based inversion of vanilla runs (splitlab.audit.inversion, the same decoder and `fit`).
   Assumed, as there: the attacker holds auxiliary samples with party j's features (a seeded part
   of the test split, disjoint from the targets) and party j's final bottom model, and knows the
   defense. Scored per party: SSIM/PSNR for image regions, per-column R^2 and MSE for table
   columns, each against the floor of answering the auxiliary data's mean.
 - `label_leak`: every passive party (one without the labels) scores the labels from the gradients
-  it receives at its embedding (Li et al. 2022's norm and direction attacks, `attacks.label_leak`).
+  it receives at its embedding (Li et al. 2022's norm and direction attacks, splitlab.audit.label_leak).
 
 Targets are what the server saw in a recorded round when the run was made with `record=N` (the
 last by default, `round=` another; splitlab.privacy.record.PartyRecorder), otherwise held-out test
-samples through the final model, with the run's defense applied.
+samples through the final model, with the run's defense applied. This module builds that target
+(`vertical_target`); each attack plays on it in its own module (`Attack.run_vertical`).
 """
 
 from __future__ import annotations
@@ -25,40 +26,41 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from splitlab.audit.attack import VerticalTarget
+from splitlab.audit.records import attack_sizes, chosen_round, record_files, record_problem
 from splitlab.errors import UserError
-from splitlab.privacy import attacks
 
 if TYPE_CHECKING:
-    from splitlab.privacy.audit import AttackSettings
+    from splitlab.audit.attack import Attack
+    from splitlab.audit.settings import AttackSettings
 
-OFFERED = (
-    "offered: inversion (each party's features from its embedding) and label_leak (the labels from the "
-    "gradients a passive party receives)"
-)
 _PARTY_TENSOR = re.compile(r"(inputs|smashed|labels|cut_grad)@(\d+)")
 
 
-def attack_vertical(path: Path, stored: dict[str, Any], settings: AttackSettings) -> dict[str, Any]:
-    """Run `settings.attack` on the vertical run in `path`; its result (the caller keeps it in attack.json)."""
+def vertical_target(
+    path: Path, stored: dict[str, Any], settings: AttackSettings, attack: type[Attack]
+) -> VerticalTarget:
+    """The target of `attack` on the vertical run in `path`; refused in one line where the run
+    cannot give what the attack needs."""
     from splitlab.assembly import test_set
-    from splitlab.privacy.record import attack_sizes, record_files
     from splitlab.vertical import load_final
 
-    attack = settings.attack
-    if attack not in ("inversion", "label_leak"):
-        raise UserError(f"attack={attack} is not offered for a vertical run; {OFFERED}")
     if settings.client:
         raise UserError(f"client={settings.client} does not apply to a vertical run: every party is attacked")
+    if stored.get("data") == "own":
+        raise UserError(
+            f"attack={attack.name} on a vertical run needs every party's columns of the test samples in one "
+            f"process, beside the final model (or a round recorded there); {str(path)!r} is a data=own run: each "
+            f"party's columns stayed in its own files and no round could be recorded, so nothing here can be attacked"
+        )
     files = record_files(path)  # stray or misnamed files refused before any work
     config, vertical, model = load_final(path, stored, settings.device)
     plan, blueprint = vertical.plan, vertical.blueprint
     recorded = _recorded(path, files, settings.round, model, blueprint.num_classes)
     passive = [j for j in range(plan.parties) if j != plan.labels_at]
-    if attack == "label_leak" and not passive:
-        raise UserError(f"{str(path)!r} has one party and it holds the labels: no passive party to attack with")
     x, y = test_set(config, vertical.data, blueprint.device)
     order = np.random.default_rng([settings.seed, len(y)]).permutation(len(y))
-    if attack == "label_leak":  # held-out targets only: no auxiliary data
+    if not attack.aux:  # held-out targets only
         held_out = min(500, len(y)) if settings.targets is None else settings.targets
         if held_out > len(y):
             raise UserError(f"targets={held_out} is more than the {len(y)} test samples of {str(path)!r}")
@@ -67,54 +69,10 @@ def attack_vertical(path: Path, stored: dict[str, Any], settings: AttackSettings
         held_out, aux = attack_sizes(len(y), settings.aux, settings.targets, held_out=recorded is None)
     chosen = torch.as_tensor(order[:held_out], device=y.device)
     aux_x = x[torch.as_tensor(order[held_out : held_out + aux], device=y.device)]
-    x, y = x[chosen], y[chosen]
     source = f"recorded round {recorded[0]}" if recorded else f"{held_out} held-out test samples, final model"
-    defense = blueprint.defense
-    by_party: dict[int, dict[str, Any]] = {}
-    try:
-        if attack == "label_leak":
-            grads = _gradients(model, x, y, config.run.batch_size) if recorded is None else None
-            for j in passive:
-                if recorded is None:
-                    assert grads is not None
-                    by_party[j] = attacks.label_leak(grads[j], y)
-                elif f"cut_grad@{j}" in recorded[1]:
-                    by_party[j] = attacks.label_leak(recorded[1][f"cut_grad@{j}"], recorded[1][f"labels@{j}"])
-                else:
-                    raise ValueError(f"round {recorded[0]} recorded no gradient for party {j}")
-            source += f", passive part{'y' if len(passive) == 1 else 'ies'} {', '.join(map(str, passive))}"
-        else:
-            for j, bottom in enumerate(model.bottoms):
-                if recorded is None:
-                    inputs = plan.columns(x, j)
-                    smashed = attacks.defended_smashed(bottom, inputs, defense, settings.seed)
-                else:
-                    inputs, smashed = recorded[1][f"inputs@{j}"], recorded[1][f"smashed@{j}"]
-                scores = attacks.inversion(
-                    bottom, defense, plan.columns(aux_x, j), smashed, inputs, settings.epochs, settings.seed
-                )
-                scores.pop("reconstructed")
-                by_party[j] = {"columns": list(plan.groups[j]), **scores}
-    except ValueError as error:
-        raise UserError(f"cannot attack {str(path)!r}: {error}") from None
-    first = next(iter(by_party.values()))
-    summary = {k: v for k, v in first.items() if k in ("norm_auc", "direction_auc", "scored", "samples")}
-    return {"attack": attack, "targets": source, "defense": config.run.defense, **summary, "by_party": by_party}
-
-
-def _gradients(model: Any, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    """Per party, the gradient at its embedding the server would send for (x, y) through the final
-    model (mean loss over each batch of the run's size)."""
-    plan = model.plan
-    grads: list[list[torch.Tensor]] = [[] for _ in range(plan.parties)]
-    for batch_x, batch_y in zip(x.split(batch_size), y.split(batch_size)):
-        embeddings = [
-            bottom(plan.columns(batch_x, j)).detach().requires_grad_() for j, bottom in enumerate(model.bottoms)
-        ]
-        value = torch.nn.functional.cross_entropy(model.top(plan.join(embeddings, model.shapes)), batch_y)
-        for j, grad in enumerate(torch.autograd.grad(value, embeddings)):
-            grads[j].append(grad)
-    return [torch.cat(g) for g in grads]
+    return VerticalTarget(
+        path, settings, config, plan, model, blueprint.defense, x[chosen], y[chosen], aux_x, recorded, passive, source
+    )
 
 
 def _recorded(
@@ -124,8 +82,6 @@ def _recorded(
     records are (names, dtypes, shapes, one length per party, finite, labels in range)."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
-    from splitlab.privacy.record import chosen_round, record_problem
 
     chosen = chosen_round(path, files, rnd)
     if chosen is None:

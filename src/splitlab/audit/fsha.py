@@ -42,9 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitlab.audit.attack import Attack, Target
+from splitlab.audit.common import image_scores, write_picture
+from splitlab.audit.unsplit import surrogate_of
+from splitlab.errors import UserError
 from splitlab.privacy import defenses
 from splitlab.privacy.defenses import Defense, decode
-from splitlab.privacy.unsplit import surrogate_of
 
 WIDTH = 512  # hidden width of the decoder and the discriminator
 GRADIENT_PENALTY = 10.0  # WGAN-GP's weight (Gulrajani et al. 2017), as FSHA uses it
@@ -150,8 +153,6 @@ def simulate(
     """Train the client part `steps` steps against an honest or a malicious (FSHA) server, the
     client running SplitGuard. Malicious: the decoder's SSIM/PSNR on the client's first 64
     private samples at `checkpoints` evenly spaced steps, against the mean image of the aux data."""
-    from splitlab.privacy.attacks import image_scores
-
     generator = torch.Generator(setup.private_x.device).manual_seed(seed)
     rng = np.random.default_rng(seed)
     client, head = copy.deepcopy(setup.client).train(), copy.deepcopy(setup.server).train()
@@ -231,3 +232,66 @@ def _accuracy(client: nn.Module, head: nn.Module, setup: Simulation) -> float:
             for x, y in zip(setup.test_x.split(256), setup.test_y.split(256))
         )
     return correct / len(setup.test_y)
+
+
+class FSHA(Attack):
+    name = "fsha"
+    inputs = ("images",)
+    why = "FSHA reconstructs images"
+    replays_record = False  # an active attack during training: simulated afresh on the run's setting
+
+    def run(self, target: Target) -> dict[str, Any]:
+        from splitlab.roles import client_part, server_part
+
+        settings, experiment = target.settings, target.experiment
+        warmup = settings.steps // 5  # SplitGuard starts once training has settled a little
+        if (settings.steps - warmup) // settings.guard < 1:
+            raise UserError(
+                f"guard={settings.guard} leaves SplitGuard no fake batch and regular ones to compare in "
+                f"steps={settings.steps} (the first {warmup} are warm-up); allowed: 2 to {(settings.steps - warmup)}"
+            )
+        assert experiment.roles is not None  # load_run builds every role in this process
+        node = experiment.roles.clients[settings.client]
+        blueprint = experiment.blueprint
+        setup = Simulation(
+            client=client_part(blueprint),
+            server=server_part(blueprint),
+            make_optimizer=blueprint.optimizer,
+            defense=target.defense,
+            private_x=node.inputs(node.x),
+            private_y=node.y,
+            aux_x=target.aux_x,
+            test_x=target.x,
+            test_y=target.y,
+            num_classes=blueprint.num_classes,
+            batch_size=experiment.config.run.batch_size,
+        )
+        result: dict[str, Any] = {
+            "targets": f"client {settings.client}'s training samples, {settings.steps} simulated steps"
+        }
+        result["malicious"] = simulate(setup, True, settings.steps, 5, warmup, settings.guard, settings.seed)
+        result["honest"] = simulate(setup, False, settings.steps, 5, warmup, settings.guard, settings.seed)
+        write_picture(
+            target.path / "attack_fsha.png", setup.private_x[:16].cpu(), result["malicious"].pop("reconstructed")
+        )
+        return result
+
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        malicious, honest = result["malicious"], result["honest"]
+        rows = [
+            (
+                f"  step {step}: SSIM / PSNR, task accuracy",
+                f"{row['ssim']:.3f} / {row['psnr']:.2f} dB, {row['task_accuracy']:.2%}",
+            )
+            for step, row in malicious["by_step"].items()
+        ]
+        return [
+            *rows,
+            ("floor: mean image", f"{malicious['baseline']['ssim']:.3f} / {malicious['baseline']['psnr']:.2f} dB"),
+            (
+                "task accuracy: honest / FSHA server",
+                f"{honest['task_accuracy']:.2%} / {malicious['task_accuracy']:.2%}",
+            ),
+            ("SplitGuard score: honest / FSHA server", f"{honest['splitguard']:.3f} / {malicious['splitguard']:.3f}"),
+        ]

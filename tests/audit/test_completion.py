@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from helpers import quick, train
+from splitlab.audit import model_completion as completion
 from splitlab.cli import main
 from splitlab.engine import run
 from splitlab.models import split
-from splitlab.privacy import completion
 
 
 def test_a_trained_client_part_completed_with_one_label_per_class_infers_labels():

@@ -24,6 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitlab.audit.attack import Attack, Target
+from splitlab.audit.common import defended_smashed, image_scores, write_picture
+from splitlab.errors import UserError
+
 BATCH = 128  # targets reconstructed together, sharing the surrogate
 STEPS = 10  # descent steps on each coordinate (input, surrogate) per alternation
 LR = 0.03  # Adam's, for both coordinates
@@ -96,8 +100,6 @@ def scored_unsplit(
     floor of the inversion attack. The floor needs auxiliary data this attacker does not have, so
     it is not folded into the figure: it says whether the data-oblivious attacker does better than
     one that only knows the average input."""
-    from splitlab.privacy.attacks import image_scores
-
     if target_inputs.dim() != 4:
         raise ValueError(
             f"input reconstruction needs images (N, C, H, W), not inputs of shape {tuple(target_inputs.shape)}"
@@ -110,3 +112,38 @@ def scored_unsplit(
         "samples": len(target_inputs),
         "reconstructed": reconstructed[:16].cpu(),
     }
+
+
+class UnSplit(Attack):
+    name = "unsplit"
+    inputs = ("images",)
+    why = "it reconstructs images by descent on the input and a total-variation prior"
+
+    def run(self, target: Target) -> dict[str, Any]:
+        x, settings, data = target.x, target.settings, target.experiment.data
+        if target.recorded:
+            x, smashed = (target.recorded[1][name].to(x.device) for name in ("inputs", "smashed"))
+        else:
+            smashed = defended_smashed(target.client, x, target.defense, settings.seed)
+        try:
+            scores = scored_unsplit(
+                target.client,
+                smashed,
+                x,
+                (float(data.test_x.min()), float(data.test_x.max())),  # the input format's range
+                target.aux_x.mean(0, keepdim=True),
+                {"iterations": settings.iterations, "tv": settings.tv},
+                settings.seed,
+            )
+        except ValueError as error:
+            raise UserError(f"cannot attack {str(target.path)!r}: {error}") from None
+        write_picture(target.path / "attack_unsplit.png", x[:16].cpu(), scores.pop("reconstructed"))
+        return scores
+
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        baseline = result["baseline"]
+        return [
+            ("SSIM / PSNR (unsplit, no data)", f"{result['ssim']:.3f} / {result['psnr']:.2f} dB"),
+            ("floor: mean image", f"{baseline['ssim']:.3f} / {baseline['psnr']:.2f} dB"),
+        ]

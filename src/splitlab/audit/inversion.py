@@ -1,0 +1,163 @@
+"""Input reconstruction (`attack=inversion`; the learning-based model inversion of He et al. 2019,
+"Model inversion attacks against collaborative inference"): the server trains a decoder from
+smashed data back to inputs on auxiliary data it holds, then applies it to the smashed data it
+received. Assumed: the server holds auxiliary samples from the clients' distribution (here: the
+dataset's test split, disjoint from every client's training samples) and the client part's
+weights (the final global client part of the run: in split federated learning the sync server
+averages it, and a training server that is, or colludes with, the sync server has it), and it
+knows the defense configuration, which it applies to its auxiliary data (Kerckhoffs). Scored by
+SSIM and PSNR (torchmetrics) against the true inputs, which only the experimenter has; a table's
+rows by R^2 per column and MSE, without a picture. On a vertical run, per party: the server (or a
+label-holding party, which sees no more) inverts party j's embedding back to party j's features.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitlab.audit.attack import Attack, Target, VerticalTarget
+from splitlab.audit.common import DECODER_WIDTH, defended_smashed, fit, image_scores, write_picture
+from splitlab.errors import UserError
+from splitlab.privacy.defenses import Defense
+
+
+class Inversion(Attack):
+    name = "inversion"
+    inputs = ("images", "table rows")
+    why = "it reconstructs images; on a language run use attack=token_inversion"
+    vertical = "each party's features from its embedding"
+
+    def run(self, target: Target) -> dict[str, Any]:
+        x, settings = target.x, target.settings
+        if target.recorded:
+            x, smashed = (target.recorded[1][name].to(x.device) for name in ("inputs", "smashed"))
+        else:
+            smashed = defended_smashed(target.client, x, target.defense, settings.seed)
+        try:
+            scores = inversion(target.client, target.defense, target.aux_x, smashed, x, settings.epochs, settings.seed)
+        except ValueError as error:
+            raise UserError(f"cannot attack {str(target.path)!r}: {error}") from None
+        reconstructed = scores.pop("reconstructed")
+        if x.dim() == 4:  # images; a table's rows have no picture
+            write_picture(target.path / "attack_inversion.png", x[:16].cpu(), reconstructed)
+        return scores
+
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        """Per party on a vertical run: images SSIM / PSNR, table rows mean R^2 per column / MSE, with the floor."""
+        rows = []
+        for party, scores in result.get("by_party", {None: result}).items():
+            who = "" if party is None else f"party {party}: "
+            measure, floor = ("SSIM / PSNR", "mean image") if "ssim" in scores else ("R^2 per column / MSE", "mean row")
+            rows += [
+                (f"{who}{measure} ({scores['attacker']})", _said(scores)),
+                (f"{who}decoder", _said(scores["decoder"])),
+                (f"{who}floor: {floor}", _said(scores["baseline"])),
+            ]
+        return rows
+
+    def run_vertical(self, target: VerticalTarget) -> dict[str, Any]:
+        plan, settings, by_party = target.plan, target.settings, {}
+        try:
+            for j, bottom in enumerate(target.model.bottoms):
+                if target.recorded is None:
+                    inputs = plan.columns(target.x, j)
+                    smashed = defended_smashed(bottom, inputs, target.defense, settings.seed)
+                else:
+                    inputs, smashed = target.recorded[1][f"inputs@{j}"], target.recorded[1][f"smashed@{j}"]
+                scores = inversion(
+                    bottom,
+                    target.defense,
+                    plan.columns(target.aux_x, j),
+                    smashed,
+                    inputs,
+                    settings.epochs,
+                    settings.seed,
+                )
+                scores.pop("reconstructed")
+                by_party[j] = {"columns": list(plan.groups[j]), **scores}
+        except ValueError as error:
+            raise UserError(f"cannot attack {str(target.path)!r}: {error}") from None
+        first = by_party[0]
+        return {**{k: v for k, v in first.items() if k in ("scored", "samples")}, "by_party": by_party}
+
+
+def train_decoder(smashed: torch.Tensor, inputs: torch.Tensor, epochs: int, seed: int) -> nn.Module:
+    """An MLP from flattened smashed data to flattened inputs, fit by MSE on the server's auxiliary pairs."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        d_in, d_out = smashed[0].numel(), inputs[0].numel()
+        decoder = nn.Sequential(
+            nn.Flatten(),
+            nn.Linear(d_in, DECODER_WIDTH),
+            nn.ReLU(),
+            nn.Linear(DECODER_WIDTH, DECODER_WIDTH),
+            nn.ReLU(),
+            nn.Linear(DECODER_WIDTH, d_out),
+        ).to(smashed.device)
+        return fit(decoder, smashed, inputs.flatten(1), F.mse_loss, epochs, 64)
+
+
+def table_scores(reconstructed: torch.Tensor, target: torch.Tensor) -> dict[str, Any]:
+    """Table rows (N, columns) rebuilt: the mean squared error, and each column's R^2 (1 - its
+    squared error over its variance about its own mean: 1 exact, 0 no better than knowing that
+    mean, negative worse) with their mean; a column constant over the targets has no R^2 (None)."""
+    error = (reconstructed - target).double().pow(2)
+    spread = (target - target.mean(0)).double().pow(2).sum(0)
+    by_column = [None if float(s) == 0 else 1 - float(e) / float(s) for e, s in zip(error.sum(0), spread)]
+    scored = [r for r in by_column if r is not None]
+    return {"r2": float(np.mean(scored)) if scored else 0.0, "mse": float(error.mean()), "r2_by_column": by_column}
+
+
+def inversion(
+    client: nn.Module,
+    defense: Defense,
+    aux_inputs: torch.Tensor,
+    target_smashed: torch.Tensor,
+    target_inputs: torch.Tensor,
+    epochs: int,
+    seed: int,
+) -> dict[str, Any]:
+    """Train a decoder on the server's auxiliary data and reconstruct the target inputs from the
+    smashed data the server received: images (N, C, H, W), scored by SSIM and PSNR, or table rows
+    (N, columns), scored by R^2 per column and MSE (`table_scores`). The result is the stronger of
+    the decoder and the trivial attacker that answers the auxiliary data's mean (the floor): under
+    strong noise a decoder can do worse than that, which must not read as privacy. Both are reported."""
+    if target_inputs.dim() not in (2, 4):
+        raise ValueError(
+            f"input reconstruction needs images (N, C, H, W) or table rows (N, columns), not inputs of shape "
+            f"{tuple(target_inputs.shape)}"
+        )
+    aux_smashed = defended_smashed(client, aux_inputs, defense, seed + 1)
+    decoder = train_decoder(aux_smashed, aux_inputs, epochs, seed)
+    with torch.no_grad():
+        reconstructed = torch.cat([decoder(z) for z in target_smashed.split(256)]).view_as(target_inputs)
+    mean_input = aux_inputs.mean(0, keepdim=True).expand_as(target_inputs)
+    if target_inputs.dim() == 4:
+        data_range = float(target_inputs.max() - target_inputs.min())
+        learned, floor = (image_scores(r, target_inputs, data_range) for r in (reconstructed, mean_input))
+        key, mean_name = "ssim", "mean image"
+    else:
+        learned, floor = table_scores(reconstructed, target_inputs), table_scores(mean_input, target_inputs)
+        key, mean_name = "r2", "mean row"
+    best = "decoder" if learned[key] >= floor[key] else mean_name
+    return {
+        **(learned if best == "decoder" else floor),
+        "attacker": best,  # the stronger of the two: a failed decoder never reads as privacy
+        "decoder": learned,
+        "baseline": floor,
+        "samples": len(target_inputs),
+        "aux_samples": len(aux_inputs),
+        "reconstructed": (reconstructed if best == "decoder" else mean_input)[:16].cpu(),
+    }
+
+
+def _said(scores: dict[str, Any]) -> str:
+    if "ssim" in scores:
+        return f"{scores['ssim']:.3f} / {scores['psnr']:.2f} dB"
+    return f"{scores['r2']:.3f} / {scores['mse']:.4f}"

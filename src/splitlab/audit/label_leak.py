@@ -1,0 +1,183 @@
+"""Label inference from gradients (`attack=label_leak`; Li et al. 2022, "Label Leakage and
+Protection in Two-party Split Learning"): the norm attack scores each sample by its gradient's
+norm, the direction attack by its gradient's cosine similarity to the gradient of one sample of
+known label per class. Reported as ROC AUCs (scikit-learn; see `label_leak`): 0.5 is chance, 1.0
+perfect separation. In a vanilla split the labels travel with the smashed data, so the figure
+measures what the gradient channel alone reveals (to an observer of the downlink), not a secret
+the server lacks; in a U-shaped split (`cut=A,B`) the labels stay with the client, and the attack
+scores the gradients at the second cut the server receives from the client's tail. On a vertical
+run, every passive party (one without the labels) scores the labels from the gradients it
+receives at its embedding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitlab.audit.attack import Attack, Target, VerticalTarget
+from splitlab.audit.common import defended_smashed
+from splitlab.audit.records import load_record
+from splitlab.errors import UserError
+from splitlab.models import HeadAndTail
+from splitlab.privacy.defenses import Defense, decode
+
+LABELS_ARE_TOKENS = "a language run's labels are its next input tokens, which the client holds"
+
+
+class LabelLeak(Attack):
+    name = "label_leak"
+    inputs = ("images", "table rows")
+    why = LABELS_ARE_TOKENS
+    vertical = "the labels from the gradients a passive party receives"
+    aux = False
+
+    def run(self, target: Target) -> dict[str, Any]:
+        result: dict[str, Any] = {"gradient": target.gradient}
+        if target.recorded:
+            num_classes = target.experiment.blueprint.num_classes
+            by_round = {r: load_record(f, target.shapes, num_classes) for r, f in target.recorded_rounds.items()}
+            result["by_round"] = {
+                r: label_leak(t[target.gradient], t["labels"]) for r, t in by_round.items() if target.gradient in t
+            }
+            if target.recorded[0] not in result["by_round"]:
+                algorithm = target.experiment.config.run.algorithm
+                raise UserError(f"{algorithm} sends no cut gradients: no labels to infer")
+            return {**result, **result["by_round"][target.recorded[0]]}
+        batch, seed = target.experiment.config.run.batch_size, target.settings.seed
+        if isinstance(target.client, HeadAndTail):
+            grads = tail_gradients(target.client, target.server, target.x, target.y, target.defense, batch, seed)
+        else:
+            grads = cut_gradients(target.client, target.server, target.x, target.y, target.defense, batch, seed)
+        return {**result, **label_leak(grads, target.y)}
+
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        rows = [
+            ("norm attack AUC", f"{result['norm_auc']:.3f} ({result['scored']})"),
+            ("direction attack AUC", f"{result['direction_auc']:.3f}"),
+        ]
+        for rnd, row in result.get("by_round", {}).items():
+            rows.append((f"  round {rnd} (norm / direction)", f"{row['norm_auc']:.3f} / {row['direction_auc']:.3f}"))
+        for party, row in result.get("by_party", {}).items():  # a vertical run: every passive party
+            rows.append((f"  party {party} (norm / direction)", f"{row['norm_auc']:.3f} / {row['direction_auc']:.3f}"))
+        return rows
+
+    def run_vertical(self, target: VerticalTarget) -> dict[str, Any]:
+        passive, recorded, by_party = target.passive, target.recorded, {}
+        if not passive:
+            raise UserError(
+                f"{str(target.path)!r} has one party and it holds the labels: no passive party to attack with"
+            )
+        try:
+            grads = (
+                None if recorded else party_gradients(target.model, target.x, target.y, target.config.run.batch_size)
+            )
+            for j in passive:
+                if grads is not None:
+                    by_party[j] = label_leak(grads[j], target.y)
+                elif recorded is not None and f"cut_grad@{j}" in recorded[1]:
+                    by_party[j] = label_leak(recorded[1][f"cut_grad@{j}"], recorded[1][f"labels@{j}"])
+                else:
+                    raise ValueError(f"round {recorded and recorded[0]} recorded no gradient for party {j}")
+        except ValueError as error:
+            raise UserError(f"cannot attack {str(target.path)!r}: {error}") from None
+        parties = f"passive part{'y' if len(passive) == 1 else 'ies'} {', '.join(map(str, passive))}"
+        first = by_party[passive[0]]
+        summary = {k: v for k, v in first.items() if k in ("norm_auc", "direction_auc", "scored", "samples")}
+        return {"targets": f"{target.source}, {parties}", **summary, "by_party": by_party}
+
+
+def label_leak(cut_grad: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
+    """Norm and direction attacks of Li et al. 2022 on per-sample cut gradients, as ROC AUCs.
+
+    Binary tasks: as in the paper, AUC of the score for the positive class (the larger label):
+    the gradient's norm, and its cosine to one known positive sample's gradient. Multi-class: the
+    norm attack's best one-vs-rest separation (the class and side where the norm separates best:
+    1.0 when some class has its own norm range; note that on few samples chance is above 0.5), and
+    the direction attack's mean one-vs-rest AUC, one known sample per class."""
+    from sklearn.metrics import roc_auc_score
+
+    grads = cut_grad.detach().flatten(1).double().cpu()
+    y = labels.cpu().numpy()
+    norms = grads.norm(dim=1).numpy()
+    unit = F.normalize(grads, dim=1)
+    classes = [c for c in np.unique(y) if 2 <= (y == c).sum() < len(y)]  # a known sample and one more
+    if not classes or (len(np.unique(y)) == 2 and np.unique(y)[-1] not in classes):
+        raise ValueError("label inference needs two samples of one class and one of another")
+
+    def direction(c: int) -> float:
+        positive = y == c
+        reference = int(np.flatnonzero(positive)[0])  # the one sample of class c the attacker knows
+        others = np.arange(len(y)) != reference
+        return float(roc_auc_score(positive[others], (unit @ unit[reference]).numpy()[others]))
+
+    if len(np.unique(y)) == 2:
+        positive_class = int(np.unique(y)[-1])
+        result = {
+            "norm_auc": float(roc_auc_score(y == positive_class, norms)),
+            "direction_auc": direction(positive_class),
+        }
+        return {**result, "scored": f"AUC for the positive class {positive_class}", "samples": len(y)}
+    separations = {int(c): float(roc_auc_score(y == c, norms)) for c in classes}
+    best = max(separations, key=lambda c: max(separations[c], 1 - separations[c]))
+    return {
+        "norm_auc": max(separations[best], 1 - separations[best]),
+        "direction_auc": float(np.mean([direction(c) for c in classes])),
+        "scored": f"norm: best one-vs-rest separation (class {best}); direction: mean one-vs-rest AUC",
+        "samples": len(y),
+    }
+
+
+def cut_gradients(
+    client: nn.Module, server: nn.Module, x: torch.Tensor, y: torch.Tensor, defense: Defense, batch_size: int, seed: int
+) -> torch.Tensor:
+    """The cut gradients the server would send for (x, y) (mean loss over each batch), as decoded."""
+    grads = []
+    smashed = defended_smashed(client, x, defense, seed)
+    generator = torch.Generator(x.device).manual_seed(seed + 2)
+    for z, labels in zip(smashed.split(batch_size), y.split(batch_size)):
+        z = z.detach().requires_grad_()
+        (grad,) = torch.autograd.grad(F.cross_entropy(server(z), labels), z)
+        grads.append(decode(defense.send_gradient(grad, generator)))
+    return torch.cat(grads)
+
+
+def tail_gradients(
+    client: HeadAndTail,
+    server: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    defense: Defense,
+    batch_size: int,
+    seed: int,
+) -> torch.Tensor:
+    """U-shaped: the gradients at the second cut the client's tail would send the server for (x, y)
+    (mean loss over each batch), the server's output computed from the defended smashed data."""
+    with torch.no_grad():
+        outputs = torch.cat([server(z) for z in defended_smashed(client, x, defense, seed).split(256)])
+    grads = []
+    for output, labels in zip(outputs.split(batch_size), y.split(batch_size)):
+        output = output.detach().requires_grad_()
+        (grad,) = torch.autograd.grad(F.cross_entropy(client.tail(output), labels), output)
+        grads.append(grad)
+    return torch.cat(grads)
+
+
+def party_gradients(model: Any, x: torch.Tensor, y: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """Per party, the gradient at its embedding the server would send for (x, y) through the final
+    model (mean loss over each batch of the run's size)."""
+    plan = model.plan
+    grads: list[list[torch.Tensor]] = [[] for _ in range(plan.parties)]
+    for batch_x, batch_y in zip(x.split(batch_size), y.split(batch_size)):
+        embeddings = [
+            bottom(plan.columns(batch_x, j)).detach().requires_grad_() for j, bottom in enumerate(model.bottoms)
+        ]
+        value = torch.nn.functional.cross_entropy(model.top(plan.join(embeddings, model.shapes)), batch_y)
+        for j, grad in enumerate(torch.autograd.grad(value, embeddings)):
+            grads[j].append(grad)
+    return [torch.cat(g) for g in grads]

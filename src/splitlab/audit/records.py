@@ -1,0 +1,107 @@
+"""Reading what `record=N` kept (splitlab.privacy.record writes it): the recorded rounds of a run,
+each checked before an attack uses it, and the test samples an attack may take."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from splitlab.data.datasets import IGNORED
+from splitlab.errors import UserError
+from splitlab.privacy.record import RECORD_DIR
+
+
+def attack_sizes(
+    available: int, aux: int | None, targets: int | None, held_out: bool, defaults: tuple[int, int] = (2000, 500)
+) -> tuple[int, int]:
+    """(held-out targets, auxiliary samples) out of `available` test samples: the given sizes, or
+    refused if they do not fit (never shrunk silently); a size not given takes its default (aux,
+    targets) or, if that does not fit, what does (half the split for targets, the rest for aux)."""
+    if not held_out:  # the targets are the recorded samples
+        chosen_targets = 0
+    else:
+        chosen_targets = targets if targets is not None else min(defaults[1], available // 2)
+    chosen_aux = aux if aux is not None else min(defaults[0], available - chosen_targets)
+    if chosen_targets + chosen_aux > available or chosen_aux < 10:
+        raise UserError(
+            f"aux={chosen_aux} and targets={chosen_targets} need {chosen_targets + chosen_aux} test samples; "
+            f"the run's test split holds {available}: ask for fewer (aux + targets <= {available})"
+        )
+    return chosen_targets, chosen_aux
+
+
+_RECORD_NAME = re.compile(r"round_(\d{4,})\.safetensors")
+
+
+def record_files(path: Path) -> dict[int, Path]:
+    """Round number -> its file in RUN/record/; anything else there is refused (a stray file could
+    be mistaken for a round)."""
+    folder = path / RECORD_DIR
+    if not folder.exists():
+        return {}
+    if not folder.is_dir():
+        raise UserError(f"{str(folder)!r} is not a folder of recorded rounds; move it away")
+    files = {}
+    for entry in sorted(folder.iterdir()):
+        match = _RECORD_NAME.fullmatch(entry.name)
+        if match is None or not entry.is_file() or int(match[1]) < 1:
+            raise UserError(
+                f"{str(entry)!r} is not a recorded round (round_<r>.safetensors, r from 1); "
+                f"move it out of {RECORD_DIR}/"
+            )
+        files[int(match[1])] = entry
+    return files
+
+
+def record_problem(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], num_classes: int) -> str:
+    """What is wrong with a record's tensors ('' if nothing). A language run's labels (targets) hold
+    a token per position or IGNORED, and its inputs (token ids, recorded as floats) whole token ids."""
+    names, optional = set(tensors), {"clients", "cut_grad", *(["tail_grad"] if "tail_grad" in shapes else [])}
+    if {"inputs", "smashed", "labels"} - names or names - {"inputs", "smashed", "labels", *optional}:
+        return f"tensors {sorted(names)}, expected inputs, smashed, labels (and {', '.join(sorted(optional))})"
+    n = len(tensors["labels"])
+    expected = {**shapes, "cut_grad": shapes["smashed"], "clients": ()}
+    for name, tensor in tensors.items():
+        integer = name in ("labels", "clients")
+        if tensor.dtype != torch.int64 if integer else not tensor.dtype.is_floating_point:
+            return f"{name} has dtype {tensor.dtype}, expected {'int64' if integer else 'a float type'}"
+        if tensor.dim() == 0 or len(tensor) != n or tuple(tensor.shape[1:]) != expected[name]:
+            return f"{name} has shape {tuple(tensor.shape)}, expected ({n}, {', '.join(map(str, expected[name]))})"
+        if not integer and not bool(torch.isfinite(tensor).all()):
+            return f"{name} holds NaN or infinite values"
+    labels, language = tensors["labels"], bool(shapes["labels"])
+    in_range = (labels >= 0) & (labels < num_classes)
+    if n == 0 or not bool((in_range | (labels == IGNORED) if language else in_range).all()):
+        return f"labels must be 0 to {num_classes - 1}{f' or {IGNORED}' if language else ''}, at least one"
+    inputs = tensors["inputs"]
+    if language and not bool(((inputs >= 0) & (inputs < num_classes) & (inputs == inputs.round())).all()):
+        return f"inputs must be token ids, whole numbers 0 to {num_classes - 1}"
+    return ""
+
+
+def chosen_round(path: Path, files: dict[int, Path], rnd: int | None) -> int | None:
+    """The recorded round to attack: `rnd`, else the last; None if the run recorded nothing and no
+    round was asked for (an attack then uses the final model)."""
+    rounds = sorted(files)
+    if rnd is not None and rnd not in rounds:
+        have = f"recorded rounds: {rounds}" if rounds else "the run recorded nothing (run it with record=N)"
+        raise UserError(f"round {rnd} was not recorded in {str(path)!r}; {have}")
+    if not rounds:
+        return None
+    return rounds[-1] if rnd is None else rnd
+
+
+def load_record(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int) -> dict[str, torch.Tensor]:
+    """A recorded round, every tensor checked: names, dtypes, shapes, one length, finite, labels in range."""
+    try:
+        tensors = load_file(file)
+    except (OSError, SafetensorError) as error:
+        raise UserError(f"cannot read {str(file)!r}: {str(error).splitlines()[0][:160]}") from None
+    problem = record_problem(tensors, shapes, num_classes)
+    if problem:
+        raise UserError(f"{str(file)!r} is not a record of this run: {problem}")
+    return tensors
