@@ -138,8 +138,8 @@ def test_gradient_checkpointing_repeats_the_dropout_it_drew():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-def test_base_dtype_holds_the_frozen_base_in_bf16_and_trains_the_adapters_in_fp32(lm, tmp_path):
-    config = dict(lm, algorithm="sfl_v2", cut=1, lora="2:4", precision="bf16", rounds=3)
+def test_base_dtype_holds_the_frozen_base_in_bf16_and_trains_the_adapters_in_fp32(lm, pretrained, tmp_path):
+    config = dict(lm, algorithm="sfl_v2", cut=1, lora="2:4", init=pretrained, precision="bf16", rounds=3)
     run(dict(config, base_dtype="bfloat16", out=str(tmp_path / "half")), progress=False)
     run(dict(config, out=str(tmp_path / "full")), progress=False)
     server = train(0, **dict(config, base_dtype="bfloat16")).roles.server.model("server_model")
