@@ -122,7 +122,7 @@ def _plan(config: ResolvedConfig) -> _Plan:
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)
-    data = load_data(run)
+    data = load_data(config)
     _check_task(config, data)
     indices = client_indices(config, data)
     held_out = parse_test_split(run.test_split)
@@ -132,7 +132,7 @@ def _plan(config: ResolvedConfig) -> _Plan:
         client_test = [(data.inputs(data.train_x[idx].to(device)), data.train_y[idx].to(device)) for idx in held]
     report = partition_report(data.train_labels.numpy(), indices, data.num_classes)
     algorithm_class = get_algorithm(run.algorithm)
-    blueprint = make_blueprint(config, data, device, init_state(run))
+    blueprint = make_blueprint(config, data, device, init_state(config))
     _check_cut(blueprint, algorithm_class)
     owners = algorithm_class.data_owners(indices)
     return _Plan(config, data, owners, client_test, report, algorithm_class, blueprint, held)
@@ -168,19 +168,19 @@ def check_model(config: ResolvedConfig) -> None:
     """What can be checked of model=hf before its data is read and tokenised (seconds for a
     corpus): its folder and architecture, the sequence length, the LoRA targets, the cut, and that
     init= fits, on the model's skeleton (no weights)."""
-    run = config.run
-    if run.model != "hf" or run.model_dir is None:
+    run, model_dir = config.run, config.model_dir
+    if model_dir is None:
         return
     from splitlab.models import hf
 
-    model = hf.skeleton(run.model_dir)
-    context = hf.context_length(hf.read_config(run.model_dir))
+    model = hf.skeleton(model_dir)
+    context = hf.context_length(hf.read_config(model_dir))
     if run.seq_len is not None and run.seq_len > context:
         raise UserError(f"seq_len={run.seq_len} is beyond the model's context of {context} tokens")
     if run.lora is not None:
         targets = run.lora_targets.split(",") if run.lora_targets is not None else None
         apply_lora(model, *parse_lora(run.lora), targets, run.lora_dropout, run.seed)
-    shapes = init_shapes(run)
+    shapes = init_shapes(config)
     if shapes is not None:
         load_init(model, shapes, f"init={run.init}")
     check_split(model, run, get_algorithm(run.algorithm))
@@ -223,7 +223,7 @@ def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
     if len(algorithm_class.data_owners([np.arange(0)] * int(run.clients))) != run.clients:
         raise UserError(f"algorithm={run.algorithm} pools the clients' samples in one node; data=own keeps them apart")
     data = load_split(run.dataset, "test", run.data_dir)
-    blueprint = make_blueprint(config, data, device, init_state(run))
+    blueprint = make_blueprint(config, data, device, init_state(config))
     _check_cut(blueprint, algorithm_class)
     return _Plan(config, data, None, None, None, algorithm_class, blueprint)
 
@@ -240,7 +240,7 @@ def client_node(raw: Mapping[str, Any], client_id: int) -> ClientNode:
         if run.clients != "all" and not 0 <= client_id < run.clients:
             raise UserError(f"client_id={client_id} is not a client of this run; allowed: 0 to {run.clients - 1}")
         data = load_split(run.dataset, "train", run.data_dir)
-        blueprint = make_blueprint(config, data, resolve_device(run.device), init_state(run))
+        blueprint = make_blueprint(config, data, resolve_device(run.device), init_state(config))
         return client_nodes(blueprint, data, {client_id: np.arange(len(data.train_y))})[0]
     plan = _plan(config)
     if not 0 <= client_id < plan.client_count:

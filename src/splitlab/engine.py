@@ -10,11 +10,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from pydantic import BaseModel
 
 from splitlab import rundir
 from splitlab.assembly import Experiment
 from splitlab.build import build
 from splitlab.callbacks import Callback
+from splitlab.config import RunConfig, flat_settings
 from splitlab.errors import RoleLost, RoundFailed, UserError
 from splitlab.ledger import Ledger
 from splitlab.logs import LOGGER
@@ -25,14 +27,16 @@ from splitlab.transport import Transport
 
 
 def run(
-    config: Mapping[str, Any],
-    *,
+    config: RunConfig | Mapping[str, Any],
+    *params: BaseModel,
     resume: bool | None = None,
     progress: bool = True,
     transport: Callable[[Ledger, torch.device], Transport] | None = None,
     callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
     """Run (or resume) one experiment; returns the summary that is also written to summary.json.
+    `config`: a RunConfig or a mapping of KEY: VALUE settings; `params`: the algorithm's and the
+    model's own settings as their params models (splitlab.config.flat_settings).
     `transport`: as for `build` (splitlab.net's server passes its network transport);
     `callbacks`: hooks of your own into the loop, called after splitlab's (splitlab.callbacks).
 
@@ -42,6 +46,7 @@ def run(
     the roles cannot be built again (the nodes left lack the CPUs), the run stops with one line
     and the resume hint."""
     prepare_process()
+    config = flat_settings(config, *params)
     experiment = build(config, transport)
     limit = experiment.config.run.max_restarts
     restarts = 0

@@ -197,7 +197,7 @@ def _export_hf(experiment: Experiment) -> dict[str, str]:
     """out/hf: the global model as a Hugging Face folder, for models that have that form (model=gpt,
     hf), and out/peft: its LoRA adapters in peft's format; the folders written."""
     parts = experiment.assembler.parts  # full_state assembled the model
-    return export_hf(experiment.config.run, parts, experiment.data.vocabulary, experiment.out)
+    return export_hf(experiment.config, parts, experiment.data.vocabulary, experiment.out)
 
 
 @contextlib.contextmanager

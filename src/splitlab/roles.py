@@ -100,6 +100,8 @@ class Blueprint:
     task: str = "classification"
     #: slot -> how its initial model is built (the algorithm's `models` table)
     builders: Mapping[str, Callable[[Blueprint], nn.Module]] = field(default_factory=dict)
+    #: what `splitlab.models.build_model` takes beyond the data: the model's own keys and LoRA's
+    model_settings: Mapping[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     #: `record=`: where clients note what crosses the cut (one process only); None when not recording
     recorder: Recorder | None = None
@@ -153,7 +155,7 @@ class Blueprint:
         """The configured model on the CPU, with the settings of its own the config gives (and the
         weights of the finished run `init` names)."""
         model = build_model(
-            self.config.model, self.input_shape, self.num_classes, seed=self.config.seed, **self.config.model_settings()
+            self.config.model, self.input_shape, self.num_classes, seed=self.config.seed, **self.model_settings
         )
         if self.config.init is not None:
             if self.init_state is None:

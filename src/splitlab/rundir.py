@@ -264,7 +264,10 @@ class RunDirectory:
         from splitlab.config import RUN_CONTROL_KEYS
 
         # A key the stored config lacks (added to splitlab after the run began) counts as its default.
-        stored = {**self.config.defaults(), **stored_config(self.path)}
+        # A model's key stored as null (a run from before models owned their keys) counts as its default too.
+        model_keys = type(self.config.model_params).model_fields
+        given = {k: v for k, v in stored_config(self.path).items() if not (v is None and k in model_keys)}
+        stored = {**self.config.defaults(), **given}
         current = self.config.as_dict()
         differing = sorted(k for k in current if k not in RUN_CONTROL_KEYS and stored.get(k) != current[k])
         if differing:

@@ -16,6 +16,8 @@ from splitlab.cli import main
 from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
+from splitlab.resolve import resolve_config
+from splitlab.rundir import stored_config
 from splitlab.runmodel import run_model
 
 
@@ -97,6 +99,9 @@ def test_generate_prints_the_prompt_and_its_continuation(finished, capsys):
     assert capsys.readouterr().out.rstrip("\n") == greedy  # greedy is deterministic
     assert main(["generate", finished, "prompt=To be", "max_tokens=12", "temperature=1.5"]) == 0
     assert capsys.readouterr().out.startswith("To be")
+    for prompt in ("ROMEO:", "yes", "null", "1e3"):  # text that YAML would read as something else
+        assert main(["generate", finished, f"prompt={prompt}", "max_tokens=2"]) == 0
+        assert capsys.readouterr().out.rstrip("\n")[: len(prompt)] == prompt
     assert main(["generate", finished, "prompt=To be €", "max_tokens=2"]) == 2
     assert "outside the model's vocabulary" in capsys.readouterr().err
 
@@ -105,7 +110,7 @@ def test_init_starts_from_the_finished_model(finished, tmp_path):
     """A run from `init` evaluates, before training, to what the finished run ended with."""
     from helpers import train
 
-    config = json.loads(json.dumps(run_model(finished)[0].model_dump()))
+    config = resolve_config(stored_config(Path(finished), "load", "")).as_dict()
     config = {k: v for k, v in config.items() if v is not None and k not in ("out", "resume", "overwrite")}
     fresh = train(0, **dict(config, init=finished, lora=None))
     final = json.loads(Path(finished, "metrics.jsonl").read_text().splitlines()[-1])
