@@ -195,8 +195,8 @@ def test_generate_takes_a_prompt_that_looks_like_yaml(monkeypatch, capsys, tmp_p
 
     seen = []
     monkeypatch.setattr(splitlab.runmodel, "generate", lambda run_dir, **settings: seen.append(settings) or "text")
-    code, out, _ = run_cli(capsys, "generate", str(tmp_path), "prompt=ROMEO:", "max_tokens=3")
-    assert (code, out, seen[0]["prompt"], seen[0]["max_tokens"]) == (0, "text\n", "ROMEO:", 3)
+    code, out, _ = run_cli(capsys, "generate", str(tmp_path), "prompt=ROMEO:", "max_new_tokens=3")
+    assert (code, out, seen[0]["prompt"], seen[0]["max_new_tokens"]) == (0, "text\n", "ROMEO:", 3)
 
 
 def test_a_config_yaml_from_before_models_owned_their_keys_still_resolves():

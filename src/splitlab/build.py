@@ -198,6 +198,13 @@ def _check_task(config: ResolvedConfig, data: Dataset) -> None:
         raise UserError(
             f"partition={run.partition} splits by class; {run.dataset}'s sequences have none: use iid or clients=all"
         )
+    if run.eval_generate and data.references is None:
+        raise UserError(
+            f"eval_generate={run.eval_generate}: {run.dataset} has no reference texts to score generations "
+            f"against; datasets with references: e2e"
+        )
+    if run.eval_generate and algorithm.personal_models:
+        raise UserError(f"eval_generate needs one global model; algorithm={run.algorithm} keeps a model per client")
     if data.task == "language" and "dp:" in run.defense:
         raise UserError(
             f"defense={run.defense}: no epsilon holds for {run.dataset}, whose targets (the text shifted by one "

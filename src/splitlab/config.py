@@ -257,6 +257,14 @@ class RunConfig(BaseModel):
     comm_budget_gib: float | None = Field(
         None, gt=0, le=1e9, description="stop once this much has been communicated", json_schema_extra=TRAINING
     )
+    eval_generate: int = Field(
+        0,
+        ge=0,
+        le=10**7,
+        description="language datasets with references (e2e): at the final evaluation, continue N test prompts "
+        "greedily and write BLEU and ROUGE-L to summary.json (docs/language.md); 0: none",
+        json_schema_extra=TRAINING,
+    )
     test_split: str = Field(
         "global",
         description="global (the dataset's test set) | client:<fraction> (each "
@@ -525,6 +533,11 @@ ONLY_WHEN: dict[str, Applies] = {
         lambda r: r.algorithm not in UNSPLIT_ALGORITHMS,
         "this algorithm does not split the model: nothing crosses a cut to record",
         {"algorithm": "fedavg", "record": 10},
+    ),
+    "eval_generate": Applies(
+        lambda r: r.setting == "vanilla" and r.data == "partition",
+        "eval_generate continues the test prompts of a language dataset with references (e2e) with the global model",
+        {"setting": "vertical", "eval_generate": 4},
     ),
     "lora": Applies(
         lambda r: r.model == "hf" or r.init is not None,

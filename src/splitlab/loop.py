@@ -23,7 +23,8 @@ from splitlab.assembly import Experiment, personal_metrics
 from splitlab.callbacks import Callback, CommBudget, MetricsFile, ProgressBar, RecorderFlush
 from splitlab.checkpoints import Checkpointer
 from splitlab.errors import NonFiniteLoss, NonFiniteStep, RoundFailed
-from splitlab.io import save_safetensors, write_json, write_yaml
+from splitlab.generation import DecodingSettings, decode, text_scores
+from splitlab.io import save_safetensors, write_json, write_jsonl, write_yaml
 from splitlab.loggers import make_logger
 from splitlab.metrics import TASK_METRICS, logits_in_batches
 from splitlab.models import HeadAndTail
@@ -200,6 +201,34 @@ def _export_hf(experiment: Experiment) -> dict[str, str]:
     return export_hf(experiment.config, parts, experiment.data.vocabulary, experiment.out)
 
 
+#: How many generations `eval_generate` writes beside their references (generations.jsonl).
+EXAMPLES = 20
+
+
+def _eval_generate(experiment: Experiment, states: list) -> dict[str, Any]:
+    """BLEU and ROUGE-L of the global model's greedy continuations of the first `eval_generate`
+    test prompts (splitlab.generation), each at most as long as the training sequences allow; the
+    first EXAMPLES of them beside their references in generations.jsonl."""
+    references, window = experiment.data.references, experiment.data.input_shape[0]
+    assert references is not None, "refused when built"
+    model, device = experiment.assemble(states), experiment.blueprint.device
+    tokenizer, count = references.tokenizer, min(experiment.config.run.eval_generate, len(references.prompts))
+
+    def logits(tokens: torch.Tensor) -> torch.Tensor:
+        return model(tokens.to(device)).float().cpu()
+
+    texts = []
+    for prompt in references.prompts[:count]:
+        settings = DecodingSettings(max_new_tokens=max(1, window - len(prompt) + 1))
+        texts.append(tokenizer.decode(decode(logits, prompt, settings, window, tokenizer.eos_token_id)).strip())
+    examples = [
+        {"prompt": tokenizer.decode(prompt), "generated": text, "references": refs}
+        for prompt, text, refs in zip(references.prompts, texts, references.texts[:EXAMPLES])
+    ]
+    write_jsonl(experiment.out / "generations.jsonl", examples)
+    return {**text_scores(texts, references.texts[:count]), "eval_generate": count}
+
+
 @contextlib.contextmanager
 def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
     """A client dropped out of a step that cannot go on without it (the evaluation of its personal
@@ -323,6 +352,8 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         save_safetensors(out / "weights.safetensors", weights)
         if not personal:  # one global model to export
             summary.update(_export_hf(experiment))
+        if cfg.eval_generate:  # (personal models refused when built)
+            summary.update(_eval_generate(experiment, model))
     with _needs_the_client(cfg.algorithm, state["round"]):  # SplitGP's are fetched from the clients
         client_weights = experiment.algorithm.client_weights()
     if client_weights is not None:

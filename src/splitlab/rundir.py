@@ -67,6 +67,7 @@ WRITTEN = (
     "attack_unsplit.png",
     "attack_fsha.png",
     "hf",
+    "generations.jsonl",
     "report.md",
     "results.csv",
     "plots",

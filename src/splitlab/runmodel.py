@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
 from splitlab.assembly import load_data
 from splitlab.config import ResolvedConfig, RunConfig, parse_lora
 from splitlab.errors import UserError
+from splitlab.generation import DecodingSettings, decode
 from splitlab.models import StagedModel, build_model, split
 from splitlab.models.lora import ADAPTERS, adapter_state, merge_lora
 from splitlab.resolve import resolve_config
@@ -167,33 +168,21 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     return "".join(tokenizer[i] for i in ids) if isinstance(tokenizer, str) else tokenizer.decode(ids)
 
 
-@torch.no_grad()
-def generate(run_dir: str | Path, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0) -> str:
-    """`prompt` continued by `max_tokens` tokens: each through the client stages, then the server
-    stages at the run's cut; greedy (temperature 0) or sampled from softmax(logits / temperature)."""
+def generate(run_dir: str | Path, prompt: str, **decoding: Any) -> str:
+    """`prompt` continued as `decoding` (splitlab.generation.DecodingSettings) says, each token
+    through the client stages, then the server stages at the run's cut, on the last `seq_len`
+    tokens; the text ends early at the tokenizer's end-of-sequence token, if it has one."""
     config, model, tokenizer, window = run_model(run_dir)
     client, server = split(model, config.cut)
     ids = _encode(tokenizer, prompt)
     if not ids:
         raise UserError('prompt is empty; give prompt="some text"')
-    generator = torch.Generator().manual_seed(seed)
-    produced: list[int] = []
-    for _ in range(max_tokens):
-        context = torch.tensor([(ids + produced)[-window:]])
-        logits = server(client(context))[0, -1]
-        if temperature > 0:
-            token = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
-        else:
-            token = int(logits.argmax())
-        produced.append(token)
+    eos = None if isinstance(tokenizer, str) else tokenizer.eos_token_id
+    produced = decode(lambda tokens: server(client(tokens)), ids, DecodingSettings(**decoding), window, eos)
     return prompt + _decode(tokenizer, produced)
 
 
-class GenerateSettings(BaseModel):
+class GenerateSettings(DecodingSettings):
     """`splitlab generate RUN KEY=VALUE ...`"""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     prompt: str = Field(description="the text to continue")
-    max_tokens: int = Field(100, ge=1, le=100_000, description="tokens to generate")
-    temperature: float = Field(0.0, ge=0, le=100, description="0: greedy; else sample from softmax(logits / T)")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the sampling (temperature > 0)")

@@ -80,6 +80,18 @@ def scale_and_normalize(x: torch.Tensor, mean: tuple[float, ...], std: tuple[flo
     return x.sub_(torch.tensor(mean, device=x.device).view(shape)).div_(torch.tensor(std, device=x.device).view(shape))
 
 
+@dataclass(frozen=True)
+class References:
+    """Test prompts with their reference texts, what a dataset whose test rows have references
+    exposes for `eval_generate` (BLEU, ROUGE-L): the model continues `prompts[i]` (token ids) until
+    `tokenizer.eos_token_id` and `tokenizer.decode` of the continuation is scored against
+    `texts[i]` (one or more references)."""
+
+    prompts: list[list[int]]
+    texts: list[list[str]]
+    tokenizer: Any  # decode(ids) -> str and eos_token_id: a Hugging Face tokenizer or CharacterTokenizer
+
+
 @dataclass(frozen=True, eq=False)
 class Dataset:
     """A whole dataset in memory. `eq=False`: comparing tensors field by field is meaningless.
@@ -102,6 +114,7 @@ class Dataset:
     #: (a next token per position, those not in the loss marked IGNORED; splitlab.metrics)
     task: str = "classification"
     vocabulary: str | None = None  # language task with characters as tokens: token i is vocabulary[i]
+    references: References | None = None  # test prompts and their references (e2e), for eval_generate
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Model inputs from a batch of stored samples."""
