@@ -51,7 +51,13 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     samples and the metrics are computed on all of them pooled (accuracy and loss are then the
     test-size-weighted means of the per-client values). On the global test set, algorithms with
     personal client models get the unweighted mean over clients of each client's model's metrics.
-    An algorithm whose roles evaluate among themselves (`role_metrics`: vertical) gives its own."""
+    An algorithm whose roles evaluate among themselves (`role_metrics`: vertical) gives its own.
+    The model runs in the run's precision (precision=bf16: under autocast, as it trained)."""
+    with experiment.blueprint.autocast():
+        return _evaluate(experiment)
+
+
+def _evaluate(experiment: Experiment) -> dict[str, float]:
     data, algorithm, batch = experiment.data, experiment.algorithm, experiment.blueprint.inference_batch
     by_roles = algorithm.role_metrics()
     if by_roles is not None:
@@ -105,7 +111,8 @@ def evaluate_deployed(experiment: Experiment, rnd: int) -> dict[str, float]:
     deployed = defense.deployed(client, server, generator)
     if isinstance(client, HeadAndTail):  # U-shaped: the client's tail after the server's stages
         deployed = nn.Sequential(deployed, client.tail_part())
-    logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)
+    with experiment.blueprint.autocast():  # as `evaluate`
+        logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)
     metrics = TASK_METRICS[experiment.data.task](logits, experiment.data.test_y)
     return {"test_accuracy_deployed": metrics["accuracy"]}
 
