@@ -50,6 +50,18 @@ class RunConfig(BaseModel):
     data_dir: str | None = Field(
         None, description="directory with the dataset's files, if not the default", json_schema_extra=DATA
     )
+    data_file: str | None = Field(
+        None,
+        description="dataset=jsonl: a JSON Lines file of rows with text | prompt + completion | messages "
+        "(docs/data.md)",
+        json_schema_extra=DATA,
+    )
+    test_file: str | None = Field(
+        None,
+        description="dataset=jsonl: its test rows, in the same format (default: a fixed random tenth of data_file's "
+        "rows)",
+        json_schema_extra=DATA,
+    )
     data: Literal["partition", "own"] = Field(
         "partition",
         description="partition: clients are a seeded partition of the dataset | own: each client brings the "
@@ -370,7 +382,7 @@ class RunConfig(BaseModel):
         False, description="replace a finished or partial run in `out`", json_schema_extra=DEPLOYMENT
     )
 
-    @field_validator("out", "data_dir")
+    @field_validator("out", "data_dir", "data_file", "test_file")
     @classmethod
     def _expand_home(cls, value: str | None) -> str | None:
         """`~` and `~user` as a shell would expand them (a folder literally named `~` is never meant)."""
@@ -526,10 +538,14 @@ ONLY_WHEN: dict[str, Applies] = {
         {"clients": "all", "train_range": "0:0.5"},
     ),
     "data_dir": Applies(
-        lambda r: _reads_files(r.dataset),
-        "this dataset is bundled or generated and reads no files",
+        lambda r: _reads_files(r.dataset) and r.dataset != "jsonl",
+        "this dataset reads no folder (bundled, generated, or dataset=jsonl's data_file)",
         {"dataset": "digits", "data_dir": "/tmp"},
     ),
+    **{
+        key: Applies(lambda r: r.dataset == "jsonl", f"{key} is read by dataset=jsonl", {key: "/tmp/rows.jsonl"})
+        for key in ("data_file", "test_file")
+    },
     "record": Applies(
         lambda r: r.algorithm not in UNSPLIT_ALGORITHMS,
         "this algorithm does not split the model: nothing crosses a cut to record",

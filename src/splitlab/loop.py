@@ -130,7 +130,7 @@ def _callbacks(experiment: Experiment, show_progress: bool, extra: Sequence[Call
     if tracker is not None:
         callbacks.append(tracker)
     if show_progress:
-        callbacks.append(ProgressBar(f"{cfg.algorithm} rounds", cfg.rounds, ledger))
+        callbacks.append(ProgressBar(f"{cfg.algorithm} rounds", cfg.rounds, ledger, experiment.blueprint))
     return [*callbacks, *extra]
 
 
@@ -160,6 +160,8 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
             clients = sample_clients(
                 experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING)
             )
+            for callback in callbacks:
+                callback.on_round_start(state, algorithm.round_batches(clients))
             started = time.perf_counter()
             try:
                 with _needs_the_client(cfg.algorithm, rnd + 1, checkpoints):

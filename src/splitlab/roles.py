@@ -110,6 +110,8 @@ class Blueprint:
     #: `init=RUN_DIR`: the finished run's weights every model starts from (splitlab.runmodel.init_state),
     #: loaded by whoever builds the blueprint
     init_state: Mapping[str, torch.Tensor] | None = None
+    #: called as a client of this process draws a mini-batch: progress within a round (splitlab.callbacks)
+    on_batch: Callable[[], None] | None = None
     _initial: dict[str, nn.Module] = field(default_factory=dict)
     _pools: dict[str, list[nn.Module]] = field(default_factory=dict)
 
@@ -523,6 +525,8 @@ class ClientNode(Role[ParamsT]):
         return x if self.prepare is None else self.prepare(x)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.blueprint.on_batch is not None:
+            self.blueprint.on_batch()
         return next(self._batches)
 
     @verb()
