@@ -108,7 +108,7 @@ def _placed(config: ResolvedConfig, plan: Plan, transport: Transport) -> Experim
         else:
             nodes = [plan.node(k) for k in range(plan.node_count)]
             proxies = {node.id: transport.connect(node, counted=True) for node in nodes}
-        server = plan.server()
+        server = plan.server(transport.remote)
         roles = Roles(nodes, server, sync)
     clients, report = plan.clients(transport)
     context = Context(

@@ -64,8 +64,8 @@ class Plan(abc.ABC):
         """Node `k`, built in this process, holding only its own samples."""
 
     @abc.abstractmethod
-    def server(self) -> Role:
-        """The training server, built in this process."""
+    def server(self, remote: bool) -> Role:
+        """The training server, built in this process; `remote`: its nodes are in other processes."""
 
     def sync(self) -> Any:
         return self.algorithm_class.Sync(self.blueprint)

@@ -85,8 +85,10 @@ class HorizontalPlan(Plan):
         assert self.owners is not None, "data=own: the client nodes hold their own samples, elsewhere"
         return client_nodes(self.blueprint, self.data, {k: self.owners[k]}, self.algorithm_class.Client)[0]
 
-    def server(self) -> Role:
-        return self.algorithm_class.Server(self.blueprint)
+    def server(self, remote: bool) -> Role:
+        server = self.algorithm_class.Server(self.blueprint)
+        server.checks_each_step = remote  # in process, a non-finite step means divergence
+        return server
 
     def expected_reports(self) -> dict[int, dict[str, Any] | None]:
         """The partition's summary of each client's samples, or a resumed data=own run's (its

@@ -123,7 +123,7 @@ class VerticalPlan(Parties):
     def node(self, k: int) -> ClientNode:
         return local_party(self, k)
 
-    def server(self) -> Role:
+    def server(self, remote: bool) -> Role:
         return vertical_server(self.blueprint, self.plan, server_holding(self))
 
     def expected_reports(self) -> dict[int, dict[str, Any] | None]:
@@ -391,7 +391,7 @@ class OwnPlan(Parties):
     def node(self, k: int) -> ClientNode:
         raise AssertionError("data=own: every party is a `splitlab client` with its own files")
 
-    def server(self) -> Role:
+    def server(self, remote: bool) -> Role:
         return vertical_server(self.blueprint, self.plan, self.holding)
 
     def expected_reports(self) -> dict[int, dict[str, Any] | None]:
