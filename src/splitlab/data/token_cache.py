@@ -18,10 +18,10 @@ import hashlib
 import json
 import os
 from collections.abc import Callable, Mapping
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
-import splitlab
 from splitlab.data.download import cache_dir
 from splitlab.data.shakespeare import VOCAB, CharacterTokenizer
 from splitlab.io import write_safetensors
@@ -101,7 +101,7 @@ def _read(path: Path, key: str) -> dict[str, torch.Tensor] | None:
 def cached(key: Mapping[str, Any], build: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """`build()`'s tensors, read from the cache file of `key` when it holds them whole, else built
     and written there. `key` is JSON-able; splitlab's version and FORMAT are added to it."""
-    text = json.dumps({**key, "splitlab": splitlab.__version__, "format": FORMAT}, sort_keys=True)
+    text = json.dumps({**key, "splitlab": version("splitlab"), "format": FORMAT}, sort_keys=True)
     name = f"{key.get('dataset', 'tokens')}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.safetensors"
     path = folder() / name
     if path.is_file():
