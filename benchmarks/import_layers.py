@@ -20,6 +20,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS: list[tuple[str, ...]] = [
     (  # foundations: no knowledge of a run
         "splitlab.errors",
+        "splitlab.targets",
         "splitlab.io",
         "splitlab.units",
         "splitlab.lazy",
@@ -33,7 +34,7 @@ LAYERS: list[tuple[str, ...]] = [
     ),
     ("splitlab.losses", "splitlab.augment", "splitlab.schedules"),  # the named options
     ("splitlab.config", "splitlab.plugins"),  # the settings
-    ("splitlab.data", "splitlab.models"),
+    ("splitlab.data", "splitlab.models", "splitlab.generation"),  # generation: decoding logits, below the runs
     ("splitlab.privacy",),  # what the roles use: defenses, keys, record, accounting
     ("splitlab.transport", "splitlab.roles", "splitlab.u_shaped", "splitlab.psi"),
     ("splitlab.algorithms",),

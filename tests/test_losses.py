@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 import splitlab
 from helpers import global_weights, quick, train
-from splitlab.data.datasets import IGNORED
 from splitlab.errors import UserError
 from splitlab.losses import LOSSES, Loss, parse_loss
 from splitlab.resolve import resolve_config
+from splitlab.targets import IGNORED
 
 # one sample, two classes, p = softmax([0, ln 3]) = (1/4, 3/4), target class 1
 LOGITS, TARGET = torch.tensor([[0.0, math.log(3.0)]], dtype=torch.float64), torch.tensor([1])

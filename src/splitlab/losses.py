@@ -18,8 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from splitlab.data.datasets import IGNORED
 from splitlab.named_options import Registry
+from splitlab.targets import IGNORED
 
 Terms = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """(logits (N, C), targets (N,), each a class) -> the loss of each target (N,)."""

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from splitlab.data.datasets import IGNORED
+from splitlab.targets import IGNORED
 
 
 @torch.no_grad()

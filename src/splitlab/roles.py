@@ -33,7 +33,6 @@ from torch.nn.utils import get_total_norm
 
 from splitlab.augment import STREAM_AUGMENT, Augmentation, augmented, parse_augment
 from splitlab.config import RunConfig
-from splitlab.data.datasets import IGNORED
 from splitlab.errors import NonFiniteStep
 from splitlab.losses import Loss, parse_loss
 from splitlab.models import (
@@ -53,6 +52,7 @@ from splitlab.privacy.record import Recorder
 from splitlab.process_settings import training_device
 from splitlab.random_streams import register_stream
 from splitlab.schedules import Factor, lr_factor, parse_lr_schedule
+from splitlab.targets import IGNORED
 from splitlab.transport import KEYED, verb
 
 STREAM_BATCHES = register_stream("batches", 1)

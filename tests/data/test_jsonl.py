@@ -11,12 +11,12 @@ import torch
 from hf_helpers import tiny_hf_model, tiny_tokenizer
 from splitlab.cli import main
 from splitlab.data import load_dataset
-from splitlab.data.datasets import IGNORED
 from splitlab.data.language import HELD_OUT
 from splitlab.data.shakespeare import VOCAB, CharacterTokenizer
 from splitlab.data.text_rows import assistant_spans, encode, read_rows
 from splitlab.engine import run
 from splitlab.errors import UserError
+from splitlab.targets import IGNORED
 
 #: renders a conversation as `<|role|>content<eos>`, then `<|assistant|>` to prompt a reply
 CHAT_TEMPLATE = (

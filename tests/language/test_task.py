@@ -10,11 +10,11 @@ import torch
 
 from helpers import play_with_roles, write_sdist
 from splitlab.data import load_dataset
-from splitlab.data.datasets import IGNORED
 from splitlab.data.shakespeare import VOCAB, build_shakespeare_lm, encode, extract_roles, read_plays, role_text
 from splitlab.errors import UserError
 from splitlab.losses import CrossEntropy
 from splitlab.metrics import language_metrics
+from splitlab.targets import IGNORED
 
 # one sequence of three positions over a vocabulary of two; the first position is context (not in the loss)
 LOGITS = torch.tensor([[[0.0, 1.0], [2.0, 0.0], [0.5, 0.5]]])

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
-from splitlab.data.datasets import IGNORED
 from splitlab.engine import run
 from splitlab.loop import evaluate
+from splitlab.targets import IGNORED
 
 #: SGD, so that one step on a batch of 16 is the mean of the gradients of its 16 samples exactly
 SGD = dict(optimizer="sgd", lr=0.1, train_subset=96, clients=2, local_steps=None)

@@ -14,12 +14,12 @@ from processes import NONE, Rogue, credentials
 from safetensors.torch import load_file
 
 from splitlab import codec
-from splitlab.data.datasets import IGNORED
 from splitlab.engine import build, run
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import Checks, Refused, data_report
 from splitlab.net.launch import LaunchSettings, launch
 from splitlab.roles import ClientNode
+from splitlab.targets import IGNORED
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from splitlab.data.datasets import IGNORED
 from splitlab.errors import UserError
 from splitlab.privacy.record import RECORD_DIR
+from splitlab.targets import IGNORED
 
 
 def attack_sizes(

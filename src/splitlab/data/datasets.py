@@ -22,6 +22,7 @@ from splitlab.data.download import FASHION_MNIST_FILES, cache_dir
 from splitlab.data.idx import parse_idx
 from splitlab.errors import UserError
 from splitlab.lazy import torch
+from splitlab.targets import IGNORED
 
 #: Where the Debian package `dataset-fashion-mnist` puts its files.
 FASHION_MNIST_SYSTEM_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -31,8 +32,6 @@ DATA_ENV = "SPLITLAB_DATA"
 _FASHION_FILES = FASHION_MNIST_FILES
 _FASHION_MEAN, _FASHION_STD = 0.2860, 0.3530
 _CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar.html"
-#: A language task's target where a position is not in the loss (context, padding): cross-entropy's ignore index.
-IGNORED = -100
 
 
 class Prepared:

