@@ -23,7 +23,15 @@ if TYPE_CHECKING:
     from splitlab.privacy.defenses import Defense
 
 #: the built-in attacks, in the order `splitlab attack` lists them
-ATTACK_MODULES = ("inversion", "label_leak", "unsplit", "fsha", "model_completion", "token_inversion")
+ATTACK_MODULES = (
+    "inversion",
+    "label_leak",
+    "unsplit",
+    "fsha",
+    "model_completion",
+    "token_inversion",
+    "embedding_inversion",
+)
 
 
 @dataclass

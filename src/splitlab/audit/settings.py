@@ -11,7 +11,9 @@ class AttackSettings(BaseModel):
     """The `splitlab attack` keys."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    attack: Literal["inversion", "label_leak", "unsplit", "fsha", "model_completion", "token_inversion"]
+    attack: Literal[
+        "inversion", "label_leak", "unsplit", "fsha", "model_completion", "token_inversion", "embedding_inversion"
+    ]
     round: int | None = Field(
         None,
         ge=1,
