@@ -8,11 +8,12 @@ import json
 import torch
 
 from helpers import TINY_GPT
-from splitlab.audit.embedding_inversion import embedding_inversion, nearest_tokens
+from splitlab.audit.embedding_inversion import embedding_inversion, nearest_tokens, token_embeddings
+from splitlab.audit.gradient_matching import match_sequence
 from splitlab.audit.run import attack_run
 from splitlab.cli import main
 from splitlab.engine import run
-from splitlab.models import build_model
+from splitlab.models import build_model, split
 from splitlab.privacy.defenses import Defense
 
 
@@ -31,7 +32,7 @@ def test_nearest_token_search_is_exact_on_the_embedding_output():
     assert result["nearest"] == 1.0 and result["accuracy"] == 1.0 and result["baseline"] < 0.2
 
 
-def test_embedding_inversion_beats_its_floor_after_one_block(lm, tmp_path, capsys):
+def test_embedding_inversion_and_gradient_matching_beat_their_floor_at_cut_1(lm, tmp_path, capsys):
     out = tmp_path / "run"
     run(dict(lm, algorithm="sfl_v2", cut=1, rounds=1, out=str(out)), progress=False)
     found = attack_run(out, {"attack": "embedding_inversion", "aux": 19, "targets": 10})
@@ -39,6 +40,8 @@ def test_embedding_inversion_beats_its_floor_after_one_block(lm, tmp_path, capsy
     assert len(found["examples"]) == 3 and len(found["examples"][0]["original"]) == 16
     assert main(["attack", str(out), "attack=embedding_inversion", "aux=19", "targets=10"]) == 0
     assert "nearest after the fitted map" in capsys.readouterr().out
+    matched = attack_run(out, {"attack": "gradient_matching", "aux": 19, "targets": 10, "steps": 100})
+    assert matched["samples"] == 8 and matched["matched"] > matched["baseline"], matched
 
 
 def test_advise_on_a_split_gpt_tables_cuts_and_u_shaped_cuts(lm, tmp_path, capsys):
@@ -64,3 +67,16 @@ def test_advise_on_a_split_gpt_tables_cuts_and_u_shaped_cuts(lm, tmp_path, capsy
     assert main(["advise", *probe, "cuts=3", f"out={tmp_path / 'x'}"]) == 2
     assert "cuts=3: 3 is not a cut of model=gpt; valid: [1, 2]" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_gradient_matching_rebuilds_a_short_sequence_from_its_update():
+    """A batch of one sequence of 4 tokens over a vocabulary of 5: the soft tokens whose update
+    matches the observed one are the true tokens, where always answering one token gets at most 2."""
+    torch.manual_seed(0)
+    model = build_model("gpt", (4,), 5, layers=1, heads=1, width=8, context=4, seed=3)
+    client, server = split(model, 1)
+    tokens = torch.tensor([3, 1, 4, 0])
+    labels = torch.tensor([1, 4, 0, 2])  # the text shifted by one, and its next token
+    candidates = token_embeddings(client, 5, 4)
+    found = match_sequence(client.eval(), server.eval(), candidates, tokens, labels, steps=300, seed=0)
+    assert found.tolist() == tokens.tolist()

@@ -3,10 +3,11 @@ model, and the U-shaped splits that keep the last stages on the client, side by 
 
 Per candidate, a short probe run (OUT/cut<c>, or OUT/cut<a>_<b> for cut=A,B) gives the bytes that
 crossed per training token per round by kind (from the run's ledger), the client's share of the
-model's FLOPs per token, the loss, perplexity and next-token accuracy after the probe, and every
-token attack of the registry against its final model: the strongest one's recovery (the fraction
-of the client's text it rebuilds) beside the floor, with a few reconstructed lines. A U-shaped
-split keeps the next-token targets on the client: no `labels` reach the server.
+model's FLOPs per token, the loss, perplexity and next-token accuracy after the probe, and the
+token attacks of the registry that probes take (`Attack.advised`) against its final model: the
+strongest one's recovery (the fraction of the client's text it rebuilds) beside the floor, with a
+few reconstructed lines. A U-shaped split keeps the next-token targets on the client: no
+`labels` reach the server.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) 
     probe = {**probe, "train_subset": sizes["train_subset"], "test_subset": sizes["test_subset"]}
     for cut, tail in cuts:
         resolve_config({**probe, "cut": label(cut, tail)})  # every probe valid before any trains
-    token_attacks = [name for name, cls in attacks().items() if "tokens" in cls.inputs]
+    token_attacks = [name for name, cls in attacks().items() if "tokens" in cls.inputs and cls.advised]
     attack = {
         "aux": aux,
         "targets": targets,
