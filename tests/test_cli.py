@@ -56,7 +56,15 @@ BAD_INPUT = [
     (["rounds=0"], "invalid value 0 for rounds"),
     (["participation=1.5"], "invalid value 1.5 for participation"),
     (["colour=blue"], "unknown key 'colour' for algorithm 'sfl_v2'; "),
-    (["server_schedule=sequential", "algorithm=fedavg"], "unknown key 'server_schedule' for algorithm 'fedavg'"),
+    (["server_schedule=sequential", "algorithm=fedavg"], "server_schedule applies to algorithm sfl_v2, not fedavg"),
+    (["aux=blocks:1", "algorithm=sfl_v2"], "error: aux applies to algorithm cse_fsl and fsl_sage, not sfl_v2\n"),
+    (["layers=2"], "error: layers applies to model gpt, not mlp\n"),
+    (["colourfulness=1"], "unknown key 'colourfulness' for algorithm 'sfl_v2'; the command's --help lists the keys\n"),
+    (
+        ["model=cnn", "dataset=shakespeare_lm"],
+        "error: model=cnn takes images, but dataset=shakespeare_lm holds tokens; models for tokens: gpt, hf, lstm\n",
+    ),
+    (["model=gpt", "dataset=synthetic"], "model=gpt takes tokens, but dataset=synthetic holds images; models for"),
     (["train_subset=99999"], "train_subset=99999 is more than the 1200 samples"),
     (["device=cuda"], "device 'cuda'"),
     (["lr"], "expected KEY=VALUE, got 'lr'"),
@@ -149,3 +157,53 @@ def test_an_unknown_key_close_to_a_known_one_gets_did_you_mean(capsys):
     assert code == 2 and err == "error: unknown key 'lrr' for algorithm 'sfl_v2'; did you mean 'lr'?\n"
     code, _, err = run_cli(capsys, "certs", "client=2")
     assert code == 2 and "did you mean 'clients'?" in err
+
+
+@pytest.mark.parametrize("text", ["ROMEO:", "yes", "1e3", "null", "[a]", "a: b", "{a: 1}", "~", "0x10", ""])
+def test_a_string_key_keeps_the_exact_text_typed(text):
+    """Command-line values are read by the key's type, not as YAML: a string stays what was typed."""
+    from splitlab.config import parse_overrides, parse_settings
+    from splitlab.runmodel import GenerateSettings
+
+    assert parse_settings(GenerateSettings, parse_overrides([f"prompt={text}"])).prompt == text
+
+
+def test_command_line_values_are_converted_by_the_keys_type():
+    from splitlab.config import parse_overrides, parse_settings
+    from splitlab.resolve import resolve_config
+    from splitlab.splitgp_evaluation import EvaluationSettings
+
+    config = resolve_config(
+        parse_overrides(
+            ["rounds=3", "lr=1e-2", "resume=yes", "local_steps=none", "clients=all", "dataset=shakespeare",
+             "model=lstm", "defense=clip:10+noise:0.5", "noise_key=null", "out=", "cut=1,2", "labels_at=server"]
+        )
+    ).run  # fmt: skip
+    assert (config.rounds, config.lr, config.resume, config.local_steps, config.clients) == (3, 0.01, True, None, "all")
+    assert (config.defense, config.noise_key, config.out, config.cut, config.tail_cut) == (
+        "clip:10+noise:0.5", "null", None, 1, 2,
+    )  # fmt: skip
+    sgd = resolve_config(parse_overrides(["partition=dirichlet:0.5", "momentum=0.5", "optimizer=sgd"])).run
+    assert (sgd.partition, sgd.momentum) == ("dirichlet:0.5", 0.5)
+    for text in ("0,0.2", "[0, 0.2]"):
+        assert parse_settings(EvaluationSettings, parse_overrides([f"rho={text}"])).rho == [0, 0.2]
+
+
+def test_generate_takes_a_prompt_that_looks_like_yaml(monkeypatch, capsys, tmp_path):
+    """`splitlab generate RUN prompt="ROMEO:"` reaches the run with the prompt as typed."""
+    import splitlab.runmodel
+
+    seen = []
+    monkeypatch.setattr(splitlab.runmodel, "generate", lambda run_dir, **settings: seen.append(settings) or "text")
+    code, out, _ = run_cli(capsys, "generate", str(tmp_path), "prompt=ROMEO:", "max_new_tokens=3")
+    assert (code, out, seen[0]["prompt"], seen[0]["max_new_tokens"]) == (0, "text\n", "ROMEO:", 3)
+
+
+def test_a_config_yaml_from_before_models_owned_their_keys_still_resolves():
+    """Earlier runs recorded every model's keys, null where not given: null is the model's default."""
+    from splitlab.resolve import resolve_config
+
+    old = {"layers": None, "heads": None, "width": None, "context": None, "model_dir": None}
+    assert resolve_config({"model": "mlp", **old}).model_params.model_dump() == {}
+    gpt = resolve_config({"model": "gpt", "dataset": "shakespeare_lm", **old, "layers": 2}).model_params
+    assert gpt.model_dump() == {"layers": 2, "heads": 4, "width": 128, "context": 256}

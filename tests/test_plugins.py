@@ -44,9 +44,10 @@ def registries_as_they_were():
     """A plugin's models and datasets are registered for the rest of the process: gone after each
     test, so that later tests (dataset lists, the catalog) see splitlab's own alone."""
     from splitlab.data import datasets
-    from splitlab.models import MODELS
+    from splitlab.models import MODEL_INPUTS, MODEL_PARAMS, MODELS
 
-    tables = [MODELS, datasets.DATASETS, datasets.LOCATORS, datasets.SPLIT_LOADERS]
+    tables = [MODELS, MODEL_PARAMS, MODEL_INPUTS, datasets.DATASETS, datasets.LOCATORS, datasets.SPLIT_LOADERS]
+    tables.append(datasets.SAMPLES)
     saved = [dict(table) for table in tables]
     yield
     for table, before in zip(tables, saved):
@@ -173,6 +174,99 @@ def test_entry_points_of_installed_packages_are_imported(tmp_path, monkeypatch):
 
     plugins._load_entry_points.cache_clear()
     assert resolve_config({"algorithm": "ep_fedavg"}).run.algorithm == "ep_fedavg"
+
+
+DEEP = '''
+"""A user's model with a key of its own: an MLP of `depth` hidden layers."""
+from collections import OrderedDict
+
+from pydantic import BaseModel, Field
+from torch import nn
+
+import splitlab
+from splitlab.models import StagedModel
+
+
+class DeepParams(BaseModel):
+    depth: int = Field(2, ge=1, le=8, description="hidden layers")
+
+
+def deep(input_shape, num_classes, depth):
+    width = 1
+    for size in input_shape:
+        width *= size
+    stages = OrderedDict(hidden1=nn.Sequential(nn.Flatten(), nn.Linear(width, 16), nn.ReLU()))
+    for i in range(2, depth + 1):
+        stages[f"hidden{i}"] = nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+    stages["out"] = nn.Linear(16, num_classes)
+    return StagedModel(stages)
+
+
+splitlab.register_model("deep", deep, params=DeepParams, inputs=["images", "features"])
+'''
+
+
+@pytest.fixture
+def deep_plugin(tmp_path, monkeypatch) -> str:
+    (tmp_path / "deep_plugin.py").write_text(DEEP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "deep_plugin", raising=False)  # imported (and registered) afresh
+    return "deep_plugin"
+
+
+def test_a_plugin_models_own_key_runs_and_is_listed(deep_plugin, tmp_path, capsys):
+    from splitlab.cli import main
+
+    out = tmp_path / "deep"
+    settings = [f"{k}={v}" for k, v in quick(model="deep", plugins=deep_plugin).items()]
+    assert main(["run", "--no-progress", *settings, "depth=3", f"out={out}"]) == 0
+    weights = load_file(out / "weights.safetensors")
+    assert sorted({k.split(".")[0] for k in weights}) == ["hidden1", "hidden2", "hidden3", "out"]
+    assert "depth: 3" in (out / "config.yaml").read_text()
+    capsys.readouterr()
+    assert main(["run", *(f"{k}={v}" for k, v in quick().items()), "depth=3", f"out={tmp_path / 'x'}"]) == 2
+    assert capsys.readouterr().err == "error: depth applies to model deep, not mlp\n"
+    assert main(["run", "model=deep", "depth=9", f"out={tmp_path / 'x'}"]) == 2
+    assert "invalid value 9 for depth" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+    assert main(["models", f"plugins={deep_plugin}"]) == 0
+    listed = capsys.readouterr().out
+    assert "deep " in listed and "depth=2" in listed and "layers=4" in listed
+    with pytest.raises(SystemExit):
+        main(["run", "--help", f"plugins={deep_plugin}"])
+    assert "keys of model=deep:\n  depth=2\n      hidden layers" in capsys.readouterr().out
+
+
+def test_listing_commands_show_a_plugins_items(tmp_path, monkeypatch, capsys):
+    from splitlab.cli import main
+
+    write_plugin(tmp_path, "listed_plugin", "listed_fedavg")
+    monkeypatch.chdir(tmp_path)
+    assert main(["algorithms", "plugins=listed_plugin"]) == 0
+    assert "listed_fedavg" in capsys.readouterr().out
+    assert main(["datasets", "plugins=listed_plugin"]) == 0
+    assert "listed_fedavg_data" in capsys.readouterr().out
+    assert main(["algorithms", "plugin=listed_plugin"]) == 2
+    assert "did you mean 'plugins'?" in capsys.readouterr().err
+
+
+def test_run_takes_a_typed_run_config_and_params_as_a_dict(deep_plugin, tmp_path):
+    """`splitlab.run(RunConfig(...), Params(...))` is `run(dict)` with the same keys, bit for bit."""
+    import importlib
+
+    from splitlab.algorithms.sfl_v2 import SFLV2Params
+
+    settings = quick(model="deep", plugins=deep_plugin, algorithm="sfl_v2")
+    typed = splitlab.run(
+        splitlab.RunConfig(**settings, out=str(tmp_path / "typed")),
+        SFLV2Params(server_schedule="sequential"),
+        importlib.import_module(deep_plugin).DeepParams(depth=1),
+        progress=False,
+    )
+    flat = run({**settings, "server_schedule": "sequential", "depth": 1, "out": str(tmp_path / "flat")}, progress=False)
+    assert typed["final_accuracy"] == flat["final_accuracy"]
+    same_run(tmp_path / "typed", tmp_path / "flat")
 
 
 def test_a_plugin_split_algorithm_written_the_natural_way_runs_and_is_refused_u_shaped_in_one_line():

@@ -4,6 +4,7 @@ Nothing trains here: building or running an experiment fails the test."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -50,11 +51,44 @@ def test_sweep_file_expands_and_describes_itself(path: Path, tmp_path: Path):
     assert not sweep_dir.exists() or not any(sweep_dir.iterdir()), "expand_sweep wrote files"
 
 
+#: files a script in experiments/ writes: dataset -> (data_dir, the script)
+GENERATED = {"e2e": ("data/e2e_synthetic", "experiments/e2e_synthetic.py")}
+
+
 @pytest.mark.parametrize("path", CPU_FILES, ids=_ids(CPU_FILES))
 def test_cpu_files_use_offline_datasets_only(path: Path, tmp_path: Path):
-    datasets = {config.get("dataset", "fashion_mnist") for _, config in expand_sweep(path, out=tmp_path)}
-    assert datasets <= OFFLINE_DATASETS, f"{path.name} needs {sorted(datasets - OFFLINE_DATASETS)}"
-    assert all(config.get("data_dir") is None for _, config in expand_sweep(path, out=tmp_path))
+    configs = [config for _, config in expand_sweep(path, out=tmp_path)]
+    datasets = {config.get("dataset", "fashion_mnist") for config in configs}
+    assert datasets <= OFFLINE_DATASETS | set(GENERATED), f"{path.name} needs {sorted(datasets - OFFLINE_DATASETS)}"
+    for config in configs:
+        generated = GENERATED.get(config.get("dataset", "fashion_mnist"))
+        assert config.get("data_dir") == (generated[0] if generated else None)
+        assert generated is None or generated[1] in path.read_text(encoding="utf-8"), "say how the files are made"
+
+
+def test_the_synthetic_e2e_files_are_what_dataset_e2e_reads(tmp_path: Path):
+    """experiments/e2e_synthetic.py writes the release's three files, with several references per
+    test meaning representation, in E2E's slot notation; model=gpt reads them by characters."""
+    import importlib.util
+
+    from splitlab.data import load_dataset
+
+    spec = importlib.util.spec_from_file_location("e2e_synthetic", ROOT / "experiments" / "e2e_synthetic.py")
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    script.write(tmp_path, train=20, test=4, seed=0)
+    data = load_dataset("e2e", tmp_path, seq_len=192)
+    assert data.train_x.shape == (40, 192) and data.test_x.shape == (12, 192)
+    assert data.references is not None and [len(refs) for refs in data.references.texts] == [3, 3, 3, 3]
+    for prompt in data.references.prompts:  # the separator " ||" reads as spaces: | is not a LEAF character
+        mr = data.references.tokenizer.decode(prompt)
+        assert re.fullmatch(
+            r"name\[[^]]+\](, (eatType|food|priceRange|customer rating|area|familyFriendly|near)"
+            r"\[[^]]+\]){2,3}   ",
+            mr,
+        ), mr
+    assert all(refs[0] != refs[1] or refs[1] != refs[2] for refs in data.references.texts)
 
 
 def test_vertical_experiment_pairs_every_vertical_run_with_vanilla_sl_at_the_same_cut(tmp_path: Path):

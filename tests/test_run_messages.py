@@ -37,6 +37,10 @@ def test_ctrl_c_before_the_first_checkpoint_says_nothing_was_kept(tmp_path, monk
     assert err.count("\n") == 1 and not (tmp_path / "run" / ".lock").exists()
     assert main(["run", *args, "resume=true"]) == 0
     assert "holds no checkpoint: starting again at round 1" in capsys.readouterr().err
+    again = [*ARGS, "rounds=4", f"out={tmp_path}/again"]
+    interrupted_at(3, again, monkeypatch, capsys)  # or the same command again, without resume=true
+    assert main(["run", *again]) == 0
+    assert "it stopped before its first checkpoint" in capsys.readouterr().err
 
 
 def test_a_run_draws_its_curves_and_says_where_its_files_are(tmp_path, capsys, monkeypatch):

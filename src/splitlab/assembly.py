@@ -20,7 +20,7 @@ from torch import nn
 from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.augment import check_augment
-from splitlab.config import ResolvedConfig, RunConfig
+from splitlab.config import ResolvedConfig
 from splitlab.data import Dataset, load_dataset
 from splitlab.errors import UserError
 from splitlab.ledger import Ledger
@@ -177,6 +177,7 @@ def blueprint_of(
         input_dtype,
         task,
         builders=builders or get_algorithm(run.algorithm).models,
+        model_settings=config.model_settings(),
         recorder=recorder or (Recorder(run.record) if run.record else None),
         init_state=init_state,
     )
@@ -193,9 +194,10 @@ def client_nodes(blueprint: Blueprint, data: Dataset, owners: Mapping[int, np.nd
     ]
 
 
-def load_data(run: RunConfig) -> Dataset:
-    """The run's dataset (a language dataset at its `seq_len`, tokenised by `model_dir`'s tokenizer if any)."""
-    return load_dataset(run.dataset, run.data_dir, seed=run.seed, seq_len=run.seq_len, tokenizer_dir=run.model_dir)
+def load_data(config: ResolvedConfig) -> Dataset:
+    """The run's dataset (a language dataset at its `seq_len`, tokenised by model=hf's tokenizer if any)."""
+    run = config.run
+    return load_dataset(run.dataset, run.data_dir, seed=run.seed, seq_len=run.seq_len, tokenizer_dir=config.model_dir)
 
 
 def personal_metrics(

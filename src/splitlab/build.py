@@ -38,6 +38,7 @@ from splitlab.loggers import check_logger
 from splitlab.models import StagedModel, split
 from splitlab.models.lora import apply_lora, linear_layer_names, load_init
 from splitlab.privacy import keys
+from splitlab.privacy.defenses import check_task, parse_defense
 from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint, ClientNode
 from splitlab.runmodel import init_shapes, init_state
@@ -122,7 +123,7 @@ def _plan(config: ResolvedConfig) -> _Plan:
     device = resolve_device(run.device)
     if run.data == "own":
         return _own_data_plan(config, device)
-    data = load_data(run)
+    data = load_data(config)
     _check_task(config, data)
     indices = client_indices(config, data)
     held_out = parse_test_split(run.test_split)
@@ -132,7 +133,7 @@ def _plan(config: ResolvedConfig) -> _Plan:
         client_test = [(data.inputs(data.train_x[idx].to(device)), data.train_y[idx].to(device)) for idx in held]
     report = partition_report(data.train_labels.numpy(), indices, data.num_classes)
     algorithm_class = get_algorithm(run.algorithm)
-    blueprint = make_blueprint(config, data, device, init_state(run))
+    blueprint = make_blueprint(config, data, device, init_state(config))
     _check_cut(blueprint, algorithm_class)
     owners = algorithm_class.data_owners(indices)
     return _Plan(config, data, owners, client_test, report, algorithm_class, blueprint, held)
@@ -168,19 +169,19 @@ def check_model(config: ResolvedConfig) -> None:
     """What can be checked of model=hf before its data is read and tokenised (seconds for a
     corpus): its folder and architecture, the sequence length, the LoRA targets, the cut, and that
     init= fits, on the model's skeleton (no weights)."""
-    run = config.run
-    if run.model != "hf" or run.model_dir is None:
+    run, model_dir = config.run, config.model_dir
+    if model_dir is None:
         return
     from splitlab.models import hf
 
-    model = hf.skeleton(run.model_dir)
-    context = hf.context_length(hf.read_config(run.model_dir))
+    model = hf.skeleton(model_dir)
+    context = hf.context_length(hf.read_config(model_dir))
     if run.seq_len is not None and run.seq_len > context:
         raise UserError(f"seq_len={run.seq_len} is beyond the model's context of {context} tokens")
     if run.lora is not None:
         targets = run.lora_targets.split(",") if run.lora_targets is not None else None
         apply_lora(model, *parse_lora(run.lora), targets, run.lora_dropout, run.seed)
-    shapes = init_shapes(run)
+    shapes = init_shapes(config)
     if shapes is not None:
         load_init(model, shapes, f"init={run.init}")
     check_split(model, run, get_algorithm(run.algorithm))
@@ -198,6 +199,14 @@ def _check_task(config: ResolvedConfig, data: Dataset) -> None:
         raise UserError(
             f"partition={run.partition} splits by class; {run.dataset}'s sequences have none: use iid or clients=all"
         )
+    check_task(parse_defense(run.defense), run.defense, run.dataset, data.task, data.num_classes)
+    if run.eval_generate and data.references is None:
+        raise UserError(
+            f"eval_generate={run.eval_generate}: {run.dataset} has no reference texts to score generations "
+            f"against; datasets with references: e2e"
+        )
+    if run.eval_generate and algorithm.personal_models:
+        raise UserError(f"eval_generate needs one global model; algorithm={run.algorithm} keeps a model per client")
     if data.task == "language" and "dp:" in run.defense:
         raise UserError(
             f"defense={run.defense}: no epsilon holds for {run.dataset}, whose targets (the text shifted by one "
@@ -223,7 +232,7 @@ def _own_data_plan(config: ResolvedConfig, device: torch.device) -> _Plan:
     if len(algorithm_class.data_owners([np.arange(0)] * int(run.clients))) != run.clients:
         raise UserError(f"algorithm={run.algorithm} pools the clients' samples in one node; data=own keeps them apart")
     data = load_split(run.dataset, "test", run.data_dir)
-    blueprint = make_blueprint(config, data, device, init_state(run))
+    blueprint = make_blueprint(config, data, device, init_state(config))
     _check_cut(blueprint, algorithm_class)
     return _Plan(config, data, None, None, None, algorithm_class, blueprint)
 
@@ -240,7 +249,7 @@ def client_node(raw: Mapping[str, Any], client_id: int) -> ClientNode:
         if run.clients != "all" and not 0 <= client_id < run.clients:
             raise UserError(f"client_id={client_id} is not a client of this run; allowed: 0 to {run.clients - 1}")
         data = load_split(run.dataset, "train", run.data_dir)
-        blueprint = make_blueprint(config, data, resolve_device(run.device), init_state(run))
+        blueprint = make_blueprint(config, data, resolve_device(run.device), init_state(config))
         return client_nodes(blueprint, data, {client_id: np.arange(len(data.train_y))})[0]
     plan = _plan(config)
     if not 0 <= client_id < plan.client_count:

@@ -25,27 +25,49 @@ def load() -> dict[str, list[list[str]]]:
 
 def generate() -> dict[str, list[list[str]]]:
     """The rows of both tables, computed from splitlab's own models and algorithms (not plugins')."""
-    from splitlab.errors import UserError
-    from splitlab.models import BUILT_IN, build_model
+    from splitlab.models import BUILT_IN
 
-    models = []
-    for name in sorted(BUILT_IN):
+    return {
+        "models": [model_row(name) for name in sorted(BUILT_IN)],
+        "algorithms": [algorithm_row(name, cls) for name, cls in _own_algorithms()],
+    }
+
+
+def model_row(name: str) -> list[str]:
+    """Model `name`'s row of `splitlab models`: its cuts and parameters (for a 28x28x1 image and 10
+    classes, or else for 80 tokens and 80 classes) and its own keys with their defaults."""
+    from splitlab.errors import UserError
+    from splitlab.models import build_model, model_params
+
+    own = ", ".join(f"{k}={_yaml_scalar(f.default)}" for k, f in model_params(name).model_fields.items()) or "-"
+    for shape, classes, note in (((1, 28, 28), 10, ""), ((80,), 80, " (80 tokens in, 80 classes)")):
         try:
-            model, note = build_model(name, (1, 28, 28), 10), ""
-        except UserError:  # lstm and gpt take token sequences: shown for LEAF Shakespeare's shape
-            try:
-                model, note = build_model(name, (80,), 80), " (80 tokens in, 80 classes)"
-            except UserError:  # hf: a checkpoint's, from model_dir
-                models.append([name, "1 to its blocks", "the checkpoint's (model_dir=DIR)"])
-                continue
+            model = build_model(name, shape, classes)
+        except UserError:  # e.g. lstm and gpt take token sequences; hf reads a checkpoint from model_dir
+            continue
         parameters = f"{sum(p.numel() for p in model.parameters()):,}{note}"
-        models.append([name, ", ".join(map(str, model.valid_cuts)), parameters])
-    rows = []
-    for name, cls in _own_algorithms():
-        own = ", ".join(f"{k}={_yaml_scalar(f.default)}" for k, f in cls.Params.model_fields.items())
-        paragraph = (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
-        rows.append([name, own or "-", first_sentence(" ".join(paragraph.split()))])
-    return {"models": models, "algorithms": rows}
+        return [name, ", ".join(map(str, model.valid_cuts)), parameters, own]
+    return [name, "set by its keys", "set by its keys", own]  # model=hf: the checkpoint in model_dir
+
+
+def algorithm_row(name: str, cls: Any) -> list[str]:
+    """Algorithm `name`'s row of `splitlab algorithms`: its own keys with defaults, and its description
+    (its own, or else the first sentence of its module's docstring)."""
+    own = ", ".join(f"{k}={_yaml_scalar(f.default)}" for k, f in cls.Params.model_fields.items())
+    paragraph = cls.description or (sys.modules[cls.__module__].__doc__ or "").strip().split("\n\n")[0]
+    return [name, own or "-", first_sentence(" ".join(paragraph.split()))]
+
+
+def plugin_rows() -> dict[str, list[list[str]]]:
+    """The rows of the models and algorithms plugins registered (imported already), as `generate`'s."""
+    from splitlab.algorithms import algorithms
+    from splitlab.models import BUILT_IN, model_names
+
+    own = dict(_own_algorithms())
+    return {
+        "models": [model_row(name) for name in model_names() if name not in BUILT_IN],
+        "algorithms": [algorithm_row(name, cls) for name, cls in sorted(algorithms().items()) if name not in own],
+    }
 
 
 def _own_algorithms() -> list[tuple[str, Any]]:
@@ -57,10 +79,13 @@ def _own_algorithms() -> list[tuple[str, Any]]:
 
 def command_settings() -> dict[str, Any]:
     """Every command's settings model: `run` (RunConfig, then each algorithm's own keys as
-    `run algorithm=<name>`), then the other commands'. A new command with keys is added here."""
+    `run algorithm=<name>`, each model's as `run model=<name>`), then the other commands'. A new
+    command with keys is added here."""
     from splitlab.audit.advise import AdviseSettings
     from splitlab.audit.settings import AttackSettings
     from splitlab.config import RunConfig
+    from splitlab.models import BUILT_IN, MODEL_PARAMS
+    from splitlab.net.certs import CertsSettings
     from splitlab.net.client import ClientSettings
     from splitlab.net.launch import LaunchSettings
     from splitlab.net.server import ServerSettings
@@ -69,9 +94,11 @@ def command_settings() -> dict[str, Any]:
     from splitlab.splitgp_latency import LatencySettings
 
     own = {f"run algorithm={name}": cls.Params for name, cls in _own_algorithms() if cls.Params.model_fields}
+    models = {f"run model={name}": params for name, params in sorted(MODEL_PARAMS.items()) if name in BUILT_IN}
     return {
         "run": RunConfig,
         **own,
+        **models,
         "server": ServerSettings,
         "client": ClientSettings,
         "launch": LaunchSettings,
@@ -80,6 +107,7 @@ def command_settings() -> dict[str, Any]:
         "attack": AttackSettings,
         "advise": AdviseSettings,
         "generate": GenerateSettings,
+        "certs": CertsSettings,
     }
 
 

@@ -119,6 +119,13 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
+    def again(self) -> str:
+        """How to go on after the run stops here: resume=true from a checkpoint written (or being
+        written), else the same command (a run stopped before its first one leaves nothing)."""
+        if self._writer is not None or self.path.exists():
+            return "add resume=true"
+        return "run the same command again (no checkpoint was kept)"
+
     def join(self) -> None:
         """Wait for the write in progress (also when the loop stops on an error: a started
         checkpoint is finished, never left half-written or lost)."""

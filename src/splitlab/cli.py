@@ -24,9 +24,6 @@ from splitlab.units import format_bytes
 console = Console()
 log = logging.getLogger("splitlab.cli")
 
-#: `splitlab certs clients=` at most: a certificate and key each (about 8 KB), made one by one
-MAX_CERT_CLIENTS = 1000
-
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from splitlab.engine import run
@@ -55,26 +52,12 @@ def _run_config(args: argparse.Namespace) -> dict:
 
 
 def _cmd_certs(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from splitlab.config import parse_overrides, parse_settings
+    from splitlab.net.certs import CertsSettings, make_certs
 
-    from splitlab.command_help import CERTS_KEYS
-    from splitlab.config import parse_overrides
-    from splitlab.net.certs import make_certs
-
-    keys = parse_overrides(args.overrides)
-    unknown = sorted(set(keys) - set(CERTS_KEYS))
-    if unknown:
-        raise unknown_key(unknown[0], CERTS_KEYS, "certs")
-    overwrite = keys.get("overwrite", False)
-    if not isinstance(overwrite, bool):
-        raise UserError(f"invalid value {overwrite!r} for overwrite: expected true or false")
-    clients = keys.get("clients", 1)
-    if isinstance(clients, bool) or not isinstance(clients, int) or not 1 <= clients <= MAX_CERT_CLIENTS:
-        raise UserError(
-            f"invalid value {clients!r} for clients: expected a whole number of clients, 1 to {MAX_CERT_CLIENTS}"
-        )
-    hosts = [h for h in str(keys.get("hosts") or "").split(",") if h]
-    written = make_certs(Path(str(keys.get("out", "certs"))).expanduser(), clients, hosts, overwrite)
+    keys = parse_settings(CertsSettings, parse_overrides(args.overrides))
+    hosts = [h for h in (keys.hosts or "").split(",") if h]
+    written = make_certs(keys.out.expanduser(), keys.clients, hosts, keys.overwrite)
     console.print(f"written to {written[0].parent}: {', '.join(p.stem for p in written)} (.pem and .key)")
     return 0
 
@@ -150,7 +133,20 @@ def _print_summary(summary: dict, raw: dict) -> None:
     console.print(table)
 
 
+def _listing_plugins(args: argparse.Namespace) -> bool:
+    """Import the plugins a listing command names (`plugins=MODULE`); whether there were any."""
+    if not args.overrides:
+        return False
+    from splitlab.config import parse_overrides, parse_settings
+    from splitlab.plugins import ListingSettings, load_plugins
+
+    plugins = parse_settings(ListingSettings, parse_overrides(args.overrides)).plugins
+    load_plugins(plugins)
+    return plugins is not None
+
+
 def _cmd_datasets(args: argparse.Namespace) -> int:
+    _listing_plugins(args)
     from splitlab.data import dataset_availability
 
     table = Table("dataset", "available", "where")
@@ -170,8 +166,11 @@ def _cmd_download(args: argparse.Namespace) -> int:
 def _cmd_models(args: argparse.Namespace) -> int:
     from splitlab import catalog
 
-    table = Table("model", "valid cuts", "parameters (28x28x1 input, 10 classes)")
-    for row in catalog.load()["models"]:
+    rows = catalog.load()["models"]
+    if _listing_plugins(args):
+        rows = rows + catalog.plugin_rows()["models"]
+    table = Table("model", "valid cuts", "parameters (28x28x1 input, 10 classes)", "own keys (defaults)")
+    for row in rows:
         table.add_row(*row)
     console.print(table)
     return 0
@@ -180,8 +179,11 @@ def _cmd_models(args: argparse.Namespace) -> int:
 def _cmd_algorithms(args: argparse.Namespace) -> int:
     from splitlab import catalog
 
+    rows = catalog.load()["algorithms"]
+    if _listing_plugins(args):
+        rows = rows + catalog.plugin_rows()["algorithms"]
     table = Table("algorithm", "own keys (defaults)", "description")
-    for row in catalog.load()["algorithms"]:
+    for row in rows:
         table.add_row(*row)
     console.print(table)
     return 0
@@ -335,15 +337,18 @@ class _CommandParser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", argparse.RawDescriptionHelpFormatter)
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
 
+    #: `plugins=MODULE` among the command's arguments: their algorithms and models are listed too
+    plugins: str | None = None
+
     def format_help(self) -> str:
         from splitlab.command_help import command_keys
 
         command = self.prog.split()[-1]
-        self.epilog = command_keys(command) or None
+        self.epilog = command_keys(command, self.plugins) or None
         return super().format_help()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(plugins: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitlab", description="Split learning and split federated learning.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
 
@@ -385,15 +390,19 @@ def build_parser() -> argparse.ArgumentParser:
     certs.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     certs.set_defaults(handler=_cmd_certs)
 
-    commands.add_parser("datasets", help="list datasets and whether their files are here").set_defaults(
-        handler=_cmd_datasets
-    )
+    listings = {
+        "datasets": ("list datasets and whether their files are here", _cmd_datasets),
+        "models": ("list models, their valid cut layers and their own keys", _cmd_models),
+        "algorithms": ("list algorithms and their own keys", _cmd_algorithms),
+    }
+    for name, (help_text, handler) in listings.items():
+        listing = commands.add_parser(name, help=f"{help_text} (plugins=MODULE: a plugin's too)")
+        listing.add_argument("overrides", nargs="*", metavar="plugins=MODULE")
+        listing.set_defaults(handler=handler)
     download = commands.add_parser("download", help="fetch Fashion-MNIST from its official mirror (needs a network)")
     download.add_argument("dataset", choices=["fashion_mnist"])
     download.add_argument("--dir", help="target folder (default: ~/.cache/splitlab/fashion_mnist, searched by runs)")
     download.set_defaults(handler=_cmd_download)
-    commands.add_parser("models", help="list models and their valid cut layers").set_defaults(handler=_cmd_models)
-    commands.add_parser("algorithms", help="list algorithms and their own keys").set_defaults(handler=_cmd_algorithms)
 
     sweep = commands.add_parser("sweep", help="run a grid of configurations from a sweep file")
     sweep.add_argument("file")
@@ -461,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     advise.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
     advise.set_defaults(handler=_cmd_advise)
     for command in commands.choices.values():
+        command.plugins = plugins
         command.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors; no progress bar")
         command.add_argument("-v", "--verbose", action="store_true", help="debug messages too")
     return parser
@@ -471,7 +481,8 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(next((item.partition("=")[2] for item in argv if item.startswith("plugins=")), None))
     # Flags may come anywhere among KEY=VALUE pairs: argparse stops the pairs at the first flag.
     args, rest = parser.parse_known_args(argv)
     if rest and (not hasattr(args, "overrides") or any(item.startswith("-") for item in rest)):

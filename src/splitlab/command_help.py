@@ -13,13 +13,6 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-#: `splitlab certs` keys (a command too small for a settings model): name -> (default, description)
-CERTS_KEYS: dict[str, tuple[Any, str]] = {
-    "out": ("certs", "directory to write ca, server and client certificates and keys to"),
-    "clients": (1, "how many client certificates"),
-    "hosts": (None, "names or addresses, comma-separated, the server certificate is also valid for"),
-    "overwrite": (False, "replace an existing CA (every key it issued stops working)"),
-}
 WIDTH = 100
 #: command -> its settings models, as module:class
 SETTINGS = {
@@ -30,6 +23,8 @@ SETTINGS = {
     "latency": ["splitlab.splitgp_latency:LatencySettings"],
     "attack": ["splitlab.audit.settings:AttackSettings"],
     "advise": ["splitlab.audit.advise:AdviseSettings"],
+    "certs": ["splitlab.net.certs:CertsSettings"],
+    **dict.fromkeys(["models", "algorithms", "datasets"], ["splitlab.plugins:ListingSettings"]),
     "generate": ["splitlab.runmodel:GenerateSettings"],
 }
 
@@ -53,25 +48,50 @@ def section(title: str, entries: Iterable[tuple[str, Any, str]]) -> str:
     return "\n".join(lines)
 
 
+def grouped(model: type[BaseModel]) -> dict[str, list[str]]:
+    """A settings model's keys by the concern their field is tagged with (`json_schema_extra`'s
+    group; RunConfig's: splitlab.config.GROUPS, in that order), untagged keys last, under "other"."""
+    from splitlab.config import GROUPS
+
+    groups: dict[str, list[str]] = {group: [] for group in GROUPS}
+    for name, field in model.model_fields.items():
+        extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+        groups.setdefault(str(extra.get("group", "other")), []).append(name)
+    return {group: keys for group, keys in groups.items() if keys}
+
+
 def run_keys() -> str:
-    """The keys of `run`: those of every run, then each algorithm's own."""
+    """The keys of `run`: those of every run, then each algorithm's own, then each model's own."""
     from splitlab.algorithms import algorithms
     from splitlab.config import RunConfig
+    from splitlab.models import MODEL_PARAMS
 
-    parts = [section("keys of every run (KEY=VALUE)", rows(RunConfig))]
+    parts = [
+        section(f"keys of every run (KEY=VALUE): {group}", [row for row in rows(RunConfig) if row[0] in keys])
+        for group, keys in grouped(RunConfig).items()
+    ]
     for name, cls in sorted(algorithms().items()):
         own = rows(cls.Params)
         if own:
             parts.append(section(f"keys of algorithm={name}", own))
+    for name, params in sorted(MODEL_PARAMS.items()):
+        parts.append(section(f"keys of model={name}", rows(params)))
     return "\n\n".join(parts)
 
 
-def command_keys(command: str) -> str:
-    """The `--help` epilog of `command`: its keys, from its settings models."""
+def command_keys(command: str, plugins: str | None = None) -> str:
+    """The `--help` epilog of `command`: its keys, from its settings models (with `plugins`: the
+    algorithms and models those modules define too)."""
+    if plugins is not None:
+        from splitlab.errors import UserError
+        from splitlab.plugins import load_plugins
+
+        try:
+            load_plugins(plugins)
+        except UserError as err:
+            return f"(keys not listed: {err})"
     if command == "run":
         return run_keys()
-    if command == "certs":
-        return section("keys", ((k, d, text) for k, (d, text) in CERTS_KEYS.items()))
     try:
         models = _models(command)
     except ImportError as missing:  # an optional extra that is not installed

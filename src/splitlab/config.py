@@ -22,8 +22,14 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic.json_schema import JsonDict
 
-from splitlab.errors import UserError, unknown_key
+from splitlab.errors import UserError, one_line, unknown_key
+
+#: The concerns RunConfig's keys are grouped by (in `run --help` and docs/cli.md), each field tagged
+#: with its own; the command line stays one flat set of KEY=VALUE.
+GROUPS = ("data", "model", "training", "privacy", "deployment")
+DATA, MODEL, TRAINING, PRIVACY, DEPLOYMENT = (typing.cast(JsonDict, {"group": group}) for group in GROUPS)
 
 
 class RunConfig(BaseModel):
@@ -35,48 +41,52 @@ class RunConfig(BaseModel):
         None,
         description="modules of your own to import first, comma-separated (algorithms, models, datasets; "
         "docs/extending.md)",
+        json_schema_extra=DEPLOYMENT,
     )
-    algorithm: str = Field("sfl_v2", description="the algorithm (see `splitlab algorithms`; a plugin's too)")
-    dataset: str = Field("fashion_mnist", description="the dataset (see `splitlab datasets`)")
-    data_dir: str | None = Field(None, description="directory with the dataset's files, if not the default")
+    algorithm: str = Field(
+        "sfl_v2", description="the algorithm (see `splitlab algorithms`; a plugin's too)", json_schema_extra=TRAINING
+    )
+    dataset: str = Field("fashion_mnist", description="the dataset (see `splitlab datasets`)", json_schema_extra=DATA)
+    data_dir: str | None = Field(
+        None, description="directory with the dataset's files, if not the default", json_schema_extra=DATA
+    )
     data: Literal["partition", "own"] = Field(
         "partition",
         description="partition: clients are a seeded partition of the dataset | own: each client brings the "
         "training samples in its own data_dir (a vertical party: a CSV of its own columns; splitlab server only)",
+        json_schema_extra=DATA,
     )
-    model: str = Field("cnn", description="the model (see `splitlab models`)")
-    layers: int | None = Field(None, ge=1, le=1024, description="model=gpt: transformer blocks (default 4)")
-    heads: int | None = Field(None, ge=1, le=1024, description="model=gpt: attention heads per block (default 4)")
-    width: int | None = Field(
-        None, ge=1, le=65536, description="model=gpt: hidden width D, a multiple of heads (default 128)"
-    )
-    context: int | None = Field(
-        None, ge=1, le=1_048_576, description="model=gpt: the longest sequence it takes, in tokens (default 256)"
-    )
-    model_dir: str | None = Field(
-        None, description="model=hf: a local Hugging Face causal-LM folder (config.json, *.safetensors, tokenizer)"
-    )
+    model: str = Field("cnn", description="the model (see `splitlab models`)", json_schema_extra=MODEL)
     init: str | None = Field(
         None,
         description="start from the model of this finished run's directory (same model and sizes; e.g. "
         "pretrained centrally, then fine-tuned split with lora)",
+        json_schema_extra=MODEL,
     )
     seq_len: int | None = Field(
         None,
         ge=1,
         le=1_048_576,
         description="language datasets: tokens per sequence (default 64), at most the model's context",
+        json_schema_extra=DATA,
     )
     lora: str | None = Field(
         None,
         description="R:ALPHA: freeze the model and train rank-R LoRA adapters scaled ALPHA/R, e.g. 8:16 "
         "(docs/language.md)",
+        json_schema_extra=MODEL,
     )
     lora_targets: str | None = Field(
-        None, description="with lora: comma-separated names of the projections to adapt (default: the model's)"
+        None,
+        description="with lora: comma-separated names of the projections to adapt (default: the model's)",
+        json_schema_extra=MODEL,
     )
     lora_dropout: float = Field(
-        0.0, ge=0, lt=1, description="with lora: dropout on the adapters' input in training, as peft's lora_dropout"
+        0.0,
+        ge=0,
+        lt=1,
+        description="with lora: dropout on the adapters' input in training, as peft's lora_dropout",
+        json_schema_extra=MODEL,
     )
     cut: int = Field(
         1,
@@ -84,6 +94,7 @@ class RunConfig(BaseModel):
         le=1000,
         description="cut layer, in the model's numbering (see `splitlab models`); cut=A,B: a U-shaped split, "
         "cut A and tail_cut B",
+        json_schema_extra=MODEL,
     )
     tail_cut: int | None = Field(
         None,
@@ -91,108 +102,174 @@ class RunConfig(BaseModel):
         le=1000,
         description="U-shaped split (also written cut=A,B): the client also holds the stages from this second "
         "cut on, with the labels and the loss; the server only those between (docs/configurations.md)",
+        json_schema_extra=MODEL,
     )
     clients: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["all"] = Field(
-        10, description="number of clients K (1 to 1,000,000); 'all' = one per natural user"
+        10,
+        description="number of clients K (1 to 1,000,000); 'all' = one per natural user",
+        json_schema_extra=DATA,
     )
     setting: Literal["vanilla", "vertical"] = Field(
         "vanilla",
         description="vanilla (clients hold samples) | vertical (parties hold different features of shared "
         "samples, aligned by private set intersection; algorithm=sl; docs/configurations.md)",
+        json_schema_extra=DATA,
     )
-    parties: int = Field(2, ge=1, le=64, description="setting=vertical: parties holding features")
+    parties: int = Field(
+        2, ge=1, le=64, description="setting=vertical: parties holding features", json_schema_extra=DATA
+    )
     features: str | None = Field(
         None,
         description="setting=vertical: each party's feature columns, / between parties, ranges and commas "
         "within, e.g. 0-13/14-27 (default: `parties` contiguous groups of image or table columns)",
+        json_schema_extra=DATA,
     )
     labels_at: Annotated[int, Field(ge=0, le=63)] | Literal["server"] = Field(
-        "server", description="setting=vertical: who holds the labels: server | a party's index"
+        "server",
+        description="setting=vertical: who holds the labels: server | a party's index",
+        json_schema_extra=DATA,
     )
     combine: Literal["concat", "sum", "mean"] = Field(
-        "concat", description="setting=vertical: how the server combines the parties' embeddings at the cut"
+        "concat",
+        description="setting=vertical: how the server combines the parties' embeddings at the cut",
+        json_schema_extra=MODEL,
     )
-    participation: float = Field(1.0, gt=0, le=1, description="fraction C of clients sampled per round")
-    rounds: int = Field(10, ge=1, le=10_000_000, description="training rounds")
-    local_epochs: int = Field(1, ge=1, le=100_000, description="passes over its samples a client makes per round")
+    participation: float = Field(
+        1.0, gt=0, le=1, description="fraction C of clients sampled per round", json_schema_extra=TRAINING
+    )
+    rounds: int = Field(10, ge=1, le=10_000_000, description="training rounds", json_schema_extra=TRAINING)
+    local_epochs: int = Field(
+        1, ge=1, le=100_000, description="passes over its samples a client makes per round", json_schema_extra=TRAINING
+    )
     local_steps: int | None = Field(
         None,
         ge=1,
         le=1_000_000_000,
         description="cap on a client's mini-batches per round (after local_epochs); none = all of them",
+        json_schema_extra=TRAINING,
     )
-    batch_size: int = Field(64, ge=1, le=1_000_000, description="samples per mini-batch")
-    optimizer: Literal["sgd", "adam"] = Field("adam", description="sgd | adam, for every part of the model")
-    lr: float = Field(1e-3, gt=0, le=1e6, description="learning rate")
+    batch_size: int = Field(64, ge=1, le=1_000_000, description="samples per mini-batch", json_schema_extra=TRAINING)
+    optimizer: Literal["sgd", "adam"] = Field(
+        "adam", description="sgd | adam, for every part of the model", json_schema_extra=TRAINING
+    )
+    lr: float = Field(1e-3, gt=0, le=1e6, description="learning rate", json_schema_extra=TRAINING)
     lr_schedule: str = Field(
         "none",
         description="the learning rate by round, as factors of lr joined by +: step:<every>:<gamma> | cosine | "
         "warmup:<rounds> (e.g. warmup:5+cosine); none = lr throughout",
+        json_schema_extra=TRAINING,
     )
     loss: str = Field(
         "cross_entropy",
         description="the training loss: cross_entropy | label_smoothing:<eps> | focal:<gamma> (or a plugin's); "
         "evaluation reports cross-entropy",
+        json_schema_extra=TRAINING,
     )
     augment: str = Field(
         "none",
         description="augment clients' training batches, +-joined in order: flip | crop:<pad> (or a plugin's; e.g. "
         "crop:4+flip); images only; none = as stored",
+        json_schema_extra=DATA,
     )
-    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum")
-    weight_decay: float = Field(0.0, ge=0, le=1e3, description="L2 penalty of the optimizer")
-    partition: str = Field("iid", description="iid | dirichlet:<alpha> | shards:<shards per client>")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="random seed (0 to 2**32-1, what numpy and torch both accept)")
-    device: Literal["cpu", "cuda", "auto"] = Field("auto", description="cpu | cuda | auto (cuda when there is one)")
-    eval_every: int = Field(1, ge=1, le=10_000_000, description="evaluate every N rounds (and after the last)")
-    train_subset: int | None = Field(None, ge=1, le=10**10, description="use only N training samples (seeded choice)")
+    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum", json_schema_extra=TRAINING)
+    weight_decay: float = Field(
+        0.0, ge=0, le=1e3, description="L2 penalty of the optimizer", json_schema_extra=TRAINING
+    )
+    partition: str = Field(
+        "iid", description="iid | dirichlet:<alpha> | shards:<shards per client>", json_schema_extra=DATA
+    )
+    seed: int = Field(
+        0,
+        ge=0,
+        le=2**32 - 1,
+        description="random seed (0 to 2**32-1, what numpy and torch both accept)",
+        json_schema_extra=TRAINING,
+    )
+    device: Literal["cpu", "cuda", "auto"] = Field(
+        "auto", description="cpu | cuda | auto (cuda when there is one)", json_schema_extra=DEPLOYMENT
+    )
+    eval_every: int = Field(
+        1, ge=1, le=10_000_000, description="evaluate every N rounds (and after the last)", json_schema_extra=TRAINING
+    )
+    train_subset: int | None = Field(
+        None, ge=1, le=10**10, description="use only N training samples (seeded choice)", json_schema_extra=DATA
+    )
     train_range: str | None = Field(
         None,
         description="A:B, fractions 0 <= A < B <= 1: only that stretch of the training samples in the dataset's "
         "order (shakespeare_lm: play by play), e.g. 0:0.5 to pretrain and 0.5:1 to fine-tune on the rest",
+        json_schema_extra=DATA,
     )
     test_subset: int | None = Field(
-        None, ge=1, le=10**10, description="evaluate on only N test samples (seeded choice)"
+        None,
+        ge=1,
+        le=10**10,
+        description="evaluate on only N test samples (seeded choice)",
+        json_schema_extra=DATA,
     )
-    comm_budget_gib: float | None = Field(None, gt=0, le=1e9, description="stop once this much has been communicated")
+    comm_budget_gib: float | None = Field(
+        None, gt=0, le=1e9, description="stop once this much has been communicated", json_schema_extra=TRAINING
+    )
+    eval_generate: int = Field(
+        0,
+        ge=0,
+        le=10**7,
+        description="language datasets with references (e2e): at the final evaluation, continue N test prompts "
+        "greedily and write BLEU and ROUGE-L to summary.json (docs/language.md); 0: none",
+        json_schema_extra=TRAINING,
+    )
     test_split: str = Field(
         "global",
         description="global (the dataset's test set) | client:<fraction> (each "
         "client holds out that fraction of its own samples)",
+        json_schema_extra=DATA,
     )
     target_accuracy: float | None = Field(
-        None, gt=0, le=1, description="summary reports the first evaluated round (and GiB) reaching this accuracy"
+        None,
+        gt=0,
+        le=1,
+        description="summary reports the first evaluated round (and GiB) reaching this accuracy",
+        json_schema_extra=TRAINING,
     )
     ledger: Literal["splitlab", "fsl_sage"] = Field(
         "splitlab",
         description="byte-counting convention: splitlab counts everything; fsl_sage leaves labels "
         "out, as the FSL-SAGE authors' code does",
+        json_schema_extra=DEPLOYMENT,
     )
     logger: Literal["none", "csv", "tensorboard", "mlflow", "wandb"] = Field(
         "none",
         description="also log every evaluated round to: csv (OUT/metrics.csv) | tensorboard (OUT/tensorboard) | "
         "mlflow (OUT/mlruns) | wandb (offline, OUT/wandb); all but csv need their package (docs/cli.md)",
+        json_schema_extra=DEPLOYMENT,
     )
     out: str | None = Field(
-        None, description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>"
+        None,
+        description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>",
+        json_schema_extra=DEPLOYMENT,
     )
     transport: Literal["direct", "serialized"] = Field(
         "direct",
         description="how roles exchange messages: direct (in-process, zero-copy) | serialized "
         "(every message encoded to bytes and back, as over a network; same results)",
+        json_schema_extra=DEPLOYMENT,
     )
     backend: Literal["local", "ray"] = Field(
         "local",
         description="where roles live: local (this process) | ray (clients on `workers` Ray actors, the "
         "training server on its own; every message as bytes; same results; docs/ray.md)",
+        json_schema_extra=DEPLOYMENT,
     )
-    workers: int = Field(2, ge=1, le=10_000, description="backend=ray: Ray actors holding the client nodes")
+    workers: int = Field(
+        2, ge=1, le=10_000, description="backend=ray: Ray actors holding the client nodes", json_schema_extra=DEPLOYMENT
+    )
     cpus_per_client: int = Field(
         1,
         ge=1,
         le=1024,
         description="backend=ray: CPUs (torch threads) of every actor: each client worker, which trains one "
         "client at a time, and the training server's (results equal in-process ones run with as many threads)",
+        json_schema_extra=DEPLOYMENT,
     )
     gpus_per_client: float = Field(
         0.0,
@@ -200,6 +277,7 @@ class RunConfig(BaseModel):
         le=64,
         description="backend=ray: GPUs of every actor (fractions share one: 0.25 puts four actors on a GPU); "
         "with device=auto an actor uses CUDA when Ray gave it a GPU that torch there can use, else the CPU",
+        json_schema_extra=DEPLOYMENT,
     )
     max_restarts: int = Field(
         3,
@@ -207,6 +285,7 @@ class RunConfig(BaseModel):
         le=1000,
         description="backend=ray: times a run whose Ray actor (or node) was lost builds its roles again and "
         "replays from its last checkpoint, before it stops with a resume hint",
+        json_schema_extra=DEPLOYMENT,
     )
     checkpoint_every: float = Field(
         60.0,
@@ -214,23 +293,35 @@ class RunConfig(BaseModel):
         le=10**8,
         description="seconds between checkpoints (0: after every round; never sooner than 50x the last snapshot's "
         "in-loop time); a resumed run replays from the last one",
+        json_schema_extra=DEPLOYMENT,
     )
     defense: str = Field(
         "none",
         description="defenses at the cut, +-joined: clip:<C> noise:<sigma> dp:epsilon=<E> gradnoise:<scale> "
-        "nopeek:<alpha> quantize:int8|fp16 topk:<fraction>; none = no defense (docs/privacy.md)",
+        "nopeek:<alpha> quantize:int8|fp16 topk:<fraction> marvell[:<scale>] label_dp:<epsilon> dchi:<epsilon>; "
+        "none = no defense (docs/privacy.md)",
+        json_schema_extra=PRIVACY,
     )
     record: int = Field(
-        0, ge=0, le=10**7, description="record what the server saw at the cut, up to N samples per round, for attacks"
+        0,
+        ge=0,
+        le=10**7,
+        description="record what the server saw at the cut, up to N samples per round, for attacks",
+        json_schema_extra=PRIVACY,
     )
     noise_key: str | None = Field(
         None,
         min_length=1,
         description="fix the defenses' noise (reproducible); the guarantee then assumes this key stays secret "
         "from the server (default: each party draws its own secret key)",
+        json_schema_extra=PRIVACY,
     )
-    resume: bool = Field(False, description="continue the run in `out` from its checkpoint")
-    overwrite: bool = Field(False, description="replace a finished or partial run in `out`")
+    resume: bool = Field(
+        False, description="continue the run in `out` from its checkpoint", json_schema_extra=DEPLOYMENT
+    )
+    overwrite: bool = Field(
+        False, description="replace a finished or partial run in `out`", json_schema_extra=DEPLOYMENT
+    )
 
     @field_validator("out", "data_dir")
     @classmethod
@@ -287,13 +378,12 @@ class RunConfig(BaseModel):
             parse_lora(value)
         return value
 
-    def model_settings(self) -> dict[str, Any]:
-        """The model's own settings that were given (`splitlab.models.build_model`'s options)."""
-        sizes = {key: getattr(self, key) for key in ("layers", "heads", "width", "context", "model_dir")}
+    def adapters(self) -> dict[str, Any]:
+        """The LoRA settings that were given, as `splitlab.models.build_model` takes them."""
         lora = {"lora": parse_lora(self.lora)} if self.lora is not None else {}
         targets = {"lora_targets": tuple(self.lora_targets.split(","))} if self.lora_targets is not None else {}
         dropout = {"lora_dropout": self.lora_dropout} if self.lora_dropout else {}
-        return {**{k: v for k, v in sizes.items() if v is not None}, **lora, **targets, **dropout}
+        return {**lora, **targets, **dropout}
 
     @field_validator("test_split")
     @classmethod
@@ -397,11 +487,11 @@ ONLY_WHEN: dict[str, Applies] = {
         "this algorithm does not split the model: nothing crosses a cut to record",
         {"algorithm": "fedavg", "record": 10},
     ),
-    **{
-        size: Applies(lambda r: r.model == "gpt", f"{size} sizes model=gpt", {"model": "mlp", size: 2})
-        for size in ("layers", "heads", "width", "context")
-    },
-    "model_dir": Applies(lambda r: r.model == "hf", "model_dir is where model=hf is read from", {"model_dir": "/tmp"}),
+    "eval_generate": Applies(
+        lambda r: r.setting == "vanilla" and r.data == "partition",
+        "eval_generate continues the test prompts of a language dataset with references (e2e) with the global model",
+        {"setting": "vertical", "eval_generate": 4},
+    ),
     "lora": Applies(
         lambda r: r.model == "hf" or r.init is not None,
         "LoRA fine-tunes a pretrained model's weights, and this one starts from random ones: give init=RUN_DIR "
@@ -492,7 +582,7 @@ def check_finite(settings: BaseModel | Mapping[str, Any]) -> None:
 def check_no_booleans(fields: Mapping[str, Any], raw: Mapping[str, Any]) -> None:
     """true/false where a number is expected (pydantic would read True as 1) is refused."""
     for key, value in raw.items():
-        if key in fields and isinstance(value, bool) and not _accepts_bool(fields[key].annotation):
+        if key in fields and isinstance(value, bool) and not accepts(fields[key].annotation, bool):
             raise UserError(f"invalid value {value!r} for {key}: expected a number or name, not a boolean")
 
 
@@ -535,30 +625,37 @@ RUN_CONTROL_KEYS = (
 
 @dataclass(frozen=True)
 class ResolvedConfig:
+    """A run's settings validated: those of every run, the algorithm's own and the model's own."""
+
     run: RunConfig
     params: BaseModel
+    model_params: BaseModel = NoParams()
 
     def as_dict(self) -> dict[str, Any]:
-        return {**self.run.model_dump(), **self.params.model_dump()}
+        return {**self.run.model_dump(), **self.params.model_dump(), **self.model_params.model_dump()}
 
     def defaults(self) -> dict[str, Any]:
-        """Every key at its default value, for this algorithm."""
-        return {**RunConfig(algorithm=self.run.algorithm).model_dump(), **type(self.params)().model_dump()}
+        """Every key at its default value, for this algorithm and model."""
+        return {
+            **RunConfig(algorithm=self.run.algorithm, model=self.run.model).model_dump(),
+            **type(self.params)().model_dump(),
+            **type(self.model_params)().model_dump(),
+        }
+
+    def model_settings(self) -> dict[str, Any]:
+        """What `splitlab.models.build_model` takes beyond the data: the model's own keys and LoRA's."""
+        return {**self.model_params.model_dump(), **self.run.adapters()}
+
+    @property
+    def model_dir(self) -> str | None:
+        """model=hf's folder, where its weights and tokenizer are read (None for other models)."""
+        return self.model_params.model_dump().get("model_dir") if self.run.model == "hf" else None
 
     @property
     def out_dir(self) -> Path:
         r = self.run
         cut = r.cut if r.tail_cut is None else f"{r.cut}-{r.tail_cut}"
         return Path(r.out or f"runs/{r.algorithm}_{r.dataset}_{r.model}_cut{cut}_seed{r.seed}")
-
-
-def one_line(err: ValidationError) -> str:
-    first = err.errors()[0]
-    key = str(first["loc"][0]) if first["loc"] else "config"  # flat settings: the key (not a union branch)
-    message = first["msg"]
-    if message.startswith("Value error, "):
-        message = message[len("Value error, ") :]
-    return f"invalid value {first.get('input')!r} for {key}: {message}"
 
 
 Settings = typing.TypeVar("Settings", bound=BaseModel)
@@ -569,6 +666,7 @@ def parse_settings(cls: type[Settings], raw: Mapping[str, Any]) -> Settings:
     unknown = sorted(set(raw) - set(cls.model_fields))
     if unknown:
         raise unknown_key(unknown[0], cls.model_fields)
+    raw = from_text(cls.model_fields, raw)
     check_no_booleans(cls.model_fields, raw)
     check_finite(raw)
     try:
@@ -579,14 +677,20 @@ def parse_settings(cls: type[Settings], raw: Mapping[str, Any]) -> Settings:
     return settings
 
 
-def _accepts_bool(annotation: Any) -> bool:
-    """Whether a field's type admits True/False (pydantic would otherwise read True as 1)."""
-    return annotation is bool or any(_accepts_bool(arg) for arg in typing.get_args(annotation))
+def flat_settings(config: BaseModel | Mapping[str, Any], *params: BaseModel) -> dict[str, Any]:
+    """A run's settings as the flat KEY: VALUE mapping they are resolved from (splitlab.resolve):
+    `config` a RunConfig (the keys it was given) or a mapping; `params` the algorithm's Params and
+    the model's params models, typed, their given keys added."""
+    flat = config.model_dump(exclude_unset=True) if isinstance(config, BaseModel) else dict(config)
+    for own in params:
+        flat.update(own.model_dump(exclude_unset=True))
+    return flat
 
 
-def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """KEY=VALUE strings -> dict, values read as YAML scalars (numbers, booleans, null, strings)."""
-    parsed: dict[str, Any] = {}
+def parse_overrides(items: list[str]) -> dict[str, str]:
+    """KEY=VALUE strings -> {KEY: VALUE}, each value the exact text typed: the settings model reads
+    it by its field's type (`from_text`), so that a string such as `ROMEO:` or `yes` stays a string."""
+    parsed: dict[str, str] = {}
     given: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
@@ -596,13 +700,45 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if key in parsed:
             raise UserError(f"key {key!r} is given twice ({given[key]} and {item}); give it once")
         given[key] = item
-        try:
-            parsed[key] = yaml.safe_load(value) if value.strip() else None
-        except yaml.YAMLError:
-            parsed[key] = value
-        if ":" in value and isinstance(parsed[key], (int, float)):  # YAML 1.1 reads 4:8 as 4 * 60 + 8
-            parsed[key] = value
+        parsed[key] = value
     return parsed
+
+
+#: Texts that mean "no value" for a field that takes none but takes no text either (`local_steps=none`).
+NO_VALUE = ("", "none", "null")
+
+
+def from_text(fields: Mapping[str, Any], raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings whose values may be text (the command line's KEY=VALUE) read by their field's type:
+    a string field keeps the exact text; an empty value unsets a field that may be unset; `none` or
+    `null` unsets one that takes no text; `a,b` (or `[a,b]`) is a list for a list field; numbers and
+    booleans are left to the schema to convert (pydantic). Values that are not text (a YAML file's,
+    Python's) and keys of no field are kept as they are."""
+    return {
+        key: _read_text(fields[key].annotation, value) if key in fields and isinstance(value, str) else value
+        for key, value in raw.items()
+    }
+
+
+def _read_text(annotation: Any, text: str) -> Any:
+    unset = not text.strip() or (text.strip().lower() in NO_VALUE and not accepts(annotation, str))
+    if unset and accepts(annotation, type(None)):
+        return None
+    if accepts(annotation, str):
+        return text
+    if accepts(annotation, list):
+        items = text.strip().removeprefix("[").removesuffix("]")
+        return [item.strip() for item in items.split(",")] if items.strip() else []
+    return text
+
+
+def accepts(annotation: Any, kind: type) -> bool:
+    """Whether a field's type admits values of `kind` (a union or Annotated type: any of its members)."""
+    if annotation is kind or typing.get_origin(annotation) is kind:
+        return True
+    if typing.get_origin(annotation) is Literal:
+        return False
+    return any(accepts(arg, kind) for arg in typing.get_args(annotation))
 
 
 def load_config_file(path: str | Path) -> dict[str, Any]:

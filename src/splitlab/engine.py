@@ -10,29 +10,33 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from pydantic import BaseModel
 
 from splitlab import rundir
 from splitlab.assembly import Experiment
 from splitlab.build import build
 from splitlab.callbacks import Callback
+from splitlab.config import RunConfig, flat_settings
 from splitlab.errors import RoleLost, RoundFailed, UserError
 from splitlab.ledger import Ledger
 from splitlab.logs import LOGGER
 from splitlab.loop import run_rounds
 from splitlab.process_settings import prepare_process
-from splitlab.rundir import CHECKPOINT, RunDirectory
+from splitlab.rundir import RunDirectory
 from splitlab.transport import Transport
 
 
 def run(
-    config: Mapping[str, Any],
-    *,
+    config: RunConfig | Mapping[str, Any],
+    *params: BaseModel,
     resume: bool | None = None,
     progress: bool = True,
     transport: Callable[[Ledger, torch.device], Transport] | None = None,
     callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
     """Run (or resume) one experiment; returns the summary that is also written to summary.json.
+    `config`: a RunConfig or a mapping of KEY: VALUE settings; `params`: the algorithm's and the
+    model's own settings as their params models (splitlab.config.flat_settings).
     `transport`: as for `build` (splitlab.net's server passes its network transport);
     `callbacks`: hooks of your own into the loop, called after splitlab's (splitlab.callbacks).
 
@@ -42,6 +46,7 @@ def run(
     the roles cannot be built again (the nodes left lack the CPUs), the run stops with one line
     and the resume hint."""
     prepare_process()
+    config = flat_settings(config, *params)
     experiment = build(config, transport)
     limit = experiment.config.run.max_restarts
     restarts = 0
@@ -51,23 +56,22 @@ def run(
                 return _run(experiment, resume, progress, callbacks)
         except RoleLost as lost:
             restarts += 1
+            resume = bool(RunDirectory(experiment.config).existing())  # lost before its first checkpoint: nothing kept
+            again = "with resume=true to go on from its last checkpoint" if resume else "(no checkpoint was kept)"
             if restarts > limit:
-                raise RoundFailed(
-                    f"{lost}; stopped after max_restarts={limit} restarts: run it again with resume=true "
-                    f"to go on from its last checkpoint"
-                ) from None
+                stopped = f"stopped after max_restarts={limit} restarts"
+                raise RoundFailed(f"{lost}; {stopped}: run it again {again}") from None
             LOGGER.warning(
                 f"{lost}: building the roles again and replaying from the last checkpoint "
                 f"(restart {restarts} of at most {limit})"
             )
             try:
-                experiment = build({**config, "resume": True, "overwrite": False}, transport)
+                experiment = build({**config, "resume": True, "overwrite": False} if resume else config, transport)
             except UserError as refused:  # what is left of the cluster cannot hold the roles (fewer CPUs)
                 raise RoundFailed(
                     f"{lost}; the roles could not be built again: {refused}; then run it again with resume=true "
                     f"to go on from its last checkpoint"
                 ) from None
-            resume = True
 
 
 def _run(
@@ -77,22 +81,8 @@ def _run(
     resume = run_config.resume if resume is None else resume
     directory = RunDirectory(experiment.config)
     kept = lambda: rundir.kept_after_interruption(directory.path)  # noqa: E731
-    with rundir.file_errors(directory.path, kept), rundir.locked(directory.path):
-        existing = directory.existing()
-        if existing and run_config.overwrite:
-            directory.clear()
-        elif existing and not resume:
-            raise UserError(
-                f"out {str(directory.path)!r} already holds a run; use resume=true to continue it "
-                f"or overwrite=true to replace it"
-            )
-        elif existing:
-            directory.check_resumable()
-            if "summary.json" in existing:
-                return directory.summary()
-            if CHECKPOINT not in existing:
-                LOGGER.info(f"{str(directory.path)!r} holds no checkpoint: starting again at round 1")
-        try:
-            return run_rounds(experiment, progress, callbacks)
-        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the CLI says what was kept
-            raise KeyboardInterrupt(rundir.kept_after_interruption(directory.path)) from None
+    try:
+        with rundir.file_errors(directory.path, kept), directory.started(resume, run_config.overwrite) as finished:
+            return finished if finished is not None else run_rounds(experiment, progress, callbacks)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the CLI says what was kept
+        raise KeyboardInterrupt(kept()) from None

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 
 class UserError(Exception):
@@ -42,9 +46,40 @@ class RoleLost(Exception):
     again and replay from the last checkpoint (engine.run, `max_restarts`)."""
 
 
+#: At most this many allowed keys are listed when none is close to an unknown one; more: --help lists them.
+LISTED_KEYS = 8
+
+
 def unknown_key(key: str, allowed: Iterable[str], where: str = "") -> UserError:
-    """`unknown key 'lrr' for run; did you mean 'lr'?`, or the allowed keys when none is close."""
+    """`unknown key 'lrr' for run; did you mean 'lr'?`; when none is close, the allowed keys if they
+    are few, else where they are listed (a line of sixty keys hides what is wrong)."""
     names = sorted(allowed)
     close = difflib.get_close_matches(key, names, n=1)
-    hint = f"did you mean {close[0]!r}?" if close else f"allowed: {', '.join(names)}"
+    if close:
+        hint = f"did you mean {close[0]!r}?"
+    elif len(names) <= LISTED_KEYS:
+        hint = f"allowed: {', '.join(names)}"
+    else:
+        hint = "the command's --help lists the keys"
     return UserError(f"unknown key {key!r}{f' for {where}' if where else ''}; {hint}")
+
+
+def one_line(err: ValidationError) -> str:
+    """A settings model's refusal as one line naming the key, the value and what is wrong."""
+    first = err.errors()[0]
+    key = str(first["loc"][0]) if first["loc"] else "config"  # flat settings: the key (not a union branch)
+    message = first["msg"]
+    if message.startswith("Value error, "):
+        message = message[len("Value error, ") :]
+    return f"invalid value {shown(first.get('input'))} for {key}: {message}"
+
+
+def shown(value: Any) -> str:
+    """A value as a message names it: a number as written (whether typed as text or not), else its repr."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return repr(value)
+        return value
+    return repr(value)

@@ -23,7 +23,8 @@ from splitlab.assembly import Experiment, personal_metrics
 from splitlab.callbacks import Callback, CommBudget, MetricsFile, ProgressBar, RecorderFlush
 from splitlab.checkpoints import Checkpointer
 from splitlab.errors import NonFiniteLoss, NonFiniteStep, RoundFailed
-from splitlab.io import save_safetensors, write_json, write_yaml
+from splitlab.generation import DecodingSettings, decode, text_scores
+from splitlab.io import save_safetensors, write_json, write_jsonl, write_yaml
 from splitlab.loggers import make_logger
 from splitlab.metrics import TASK_METRICS, logits_in_batches
 from splitlab.models import HeadAndTail
@@ -154,11 +155,11 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
             )
             started = time.perf_counter()
             try:
-                with _needs_the_client(cfg.algorithm, rnd + 1):
+                with _needs_the_client(cfg.algorithm, rnd + 1, checkpoints):
                     algorithm.run_round(rnd, clients)
             except NonFiniteStep as step:  # in process, or no one client to blame: training diverged
                 _check_finite(step.value, f"server's {step.what}", rnd + 1)
-            _check_enough_finished(experiment, clients, rnd + 1)
+            _check_enough_finished(experiment, clients, rnd + 1, checkpoints)
             state.setdefault("dropped", []).extend([rnd + 1, k] for k in sorted(algorithm.dropped))
             train_loss = algorithm.pop_train_loss()
             _check_finite(train_loss, "training loss", rnd + 1)
@@ -172,7 +173,7 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
                 state["stopped_by"] = stops[0]
             row = None
             if state["round"] % cfg.eval_every == 0 or state["round"] == cfg.rounds or stops:
-                with _needs_the_client(cfg.algorithm, rnd + 1):  # personal models are fetched from clients
+                with _needs_the_client(cfg.algorithm, rnd + 1, checkpoints):  # personal models are fetched from clients
                     row = _metrics_row(experiment, state, train_loss, compute_seconds)
                 _check_finite(row["test_loss"], "test loss", state["round"])
                 state["metrics"].append(row)
@@ -181,7 +182,7 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
             if state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
                 checkpoints.maybe_save(state)
     checkpoints.wait()
-    summary = _finish(experiment, state)
+    summary = _finish(experiment, state, checkpoints)
     checkpoints.remove()
     return summary
 
@@ -190,11 +191,39 @@ def _export_hf(experiment: Experiment) -> dict[str, str]:
     """out/hf: the global model as a Hugging Face folder, for models that have that form (model=gpt,
     hf), and out/peft: its LoRA adapters in peft's format; the folders written."""
     parts = experiment.assembler.parts  # full_state assembled the model
-    return export_hf(experiment.config.run, parts, experiment.data.vocabulary, experiment.out)
+    return export_hf(experiment.config, parts, experiment.data.vocabulary, experiment.out)
+
+
+#: How many generations `eval_generate` writes beside their references (generations.jsonl).
+EXAMPLES = 20
+
+
+def _eval_generate(experiment: Experiment, states: list) -> dict[str, Any]:
+    """BLEU and ROUGE-L of the global model's greedy continuations of the first `eval_generate`
+    test prompts (splitlab.generation), each at most as long as the training sequences allow; the
+    first EXAMPLES of them beside their references in generations.jsonl."""
+    references, window = experiment.data.references, experiment.data.input_shape[0]
+    assert references is not None, "refused when built"
+    model, device = experiment.assemble(states), experiment.blueprint.device
+    tokenizer, count = references.tokenizer, min(experiment.config.run.eval_generate, len(references.prompts))
+
+    def logits(tokens: torch.Tensor) -> torch.Tensor:
+        return model(tokens.to(device)).float().cpu()
+
+    texts = []
+    for prompt in references.prompts[:count]:
+        settings = DecodingSettings(max_new_tokens=max(1, window - len(prompt) + 1))
+        texts.append(tokenizer.decode(decode(logits, prompt, settings, window, tokenizer.eos_token_id)).strip())
+    examples = [
+        {"prompt": tokenizer.decode(prompt), "generated": text, "references": refs}
+        for prompt, text, refs in zip(references.prompts, texts, references.texts[:EXAMPLES])
+    ]
+    write_jsonl(experiment.out / "generations.jsonl", examples)
+    return {**text_scores(texts, references.texts[:count]), "eval_generate": count}
 
 
 @contextlib.contextmanager
-def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
+def _needs_the_client(algorithm: str, round_number: int, checkpoints: Checkpointer) -> Iterator[None]:
     """A client dropped out of a step that cannot go on without it (the evaluation of its personal
     model, SplitGP's final per-client weights): the run stops with one line."""
     try:
@@ -202,7 +231,7 @@ def _needs_the_client(algorithm: str, round_number: int) -> Iterator[None]:
     except ClientDropped as dropped:
         raise RoundFailed(
             f"round {round_number}: {dropped}, in a step {algorithm} cannot finish without it; "
-            f"restart the client and add resume=true"
+            f"restart the client and {checkpoints.again()}"
         ) from None
 
 
@@ -251,7 +280,9 @@ def _dropouts(experiment: Experiment, state: dict) -> dict[str, Any]:
     return {"dropped_clients": dropped}
 
 
-def _check_enough_finished(experiment: Experiment, clients: list[ClientInfo], round_number: int) -> None:
+def _check_enough_finished(
+    experiment: Experiment, clients: list[ClientInfo], round_number: int, checkpoints: Checkpointer
+) -> None:
     """Fewer than `min_clients` (or all sampled, if fewer) finished the round: the run stops there."""
     dropped = experiment.algorithm.dropped
     needed = min(experiment.transport.min_clients, len(clients))
@@ -268,11 +299,11 @@ def _check_enough_finished(experiment: Experiment, clients: list[ClientInfo], ro
         raise RoundFailed(
             f"round {round_number}: only {finished} of {len(clients)} clients finished "
             f"(dropped: {', '.join(map(str, sorted(dropped)))}), fewer than min_clients={needed}; "
-            f"restart the clients and add resume=true"
+            f"restart the clients and {checkpoints.again()}"
         )
 
 
-def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
+def _finish(experiment: Experiment, state: dict, checkpoints: Checkpointer) -> dict[str, Any]:
     cfg, out = experiment.config.run, experiment.out
     rows = state["metrics"]
     best = max(rows, key=lambda row: row["test_accuracy"])
@@ -316,7 +347,9 @@ def _finish(experiment: Experiment, state: dict) -> dict[str, Any]:
         save_safetensors(out / "weights.safetensors", weights)
         if not personal:  # one global model to export
             summary.update(_export_hf(experiment))
-    with _needs_the_client(cfg.algorithm, state["round"]):  # SplitGP's are fetched from the clients
+        if cfg.eval_generate:  # (personal models refused when built)
+            summary.update(_eval_generate(experiment, model))
+    with _needs_the_client(cfg.algorithm, state["round"], checkpoints):  # SplitGP's are fetched from the clients
         client_weights = experiment.algorithm.client_weights()
     if client_weights is not None:
         save_safetensors(out / "clients.safetensors", client_weights)

@@ -18,9 +18,18 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from splitlab.errors import UserError
 
 ENTRY_POINT_GROUP = "splitlab.plugins"
+
+
+class ListingSettings(BaseModel):
+    """The keys of `splitlab models | algorithms | datasets`: plugins whose items to list too."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    plugins: str | None = Field(None, description="modules of your own to import first, comma-separated")
 
 
 def parse_plugins(value: str | None) -> list[str]:

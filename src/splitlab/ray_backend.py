@@ -88,12 +88,12 @@ class RoleHost:
             self._build_vertical(config, shared, data_shape)
             return
         if shared is None:  # the training server holds no samples: it never loads them
-            self.blueprint = assembly.blueprint_of(config, self.device, *shape_of(data_shape), init_state(run))
+            self.blueprint = assembly.blueprint_of(config, self.device, *shape_of(data_shape), init_state(config))
             self.roles = {SERVER: algorithm.Server(self.blueprint)}
             return
         self.data, self.owners, self.held_out = dataset_of(shared["dataset"]), shared["owners"], shared["held_out"]
         self.metrics = TASK_METRICS[self.data.task]
-        self.blueprint = assembly.make_blueprint(config, self.data, self.device, init_state(run))
+        self.blueprint = assembly.make_blueprint(config, self.data, self.device, init_state(config))
         self.roles = {node.id: node for node in self._nodes(placed)}
         if algorithm.personal_models:  # evaluated here, where the personal models are
             self.test = assembly.test_set(config, self.data, self.device)

@@ -17,58 +17,93 @@ from splitlab.config import (
     check_applicable,
     check_finite,
     check_no_booleans,
-    one_line,
+    from_text,
 )
-from splitlab.errors import UserError, unknown_key
+from splitlab.errors import UserError, one_line, unknown_key
+from splitlab.models import MODEL_INPUTS, MODEL_PARAMS, NoModelParams, model_params
 from splitlab.plugins import load_plugins
 from splitlab.privacy.defenses import check_applies
 
 
 def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
-    """Validate a flat dict of settings against RunConfig and the algorithm's Params, after
-    importing the plugins it names (they may define the algorithm, model or dataset it uses)."""
+    """Validate a flat dict of settings against RunConfig, the algorithm's Params and the model's
+    params, after importing the plugins it names (they may define the algorithm, model or dataset
+    it uses). Values given as text (the command line's) are read by their key's type."""
     plugins = raw.get("plugins")
     if plugins is not None and not isinstance(plugins, str):
         raise UserError(f"invalid value {plugins!r} for plugins: expected module names, comma-separated")
     load_plugins(plugins)
 
     algorithm = get_algorithm(raw.get("algorithm", RunConfig.model_fields["algorithm"].default))
-    raw = two_cuts(raw)
-    common = set(RunConfig.model_fields)
-    own = set(algorithm.Params.model_fields)
+    model_name = raw.get("model", RunConfig.model_fields["model"].default)
+    model = model_params(model_name) if isinstance(model_name, str) else NoModelParams
+    raw = without_null_model_keys(two_cuts(raw))
+    common, own, model_own = set(RunConfig.model_fields), set(algorithm.Params.model_fields), set(model.model_fields)
     for key in raw:
-        if key not in common and key not in own:
-            raise unknown_key(key, common | own, f"algorithm {algorithm.name!r}")
-    check_no_booleans({**RunConfig.model_fields, **algorithm.Params.model_fields}, raw)
+        if key not in common | own | model_own:
+            raise misplaced_key(key, algorithm.name, str(model_name))
+    fields = {**RunConfig.model_fields, **algorithm.Params.model_fields, **model.model_fields}
+    raw = from_text(fields, raw)
+    check_no_booleans(fields, raw)
     check_finite(raw)
     try:
         run = RunConfig(**{k: v for k, v in raw.items() if k in common})
         params = algorithm.Params(**{k: v for k, v in raw.items() if k in own})
+        model_settings = model(**{k: v for k, v in raw.items() if k in model_own})
     except ValidationError as err:
         raise UserError(one_line(err)) from None
-    check_finite(run)
-    check_finite(params)
+    for settings in (run, params, model_settings):
+        check_finite(settings)
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
     check_applicable(run, raw)
-    return ResolvedConfig(with_model_sizes(run), params)
+    check_model_fits(run)
+    return ResolvedConfig(run, params, model_settings)
 
 
-def with_model_sizes(run: RunConfig) -> RunConfig:
-    """`model=gpt`'s sizes that were not given set to its defaults, so that `config.yaml` and the
-    export say what the run used (`context: 256`, not `context: null`)."""
-    if run.model != "gpt":
-        return run
-    import inspect
-
-    from splitlab.models.gpt import gpt
-
-    defaults = {key: p.default for key, p in inspect.signature(gpt).parameters.items() if key in GPT_SIZES}
-    return run.model_copy(update={key: defaults[key] for key in GPT_SIZES if getattr(run, key) is None})
+def without_null_model_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """`raw` less the models' keys given as null, which means their default: the config.yaml of a run
+    from before models owned their keys records every model's keys, null where not given."""
+    model_keys = set().union(*(params.model_fields for params in MODEL_PARAMS.values()))
+    return {key: value for key, value in raw.items() if not (value is None and key in model_keys)}
 
 
-#: `model=gpt`'s own settings (`splitlab.models.gpt.gpt`'s keyword arguments)
-GPT_SIZES = ("layers", "heads", "width", "context")
+def misplaced_key(key: str, algorithm: str, model: str) -> UserError:
+    """A key the run's algorithm and model do not take: which algorithms or models it applies to,
+    or the closest key name."""
+    from splitlab.algorithms import algorithms
+
+    takers = sorted(name for name, cls in algorithms().items() if key in cls.Params.model_fields)
+    if takers:
+        return UserError(f"{key} applies to algorithm {_listed(takers)}, not {algorithm}")
+    takers = sorted(name for name, params in MODEL_PARAMS.items() if key in params.model_fields)
+    if takers:
+        return UserError(f"{key} applies to model {_listed(takers)}, not {model}")
+    known = set(RunConfig.model_fields).union(
+        *(cls.Params.model_fields for cls in algorithms().values()),
+        *(params.model_fields for params in MODEL_PARAMS.values()),
+    )
+    return unknown_key(key, known, f"algorithm {algorithm!r}")
+
+
+def _listed(names: list[str]) -> str:
+    """a | a and b | a, b and c"""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def check_model_fits(run: RunConfig) -> None:
+    """A model that cannot take the dataset's samples (an image CNN on tokens) is refused in one
+    line, from what both declare, before any data is loaded."""
+    from splitlab.data import SAMPLES
+
+    takes, holds = MODEL_INPUTS.get(run.model), SAMPLES.get(run.dataset)
+    if takes is None or holds is None or holds in takes:
+        return
+    fitting = sorted(name for name, kinds in MODEL_INPUTS.items() if holds in kinds)
+    raise UserError(
+        f"model={run.model} takes {' or '.join(sorted(takes))}, but dataset={run.dataset} holds {holds}; "
+        f"models for {holds}: {', '.join(fitting)}"
+    )
 
 
 def two_cuts(raw: Mapping[str, Any]) -> Mapping[str, Any]:

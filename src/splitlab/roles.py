@@ -93,6 +93,8 @@ class Blueprint:
     task: str = "classification"
     #: slot -> how its initial model is built (the algorithm's `models` table)
     builders: Mapping[str, Callable[[Blueprint], nn.Module]] = field(default_factory=dict)
+    #: what `splitlab.models.build_model` takes beyond the data: the model's own keys and LoRA's
+    model_settings: Mapping[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     #: `record=`: where clients note what crosses the cut (one process only); None when not recording
     recorder: Recorder | None = None
@@ -143,7 +145,7 @@ class Blueprint:
         """The configured model on the CPU, with the settings of its own the config gives (and the
         weights of the finished run `init` names)."""
         model = build_model(
-            self.config.model, self.input_shape, self.num_classes, seed=self.config.seed, **self.config.model_settings()
+            self.config.model, self.input_shape, self.num_classes, seed=self.config.seed, **self.model_settings
         )
         if self.config.init is not None:
             if self.init_state is None:
@@ -407,6 +409,8 @@ class ClientNode(Role[ParamsT]):
         self.stash: dict[int, Any] = {}
         self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
         self._releases = 0
+        #: this round's client-part passes (the key of each one's `dchi` noise)
+        self._embeddings = 0
 
     @property
     def num_samples(self) -> int:
@@ -439,6 +443,7 @@ class ClientNode(Role[ParamsT]):
         super().begin_round(rnd)
         self._batches = self.batches(rnd)
         self._releases = 0
+        self._embeddings = 0
 
     def release(
         self, x: torch.Tensor, y: torch.Tensor, smashed: torch.Tensor, step: int | None = None
@@ -452,7 +457,33 @@ class ClientNode(Role[ParamsT]):
         if self.blueprint.recorder is not None:  # a release without a step awaits no gradient: a key no step has
             self.blueprint.recorder.sent(self.id, -1 - self._releases if step is None else step, x, decode(wire), y)
         self._releases += 1
-        return defended, {"smashed": wire, "labels": y}
+        return defended, {"smashed": wire, "labels": self._labels_out(y)}
+
+    def client_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The client part on `x`, with `dchi` noise on the token embeddings from a stream keyed by
+        this client's secret, the round and the pass (splitlab.privacy.keys)."""
+        defense, generator = self.blueprint.defense, None
+        if defense.dchi is not None:
+            generator = keys.generator(
+                self.blueprint.noise_secret,
+                f"client {self.id} embeddings",
+                self.round,
+                self._embeddings,
+                device=x.device,
+            )
+        self._embeddings += 1
+        return defense.client_output(self.model("client_model"), x, generator)
+
+    def _labels_out(self, y: torch.Tensor) -> torch.Tensor:
+        """The labels as they leave: with `label_dp`, randomised response from a stream keyed by
+        this client's secret, the round and the release (as the smashed data's noise)."""
+        defense = self.blueprint.defense
+        if defense.label_dp is None:
+            return y
+        generator = keys.generator(
+            self.blueprint.noise_secret, f"client {self.id} labels", self.round, self._releases, device=y.device
+        )
+        return defense.private_labels(y, self.blueprint.num_classes, generator)
 
     def _noise_generator(self, device: torch.device) -> torch.Generator | None:
         """The release's own noise stream, keyed by this client's secret, the round and the
@@ -490,7 +521,7 @@ class ClientNode(Role[ParamsT]):
         """Client part on the next batch; the activations wait (by step) for their gradient."""
         x, y = self.next_batch()
         with self.blueprint.timed("client"):
-            smashed = self.model("client_model")(x)
+            smashed = self.client_output(x)
             defended, message = self.release(x, y, smashed, step)
             self.stash[step] = defended, self.blueprint.defense.penalty(x, smashed)
         return message
@@ -568,18 +599,19 @@ class TrainingServer(Role[ParamsT]):
         configured) and the loss."""
         smashed = decode(smashed).requires_grad_()
         reply = self.learn(smashed, labels, slot)
-        return {"cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad)), **reply}
+        return {"cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad), labels), **reply}
 
-    def send_gradient(self, grad: torch.Tensor) -> Any:
-        """A cut gradient as sent down: `gradnoise` from a stream keyed by the server's secret and
-        the gradient itself (splitlab.privacy.keys), then compressed as configured."""
+    def send_gradient(self, grad: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
+        """A cut gradient as sent down: `gradnoise` and `marvell` (which needs the batch's `labels`)
+        from a stream keyed by the server's secret and the gradient itself (splitlab.privacy.keys),
+        then compressed as configured."""
         defense = self.blueprint.defense
         generator = None
-        if defense.gradnoise > 0:
+        if defense.noises_gradients:
             generator = keys.generator(
                 self.blueprint.noise_secret, "server", keys.content_counter(grad), device=grad.device
             )
-        return defense.send_gradient(grad, generator)
+        return defense.send_gradient(grad, generator, labels)
 
     @verb()
     def learn(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:

@@ -2,9 +2,10 @@
 (usable before any work, one writer at a time, nothing stale), in one place for the engine,
 sweeps, reports and the CLI (no torch import).
 
-- `RUN_FILES` names the files of a run, `CHECKPOINT` among them; `RunDirectory` decides, from
-  those present, whether a run starts, is resumed (with the settings it was started with) or is
-  already finished.
+- `RUN_FILES` names the files of a run, `CHECKPOINT` among them; `RunDirectory.started` decides,
+  from those present, whether a run starts, is resumed (with the settings it was started with) or
+  is already finished; and a run started afresh that fails before its first checkpoint, whatever
+  stopped it, leaves nothing of its own behind (the corrected command starts afresh there).
 
 - `check_out_dir` refuses an out= that can never become a directory (an existing file, a path
   under a file, a place nobody can write) before data is loaded or anything is written.
@@ -29,12 +30,13 @@ import json
 import os
 import shutil
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from splitlab.errors import UserError
 from splitlab.io import TEMP_GLOB
+from splitlab.logs import LOGGER
 
 if TYPE_CHECKING:
     from splitlab.config import ResolvedConfig
@@ -67,6 +69,7 @@ WRITTEN = (
     "attack_unsplit.png",
     "attack_fsha.png",
     "hf",
+    "generations.jsonl",
     "report.md",
     "results.csv",
     "plots",
@@ -149,9 +152,9 @@ def remove_temp_files(path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def clear(path: Path) -> None:
-    """Remove everything a run or `evaluate` wrote into `path` (overwrite=true)."""
-    for name in WRITTEN:
+def clear(path: Path, names: Sequence[str] = WRITTEN) -> None:
+    """Remove everything a run or `evaluate` wrote into `path` (overwrite=true), or the files `names`."""
+    for name in names:
         target = path / name
         if target.is_dir() and not target.is_symlink():
             shutil.rmtree(target)
@@ -212,9 +215,10 @@ def kept_after_interruption(path: Path) -> str:
     if (path / "config.yaml").is_file():
         return (
             f"nothing to continue from was saved in {str(path)!r} (no checkpoint yet: one is taken every "
-            f"checkpoint_every seconds, 0 = every round); resume=true will start again at round 1"
+            f"checkpoint_every seconds, 0 = every round); resume=true will start again at round 1, as will "
+            f"the same command"
         )
-    return f"nothing was written to {str(path)!r}; run the same command again"
+    return f"nothing of the run was kept in {str(path)!r} (no checkpoint yet); run the same command again"
 
 
 class FilesError(UserError):
@@ -260,11 +264,61 @@ class RunDirectory:
     def existing(self) -> list[str]:
         return [name for name in RUN_FILES if (self.path / name).exists()]
 
+    @contextlib.contextmanager
+    def started(self, resume: bool, overwrite: bool) -> Iterator[dict[str, Any] | None]:
+        """Hold the directory's lock and start a run there (replacing one with overwrite=true, or
+        one that stopped before its first checkpoint: nothing to continue from) or resume the one
+        there; yields the summary of a run already finished (nothing to do), else None while the
+        run goes on. A run started afresh that fails before its first checkpoint (any exception
+        but Ctrl-C, which keeps what it wrote for `resume=true` to start again) removes what it
+        wrote, and the directory if it made it: the same command, corrected, starts afresh there.
+        A resumed run's files stay as they were."""
+        made = not self.path.exists()
+        undone = False
+        try:
+            with locked(self.path):
+                existing = self.existing()
+                stopped_early = not {CHECKPOINT, "summary.json"} & set(existing)
+                if existing and stopped_early and not overwrite and not resume:
+                    LOGGER.info(f"replacing the run in {str(self.path)!r}: it stopped before its first checkpoint")
+                    overwrite = True
+                if existing and not overwrite and not resume:
+                    raise UserError(
+                        f"out {str(self.path)!r} already holds a run; use resume=true to continue it "
+                        f"or overwrite=true to replace it"
+                    )
+                if existing and not overwrite:
+                    self.check_resumable()
+                    if "summary.json" in existing:
+                        yield self.summary()
+                        return
+                    if CHECKPOINT not in existing:
+                        LOGGER.info(f"{str(self.path)!r} holds no checkpoint: starting again at round 1")
+                    yield None
+                    return
+                if existing:
+                    self.clear()
+                there = {name for name in WRITTEN if (self.path / name).exists()}  # not this run's
+                try:
+                    yield None
+                except Exception:
+                    undone = not (self.path / CHECKPOINT).exists()
+                    if undone:
+                        clear(self.path, [name for name in WRITTEN if name not in there])
+                    raise
+        finally:
+            if made and undone:
+                with contextlib.suppress(OSError):
+                    self.path.rmdir()  # only if empty: nothing but this run's files was there
+
     def check_resumable(self) -> None:
         from splitlab.config import RUN_CONTROL_KEYS
 
         # A key the stored config lacks (added to splitlab after the run began) counts as its default.
-        stored = {**self.config.defaults(), **stored_config(self.path)}
+        # A model's key stored as null (a run from before models owned their keys) counts as its default too.
+        model_keys = type(self.config.model_params).model_fields
+        given = {k: v for k, v in stored_config(self.path).items() if not (v is None and k in model_keys)}
+        stored = {**self.config.defaults(), **given}
         current = self.config.as_dict()
         differing = sorted(k for k in current if k not in RUN_CONTROL_KEYS and stored.get(k) != current[k])
         if differing:

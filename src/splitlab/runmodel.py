@@ -13,15 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 
 from splitlab.assembly import load_data
-from splitlab.config import RunConfig, parse_lora
+from splitlab.config import ResolvedConfig, RunConfig, parse_lora
 from splitlab.errors import UserError
+from splitlab.generation import DecodingSettings, decode
 from splitlab.models import StagedModel, build_model, split
 from splitlab.models.lora import ADAPTERS, adapter_state, merge_lora
-from splitlab.resolve import GPT_SIZES, resolve_config
+from splitlab.resolve import resolve_config
 from splitlab.rundir import stored_config
 
 
@@ -30,19 +31,21 @@ def run_model(run_dir: str | Path) -> tuple[RunConfig, StagedModel, Any, int]:
     tokenizer (a Hugging Face tokenizer, model=hf, or a character vocabulary, a str) and its
     sequence length."""
     path = Path(run_dir)
-    config = resolve_config(stored_config(path, "load the model of", "give a finished run's directory")).run
+    resolved = resolve_config(stored_config(path, "load the model of", "give a finished run's directory"))
+    config = resolved.run
     weights = _weights_file(path)
-    data = load_data(config)
+    data = load_data(resolved)
     if data.task != "language":
         raise UserError(f"{str(path)!r} trained on {config.dataset}, not a language dataset")
-    model = build_model(config.model, data.input_shape, data.num_classes, config.seed, **config.model_settings())
+    settings = resolved.model_settings()
+    model = build_model(config.model, data.input_shape, data.num_classes, config.seed, **settings)
     from safetensors.torch import load_file
 
     model.load_state_dict(load_file(weights))
     if config.model == "hf":
         from splitlab.models.hf import load_tokenizer
 
-        return config, model.eval(), load_tokenizer(str(config.model_dir)), data.input_shape[0]
+        return config, model.eval(), load_tokenizer(str(settings["model_dir"])), data.input_shape[0]
     return config, model.eval(), data.vocabulary, data.input_shape[0]
 
 
@@ -59,23 +62,25 @@ def base_state(run_dir: str) -> dict[str, torch.Tensor]:
     return merge_lora(run_model(run_dir)[1])
 
 
-def init_state(run: RunConfig) -> dict[str, torch.Tensor] | None:
+def init_state(config: ResolvedConfig) -> dict[str, torch.Tensor] | None:
     """The weights every model of a run with `init=` starts from (None without `init`): a finished
     run's, adapters merged, or a peft folder's adapters (`peft_adapters`). Whoever builds the run's
     `Blueprint` hands them to it."""
-    if run.init is None:
+    init = config.run.init
+    if init is None:
         return None
-    return peft_adapters(run) if is_peft_folder(run.init) else base_state(run.init)
+    return peft_adapters(config) if is_peft_folder(init) else base_state(init)
 
 
-def init_shapes(run: RunConfig) -> dict[str, torch.Tensor] | None:
+def init_shapes(config: ResolvedConfig) -> dict[str, torch.Tensor] | None:
     """`init_state`'s names and shapes as meta tensors, read without any data (from the finished
     run's weights file's header; a peft folder's adapters), to check that they fit before the data
     is read and tokenised."""
+    run = config.run
     if run.init is None:
         return None
     if is_peft_folder(run.init):
-        return {name: t.to("meta") for name, t in peft_adapters(run).items()}
+        return {name: t.to("meta") for name, t in peft_adapters(config).items()}
     from safetensors import safe_open
 
     path = Path(run.init)
@@ -91,40 +96,43 @@ def is_peft_folder(path: str | Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
 
-def peft_adapters(run: RunConfig) -> dict[str, torch.Tensor]:
+def peft_adapters(config: ResolvedConfig) -> dict[str, torch.Tensor]:
     """`init=PEFT_DIR`: its LoRA adapters under stage names, for a model=hf run with the same rank
     and alpha (`lora=`), on the checkpoint they adapt (`model_dir=`)."""
     from splitlab.models import hf
 
+    run = config.run
     if run.model != "hf":
         raise UserError(f"init={run.init} holds peft adapters, which start a model=hf run (model_dir=their base)")
-    config, adapters = hf.read_peft(str(run.init), str(run.model_dir))
-    theirs = f"{config.get('r')}:{config.get('lora_alpha')}"
-    if run.lora is None or parse_lora(run.lora) != parse_lora(theirs):
+    theirs, adapters = hf.read_peft(str(run.init), str(config.model_dir))
+    trained = f"{theirs.get('r')}:{theirs.get('lora_alpha')}"
+    if run.lora is None or parse_lora(run.lora) != parse_lora(trained):
         raise UserError(
-            f"init={run.init} holds LoRA adapters of r={config.get('r')}, lora_alpha="
-            f"{config.get('lora_alpha')}: give lora={theirs}, the rank and alpha they were trained with"
+            f"init={run.init} holds LoRA adapters of r={theirs.get('r')}, lora_alpha="
+            f"{theirs.get('lora_alpha')}: give lora={trained}, the rank and alpha they were trained with"
         )
     return adapters
 
 
-def export_hf(config: RunConfig, parts: list[nn.Module], vocabulary: str | None, out: Path) -> dict[str, str]:
+def export_hf(resolved: ResolvedConfig, parts: list[nn.Module], vocabulary: str | None, out: Path) -> dict[str, str]:
     """Write the model (client and server parts, adapters merged) to `out/hf`, a folder
     `transformers.AutoModelForCausalLM.from_pretrained` loads, with its tokenizer; with LoRA, its
     adapters to `out/peft`, a folder `peft.PeftModel.from_pretrained` loads on the model they adapt
     (`peft_base`). Returns the folders written, for summary.json (none for a model with no Hugging
     Face form)."""
+    config = resolved.run
     if config.model not in ("gpt", "hf"):
         return {}
     from splitlab.models import hf
 
     state = {name: t for part in parts for name, t in merge_lora(part).items()}
     if config.model == "hf":
-        hf.save_hf(state, str(config.model_dir), out / "hf")
-        tokenizer = hf.export_tokenizer(str(config.model_dir))
-        layout = hf.LAYOUTS[hf.read_config(str(config.model_dir))["model_type"]]
+        model_dir = str(resolved.model_dir)
+        hf.save_hf(state, model_dir, out / "hf")
+        tokenizer = hf.export_tokenizer(model_dir)
+        layout = hf.LAYOUTS[hf.read_config(model_dir)["model_type"]]
     else:
-        sizes = {key: getattr(config, key) for key in GPT_SIZES}
+        sizes = resolved.model_params.model_dump()
         vocab = state["head.lm_head.weight"].shape[0]
         tokenizer = hf.char_tokenizer(vocabulary, sizes["context"]) if vocabulary is not None else None
         hf.save_gpt2(state, hf.gpt2_config(**sizes, vocab=vocab), out / "hf", tokenizer)
@@ -133,17 +141,18 @@ def export_hf(config: RunConfig, parts: list[nn.Module], vocabulary: str | None,
     if config.lora is not None:
         adapters = {name: t for part in parts for name, t in adapter_state(part).items()}
         lora = parse_lora(config.lora)
-        hf.save_peft(adapters, layout, lora, config.lora_dropout, peft_base(config), tokenizer, out / "peft")
+        hf.save_peft(adapters, layout, lora, config.lora_dropout, peft_base(resolved), tokenizer, out / "peft")
         written["peft_export"] = str(out / "peft")
     return written
 
 
-def peft_base(run: RunConfig) -> str:
+def peft_base(config: ResolvedConfig) -> str:
     """The folder of the model a LoRA run's adapters apply to: the export of the finished run it
     started from (`init=RUN_DIR`: RUN_DIR/hf), else model=hf's `model_dir`."""
-    if run.init is not None and not is_peft_folder(run.init):
-        return str((Path(run.init) / "hf").resolve())
-    return str(Path(str(run.model_dir)).resolve())
+    init = config.run.init
+    if init is not None and not is_peft_folder(init):
+        return str((Path(init) / "hf").resolve())
+    return str(Path(str(config.model_dir)).resolve())
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -159,33 +168,21 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
     return "".join(tokenizer[i] for i in ids) if isinstance(tokenizer, str) else tokenizer.decode(ids)
 
 
-@torch.no_grad()
-def generate(run_dir: str | Path, prompt: str, max_tokens: int, temperature: float = 0.0, seed: int = 0) -> str:
-    """`prompt` continued by `max_tokens` tokens: each through the client stages, then the server
-    stages at the run's cut; greedy (temperature 0) or sampled from softmax(logits / temperature)."""
+def generate(run_dir: str | Path, prompt: str, **decoding: Any) -> str:
+    """`prompt` continued as `decoding` (splitlab.generation.DecodingSettings) says, each token
+    through the client stages, then the server stages at the run's cut, on the last `seq_len`
+    tokens; the text ends early at the tokenizer's end-of-sequence token, if it has one."""
     config, model, tokenizer, window = run_model(run_dir)
     client, server = split(model, config.cut)
     ids = _encode(tokenizer, prompt)
     if not ids:
         raise UserError('prompt is empty; give prompt="some text"')
-    generator = torch.Generator().manual_seed(seed)
-    produced: list[int] = []
-    for _ in range(max_tokens):
-        context = torch.tensor([(ids + produced)[-window:]])
-        logits = server(client(context))[0, -1]
-        if temperature > 0:
-            token = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator))
-        else:
-            token = int(logits.argmax())
-        produced.append(token)
+    eos = None if isinstance(tokenizer, str) else tokenizer.eos_token_id
+    produced = decode(lambda tokens: server(client(tokens)), ids, DecodingSettings(**decoding), window, eos)
     return prompt + _decode(tokenizer, produced)
 
 
-class GenerateSettings(BaseModel):
+class GenerateSettings(DecodingSettings):
     """`splitlab generate RUN KEY=VALUE ...`"""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
     prompt: str = Field(description="the text to continue")
-    max_tokens: int = Field(100, ge=1, le=100_000, description="tokens to generate")
-    temperature: float = Field(0.0, ge=0, le=100, description="0: greedy; else sample from softmax(logits / T)")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the sampling (temperature > 0)")

@@ -107,7 +107,7 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
             "setting=vertical data=own: no process holds every party's columns; run the server with "
             "`splitlab server` and each party with `splitlab client data=own data_dir=DIR` (docs/deployment.md)"
         )
-    data = load_data(run)
+    data = load_data(config)
     data_dir = None if run.data_dir is None else Path(run.data_dir)
     if data.task != "classification":
         raise UserError(f"setting=vertical divides a sample's features; {run.dataset}'s sequences are not split so")
@@ -142,7 +142,7 @@ def vertical_blueprint(
     plan = FeaturePlan(input_shape, groups, run.combine, run.labels_at)
     recorder = PartyRecorder(run.record) if run.record else None
     blueprint = blueprint_of(
-        config, device, input_shape, num_classes, input_dtype, task, init_state(run), vertical_models(plan), recorder
+        config, device, input_shape, num_classes, input_dtype, task, init_state(config), vertical_models(plan), recorder
     )
     return plan, blueprint
 
@@ -260,7 +260,7 @@ def _own_party(config: ResolvedConfig, party: int) -> FeatureParty:
         classes,
         data.train_x.dtype,
         data.task,
-        init_state(run),
+        init_state(config),
         vertical_models(plan),
         recorder,
     )

@@ -329,3 +329,26 @@ def test_language_runs_get_test_loss_and_perplexity_against_rounds_and_communica
 def test_image_runs_get_no_loss_plots(planted: Path):
     write_report(planted, target_accuracy=0.75)
     assert not (planted / "plots" / "loss_vs_gib.png").exists()
+
+
+def test_runs_with_eval_generate_get_bleu_and_rouge_l_tables(tmp_path: Path, planted: Path):
+    """Mean ± std over seeds of the planted BLEU and ROUGE-L, the higher bold; none without them."""
+    import json
+
+    sweep = tmp_path / "e2e"
+    planted_scores = {"fedavg": [(40.0, 0.6), (44.0, 0.64)], "fsl_sage": [(20.0, 0.5), (20.0, 0.5)]}
+    for algorithm, scores in planted_scores.items():
+        for seed, (bleu, rouge) in enumerate(scores):
+            run = fabricate(sweep, f"{algorithm}_{seed}", {"algorithm": algorithm, "seed": seed, "cut": 1}, [0.2, 0.3])
+            summary = json.loads((run / "summary.json").read_text())
+            (run / "summary.json").write_text(json.dumps({**summary, "bleu": bleu, "rouge_l": rouge}))
+    md = write_report(sweep).read_text()
+    rows = [line for line in section(md, "Generation: BLEU and ROUGE-L").splitlines() if line.startswith("| f")]
+    assert rows == [
+        f"| fedavg | **42.00 ± {statistics.stdev([40.0, 44.0]):.2f}** |",
+        "| fsl_sage | 20.00 ± 0.00 |",
+        f"| fedavg | **0.620 ± {statistics.stdev([0.6, 0.64]):.3f}** |",
+        "| fsl_sage | 0.500 ± 0.000 |",
+    ]
+    assert [row["bleu"] for row in read_csv(sweep / "results.csv")] == ["40.0", "44.0", "20.0", "20.0"]
+    assert "BLEU" not in write_report(planted).read_text()

@@ -30,7 +30,7 @@ def _spec(lm: dict) -> dict:
 def test_train_range_picks_disjoint_stretches_in_the_dataset_s_order(lm):
     def pool(value: str) -> np.ndarray:
         config = resolve_config({**lm, "train_range": value})
-        return np.sort(np.concatenate(client_indices(config, load_data(config.run))))
+        return np.sort(np.concatenate(client_indices(config, load_data(config))))
 
     first, rest = pool("0:0.5"), pool("0.5:1")
     everything = pool("0:1")

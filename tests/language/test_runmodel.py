@@ -16,6 +16,8 @@ from splitlab.cli import main
 from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
+from splitlab.resolve import resolve_config
+from splitlab.rundir import stored_config
 from splitlab.runmodel import run_model
 
 
@@ -90,14 +92,17 @@ def test_config_yaml_records_model_gpts_sizes_as_used():
 
 
 def test_generate_prints_the_prompt_and_its_continuation(finished, capsys):
-    assert main(["generate", finished, "prompt=To be", "max_tokens=12"]) == 0
+    assert main(["generate", finished, "prompt=To be", "max_new_tokens=12"]) == 0
     greedy = capsys.readouterr().out.rstrip("\n")
     assert greedy.startswith("To be") and len(greedy) == len("To be") + 12
-    assert main(["generate", finished, "prompt=To be", "max_tokens=12"]) == 0
+    assert main(["generate", finished, "prompt=To be", "max_new_tokens=12"]) == 0
     assert capsys.readouterr().out.rstrip("\n") == greedy  # greedy is deterministic
-    assert main(["generate", finished, "prompt=To be", "max_tokens=12", "temperature=1.5"]) == 0
+    assert main(["generate", finished, "prompt=To be", "max_new_tokens=12", "temperature=1.5"]) == 0
     assert capsys.readouterr().out.startswith("To be")
-    assert main(["generate", finished, "prompt=To be €", "max_tokens=2"]) == 2
+    for prompt in ("ROMEO:", "yes", "null", "1e3"):  # text that YAML would read as something else
+        assert main(["generate", finished, f"prompt={prompt}", "max_new_tokens=2"]) == 0
+        assert capsys.readouterr().out.rstrip("\n")[: len(prompt)] == prompt
+    assert main(["generate", finished, "prompt=To be €", "max_new_tokens=2"]) == 2
     assert "outside the model's vocabulary" in capsys.readouterr().err
 
 
@@ -105,7 +110,7 @@ def test_init_starts_from_the_finished_model(finished, tmp_path):
     """A run from `init` evaluates, before training, to what the finished run ended with."""
     from helpers import train
 
-    config = json.loads(json.dumps(run_model(finished)[0].model_dump()))
+    config = resolve_config(stored_config(Path(finished), "load", "")).as_dict()
     config = {k: v for k, v in config.items() if v is not None and k not in ("out", "resume", "overwrite")}
     fresh = train(0, **dict(config, init=finished, lora=None))
     final = json.loads(Path(finished, "metrics.jsonl").read_text().splitlines()[-1])
@@ -190,9 +195,13 @@ def test_e2e_trains_an_hf_model_with_the_loss_on_the_references_only(tmp_path):
     model_dir = tiny_hf_model(tmp_path / "gpt2", "gpt2")
     config = dict(
         algorithm="sfl_v2", dataset="e2e", data_dir=str(tmp_path), model="hf", model_dir=str(model_dir), seq_len=48,
-        lora="4:8", clients=2, rounds=2, batch_size=4, device="cpu", out=str(tmp_path / "run"),
+        lora="4:8", clients=2, rounds=2, batch_size=4, device="cpu", out=str(tmp_path / "run"), eval_generate=3,
     )  # fmt: skip
     summary = run(config, progress=False)
+    assert summary["eval_generate"] == 3 and 0 <= summary["bleu"] <= 100 and 0 <= summary["rouge_l"] <= 1
+    generated = [json.loads(line) for line in (tmp_path / "run" / "generations.jsonl").read_text().splitlines()]
+    assert [g["prompt"] for g in generated] == [f"<|endoftext|>{mr} ||" for mr, _ in rows[:3]]  # bos, mr, separator
+    assert [g["references"] for g in generated] == [[ref] for _, ref in rows[:3]]
     rows_out = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert rows_out[-1]["test_loss"] < rows_out[0]["test_loss"] and summary["final_loss"] == rows_out[-1]["test_loss"]
     from helpers import train
@@ -200,5 +209,3 @@ def test_e2e_trains_an_hf_model_with_the_loss_on_the_references_only(tmp_path):
     experiment = train(0, **{k: v for k, v in config.items() if k != "out"})
     targets = experiment.data.test_y
     assert (targets == -100).any() and (targets != -100).any()  # the context and the padding are not in the loss
-    with pytest.raises(UserError, match="dataset=e2e is tokenised by the model's tokenizer"):
-        train(0, **dict(config, model="gpt", model_dir=None, lora=None))

@@ -70,5 +70,5 @@ def test_lora_targets_that_do_not_exist_are_one_line(lm):
         train(0, **dict(lm, algorithm="sfl_v2", lora="4:8", lora_targets="q_proj"))
     with pytest.raises(UserError, match="lora_targets=c_attn does not apply here: lora_targets needs lora"):
         train(0, **dict(lm, algorithm="sfl_v2", lora_targets="c_attn"))
-    with pytest.raises(UserError, match="invalid value '4' for lora"):
+    with pytest.raises(UserError, match="invalid value 4 for lora"):
         train(0, **dict(lm, algorithm="sfl_v2", lora="4"))

@@ -219,7 +219,7 @@ def test_the_model_zoo_builder_checks_the_data_against_the_model(tmp_path):
     model = hf_model((64,), 300, model_dir=str(folder))
     assert model.valid_cuts == [1, 2]
     with pytest.raises(UserError, match="model=hf needs model_dir=DIR"):
-        hf_model((16,), 300)
+        hf_model((16,), 300, model_dir=None)
     with pytest.raises(UserError, match="seq_len=65 is beyond the model's context of 64 tokens"):
         hf_model((65,), 300, model_dir=str(folder))
     with pytest.raises(UserError, match="tokens go up to 300, beyond the model's vocabulary of 300"):

@@ -3,8 +3,10 @@ a real client node answering by hand until a chosen call."""
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -22,6 +24,7 @@ from splitlab.net.certs import client_name
 from splitlab.net.checks import data_report
 from splitlab.net.client import ClientSettings, _answer, _heartbeats, run_client
 from splitlab.net.launch import _free_port
+from splitlab.net.server import ServerSettings, serve
 
 SPLITLAB = [sys.executable, "-m", "splitlab"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -65,6 +68,54 @@ class Server:
         (UserError, which the command prints in one line): a client without a process's start-up
         (seconds), for the tests that need no process of its own."""
         return run_client(ClientSettings(connect=self.address, client_id=client_id, certs=self.certs, **keys))
+
+
+class ServerThread(logging.Handler):
+    """`splitlab server` in a thread of this process, its clients in threads too (`client`), its
+    lines recorded: a run without processes' start-up, for tests that also patch the server."""
+
+    def __init__(self, config: dict, certs: Path, **keys: Any) -> None:
+        super().__init__()
+        self.address, self.certs = f"127.0.0.1:{_free_port()}", certs
+        self.lines: list[str] = []
+        self.ended: list[Any] = []  # the run's summary, or the exception it ended with
+        self.threads: list[threading.Thread] = []
+        logging.getLogger("splitlab").addHandler(self)  # splitlab's lines do not propagate
+        settings = ServerSettings(listen=self.address, certs=certs, **keys)
+        self._start(lambda: serve(config, settings, progress=False), self.ended)
+        self.wait_for_log("listening on")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def _start(self, work: Callable[[], Any], result: list[Any]) -> None:
+        def target() -> None:
+            try:
+                result.append(work())
+            except Exception as error:  # noqa: BLE001 (the test looks at it)
+                result.append(error)
+
+        self.threads.append(threading.Thread(target=target, daemon=True))
+        self.threads[-1].start()
+
+    def wait_for_log(self, pattern: str) -> None:
+        while not any(re.search(pattern, line) for line in self.lines):
+            assert not self.ended, (self.ended, self.lines)
+            time.sleep(0.02)
+
+    def client(self, client_id: int, **keys: Any) -> list[Any]:
+        """`splitlab client` for `client_id` in a thread; what it ends with: 0, 1 or a UserError."""
+        settings = ClientSettings(connect=self.address, client_id=client_id, certs=self.certs, **keys)
+        result: list[Any] = []
+        self._start(lambda: run_client(settings), result)
+        return result
+
+    def wait(self) -> Any:
+        """What the server ended with, once it and every client have ended."""
+        for thread in self.threads:
+            thread.join()
+        logging.getLogger("splitlab").removeHandler(self)
+        return self.ended[0]
 
 
 def credentials(certs: Path, name: str | None, own: Path | None = None) -> grpc.ChannelCredentials:

@@ -75,7 +75,8 @@ def test_floods_of_silent_streams_and_raw_connections_leave_honest_clients_admit
 def test_a_stopped_client_is_replaced_by_a_new_connection_with_its_key(tmp_path, servers):
     config = quick(clients=2, rounds=3, train_subset=100, test_subset=50, out=str(tmp_path / "run"))
     make_certs(tmp_path / "certs", 2, [])
-    server = servers(config, join_timeout=60, rejoin_wait=60, heartbeat=30)  # not dropped for silence first
+    # replaced after 2 heartbeats without a word (6 s), before a call drops it for silence (3 missed)
+    server = servers(config, join_timeout=60, rejoin_wait=60, heartbeat=3)
     first, vanished = server.client(0), server.client(1)
     server.wait_for_log("client 1 holds")
     vanished.send_signal(signal.SIGSTOP)  # its host is gone: no FIN, no heartbeat, no answer

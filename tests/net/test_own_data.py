@@ -11,11 +11,9 @@ import signal
 import time
 from pathlib import Path
 
-import grpc
 import numpy as np
 import pytest
 import torch
-from processes import Rogue, credentials
 from safetensors.torch import load_file
 
 from helpers import idx_bytes, quick
@@ -79,40 +77,24 @@ def identical_runs(one: Path, other: Path) -> bool:
 
 
 def test_own_data_gives_what_run_gives_and_data_unlike_the_run_is_refused(tmp_path, dataset, servers):
+    """A client whose data is refused stops the server at once (one line naming it): the run
+    cannot be planned without it. With the clients' true data, the run is `splitlab run`'s."""
     make_certs(tmp_path / "certs", 2, [])
-    out = tmp_path / "net"
-    server = servers({**CONFIG, "data": "own", "data_dir": dataset["server"], "out": out}, join_timeout=120)
-    certs = tmp_path / "certs"
-    shape, counts = [1, 28, 28], [1] * 10
-    for report in (
-        {"data": "own", "input_shape": shape, "class_counts": [1] * 12},  # labels 10 and 11
-        {"data": "partition", "input_shape": shape, "class_counts": counts},
-    ):
-        rogue = Rogue(server.address, credentials(certs, "client-0"), 0)
-        assert rogue.first_reply(report).kind == 2  # WELCOME, then its report is refused
-        with pytest.raises(grpc.RpcError) as refusal:
-            next(rogue.replies)
-        assert refusal.value.code() == grpc.StatusCode.PERMISSION_DENIED
-        rogue.close()
+    own = {**CONFIG, "data": "own", "data_dir": dataset["server"]}
+    refusing = servers({**own, "out": tmp_path / "refused"}, join_timeout=120)
     small = write_fashion(tmp_path / "small", "train", np.zeros((20, 8, 8)), np.arange(20) % 10)
     with pytest.raises(UserError) as refusal:
-        server.client_in_process(1, data="own", data_dir=str(small))
-    assert str(refusal.value) == (
-        "the server refused client 1: its data: its samples have shape [1, 8, 8]; "
-        "fashion_mnist samples have [1, 28, 28]"
+        refusing.client_in_process(1, data="own", data_dir=str(small))
+    why = "its data: its samples have shape [1, 8, 8]; fashion_mnist samples have [1, 28, 28]"
+    assert str(refusal.value) == f"the server refused client 1: {why}"
+    assert refusing.process.wait() == 2
+    assert refusing.lines()[-1] == (
+        f"error: client 1 was refused ({why}); with data=own the server needs every client's data before round 1"
     )
+    out = tmp_path / "net"
+    server = servers({**own, "out": out})
     clients = [server.client(k, data="own", data_dir=dataset[f"client{k}"]) for k in range(2)]
     assert server.process.wait() == 0 and all(client.wait() == 0 for client in clients)
-
-    refusals = [line for line in server.lines() if "refused" in line]
-    assert [line.split(": ", 2)[1:] for line in refusals] == [
-        [
-            "refused client 0's data",
-            "its class counts are [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]; expected 10 counts (labels 0 to 9)",
-        ],
-        ["refused client 0's data", "the client was started with data='partition'; this run has data=own"],
-        ["refused client 1's data", "its samples have shape [1, 8, 8]; fashion_mnist samples have [1, 28, 28]"],
-    ]
     run_in_one_thread({**CONFIG, **SKEWED, "data_dir": str(dataset["whole"]), "out": str(tmp_path / "run")})
     assert identical_runs(tmp_path / "run", out)
     sizes = json.loads((out / "partition.json").read_text())["sizes"]
@@ -129,9 +111,9 @@ def test_a_resumed_own_data_run_refuses_a_client_with_other_samples(tmp_path, da
     while not (out / CHECKPOINT).exists():
         assert first.process.poll() is None
         time.sleep(0.05)
-    first.process.send_signal(signal.SIGKILL)
-    clients[1].send_signal(signal.SIGKILL)
-    assert first.process.wait() == -signal.SIGKILL and clients[1].wait() == -signal.SIGKILL
+    for process in (first.process, *clients):
+        process.send_signal(signal.SIGKILL)
+        assert process.wait() == -signal.SIGKILL
     second = servers(own, address=first.address, resume=True)
     node = client_node({**CONFIG, **SKEWED, "data_dir": str(dataset["whole"])}, 1)
     fewer = write_fashion(tmp_path / "fewer", "train", node.x[1:, 0].numpy(), node.y[1:].numpy())
@@ -140,8 +122,11 @@ def test_a_resumed_own_data_run_refuses_a_client_with_other_samples(tmp_path, da
     assert str(refusal.value).startswith(
         f"the server refused client 1: its data: it holds {node.num_samples - 1} samples"
     )
-    back = second.client(1, data="own", data_dir=dataset["client1"])
-    assert second.process.wait() == 0 and clients[0].wait() == 0 and back.wait() == 0
+    assert second.process.wait() == 2  # at once, one line: the run cannot go on without client 1's data
+    assert second.lines()[-1].startswith(f"error: client 1 was refused (its data: it holds {node.num_samples - 1}")
+    third = servers(own, address=first.address, resume=True)
+    back = [third.client(k, data="own", data_dir=dataset[f"client{k}"]) for k in range(2)]
+    assert third.process.wait() == 0 and all(client.wait() == 0 for client in back)
     run_in_one_thread({**config, **SKEWED, "data_dir": str(dataset["whole"]), "out": str(tmp_path / "run")})
     assert identical_runs(tmp_path / "run", out)
 

@@ -178,7 +178,7 @@ def test_privacy_settings_where_nothing_is_split_are_refused_in_one_line(tmp_pat
 
 
 def test_a_noise_key_without_noise_is_refused():
-    with pytest.raises(UserError, match="noise_key= applies to a defense with noise"):
+    with pytest.raises(UserError, match="noise_key= applies to a randomised defense"):
         train(1, **quick(algorithm="sfl_v2", defense="clip:1", noise_key="k"))
 
 

@@ -105,6 +105,9 @@ class Algorithm(Generic[ParamsT]):
     implement `train_round`; `Algorithm[MyParams]` declares the algorithm's own settings."""
 
     name: ClassVar[str]
+    #: one sentence for `splitlab algorithms`, where the first of its module's docstring does not
+    #: say which algorithm this is (a module holding several)
+    description: ClassVar[str | None] = None
     Params: ClassVar[type[BaseModel]] = NoParams
     Client: ClassVar[type[ClientNode]] = ClientNode
     Server: ClassVar[type[TrainingServer]] = TrainingServer

@@ -105,7 +105,7 @@ class CSEFSLClient(ClientNode[CSEFSLParams]):
         """One step of client part and auxiliary head on the local loss; the smashed data if `send`."""
         x, y = self.next_batch()
         with self.blueprint.timed("client"):
-            smashed = self.model("client_model")(x)
+            smashed = self.client_output(x)
             value = self.blueprint.loss(self.model("aux_model")(smashed), y)
             client, aux = self.optimizer("client_model"), self.optimizer("aux_model")
             client.zero_grad(set_to_none=True)

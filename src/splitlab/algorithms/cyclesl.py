@@ -121,7 +121,7 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
         with self.blueprint.timed("server"):
             grads = [self.frozen_cut_grad(z, y) for z, y in zip(features, labels)]
         cut_grads = average_cut_grads(grads, sizes, set(averaged))
-        return {"cut_grads": [self.send_gradient(g) for g in cut_grads], "losses": losses}
+        return {"cut_grads": [self.send_gradient(g, y) for g, y in zip(cut_grads, labels)], "losses": losses}
 
     def server_batches(self, rnd: int, samples: int, first_client: int, device: torch.device) -> list[torch.Tensor]:
         """The server task's mini-batches of the round's `samples` pooled samples: `server_epochs`
@@ -345,6 +345,10 @@ class CycleSL(Algorithm):
 
 class CyclePSL(CycleSL, PersonalClients, Algorithm[CycleParams]):
     name = "cycle_psl"
+    description = (
+        "CycleSL over PSL (Wang, Bozkir & Kasneci, Algorithm 1): every client keeps its own client part; "
+        "the server trains on the round's pooled features."
+    )
     Client = CyclePersonalClient
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
@@ -353,6 +357,10 @@ class CyclePSL(CycleSL, PersonalClients, Algorithm[CycleParams]):
 
 class CycleSGLR(CycleSL, PersonalClients, Algorithm[CycleSGLRParams]):
     name = "cycle_sglr"
+    description = (
+        "CycleSL over SGLR (Wang, Bozkir & Kasneci): personal client parts, the cut gradients of the cycle "
+        "averaged over a subset of the clients as in SGLR."
+    )
     Client = CyclePersonalClient
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
@@ -361,6 +369,10 @@ class CycleSGLR(CycleSL, PersonalClients, Algorithm[CycleSGLRParams]):
 
 class CycleSFL(CycleSL, Algorithm[CycleParams]):
     name = "cycle_sfl"
+    description = (
+        "CycleSL over SFL (Wang, Bozkir & Kasneci): per-round copies of the client part, averaged (FedAvg) "
+        "after the round's cycle."
+    )
     Client = CycleClient
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
@@ -374,6 +386,10 @@ class CycleSSL(CycleSL, Relay, Algorithm[CycleParams]):
     """Sequential SL with the cycle update: clients in id order, each one cycle on its own batch."""
 
     name = "cycle_ssl"
+    description = (
+        "CycleSL over sequential SL (Wang, Bozkir & Kasneci): one client part relayed from client to client "
+        "in id order, each client a cycle on its own batch."
+    )
     Client = CycleRelayClient
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:

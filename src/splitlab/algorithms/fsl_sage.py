@@ -137,7 +137,7 @@ class SageClient(ClientNode[FSLSAGEParams]):
         """A step on the aux model's estimate of the cut gradient; the smashed data if `send`."""
         x, y = self.next_batch()
         with self.blueprint.timed("client"):
-            smashed = self.model("client_model")(x)
+            smashed = self.client_output(x)
             estimate = cut_gradient(self.blueprint.loss, self.model("aux_model"), smashed, y)
             penalty = self.blueprint.defense.penalty(x, smashed)
             self.step("client_model", lambda: defenses.backward((smashed, estimate), (penalty, None)))

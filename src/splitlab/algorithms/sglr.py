@@ -97,7 +97,7 @@ class SGLRServer(ServerWithOwnLR[SGLRParams]):
             self.step("server_model", total.backward)
             grads = [typing.cast(torch.Tensor, z.grad) / alpha for z, alpha in zip(smashed, alphas)]  # d(own loss)/dz
         cut_grads = average_cut_grads(grads, sizes, set(averaged))
-        return {"cut_grads": [self.send_gradient(g) for g in cut_grads], "loss": total.detach()}
+        return {"cut_grads": [self.send_gradient(g, y) for g, y in zip(cut_grads, labels)], "loss": total.detach()}
 
     @verb()
     def lockstep_outputs(self, smashed: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -109,7 +109,7 @@ class SplitGPClient(ClientNode[SplitGPParams]):
         """phi_k on the next batch, and the client-exit loss l_C of h_k (kept for `backward`)."""
         x, y = self.next_batch()
         with self.blueprint.timed("client"):
-            smashed = self.model("client_model")(x)
+            smashed = self.client_output(x)
             client_loss = self.blueprint.loss(self.model("aux_model")(smashed), y)
             defended, message = self.release(x, y, smashed, step)
             self.stash[step] = defended, client_loss, self.blueprint.defense.penalty(x, smashed)

@@ -141,7 +141,7 @@ def bottom_model(blueprint: Blueprint, plan: FeaturePlan, party: int) -> nn.Modu
     """Party `party`'s bottom model: the configured model's stages before the cut, built for its columns."""
     cfg = blueprint.config
     model = build_model(
-        cfg.model, plan.party_shape(party), blueprint.num_classes, seed=cfg.seed, **cfg.model_settings()
+        cfg.model, plan.party_shape(party), blueprint.num_classes, seed=cfg.seed, **blueprint.model_settings
     )
     return split(model, cfg.cut)[0].to(blueprint.device)
 

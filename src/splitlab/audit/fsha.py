@@ -188,7 +188,7 @@ def simulate(
         else:
             aux = setup.aux_x[torch.as_tensor(rng.choice(len(setup.aux_x), batch, replace=False))]
             grad = attacker.cut_gradient(received, aux, generator)
-        grad = decode(setup.defense.send_gradient(grad, generator))
+        grad = decode(setup.defense.send_gradient(grad, generator, y))
         if fake:  # SplitGuard's client keeps the fake batch's gradient and does not apply it
             fake_grads.append(grad.flatten().float())
         else:

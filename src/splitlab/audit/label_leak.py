@@ -143,7 +143,7 @@ def cut_gradients(
     for z, labels in zip(smashed.split(batch_size), y.split(batch_size)):
         z = z.detach().requires_grad_()
         (grad,) = torch.autograd.grad(F.cross_entropy(server(z), labels), z)
-        grads.append(decode(defense.send_gradient(grad, generator)))
+        grads.append(decode(defense.send_gradient(grad, generator, labels)))
     return torch.cat(grads)
 
 

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitlab.audit.attack import Attack, Target
-from splitlab.audit.common import DECODER_WIDTH, defended_smashed, fit
-from splitlab.privacy.defenses import Defense
+from splitlab.audit.common import DECODER_WIDTH, fit
+from splitlab.privacy.defenses import Defense, received
 
 EXAMPLE_CHARACTERS = 64
 EXAMPLES = 3  # example reconstructions in a result
@@ -62,7 +62,7 @@ def token_inversion(
     """Train the per-position decoder on the server's auxiliary text (N, T) and reconstruct the
     target tokens (M, T) from the hidden states the server received (M, T, D). With `characters`
     (token i is characters[i]) the result shows the first target sequence and its reconstruction."""
-    aux_hidden = defended_smashed(client, aux_tokens, defense, seed + 1)
+    aux_hidden = received(client, aux_tokens, defense, seed + 1)
     decoder = train_token_decoder(aux_hidden.flatten(0, 1), aux_tokens.flatten(), vocabulary, epochs, seed)
     with torch.no_grad():
         reconstructed = torch.cat([decoder(h).argmax(-1) for h in target_hidden.split(256)])
@@ -111,7 +111,7 @@ class TokenInversion(Attack):
         if target.recorded:
             x, smashed = target.recorded[1]["inputs"].to(x.device).long(), target.recorded[1]["smashed"].to(x.device)
         else:
-            smashed = defended_smashed(target.client, x, target.defense, settings.seed)
+            smashed = received(target.client, x, target.defense, settings.seed)
         return token_inversion(
             target.client,
             target.defense,

@@ -80,6 +80,18 @@ def scale_and_normalize(x: torch.Tensor, mean: tuple[float, ...], std: tuple[flo
     return x.sub_(torch.tensor(mean, device=x.device).view(shape)).div_(torch.tensor(std, device=x.device).view(shape))
 
 
+@dataclass(frozen=True)
+class References:
+    """Test prompts with their reference texts, what a dataset whose test rows have references
+    exposes for `eval_generate` (BLEU, ROUGE-L): the model continues `prompts[i]` (token ids) until
+    `tokenizer.eos_token_id` and `tokenizer.decode` of the continuation is scored against
+    `texts[i]` (one or more references)."""
+
+    prompts: list[list[int]]
+    texts: list[list[str]]
+    tokenizer: Any  # decode(ids) -> str and eos_token_id: a Hugging Face tokenizer or CharacterTokenizer
+
+
 @dataclass(frozen=True, eq=False)
 class Dataset:
     """A whole dataset in memory. `eq=False`: comparing tensors field by field is meaningless.
@@ -102,6 +114,7 @@ class Dataset:
     #: (a next token per position, those not in the loss marked IGNORED; splitlab.metrics)
     task: str = "classification"
     vocabulary: str | None = None  # language task with characters as tokens: token i is vocabulary[i]
+    references: References | None = None  # test prompts and their references (e2e), for eval_generate
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Model inputs from a batch of stored samples."""
@@ -492,6 +505,16 @@ LOCATORS: dict[str, Callable[[Path | None], str]] = {
     "synthetic": lambda d: "generated from the seed",
 }
 
+#: The kinds of sample a dataset may hold, and a model take (splitlab.models.MODEL_INPUTS).
+SAMPLE_KINDS = ("images", "features", "tokens")
+#: name -> what one sample of it is (a dataset not here: not declared, checked when a model is built)
+SAMPLES: dict[str, str] = {
+    **dict.fromkeys(["fashion_mnist", "cifar10", "cifar100", "digits", "synthetic"], "images"),
+    **dict.fromkeys(["femnist", "celeba"], "images"),
+    **dict.fromkeys(["breast_cancer", "csv"], "features"),
+    **dict.fromkeys(["shakespeare", "shakespeare_lm", "e2e"], "tokens"),
+}
+
 # The LEAF datasets (femnist, celeba, shakespeare) live in their own modules, which build on the
 # definitions above; splitlab.data (run before any of its modules) adds them here.
 
@@ -502,16 +525,24 @@ def register_dataset(
     *,
     split_loader: Callable[[Path | None, str], Dataset] | None = None,
     locator: Callable[[Path | None], str] | None = None,
+    samples: str | None = None,
 ) -> None:
     """Make `dataset=name` load `loader(data_dir, seed)`; optionally its `split_loader(data_dir,
     "train" | "test")` (for data=own) and its `locator(data_dir)` (for `splitlab datasets`), the
-    three registry entries in one call. A plugin's name may be registered again (the later loader
-    counts), a built-in one may not."""
+    three registry entries in one call; `samples`: what one sample is (images, features or tokens),
+    so that a model that cannot take it is refused before loading. A plugin's name may be registered
+    again (the later loader counts), a built-in one may not."""
     if not name.isidentifier() or name in BUILT_IN:
         raise UserError(f"cannot register dataset {name!r}: expected a new name (letters, digits, _), not a built-in")
     DATASETS[name] = loader
-    SPLIT_LOADERS.pop(name, None)
-    LOCATORS.pop(name, None)
+    for registry in (SPLIT_LOADERS, LOCATORS, SAMPLES):
+        registry.pop(name, None)
+    if samples is not None:
+        if samples not in SAMPLE_KINDS:
+            raise UserError(
+                f"cannot register dataset {name!r}: samples={samples!r} is not one of {', '.join(SAMPLE_KINDS)}"
+            )
+        SAMPLES[name] = samples
     if split_loader is not None:
         SPLIT_LOADERS[name] = split_loader
     if locator is not None:

@@ -12,6 +12,9 @@ tokenizer's end-of-sequence token, each tokenised on its own so that no token sp
 Llama: `<s>`). The loss is on the completion only (the masked cross-entropy of the LoRA and
 FSL-SAGE papers): `mask[i, j]` is true where the target `tokens[i, j + 1]` belongs to the completion.
 
+For `eval_generate`, `references` gives each test meaning representation once as a prompt (its
+context) with all its references: the test set repeats an `mr` on one row per reference.
+
 Lengths: every sequence is `seq_len + 1` tokens, so that inputs `tokens[:, :-1]` and targets
 `tokens[:, 1:]` are `seq_len` long. Shorter ones are padded at the end with the tokenizer's pad
 token, or its end-of-sequence token where it has none (`pad_id`); padding is never a target.
@@ -28,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from splitlab.data.datasets import References
 from splitlab.errors import UserError
 from splitlab.lazy import torch
 
@@ -82,6 +86,17 @@ def encode_pairs(pairs: list[tuple[str, str]], tokenizer: Any, seq_len: int) -> 
         tokens[i, : len(sequence)] = sequence
         mask[i, len(prefix) - 1 : len(sequence) - 1] = True
     return torch.from_numpy(tokens), torch.from_numpy(mask)
+
+
+def references(pairs: list[tuple[str, str]], tokenizer: Any) -> References:
+    """The test rows as `eval_generate` reads them: each meaning representation once (in file
+    order) as the prompt `[bos] mr + SEPARATOR`, with all of its references."""
+    by_mr: dict[str, list[str]] = {}
+    for mr, ref in pairs:
+        by_mr.setdefault(mr, []).append(ref)
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    contexts = tokenizer([mr + SEPARATOR for mr in by_mr], add_special_tokens=False)["input_ids"]
+    return References([bos + context for context in contexts], list(by_mr.values()), tokenizer)
 
 
 def load_e2e(data_dir: str | Path, split: str, tokenizer: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,8 @@
 - `shakespeare_lm`: the plays (data/shakespeare.py), one client per speaking role; characters as
   tokens, or the tokenizer of `model=hf`'s folder;
 - `e2e`: the E2E NLG release (data/e2e.py), context = meaning representation, completion =
-  reference, the loss on the completion only; needs a tokenizer (`model=hf model_dir=DIR`).
+  reference, the loss on the completion only; the tokenizer of `model=hf`'s folder, or LEAF's
+  characters with a newline ending each reference (`model=gpt`).
 """
 
 from __future__ import annotations
@@ -45,13 +46,22 @@ def _locate_e2e(data_dir: Path | None) -> str:
 
 def _e2e(data_dir: Path | None, seq_len: int | None, tokenizer_dir: str | None) -> Dataset:
     data_dir = Path(_locate_e2e(data_dir))
-    if tokenizer_dir is None:
-        raise UserError("dataset=e2e is tokenised by the model's tokenizer: use model=hf model_dir=DIR")
-    tokenizer = _tokenizer(tokenizer_dir)
+    tokenizer = shakespeare.CharacterTokenizer() if tokenizer_dir is None else _tokenizer(tokenizer_dir)
     seq_len = seq_len or E2E_SEQ_LEN
     splits = [targets_of(*e2e.load_e2e(data_dir, split, tokenizer, seq_len)) for split in ("train", "test")]
     (train_x, train_y), (test_x, test_y) = splits
-    return Dataset("e2e", train_x, train_y, test_x, test_y, len(tokenizer), (seq_len,), task="language")
+    return Dataset(
+        "e2e",
+        train_x,
+        train_y,
+        test_x,
+        test_y,
+        len(tokenizer),
+        (seq_len,),
+        task="language",
+        vocabulary=shakespeare.VOCAB if tokenizer_dir is None else None,
+        references=e2e.references(e2e.read_pairs(data_dir / e2e.FILES["test"]), tokenizer),
+    )
 
 
 def targets_of(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -55,6 +55,25 @@ def encode(text: str) -> np.ndarray:
     return _LOOKUP[np.minimum(codes, 255)]
 
 
+class CharacterTokenizer:
+    """LEAF's characters as a tokenizer, with the members of a Hugging Face tokenizer that E2E's
+    encoding and decoding use, so that `model=gpt` reads E2E: a newline (which the plays' role
+    texts never hold) ends a text; symbols outside the vocabulary become spaces, as in the plays."""
+
+    bos_token_id = None
+    pad_token_id = None
+    eos_token_id = VOCAB.index("\n")
+
+    def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict[str, list[list[int]]]:
+        return {"input_ids": [encode(text).tolist() for text in texts]}
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(VOCAB[i] for i in ids)
+
+    def __len__(self) -> int:
+        return len(VOCAB)
+
+
 def speaker(line: str) -> str | None:
     """The role named by a speaker-tag line (upper case, no final stop), or None."""
     tag = _DIRECTION.sub("", line.strip())

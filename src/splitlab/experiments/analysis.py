@@ -63,6 +63,7 @@ def _result_row(run: RunData, target: float | None, config_cols: list[str]) -> d
     row["final_loss"] = pick("final_loss", last.get("test_loss"))
     row["final_f1"] = pick("final_f1", last.get("test_f1"))
     row["final_mcc"] = pick("final_mcc", last.get("test_mcc"))
+    row["bleu"], row["rouge_l"] = s.get("bleu"), s.get("rouge_l")  # eval_generate's, at the end only
     row["total_bytes"] = pick("total_bytes", last.get("comm_bytes"))
     total_bytes = num(row["total_bytes"])
     total_gib = total_bytes / GIB if total_bytes is not None else None

@@ -31,6 +31,8 @@ METRIC_COLUMNS = (
     "final_loss",
     "final_f1",
     "final_mcc",
+    "bleu",
+    "rouge_l",
     "total_bytes",
     "total_gib",
     "wall_seconds",

@@ -226,6 +226,19 @@ def markdown(an: Analysis, path: Path, plots: list[tuple[str, Path]]) -> str:
             ),
             "",
         ]
+    if any(r.get("bleu") is not None for r in an.rows):
+        out += [
+            "## Generation: BLEU and ROUGE-L",
+            "",
+            "The final model's greedy continuations of the test prompts (`eval_generate`), scored against "
+            "all references of each: corpus BLEU (sacrebleu, 0-100) and the mean ROUGE-L F-measure "
+            "(rouge-score, 0-1).",
+            "",
+            _metric_table(an, "bleu", "BLEU"),
+            "",
+            _metric_table(an, "rouge_l", "ROUGE-L", decimals=3),
+            "",
+        ]
     out += [
         "## Total communication",
         "",

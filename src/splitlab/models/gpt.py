@@ -14,6 +14,7 @@ from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from splitlab.errors import UserError
@@ -69,21 +70,30 @@ class Embedding(nn.Module):
         return self.wte(tokens) + self.wpe(positions)
 
 
+class GptParams(BaseModel):
+    """`model=gpt`'s own keys: its sizes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    layers: int = Field(4, ge=1, le=1024, description="model=gpt: transformer blocks")
+    heads: int = Field(4, ge=1, le=1024, description="model=gpt: attention heads per block")
+    width: int = Field(128, ge=1, le=65536, description="model=gpt: hidden width D, a multiple of heads")
+    context: int = Field(256, ge=1, le=1_048_576, description="model=gpt: the longest sequence it takes, in tokens")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> GptParams:
+        if self.width % self.heads:
+            raise UserError(f"width={self.width} must be a multiple of heads={self.heads}")
+        return self
+
+
 def gpt(
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    layers: int = 4,
-    heads: int = 4,
-    width: int = 128,
-    context: int = 256,
+    input_shape: tuple[int, ...], num_classes: int, layers: int, heads: int, width: int, context: int
 ) -> StagedModel:
     """GPT-2's architecture over a vocabulary of `num_classes` tokens, for sequences of
     `input_shape[0]` tokens (at most `context`); cuts 1..layers (after each block).
 
     Initialised as GPT-2: normal(0, 0.02) weights, zero biases, and the residual projections
     scaled by 1/sqrt(2 * layers)."""
-    if width % heads:
-        raise UserError(f"width={width} must be a multiple of heads={heads}")
     if len(input_shape) != 1:
         raise UserError(f"model=gpt takes token sequences; the dataset's samples have shape {input_shape}")
     if input_shape[0] > context:

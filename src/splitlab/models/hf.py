@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from splitlab.errors import UserError
@@ -241,7 +242,16 @@ def skeleton(model_dir: str | Path) -> StagedModel:
     return staged_from_hf(model)
 
 
-def hf_model(input_shape: tuple[int, ...], num_classes: int, model_dir: str | None = None) -> StagedModel:
+class HfParams(BaseModel):
+    """`model=hf`'s own key: the folder it is read from."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_dir: str | None = Field(
+        None, description="model=hf: a local Hugging Face causal-LM folder (config.json, *.safetensors, tokenizer)"
+    )
+
+
+def hf_model(input_shape: tuple[int, ...], num_classes: int, model_dir: str | None) -> StagedModel:
     """`model=hf`: the checkpoint in `model_dir` for sequences of `input_shape[0]` tokens whose ids
     are below `num_classes` (a model-zoo builder: `splitlab.models.MODELS`). Its logits cover the
     model's whole vocabulary, which may be larger than `num_classes`."""

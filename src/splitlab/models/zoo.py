@@ -13,7 +13,8 @@ from torch import nn
 
 from splitlab.models.staged import StagedModel, output_shape
 
-ModelBuilder = Callable[[tuple[int, ...], int], StagedModel]
+#: builder(input_shape, num_classes, **its params) -> a StagedModel
+ModelBuilder = Callable[..., StagedModel]
 
 
 def _flat_size(shape: tuple[int, ...]) -> int:

@@ -28,11 +28,29 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from pydantic import BaseModel, ConfigDict, Field
 
 from splitlab.errors import UserError
 
 CA, SERVER = "ca", "server"
 VALID_DAYS = 365
+
+
+class CertsSettings(BaseModel):
+    """The `splitlab certs` keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    out: Path = Field(Path("certs"), description="directory to write ca, server and client certificates and keys to")
+    clients: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="how many client certificates (each a certificate and key, made one by one)",
+    )
+    hosts: str | None = Field(
+        None, description="names or addresses, comma-separated, the server certificate is also valid for"
+    )
+    overwrite: bool = Field(False, description="replace an existing CA (every key it issued stops working)")
 
 
 def client_name(client_id: int) -> str:

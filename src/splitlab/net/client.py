@@ -8,7 +8,7 @@ then answers every CALL with the verb's result and sends a heartbeat every few s
 the stream breaks (the server restarts, the network fails, the server dropped it), it connects
 again and builds a fresh node, backing off while the server is unreachable or busy
 (RESOURCE_EXHAUSTED: its streams are taken), for up to `retry_seconds`; BYE ends it; a refusal
-(its data, its id, a revoked certificate, a newer connection with its certificate) stops it.
+(its data, its id, a revoked certificate, another connection with its certificate) stops it.
 """
 
 from __future__ import annotations

@@ -5,13 +5,16 @@ evaluation, checkpoints, metrics); only the calls to client nodes go through `Ne
 each becomes a CALL down the client's stream (splitlab.net.protocol), whose RESULT is decoded,
 checked (splitlab.net.checks) and counted in the ledger as in-process. `Hub` owns the gRPC
 server and one `Session` per connected client: mutual TLS, a client's id taken from its
-certificate, one connection per id, and a client is called only once its REPORT of the data
-it holds fits the run (with data=own, those reports are where the clients' sizes come from).
+certificate, one session per id, and a client is called only once its REPORT of the data
+it holds fits the run (with data=own, those reports are where the clients' sizes come from):
+a connection that ends before it reported is no client and no dropout (the run waits on for
+the client), and a client whose report is refused stops and is waited for no more.
 A client that disconnects, misses a deadline or its heartbeats, or sends anything the checks
 refuse, is dropped (one log line) and reported to the algorithm as `ClientDropped`; it may
 connect again and is then used from the next round on, its new node first given its kept state
-(`NetworkTransport.on_rejoin`). A new connection with a client's certificate replaces its old one
-(a host that vanished without closing its connection comes back at once).
+(`NetworkTransport.on_rejoin`). A second connection with a connected client's certificate is
+refused while the first is heard from, and replaces it if it is silent for two heartbeats (a
+host that vanished without closing its connection comes back).
 
 No client can stall the server: a stream must say HELLO within `hello_timeout`, a certificate
 that is not a client's is refused before HELLO, one certificate holds at most
@@ -123,19 +126,21 @@ class Session:
         self.client_id, self.who, self.peer = client_id, who, who.peer
         self.outgoing: queue.Queue[Any] = queue.Queue()
         self.replies: queue.Queue[Any] = queue.Queue()
-        self.last_seen = time.monotonic()
+        self.since = self.last_seen = time.monotonic()
+        self.heard = threading.Event()  # set by every message from the client (and when it ends)
         self.awaited: int | None = None  # the sequence number of the call waiting for a reply
         self.alive = True
         self.reported = False  # its REPORT was accepted: it may be called
+        self.called = False  # the run has called it (Hub.first_call)
         self.reason = ""
-        self.rejoined = False  # a reconnection (a fresh node) that the run has not been told of yet
-        self.refusal = ""  # why its data was refused (its stream ends with that, and it stops)
+        self.refusal = ""  # why it is refused (its stream ends with that, and the client stops)
 
     def close(self, reason: str) -> bool:
         """End the session (the first reason counts); whether it was alive."""
         if not self.alive:
             return False
         self.alive, self.reason = False, reason
+        self.heard.set()
         self.outgoing.put(None)
         self.replies.put(None)
         return True
@@ -154,9 +159,10 @@ class Hub:
         welcome = {"config": client_config, "heartbeat": settings.heartbeat, "chunk_bytes": self.chunk_bytes}
         self._welcome = codec.encode(welcome)
         self._clients = client_config["clients"]  # K, or "all" (known once the dataset is read)
-        self._sessions: dict[int, Session] = {}
-        self._joined: set[int] = set()  # ids that connected at least once
+        self._sessions: dict[int, Session] = {}  # each id's newest session: the one the run may call
+        self._called: set[int] = set()  # ids whose node the run has called: a new node of theirs is fresh
         self._reported: set[int] = set()  # ids whose data was accepted at least once
+        self._refusals: dict[int, str] = {}  # ids whose last session was refused (they stop), and why
         self._expected: set[int] | None = None
         self._summaries: dict[int, dict[str, Any]] = {}  # what each client must report of its data
         self._checks: Checks | OwnPartyReports | None = None
@@ -220,18 +226,33 @@ class Hub:
         return [summary["class_counts"] for summary in self.reported().values()]  # classification datasets only
 
     def reported(self) -> dict[int, dict[str, Any]]:
-        """Every client's summary of its data, once all have reported (data=own), waiting until join_timeout."""
+        """Every client's summary of its data, once all have reported (data=own), waiting until
+        join_timeout; UserError at once when one is refused (it stops: the run cannot be planned)."""
         with self._changed:
             ids = sorted(self._expected or ())
             remaining = max(0.0, self._join_deadline - time.monotonic())
-            self._changed.wait_for(lambda: self._reported.issuperset(ids) or self._closing, timeout=remaining)
-            missing = [str(k) for k in ids if k not in self._reported]
+            refused = lambda: [k for k in ids if k in self._refusals and k not in self._reported]
+            done = lambda: self._reported.issuperset(ids) or self._closing or bool(refused())
+            self._changed.wait_for(done, timeout=remaining)
+            missing = [k for k in ids if k not in self._reported]
+            rejected = refused()
+            why = {k: self._refusals[k] if k in rejected else self._absence(k) for k in missing}
+        needed = "with data=own the server needs every client's data before round 1"
+        if rejected:
+            raise UserError(f"client {rejected[0]} was refused ({why[rejected[0]]}); {needed}")
         if missing:
             raise UserError(
-                f"client(s) {', '.join(missing)} did not report their data within join_timeout="
-                f"{self.settings.join_timeout:g} s; with data=own the server needs every client's before round 1"
+                f"client(s) {'; '.join(f'{k} ({why[k]})' for k in missing)} did not report their data within "
+                f"join_timeout={self.settings.join_timeout:g} s; {needed}"
             )
         return {k: self._summaries[k] for k in ids}
+
+    def _absence(self, client_id: int) -> str:
+        """Why a client is not there to be called: never connected, or connected without a report."""
+        session = self._sessions.get(client_id)
+        if session is not None and session.alive:
+            return f"connected {time.monotonic() - session.since:.1f} s ago but has not reported its data"
+        return "not connected"
 
     def close(self) -> None:
         """The run is over (or failed): BYE to every client, then stop."""
@@ -347,7 +368,10 @@ class Hub:
         self.audit.write("refusal", who, client_id, reason=reason)
 
     def _admit(self, hello: Any, who: Identity) -> tuple[Session, Session | None]:
-        """The new session of the client saying `hello`, and the live one it replaces, if any."""
+        """The new session of the client saying `hello`, and the live one it replaces, if any: one
+        session per client. A second connection with the certificate of a connected client is
+        refused if the connected one is heard from within two heartbeats (the accepted session
+        goes on undisturbed), and replaces it if not (its host vanished without closing it)."""
         if hello.kind == protocol.INVALID:
             raise Refused(hello.error)
         if hello.kind != protocol.HELLO:
@@ -368,10 +392,20 @@ class Hub:
             if self.revocations.covers(who, client_id):
                 raise Refused(f"client {client_id} is revoked")
             current = self._sessions.get(client_id)
+        arrived = time.monotonic()
+        if current is not None and current.alive:
+            current.heard.clear()
+            current.heard.wait(2 * self.settings.heartbeat)
+        with self._changed:
+            current = self._sessions.get(client_id)
+            if current is not None and current.alive and current.last_seen >= arrived:
+                raise Refused(
+                    f"client {client_id} is already connected (from {current.peer}) and answering; "
+                    f"one connection per client"
+                )
             session = Session(client_id, who)
-            session.rejoined = client_id in self._joined
-            self._sessions[client_id] = session
-            self._joined.add(client_id)
+            self._sessions[client_id] = session  # at once: whoever waits for the client now waits for this one
+            self._refusals.pop(client_id, None)
             self._changed.notify_all()
         return session, current if current is not None and current.alive else None
 
@@ -404,6 +438,8 @@ class Hub:
             session.close(session.refusal)
             return
         with self._changed:
+            if self._sessions.get(client_id) is not session or not session.alive:
+                return  # replaced (or dropped) while it built its node: the newer session reports its own
             self._summaries[client_id] = summary
             session.reported = True
             self._reported.add(client_id)
@@ -418,6 +454,7 @@ class Hub:
         try:
             for piece in requests:
                 session.last_seen = time.monotonic()
+                session.heard.set()
                 try:
                     message = chunks.add(piece)
                 except protocol.ChunkError as error:
@@ -442,12 +479,16 @@ class Hub:
         self._leave(session, "it disconnected")
 
     def _leave(self, session: Session, reason: str) -> None:
+        """The session's stream ended. If it was the client's newest, the client is away; and if it
+        was refused, it stops: nobody waits for it until it connects again (its slot is free)."""
         if session.close(reason):
             log(f"client {session.client_id} left: {reason}")
             self.audit.write("drop", session.who, session.client_id, reason=reason)
         with self._changed:
             if self._sessions.get(session.client_id) is session:
                 del self._sessions[session.client_id]
+                if session.refusal:
+                    self._refusals[session.client_id] = session.refusal
             self._changed.notify_all()
 
     def drop(self, session: Session, reason: str, verb: str = "") -> None:
@@ -457,53 +498,67 @@ class Hub:
 
     # --- calls ---------------------------------------------------------------------------------
     def session(self, client_id: int) -> Session:
-        """The client's live session, waiting for it to connect and to report its data (call_timeout,
-        as for an answer: it may be building its node); ClientDropped if it does not. The join
-        phase lasts until every client has reported once, at most join_timeout from the start:
-        during it a client that is away (never came, or left) is waited for until its end; after
-        it, rejoin_wait; a revoked client not at all."""
-        if client_id in self.revocations.clients:
-            raise ClientDropped(client_id, "revoked")
+        """The client's newest session once it has reported its data, waiting for it to connect and
+        report; ClientDropped (one line: who and why) if it does not. The join phase lasts until
+        every client has reported once or been refused, at most join_timeout from the start: during
+        it a client that is away (never came, or left) is waited for until its end; after it,
+        rejoin_wait. A connection that has not reported yet is given call_timeout from its start (it
+        may be building its node); if it ends first (a handshake cut short, or replaced by a newer
+        connection with the same certificate), the wait goes on for the client, not for it. A
+        refused client (it stops) and a revoked one are not waited for."""
         start = time.monotonic()
         with self._changed:
-            while (
-                not self._live(client_id)
-                and not self._closing
-                and (left := self._give_up_at(start) - time.monotonic()) > 0
-            ):
-                self._changed.wait(left)  # woken by every connect, report and close: the phase may end
-            session = self._sessions.get(client_id)
-            if session is not None:
-                reported = lambda: session.reported or not session.alive
-                self._changed.wait_for(reported, timeout=self.settings.call_timeout)
-        if session is None or not session.alive or not session.reported:
-            waited = time.monotonic() - start
-            log(f"client {client_id} is not connected (waited {waited:.1f} s): left out of this round")
-            raise ClientDropped(client_id, "not connected")
-        return session
+            while True:
+                session = self._sessions.get(client_id)
+                if session is not None and not session.alive:
+                    session = None
+                if session is not None and session.reported:
+                    return session
+                if client_id in self.revocations.clients:
+                    why = "it is revoked"
+                elif client_id in self._refusals and session is None:
+                    why = f"it was refused ({self._refusals[client_id]})"
+                elif self._closing:
+                    why = "the server is shutting down"
+                else:
+                    give_up = self._give_up_at(start)
+                    if session is not None:
+                        give_up = max(give_up, session.since + self.settings.call_timeout)
+                    left = give_up - time.monotonic()
+                    if left > 0:
+                        self._changed.wait(left)  # woken by every connect, report and leave
+                        continue
+                    why = self._absence(client_id)
+                    if session is not None:
+                        why += f", call_timeout={self.settings.call_timeout:g} s"
+                break
+        log(f"client {client_id} is left out of this round: {why} (waited {time.monotonic() - start:.1f} s)")
+        raise ClientDropped(client_id, why)
 
     def _give_up_at(self, start: float) -> float:
         """When a wait begun at `start` for an absent client ends: rejoin_wait after it, or in the
-        join phase (not every client has reported once yet) not before join_timeout is up."""
-        joined = self._expected is not None and self._reported.issuperset(self._expected)
+        join phase (not every client has reported once or been refused yet) not before join_timeout
+        is up."""
+        settled = self._reported | set(self._refusals) | self.revocations.clients
+        joined = self._expected is not None and settled.issuperset(self._expected)
         return (
             start + self.settings.rejoin_wait if joined else max(start + self.settings.rejoin_wait, self._join_deadline)
         )
 
-    def rejoined(self, client_id: int) -> bool:
-        """Whether the client's session is a reconnection (its node is fresh) not asked about
-        before; waits for the client as a call does."""
-        session = self.session(client_id)
-        rejoined, session.rejoined = session.rejoined, False
+    def first_call(self, session: Session) -> bool:
+        """Whether the run is about to call `session` for the first time although it has called an
+        earlier node of the client's: a fresh node, which must first get the client's kept state
+        (`NetworkTransport.on_rejoin`). A connection the run never called (its handshake cut
+        short, replaced before it reported) leaves no trace: the next is not a rejoin."""
+        with self._changed:
+            rejoined = not session.called and session.client_id in self._called
+            session.called = True
+            self._called.add(session.client_id)
         return rejoined
 
-    def _live(self, client_id: int) -> bool:
-        session = self._sessions.get(client_id)
-        return session is not None and session.alive
-
-    def call(self, client_id: int, verb: str, payload: bytes) -> bytes:
+    def call(self, session: Session, verb: str, payload: bytes) -> bytes:
         """Send a CALL and wait for its RESULT; ClientDropped if the client errs, leaves or is late."""
-        session = self.session(client_id)
+        client_id = session.client_id
         seq = next(self._seq)
         session.awaited = seq
         session.outgoing.put(protocol.envelope(protocol.CALL, self.run_id, seq=seq, verb=verb, payload=payload))
@@ -528,12 +583,11 @@ class Hub:
             else:
                 return bytes(reply.payload)
 
-    def refuse(self, client_id: int, verb: str, reason: str) -> None:
-        """A result failed its checks: the client is dropped."""
-        session = self._sessions.get(client_id)
-        log(f"refused the result of {verb} from client {client_id}: {reason}")
-        if session is not None and session.close(f"its {verb} result was refused"):
-            self.audit.write("refusal", session.who, client_id, verb, reason)
+    def refuse(self, session: Session, verb: str, reason: str) -> None:
+        """A result failed its checks: the session that sent it is dropped (not a newer one)."""
+        log(f"refused the result of {verb} from client {session.client_id}: {reason}")
+        if session.close(f"its {verb} result was refused"):
+            self.audit.write("refusal", session.who, session.client_id, verb, reason)
 
     def expel(self, client_id: int, reason: str) -> None:
         """The run drops the client (its data broke the server's step): its stream ends with the
@@ -609,18 +663,19 @@ class NetworkTransport(Transport):
         self.hub.expel(client_id, reason)
 
     def remote_call(self, client_id: int, verb: str, spec: VerbSpec, *args: Any, **kwargs: Any) -> Any:
-        if self.hub.rejoined(client_id):
-            self.on_rejoin(client_id)
+        session = self.hub.session(client_id)
+        if self.hub.first_call(session):
+            self.on_rejoin(client_id)  # its own calls reach this session (or, if it is gone, fail)
         self._count(spec.down, args, (args, kwargs), client_id)
         request = codec.encode({"args": list(args), "kwargs": kwargs})
-        reply = self.hub.call(client_id, verb, request)
+        reply = self.hub.call(session, verb, request)
         self.ledger.envelope_bytes += len(request) + len(reply)
         try:
             result = codec.decode(reply, self.device)
             assert self.checks is not None
             self.checks.result(verb, spec, args, result, client_id)
         except (codec.MessageError, Refused) as refusal:
-            self.hub.refuse(client_id, verb, str(refusal))
+            self.hub.refuse(session, verb, str(refusal))
             raise ClientDropped(client_id, f"refused its {verb} result") from None
         self._count(spec.up, args, result, client_id)
         return result

@@ -119,6 +119,14 @@ def privacy_summary(config: RunConfig) -> dict[str, Any]:
     )
     from splitlab.data import SEQUENCE_DATASETS
 
+    stated = label_privacy(defense.label_dp, releases(config)) if defense.label_dp is not None else {}
+    if defense.dchi is not None:
+        stated["tokens"] = {
+            "epsilon_per_token": defense.dchi,
+            "guarantee": "metric DP (d_chi-privacy) of each token's embedding per release: outputs for tokens x, x' "
+            "differ in probability by at most exp(epsilon d(x, x')), d the Euclidean distance of their embeddings in "
+            "the client's current embedding table; not (epsilon, delta)-DP, and the targets are not covered",
+        }
     if defense.clip is None or defense.noise == 0 or config.dataset in SEQUENCE_DATASETS:
         why = (
             "a language run's targets (the text shifted by one token) reach the server in the clear"
@@ -126,7 +134,7 @@ def privacy_summary(config: RunConfig) -> dict[str, Any]:
             else "no clip + noise defense"
         )
         why += ": no differential privacy guarantee"
-        return {"privacy": {"epsilon": None, "why": why, **({"noise_key": key} if defense.random else {})}}
+        return {"privacy": {"epsilon": None, "why": why, **stated, **({"noise_key": key} if defense.random else {})}}
     count = releases(config)
     multiplier = defense.noise / 2  # sensitivity 2C under replacement of one sample's input, noise std S * C
     delta = defense.dp[1] if defense.dp is not None else DELTA
@@ -149,5 +157,24 @@ def privacy_summary(config: RunConfig) -> dict[str, Any]:
             "sampling": SAMPLING,
             "noise_key": key,
             "accountant": "exact: composed Gaussian mechanisms are mu-GDP (Dong, Roth and Su 2019)",
+            **stated,
+        }
+    }
+
+
+def label_privacy(epsilon_per_release: float, count: int) -> dict[str, Any]:
+    """The summary's `labels` entry under `label_dp:E`: randomised response is exactly E-label-DP
+    (delta 0) per release of a label; a label sent `count` times with fresh randomness composes to
+    count x E (pure DP composes additively)."""
+    return {
+        "labels": {
+            "epsilon_per_release": epsilon_per_release,
+            "epsilon_per_label": count * epsilon_per_release,
+            "delta": 0.0,
+            "releases_per_label": count,
+            "mechanism": "randomised response over the K classes: the true label with probability "
+            "e^E / (e^E + K - 1), else a uniformly drawn other class",
+            "covers": "each sample's label as sent to the server, against the server and any observer "
+            "(not the smashed data, nor what the cut gradients and the client part reveal of it)",
         }
     }

@@ -13,6 +13,15 @@ layer's tensors are compressed on the wire.
 - `gradnoise:S`: isotropic Gaussian noise on each sample's cut gradient, added by the training
   server before the gradient goes down, with expected norm S times the batch's largest gradient
   norm (the "iso" protection of Li et al. 2022 against label inference from cut gradients);
+- `marvell[:S]`: Marvell (Li et al. 2022): on a binary task the server, which holds the labels,
+  adds to each cut gradient Gaussian noise whose covariance depends on the sample's class, chosen
+  to minimise the symmetrised KL divergence between the two classes' gradient distributions
+  under a power budget S x ||mean positive gradient - mean negative gradient||^2 (`marvell_variances`);
+- `dchi:E`: d_chi-privacy (metric DP) of each token's embedding (Feyisetan et al. 2020): on a
+  language model the client adds to the embedding stage's output, per token, noise of density
+  proportional to exp(-E ||z||), which the client's later stages only post-process;
+- `label_dp:E`: randomised response on the labels a client sends (E-label-DP, Warner 1965 /
+  Ghazi et al. 2021): each kept with probability e^E / (e^E + K - 1), else a uniformly drawn other class;
 
 All noise is drawn from the applying party's own secret (splitlab.privacy.keys), never from the
 run's seed, which the other side knows.
@@ -32,6 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -48,7 +58,13 @@ ITEMS = {
     "nopeek": "nopeek:<alpha >= 0>",
     "quantize": "quantize:int8|fp16",
     "topk": "topk:<fraction in (0, 1]>",
+    "marvell": "marvell[:<power scale > 0>]",
+    "label_dp": "label_dp:<epsilon > 0>",
+    "dchi": "dchi:<epsilon > 0>",
 }
+#: Marvell's power scale without `:S`: the smallest of 1, 4, 16 that kept both of Li et al.'s attacks within
+#: 0.1 of chance on breast_cancer over three noise keys (docs/privacy.md)
+MARVELL_SCALE = 16.0
 FP16_MAX = torch.finfo(torch.float16).max
 #: relative error of fp16 for normal values (10 stored mantissa bits, round to nearest) ...
 FP16_RELATIVE_ERROR = 2.0**-11
@@ -68,11 +84,29 @@ class Defense:
     topk: float | None = None
     #: `dp:epsilon=E,delta=D`: the target the noise is calibrated to (splitlab.privacy.accounting)
     dp: tuple[float, float] | None = None
+    #: `marvell:S`: the power budget's scale (the server's cut gradients, binary labels)
+    marvell: float | None = None
+    #: `label_dp:E`: the epsilon of randomised response on the labels clients send
+    label_dp: float | None = None
+    #: `dchi:E`: the epsilon of d_chi-privacy on each token's embedding (language models)
+    dchi: float | None = None
 
     @property
     def random(self) -> bool:
         """Whether a party draws noise (and so needs its noise key)."""
-        return self.noise > 0 or self.gradnoise > 0 or self.dp is not None
+        return (
+            self.noise > 0
+            or self.gradnoise > 0
+            or self.dp is not None
+            or self.marvell is not None
+            or self.label_dp is not None
+            or self.dchi is not None
+        )
+
+    @property
+    def noises_gradients(self) -> bool:
+        """Whether the training server draws noise for the cut gradients it sends."""
+        return self.gradnoise > 0 or self.marvell is not None
 
     @property
     def noise_std(self) -> float:
@@ -91,14 +125,33 @@ class Defense:
             smashed = smashed + self.noise_std * noise
         return smashed
 
+    def client_output(self, client: nn.Module, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+        """The client part on `x`: with `dchi:E`, d_chi-privacy noise on every token's embedding
+        (the first stage's output), which the client's later stages only post-process."""
+        if self.dchi is None:
+            return client(x)
+        first, *rest = client.children()
+        hidden = first(x)
+        hidden = hidden + dchi_noise(hidden, self.dchi, generator)
+        for stage in rest:
+            hidden = stage(hidden)
+        return hidden
+
     @property
     def changes_forward(self) -> bool:
-        """Whether the server's input differs from the client part's output (clip, noise, compression)."""
-        return self.clip is not None or self.noise > 0 or self.quantize is not None or self.topk is not None
+        """Whether the server's input differs from the undefended client part's output (dchi, clip,
+        noise, compression)."""
+        return (
+            self.dchi is not None
+            or self.clip is not None
+            or self.noise > 0
+            or self.quantize is not None
+            or self.topk is not None
+        )
 
     def deployed(self, client: nn.Module, server: nn.Module, generator: torch.Generator) -> nn.Module:
-        """The split model as it runs in deployment: the defense applied at the cut (for accuracy as deployed)."""
-        return nn.Sequential(client, _AtTheCut(self, generator), server)
+        """The split model as it runs in deployment: the defense applied (for accuracy as deployed)."""
+        return nn.Sequential(_Defended(self, client, generator), server)
 
     def penalty(self, inputs: torch.Tensor, smashed: torch.Tensor) -> torch.Tensor | None:
         """NoPeek's term of the client's objective (None without NoPeek)."""
@@ -106,13 +159,32 @@ class Defense:
             return None
         return self.nopeek * distance_correlation(inputs, smashed.flatten(1))
 
+    def private_labels(self, labels: torch.Tensor, classes: int, generator: torch.Generator | None) -> torch.Tensor:
+        """The labels as sent: with `label_dp:E`, randomised response over `classes` classes
+        (each kept with probability e^E / (e^E + K - 1), else a uniformly drawn other class)."""
+        if self.label_dp is None:
+            return labels
+        kept = torch.rand(labels.shape, generator=generator, device=labels.device) < keep_probability(
+            self.label_dp, classes
+        )
+        shift = torch.randint(1, classes, labels.shape, generator=generator, device=labels.device)
+        return torch.where(kept, labels, (labels + shift) % classes)
+
     # --- at the training server, before a cut gradient goes down ---------------------------
-    def send_gradient(self, grad: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor | dict[str, Any]:
-        """The cut gradient as sent: with `gradnoise`, noise from the server's `generator`, then encoded."""
+    def send_gradient(
+        self, grad: torch.Tensor, generator: torch.Generator | None, labels: torch.Tensor | None = None
+    ) -> torch.Tensor | dict[str, Any]:
+        """The cut gradient as sent: with `gradnoise` and `marvell`, noise from the server's
+        `generator` (Marvell's depends on each sample's label), then encoded."""
         if self.gradnoise > 0:
             largest = grad.flatten(1).norm(dim=1).max()
             noise = torch.randn(grad.shape, generator=generator, device=grad.device, dtype=grad.dtype)
             grad = grad + noise * (self.gradnoise * largest / math.sqrt(grad[0].numel()))
+        if self.marvell is not None:
+            if labels is None:
+                raise RuntimeError("Marvell's noise needs the labels of the gradients it protects")
+            if len(grad) == len(labels):  # one vector for a whole batch (SGLR's average) has no sample's label
+                grad = grad + marvell_noise(grad, labels, self.marvell, generator)
         return self.encode(grad)
 
     # --- on the wire, both directions ---------------------------------------------------------
@@ -140,15 +212,24 @@ class Defense:
         return tensor
 
 
-class _AtTheCut(nn.Module):
-    """Clip, noise and wire compression between the client part and the server part."""
+class _Defended(nn.Module):
+    """The client part with its defenses and the wire compression: what the server part receives."""
 
-    def __init__(self, defense: Defense, generator: torch.Generator) -> None:
+    def __init__(self, defense: Defense, client: nn.Module, generator: torch.Generator | None) -> None:
         super().__init__()
-        self.defense, self.generator = defense, generator
+        self.defense, self.client, self.generator = defense, client, generator
 
-    def forward(self, smashed: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        smashed = self.defense.client_output(self.client, x, self.generator)
         return decode(self.defense.encode(self.defense.protect(smashed, self.generator)))
+
+
+def received(client: nn.Module, x: torch.Tensor, defense: Defense, seed: int) -> torch.Tensor:
+    """What a server receives for inputs `x`, every defense applied (noise from a generator seeded
+    `seed`: an attacker's own draw, Kerckhoffs), in batches of 256, without gradients."""
+    defended = _Defended(defense, client, torch.Generator(x.device).manual_seed(seed))
+    with torch.no_grad():
+        return torch.cat([defended(b) for b in x.split(256)])
 
 
 def decode(message: Any) -> torch.Tensor:
@@ -220,6 +301,107 @@ def distance_correlation(x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return (dcov2_xz.clamp_min(0) / (dcov2_xx * dcov2_zz).sqrt().clamp_min(1e-12)).clamp_min(1e-12).sqrt()
 
 
+def dchi_noise(embeddings: torch.Tensor, epsilon: float, generator: torch.Generator | None) -> torch.Tensor:
+    """Noise for each vector along the last axis (a token's embedding, dimension d) with density
+    proportional to exp(-epsilon ||z||): a uniform direction (a normalised Gaussian) times a norm
+    drawn from Gamma(d, 1/epsilon), here exactly as the sum of d Exp(1) draws over epsilon. The
+    released embedding is then epsilon d(x, x')-private for tokens x, x' (d: the Euclidean distance
+    of their embeddings): metric DP, not (epsilon, delta)-DP."""
+    shape, device = embeddings.shape, embeddings.device
+    gaussian = torch.randn(shape, generator=generator, device=device, dtype=torch.float64)
+    direction = torch.nn.functional.normalize(gaussian, dim=-1)
+    uniform = 1 - torch.rand(shape, generator=generator, device=device, dtype=torch.float64)  # in (0, 1]
+    norm = -uniform.log().sum(-1, keepdim=True) / epsilon
+    return (direction * norm).to(embeddings.dtype)
+
+
+def keep_probability(epsilon: float, classes: int) -> float:
+    """Randomised response's probability of sending the true label: e^E / (e^E + K - 1), so that
+    any two labels give any output with probabilities at most e^E apart (E-label-DP)."""
+    return 1.0 / (1.0 + (classes - 1) * math.exp(-epsilon))
+
+
+def marvell_noise(
+    grad: torch.Tensor, labels: torch.Tensor, scale: float, generator: torch.Generator | None
+) -> torch.Tensor:
+    """Marvell's noise for a batch of cut gradients with binary labels (1 positive, 0 negative).
+
+    As the paper's reference code: the two classes' gradients are modelled as N(mean_k, var_k I)
+    with var_k the batch's mean per-coordinate variance of class k, p is the batch's fraction of
+    positives and the budget P = scale x ||g||^2, g the difference of the class means. Each class
+    gets noise N(0, Sigma_k) with Sigma_k = dir_k gg^T/||g||^2 + iso_k (I - gg^T/||g||^2), the
+    form of the optimum (the paper's Theorem 2), the four variances from `marvell_variances`.
+    A batch of one class has no class difference to shape the noise by: it gets isotropic noise
+    of power scale x ||batch mean gradient||^2 (a simplification; the paper does not say)."""
+    flat = grad.flatten(1).double()
+    positive = labels.reshape(-1) == 1
+    z = torch.randn(flat.shape, generator=generator, device=flat.device, dtype=flat.dtype)
+    w = torch.randn(flat.shape[:1], generator=generator, device=flat.device, dtype=flat.dtype)
+    d = flat.shape[1]
+    if bool(positive.all()) or not bool(positive.any()):
+        power = scale * float(flat.mean(0).square().sum())
+        return (z * math.sqrt(power / d)).view(grad.shape).to(grad.dtype)
+    pos, neg = flat[positive], flat[~positive]
+    diff = pos.mean(0) - neg.mean(0)
+    distance2 = float(diff.square().sum())
+    if distance2 == 0:
+        return torch.zeros_like(grad)
+    u, v = float(neg.var(0, unbiased=False).mean()), float(pos.var(0, unbiased=False).mean())
+    p = float(positive.double().mean())
+    neg_dir, neg_iso, pos_dir, pos_iso = marvell_variances(u, v, d, distance2, p, scale * distance2)
+    unit = diff / math.sqrt(distance2)
+    along = z @ unit
+    iso = torch.where(positive, pos_iso, neg_iso).sqrt()
+    direction = torch.where(positive, pos_dir, neg_dir).sqrt()
+    noise = (z - along[:, None] * unit) * iso[:, None] + (w * direction)[:, None] * unit
+    return noise.view(grad.shape).to(grad.dtype)
+
+
+def marvell_variances(u: float, v: float, d: int, g: float, p: float, power: float) -> tuple[float, ...]:
+    """Marvell's optimisation (Li et al. 2022, Section 4): the noise variances (negatives along g,
+    negatives per orthogonal direction, positives along g, positives per orthogonal direction)
+    that minimise the symmetrised KL divergence between N(mean_1, v I + Sigma_1) and
+    N(mean_0, u I + Sigma_0), i.e. (up to constants)
+
+        (d-1) (a2/b2 + b2/a2) + (b1 + g)/a1 + (a1 + g)/b1,  a = v + positives', b = u + negatives',
+
+    subject to p tr(Sigma_1) + (1-p) tr(Sigma_0) <= power, with g = ||mean_1 - mean_0||^2.
+
+    The orthogonal directions only need their two variances equal: the cheapest way there (noise
+    on the class with the smaller variance) is in closed form for a given share of the budget. What
+    remains are two scalars, that share and how the direction's budget splits between the classes;
+    the paper's reference code solves the KKT conditions case by case, here a grid over both,
+    refined around its best point, finds the same minimum to a relative 1e-6 (tested against a
+    general-purpose solver)."""
+    orthogonal = d - 1
+    smaller = (1 - p) if u < v else p  # the weight of the class whose variance is the smaller
+    equalise = orthogonal * smaller * abs(v - u)  # what equal orthogonal variances cost
+
+    def variances(share: Any, split: Any) -> tuple[Any, Any, Any, Any]:
+        """(negatives along g, negatives across, positives along g, positives across) when `share`
+        of the budget goes across g and the positives get the fraction `split` of the rest."""
+        across = share / (orthogonal * smaller) if equalise > 0 else 0 * share
+        rest = power - share
+        pos_dir, neg_dir = split * rest / p, (1 - split) * rest / (1 - p)
+        return (neg_dir, across, pos_dir, 0 * across) if u < v else (neg_dir, 0 * across, pos_dir, across)
+
+    def objective(share: Any, split: Any) -> Any:
+        neg_dir, neg_iso, pos_dir, pos_iso = variances(share, split)
+        a1, b1, a2, b2 = v + pos_dir, u + neg_dir, v + pos_iso, u + neg_iso
+        value = orthogonal * (a2 / b2 + b2 / a2) + (b1 + g) / a1 + (a1 + g) / b1
+        return np.where(np.isfinite(value), value, np.inf)
+
+    low, high = np.array([0.0, 0.0]), np.array([min(power, equalise), 1.0])
+    bounds = high.copy()
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for _ in range(6):
+            shares, splits = np.meshgrid(np.linspace(low[0], high[0], 65), np.linspace(low[1], high[1], 65))
+            i = np.unravel_index(np.argmin(objective(shares, splits)), shares.shape)
+            best, step = np.array([shares[i], splits[i]]), (high - low) / 64
+            low, high = np.maximum(best - 2 * step, 0), np.minimum(best + 2 * step, bounds)
+    return tuple(float(x) for x in variances(best[0], best[1]))
+
+
 def check_applies(config: Any, splits: bool) -> None:
     """Refuse privacy settings that would claim what no mechanism gives: a defense or `record=`
     where nothing crosses a cut, `noise_key=` where nothing is random."""
@@ -228,11 +410,41 @@ def check_applies(config: Any, splits: bool) -> None:
         key = f"defense={config.defense}" if config.defense != "none" else f"record={config.record}"
         raise UserError(f"{key} does not apply to {config.algorithm}: nothing crosses a cut (use a split algorithm)")
     if config.noise_key is not None and not defense.random:
-        raise UserError(f"noise_key= applies to a defense with noise (noise, dp, gradnoise), not {config.defense!r}")
+        raise UserError(
+            "noise_key= applies to a randomised defense (noise, dp, gradnoise, marvell, label_dp, dchi), "
+            f"not {config.defense!r}"
+        )
+    if defense.dchi is not None and config.tail_cut is not None:
+        raise UserError(f"defense={config.defense}: dchi is not implemented for U-shaped splits (cut=A,B)")
+    label_defenses = [name for name in ("marvell", "label_dp") if getattr(defense, name) is not None]
+    if label_defenses and config.tail_cut is not None:
+        raise UserError(
+            f"defense={config.defense}: {label_defenses[0]} protects labels the server holds; in a U-shaped split "
+            f"(cut=A,B) they never leave the client (use a vanilla cut)"
+        )
+    if label_defenses and config.setting == "vertical":
+        raise UserError(f"defense={config.defense}: {label_defenses[0]} is not implemented for setting=vertical")
+
+
+def check_task(defense: Defense, value: str, dataset: str, task: str, classes: int) -> None:
+    """Refuse a defense the dataset's task does not fit: Marvell is defined for binary
+    classification (two class-conditional gradient distributions), d_chi-privacy for the token
+    embeddings of a language model."""
+    if defense.dchi is not None and task != "language":
+        raise UserError(
+            f"defense={value}: dchi noises a language model's token embeddings; {dataset} is not a language "
+            "dataset (use noise:S or clip:C+dp:epsilon=E)"
+        )
+    if defense.marvell is not None and (task != "classification" or classes != 2):
+        raise UserError(
+            f"defense={value}: marvell needs a binary classification task; {dataset} has {classes} "
+            f"{'classes' if task == 'classification' else 'tokens'} (use gradnoise:S)"
+        )
 
 
 def parse_defense(value: str) -> Defense:
-    """`none` or `+`-joined items (clip:C, noise:S, dp:epsilon=E, gradnoise:S, nopeek:A, quantize:int8|fp16, topk:F)."""
+    """`none` or `+`-joined items (clip:C, noise:S, dp:epsilon=E, gradnoise:S, nopeek:A, quantize:int8|fp16,
+    topk:F, marvell[:S], label_dp:E, dchi:E)."""
     if value == "none":
         return Defense()
     settings: dict[str, Any] = {}
@@ -263,6 +475,8 @@ def _dp_target(arg: str, value: str) -> tuple[float, float]:
 def _argument(name: str, arg: str, value: str) -> float | str | tuple[float, float]:
     if name == "dp":
         return _dp_target(arg, value)
+    if name == "marvell" and arg == "":
+        return MARVELL_SCALE
     if name == "quantize":
         if arg not in ("int8", "fp16"):
             raise UserError(f"invalid defense {value!r}: expected {ITEMS[name]}")
@@ -277,6 +491,9 @@ def _argument(name: str, arg: str, value: str) -> float | str | tuple[float, flo
         "gradnoise": 0 <= number < math.inf,
         "nopeek": 0 <= number < math.inf,
         "topk": 0 < number <= 1,
+        "marvell": 0 < number < math.inf,
+        "label_dp": 0 < number < math.inf,
+        "dchi": 0 < number < math.inf,
     }[name]
     if not valid:
         raise UserError(f"invalid defense {value!r}: expected {ITEMS[name]}")
