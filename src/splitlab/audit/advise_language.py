@@ -83,7 +83,7 @@ def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) 
     from splitlab.resolve import resolve_config
 
     resolved = resolve_config(probe)
-    data = load_data(resolved.run)
+    data = load_data(resolved)
     sizes = {
         "train_subset": settings.train_subset or min(DEFAULT_TRAIN, len(data.train_y)),
         "test_subset": settings.test_subset or min(DEFAULT_TEST, len(data.test_y)),
@@ -92,7 +92,7 @@ def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) 
         sizes["test_subset"], settings.aux, settings.targets, held_out=True, defaults=(DEFAULT_AUX, DEFAULT_TARGETS)
     )
     sizes.update(targets=targets, aux=aux)
-    model = build_model(settings.model, data.input_shape, data.num_classes, **resolved.run.model_settings())
+    model = build_model(settings.model, data.input_shape, data.num_classes, **resolved.model_settings())
     cuts = candidates(settings, model.valid_cuts)
     probe = {**probe, "train_subset": sizes["train_subset"], "test_subset": sizes["test_subset"]}
     for cut, tail in cuts:
