@@ -9,7 +9,13 @@ Fig. 5) against `centralized` taking the same number of batches; both with and w
 Tokens/s = tokens trained / the round loop's `wall_seconds`, after a one-round run of the same
 setting in the same process (warm-up: CUDA context, kernels, allocator) that is not counted.
 
+`--size medium` builds GPT-2 medium's architecture (24 blocks, width 1024, 16 heads; 355M);
+`--precision bf16` trains both sides under autocast in bfloat16 (`precision=bf16`), and
+`--deterministic false` lets CUDA pick its fastest kernels. Issue 33's GPU check, one call of a
+few minutes: `--device cuda --size medium --precision bf16 --lora-only`.
+
     python benchmarks/gpt2_split_vs_centralized.py --device cuda [--rounds 5] [--steps 4]
+        [--size small|medium] [--precision fp32|bf16] [--deterministic true|false] [--lora-only]
 """
 
 from __future__ import annotations
@@ -23,8 +29,11 @@ import torch
 EOS = "<|endoftext|>"
 
 
-def save_gpt2_small(folder: Path, corpus: list[str]) -> None:
-    """Random GPT-2 small weights and a BPE tokenizer trained on `corpus`, in the on-disk format."""
+SIZES = {"small": {}, "medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16}}
+
+
+def save_gpt2(folder: Path, corpus: list[str], size: str = "small") -> None:
+    """Random GPT-2 weights of `size` and a BPE tokenizer trained on `corpus`, in the on-disk format."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
 
@@ -37,7 +46,7 @@ def save_gpt2_small(folder: Path, corpus: list[str]) -> None:
     bpe.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(GPT2Config(bos_token_id=0, eos_token_id=0))
+    model = AutoModelForCausalLM.from_config(GPT2Config(bos_token_id=0, eos_token_id=0, **SIZES[size]))
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
 
@@ -66,17 +75,22 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--deterministic", choices=["true", "false"], default="true")
+    parser.add_argument("--lora-only", action="store_true", help="only the LoRA comparison")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "gpt2"
-        save_gpt2_small(folder, plays())
+        save_gpt2(folder, plays(), args.size)
         common = dict(
             dataset="shakespeare_lm", model="hf", model_dir=str(folder), seq_len=args.seq_len, clients=args.clients,
             batch_size=args.batch, optimizer="adam", lr=1e-4, device=args.device, seed=0, rounds=args.rounds,
             eval_every=args.rounds, test_subset=8, out=str(Path(tmp) / "run"), overwrite=True,
+            precision=args.precision, deterministic=args.deterministic == "true",
         )  # fmt: skip
         batch_tokens = args.batch * args.seq_len
-        for lora in (None, "8:16"):
+        for lora in ("8:16",) if args.lora_only else (None, "8:16"):
             extra = {"lora": lora} if lora else {}
             split = tokens_per_second(
                 {**common, **extra, "algorithm": "sfl_v2", "cut": 1, "local_steps": args.steps},
@@ -87,7 +101,8 @@ def main() -> None:
                 args.clients * args.steps * batch_tokens,
             )
             print(
-                f"GPT-2 124M (random weights), {args.device}, lora={lora or 'none'}, {args.clients} clients x "
+                f"GPT-2 {args.size} (random weights), {args.device}, {args.precision}, deterministic="
+                f"{args.deterministic}, lora={lora or 'none'}, {args.clients} clients x "
                 f"{args.steps} steps x {args.batch} x {args.seq_len} tokens per round: sfl_v2 cut 1 {split:,.0f} "
                 f"tokens/s, centralized {central:,.0f} tokens/s, ratio {split / central:.3f}",
                 flush=True,

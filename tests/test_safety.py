@@ -104,8 +104,10 @@ def test_second_writer_is_refused_naming_the_holder(tmp_path, capsys):
 @pytest.mark.parametrize("value", [1e30, float("nan")])
 def test_a_non_finite_server_step_is_refused_before_the_optimizer_steps(value):
     """Smashed data of 1e30 (a gradient norm that overflows) or NaN: NonFiniteStep, and the
-    server's model and optimizer are as before (then an honest step goes on from them)."""
+    server's model and optimizer are as before (then an honest step goes on from them); so where
+    each step is checked (as over a network, where the client whose data it was is dropped)."""
     experiment = build(quick(clients=2, train_subset=100))
+    experiment.roles.server.checks_each_step = True
     server, client = experiment.algorithm.server, experiment.algorithm.client(0)
     client.begin_round(0)
     sent = client.forward(0)
@@ -116,6 +118,23 @@ def test_a_non_finite_server_step_is_refused_before_the_optimizer_steps(value):
     assert refused.value.what == ("gradient norm" if value == 1e30 else "loss")
     torch.testing.assert_close(server.state_dict(), before, rtol=0, atol=0)
     assert torch.isfinite(server.train_step(sent["smashed"], sent["labels"])["loss"])
+
+
+def test_in_process_a_non_finite_server_step_is_found_once_at_the_end_of_the_round():
+    """In process no figure is read per step (no host sync): the round's first non-finite one
+    stops it at end_round, as the loop reports (training diverged in that round)."""
+    experiment = build(quick(clients=2, train_subset=100))
+    assert not experiment.roles.server.checks_each_step
+    server, client = experiment.algorithm.server, experiment.algorithm.client(0)
+    client.begin_round(0)
+    sent = client.forward(0)
+    server.train_step(sent["smashed"], sent["labels"])
+    server.train_step(torch.full_like(sent["smashed"], 1e30), sent["labels"])
+    server.train_step(torch.full_like(sent["smashed"], float("nan")), sent["labels"])
+    with pytest.raises(NonFiniteStep) as diverged:
+        server.end_round()
+    assert (diverged.value.what, diverged.value.value) == ("gradient norm", float("inf"))
+    server.end_round()  # the figures were read: the next round starts afresh
 
 
 def test_non_finite_loss_stops_with_exit_3_and_strict_json(tmp_path, capsys):

@@ -197,7 +197,15 @@ def client_nodes(blueprint: Blueprint, data: Dataset, owners: Mapping[int, np.nd
 def load_data(config: ResolvedConfig) -> Dataset:
     """The run's dataset (a language dataset at its `seq_len`, tokenised by model=hf's tokenizer if any)."""
     run = config.run
-    return load_dataset(run.dataset, run.data_dir, seed=run.seed, seq_len=run.seq_len, tokenizer_dir=config.model_dir)
+    return load_dataset(
+        run.dataset,
+        run.data_dir,
+        seed=run.seed,
+        seq_len=run.seq_len,
+        tokenizer_dir=config.model_dir,
+        data_file=run.data_file,
+        test_file=run.test_file,
+    )
 
 
 def personal_metrics(

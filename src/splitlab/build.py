@@ -343,6 +343,7 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
             nodes = [plan.node(k) for k in range(plan.client_count)]
             client_proxies = {node.id: transport_.connect(node, counted=True) for node in nodes}
         roles = Roles(nodes, algorithm_class.Server(blueprint), sync)
+        roles.server.checks_each_step = transport_.remote  # in process, a non-finite step means divergence
         server = roles.server
     assert counts is not None and report is not None
     clients = [ClientInfo(k, sum(held)) for k, held in enumerate(counts)]

@@ -20,6 +20,7 @@ from typing import Any
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from splitlab.io import write_jsonl
+from splitlab.logs import Lines
 from splitlab.units import GIB, format_bytes
 
 State = dict[str, Any]
@@ -31,6 +32,10 @@ class Callback:
 
     def on_run_start(self, state: State) -> None:
         """Before the first round of this process (a resumed run starts at `state["round"]`)."""
+
+    def on_round_start(self, state: State, batches: int | None) -> None:
+        """Before a round's training; `batches`: how many client mini-batches it draws (None where
+        clients draw none, as vertical parties)."""
 
     def on_round_trained(self, state: State) -> str | None:
         """After a round's training, before its evaluation: a reason to stop the run here (it is
@@ -77,16 +82,20 @@ class RecorderFlush(Callback):
 
 
 class ProgressBar(Callback):
-    """A progress bar on a terminal; one line per evaluated round elsewhere (logs, CI, nohup)."""
+    """A progress bar on a terminal; one line per evaluated round elsewhere (logs, CI, nohup).
+    Within a round, the client mini-batches drawn so far: a second bar on a terminal, elsewhere a
+    line every few seconds (`splitlab.logs.Lines`). Only clients in this process are counted
+    (`Blueprint.on_batch`): with backend=ray or over a network they draw their batches elsewhere."""
 
-    def __init__(self, title: str, rounds: int, ledger: Any) -> None:
-        self.title, self.rounds, self.ledger = title, rounds, ledger
+    def __init__(self, title: str, rounds: int, ledger: Any, blueprint: Any = None) -> None:
+        self.title, self.rounds, self.ledger, self.blueprint = title, rounds, ledger, blueprint
         self.lines = not sys.stderr.isatty()
+        self.round_lines = Lines("", 0, "")
         self.bar = Progress(
             TextColumn("[bold]{task.description}"),
             BarColumn(),
             MofNCompleteColumn(),
-            TextColumn("acc {task.fields[acc]}  {task.fields[sent]}"),
+            TextColumn("{task.fields[extra]}"),
             TimeElapsedColumn(),
             disable=self.lines,
             transient=False,
@@ -95,19 +104,37 @@ class ProgressBar(Callback):
     def on_run_start(self, state: State) -> None:
         self.bar.start()
         self.task = self.bar.add_task(self.title, total=self.rounds, **self._fields(state))
+        self.batches = self.bar.add_task("batches", total=None, visible=False, extra="")
+        if self.blueprint is not None:
+            self.blueprint.on_batch = self._batch
+
+    def on_round_start(self, state: State, batches: int | None) -> None:
+        title = f"round {state['round'] + 1}/{self.rounds}"
+        self.round_lines = Lines(title, batches or 0, "client batches")
+        self.bar.reset(self.batches, total=batches, description=title, visible=False)
+
+    def _batch(self) -> None:
+        """Shown from the first batch counted: none is where clients run elsewhere."""
+        if self.lines:
+            self.round_lines.advance()
+        else:
+            self.bar.update(self.batches, advance=1, visible=True)
 
     def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
         if self.lines and row is not None:
             log.info(round_line(row, self.rounds))
+        self.bar.update(self.batches, visible=False)
         self.bar.update(self.task, **self._fields(state))
 
     def on_run_end(self, state: State) -> None:
+        if self.blueprint is not None:
+            self.blueprint.on_batch = None
         self.bar.stop()
 
     def _fields(self, state: State) -> dict[str, Any]:
         rows = state["metrics"]
         accuracy = f"{100 * rows[-1]['test_accuracy']:.2f}%" if rows else "-"
-        return {"completed": state["round"], "acc": accuracy, "sent": format_bytes(self.ledger.total_bytes)}
+        return {"completed": state["round"], "extra": f"acc {accuracy}  {format_bytes(self.ledger.total_bytes)}"}
 
 
 def round_line(row: dict, rounds: int) -> str:

@@ -50,6 +50,18 @@ class RunConfig(BaseModel):
     data_dir: str | None = Field(
         None, description="directory with the dataset's files, if not the default", json_schema_extra=DATA
     )
+    data_file: str | None = Field(
+        None,
+        description="dataset=jsonl: a JSON Lines file of rows with text | prompt + completion | messages "
+        "(docs/data.md)",
+        json_schema_extra=DATA,
+    )
+    test_file: str | None = Field(
+        None,
+        description="dataset=jsonl: its test rows, in the same format (default: a fixed random tenth of data_file's "
+        "rows)",
+        json_schema_extra=DATA,
+    )
     data: Literal["partition", "own"] = Field(
         "partition",
         description="partition: clients are a seeded partition of the dataset | own: each client brings the "
@@ -149,8 +161,51 @@ class RunConfig(BaseModel):
         json_schema_extra=TRAINING,
     )
     batch_size: int = Field(64, ge=1, le=1_000_000, description="samples per mini-batch", json_schema_extra=TRAINING)
-    optimizer: Literal["sgd", "adam"] = Field(
-        "adam", description="sgd | adam, for every part of the model", json_schema_extra=TRAINING
+    optimizer: Literal["sgd", "adam", "adamw"] = Field(
+        "adam",
+        description="sgd | adam | adamw, for every part of the model (adamw: weight_decay decoupled, as "
+        "Loshchilov & Hutter; with sgd and adam it is an L2 penalty added to the gradient)",
+        json_schema_extra=TRAINING,
+    )
+    grad_accum: int = Field(
+        1,
+        ge=1,
+        le=4096,
+        description="micro-batches of batch_size per optimizer step: a step takes grad_accum x batch_size "
+        "samples, and every role computes its loss micro-batch by micro-batch (docs/performance.md)",
+        json_schema_extra=TRAINING,
+    )
+    max_grad_norm: float | None = Field(
+        None,
+        gt=0,
+        le=1e9,
+        description="clip the gradients of what each role trains, slot by slot, to this total L2 norm "
+        "before its optimizer steps; none = no clipping",
+        json_schema_extra=TRAINING,
+    )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="fp32 | bf16: every role's forward and loss under torch's autocast in bfloat16, weights "
+        "and optimizers in float32; hidden states and cut gradients cross the cut as bfloat16",
+        json_schema_extra=TRAINING,
+    )
+    base_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="with lora and precision=bf16: the dtype the frozen base is held in (bfloat16: half the "
+        "memory); what trains stays float32",
+        json_schema_extra=TRAINING,
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="keep only each stage's input during the forward pass and recompute the stage in the "
+        "backward: less activation memory, about one more forward pass of time; same results",
+        json_schema_extra=TRAINING,
+    )
+    deterministic: bool = Field(
+        True,
+        description="device=cuda: deterministic kernels, cuDNN's autotuner off (runs repeat bit for bit; "
+        "slower, docs/performance.md); false: torch's fastest kernels. The CPU's are deterministic",
+        json_schema_extra=DEPLOYMENT,
     )
     lr: float = Field(1e-3, gt=0, le=1e6, description="learning rate", json_schema_extra=TRAINING)
     lr_schedule: str = Field(
@@ -173,7 +228,11 @@ class RunConfig(BaseModel):
     )
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum", json_schema_extra=TRAINING)
     weight_decay: float = Field(
-        0.0, ge=0, le=1e3, description="L2 penalty of the optimizer", json_schema_extra=TRAINING
+        0.0,
+        ge=0,
+        le=1e3,
+        description="sgd, adam: an L2 penalty on the gradient; adamw: decoupled weight decay",
+        json_schema_extra=TRAINING,
     )
     partition: str = Field(
         "iid", description="iid | dirichlet:<alpha> | shards:<shards per client>", json_schema_extra=DATA
@@ -323,7 +382,7 @@ class RunConfig(BaseModel):
         False, description="replace a finished or partial run in `out`", json_schema_extra=DEPLOYMENT
     )
 
-    @field_validator("out", "data_dir")
+    @field_validator("out", "data_dir", "data_file", "test_file")
     @classmethod
     def _expand_home(cls, value: str | None) -> str | None:
         """`~` and `~user` as a shell would expand them (a folder literally named `~` is never meant)."""
@@ -440,6 +499,7 @@ EVERYWHERE = frozenset(
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
     | {"backend", "checkpoint_every", "defense", "overwrite", "setting"}
     | {"init", "seq_len", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
+    | {"max_grad_norm", "precision", "gradient_checkpointing"}
 )
 
 
@@ -478,10 +538,14 @@ ONLY_WHEN: dict[str, Applies] = {
         {"clients": "all", "train_range": "0:0.5"},
     ),
     "data_dir": Applies(
-        lambda r: _reads_files(r.dataset),
-        "this dataset is bundled or generated and reads no files",
+        lambda r: _reads_files(r.dataset) and r.dataset != "jsonl",
+        "this dataset reads no folder (bundled, generated, or dataset=jsonl's data_file)",
         {"dataset": "digits", "data_dir": "/tmp"},
     ),
+    **{
+        key: Applies(lambda r: r.dataset == "jsonl", f"{key} is read by dataset=jsonl", {key: "/tmp/rows.jsonl"})
+        for key in ("data_file", "test_file")
+    },
     "record": Applies(
         lambda r: r.algorithm not in UNSPLIT_ALGORITHMS,
         "this algorithm does not split the model: nothing crosses a cut to record",
@@ -527,6 +591,22 @@ ONLY_WHEN: dict[str, Applies] = {
             ("combine", {"combine": "sum"}),
         )
     },
+    "base_dtype": Applies(
+        lambda r: r.lora is not None and r.precision == "bf16",
+        "only a LoRA model has a frozen base, which computes in bfloat16 under autocast: base_dtype needs "
+        "lora=R:ALPHA and precision=bf16",
+        {"base_dtype": "bfloat16"},
+    ),
+    "grad_accum": Applies(
+        lambda r: r.setting == "vanilla",
+        "a vertical run's parties step on every batch of shared samples; grad_accum needs setting=vanilla",
+        {"setting": "vertical", "grad_accum": 2},
+    ),
+    "deterministic": Applies(
+        lambda r: r.device != "cpu",
+        "the CPU's kernels are deterministic; deterministic=false needs device=cuda or auto",
+        {"device": "cpu", "deterministic": False},
+    ),
     "resume": Applies(
         lambda r: not r.overwrite,
         "overwrite=true replaces the run that resume=true would continue",
@@ -620,6 +700,7 @@ RUN_CONTROL_KEYS = (
     "cpus_per_client",
     "gpus_per_client",
     "max_restarts",
+    "deterministic",
 )
 
 

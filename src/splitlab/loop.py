@@ -51,7 +51,13 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     samples and the metrics are computed on all of them pooled (accuracy and loss are then the
     test-size-weighted means of the per-client values). On the global test set, algorithms with
     personal client models get the unweighted mean over clients of each client's model's metrics.
-    An algorithm whose roles evaluate among themselves (`role_metrics`: vertical) gives its own."""
+    An algorithm whose roles evaluate among themselves (`role_metrics`: vertical) gives its own.
+    The model runs in the run's precision (precision=bf16: under autocast, as it trained)."""
+    with experiment.blueprint.autocast():
+        return _evaluate(experiment)
+
+
+def _evaluate(experiment: Experiment) -> dict[str, float]:
     data, algorithm, batch = experiment.data, experiment.algorithm, experiment.blueprint.inference_batch
     by_roles = algorithm.role_metrics()
     if by_roles is not None:
@@ -105,7 +111,8 @@ def evaluate_deployed(experiment: Experiment, rnd: int) -> dict[str, float]:
     deployed = defense.deployed(client, server, generator)
     if isinstance(client, HeadAndTail):  # U-shaped: the client's tail after the server's stages
         deployed = nn.Sequential(deployed, client.tail_part())
-    logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)
+    with experiment.blueprint.autocast():  # as `evaluate`
+        logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)
     metrics = TASK_METRICS[experiment.data.task](logits, experiment.data.test_y)
     return {"test_accuracy_deployed": metrics["accuracy"]}
 
@@ -123,7 +130,7 @@ def _callbacks(experiment: Experiment, show_progress: bool, extra: Sequence[Call
     if tracker is not None:
         callbacks.append(tracker)
     if show_progress:
-        callbacks.append(ProgressBar(f"{cfg.algorithm} rounds", cfg.rounds, ledger))
+        callbacks.append(ProgressBar(f"{cfg.algorithm} rounds", cfg.rounds, ledger, experiment.blueprint))
     return [*callbacks, *extra]
 
 
@@ -153,6 +160,8 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
             clients = sample_clients(
                 experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING)
             )
+            for callback in callbacks:
+                callback.on_round_start(state, algorithm.round_batches(clients))
             started = time.perf_counter()
             try:
                 with _needs_the_client(cfg.algorithm, rnd + 1, checkpoints):

@@ -72,17 +72,18 @@ def prepare_process() -> None:
     setup_logging()
 
 
-def training_device(device: torch.device) -> torch.device:
+def training_device(device: torch.device, deterministic: bool = True) -> torch.device:
     """`device`, made to give a run that is a function of its seed on a GPU too, as on the CPU:
     deterministic CUDA kernels where torch has them (cuDNN's convolutions, index and scatter sums),
     cuDNN's autotuner off. Without this, two identical runs on a GPU differ after the first step
     (seen on an H200 for every algorithm). An op with no deterministic CUDA kernel warns rather
-    than stops the run."""
+    than stops the run. `deterministic=False` (the run's key, set when its roles are built):
+    torch's fastest kernels and cuDNN's autotuner instead."""
     if device.type == "cuda":
         import torch
 
-        torch.use_deterministic_algorithms(True, warn_only=True)
-        torch.backends.cudnn.benchmark = False
+        torch.use_deterministic_algorithms(deterministic, warn_only=True)
+        torch.backends.cudnn.benchmark = not deterministic
     return device
 
 

@@ -33,6 +33,7 @@ from torch.nn.utils import get_total_norm
 
 from splitlab.augment import STREAM_AUGMENT, Augmentation, augmented, parse_augment
 from splitlab.config import RunConfig
+from splitlab.data.datasets import IGNORED
 from splitlab.errors import NonFiniteStep
 from splitlab.losses import Loss, parse_loss
 from splitlab.models import (
@@ -45,9 +46,11 @@ from splitlab.models import (
     split,
 )
 from splitlab.models.lora import load_init
+from splitlab.models.trainable import hold_frozen_in
 from splitlab.privacy import defenses, keys
 from splitlab.privacy.defenses import Defense, decode
 from splitlab.privacy.record import Recorder
+from splitlab.process_settings import training_device
 from splitlab.random_streams import register_stream
 from splitlab.schedules import Factor, lr_factor, parse_lr_schedule
 from splitlab.transport import KEYED, verb
@@ -57,6 +60,10 @@ STREAM_BATCHES = register_stream("batches", 1)
 State = dict[str, Any]
 SENT = ("smashed", "labels")
 """What a client's release of smashed data holds (`ClientNode.release`)."""
+
+
+STEP_FIGURES = ("loss", "gradient norm", "cut-layer gradient norm")
+"""What a training server checks of each step (`TrainingServer.step`), in order."""
 
 
 def sent_if(send: bool) -> tuple[str, ...]:
@@ -103,8 +110,13 @@ class Blueprint:
     #: `init=RUN_DIR`: the finished run's weights every model starts from (splitlab.runmodel.init_state),
     #: loaded by whoever builds the blueprint
     init_state: Mapping[str, torch.Tensor] | None = None
+    #: called as a client of this process draws a mini-batch: progress within a round (splitlab.callbacks)
+    on_batch: Callable[[], None] | None = None
     _initial: dict[str, nn.Module] = field(default_factory=dict)
     _pools: dict[str, list[nn.Module]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        training_device(self.device, self.config.deterministic)  # deterministic=false: this process's kernels
 
     @functools.cached_property
     def lr_schedule(self) -> list[Factor]:
@@ -151,6 +163,9 @@ class Blueprint:
             if self.init_state is None:
                 raise RuntimeError(f"init={self.config.init}: the blueprint was built without its init_state")
             load_init(model, self.init_state, f"init={self.config.init}")
+        if self.config.base_dtype == "bfloat16":
+            hold_frozen_in(model, torch.bfloat16)
+        model.checkpointed = self.config.gradient_checkpointing
         return model
 
     @functools.cached_property
@@ -195,13 +210,32 @@ class Blueprint:
         params = [p for p in module.parameters() if p.requires_grad]
         if cfg.optimizer == "adam":
             return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay, foreach=True)
+        if cfg.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, foreach=True)
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=True)
 
     @staticmethod
+    def step_batch(cfg: RunConfig) -> int:
+        """Samples per optimizer step: `grad_accum` micro-batches of `batch_size`."""
+        return cfg.batch_size * cfg.grad_accum
+
+    @staticmethod
     def steps_per_round(cfg: RunConfig, num_samples: int) -> int:
-        """How many mini-batches a client takes in a round: its epochs, capped by `local_steps`."""
-        steps = math.ceil(num_samples / cfg.batch_size) * cfg.local_epochs
+        """How many steps a client takes in a round: its epochs, capped by `local_steps`."""
+        steps = math.ceil(num_samples / Blueprint.step_batch(cfg)) * cfg.local_epochs
         return min(steps, cfg.local_steps or steps)
+
+    @functools.cached_property
+    def cut_dtype(self) -> torch.dtype | None:
+        """The dtype hidden states and their gradients cross a cut in (`precision=`; None: as computed)."""
+        return torch.bfloat16 if self.config.precision == "bf16" else None
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The run's precision for the block: bf16, torch's autocast (weights and their gradients
+        stay float32); fp32, nothing."""
+        if self.config.precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=torch.bfloat16)
 
     def borrow(self, slot: str, make: Callable[[], nn.Module]) -> nn.Module:
         """A scratch module for `slot` from this process's pool (made if the pool is empty): working
@@ -214,11 +248,14 @@ class Blueprint:
 
     @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
-        """Add the block's wall time to `phase` ("client", "server", "alignment", ...). On a GPU that
-        is the time to launch the work; the figures are meant for CPU runs and proportions."""
+        """A role's computation: its wall time added to `phase` ("client", "server", "alignment",
+        ...), and run in the run's precision (`autocast`), which every role's forward and loss
+        thus share. On a GPU the time is that to launch the work; the figures are meant for CPU
+        runs and proportions."""
         started = time.perf_counter()
         try:
-            yield
+            with self.autocast():
+                yield
         finally:
             self.seconds[phase] += time.perf_counter() - started
 
@@ -355,12 +392,63 @@ class Role(Generic[ParamsT]):
         self.optimizers.pop(slot, None)
         self.scratch.discard(slot)
 
-    def step(self, slot: str, backward: Callable[[], None]) -> None:
-        """One optimizer step of `slot` on the gradients `backward` computes."""
-        optimizer = self.optimizer(slot)
-        optimizer.zero_grad(set_to_none=True)
-        backward()
-        optimizer.step()
+    def step(self, slot: str, backward: Callable[[], Any]) -> Any:
+        """One optimizer step of `slot` on the gradients `backward` computes; what it returns."""
+        return self.steps((slot,), backward)
+
+    def steps(self, slots: tuple[str, ...], backward: Callable[[], Any]) -> Any:
+        """One optimizer step of each of `slots` on the gradients `backward` computes for all of
+        them at once, each clipped first (`max_grad_norm`); what `backward` returns."""
+        optimizers = [self.optimizer(slot) for slot in slots]
+        for optimizer in optimizers:
+            optimizer.zero_grad(set_to_none=True)
+        result = backward()
+        for slot, optimizer in zip(slots, optimizers):
+            self.clip(slot)
+            optimizer.step()
+        return result
+
+    def clip(self, slot: str, norm: torch.Tensor | None = None) -> None:
+        """`max_grad_norm=`: scale `slot`'s gradients to at most that total norm (`norm`, if known)."""
+        most = self.blueprint.config.max_grad_norm
+        if most is None:
+            return
+        grads = [p for p in self.model(slot).parameters() if p.grad is not None]
+        if norm is None:
+            torch.nn.utils.clip_grad_norm_(grads, most, foreach=True)
+        else:
+            torch.nn.utils.clip_grads_with_norm_(grads, most, norm, foreach=True)
+
+    def micro_batches(
+        self, x: torch.Tensor, y: torch.Tensor
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | float]]:
+        """`grad_accum=`: a step's batch as micro-batches of `batch_size`, each (x, y, share),
+        share its part of the targets the loss counts (a language task's: the tokens not IGNORED).
+        The loss over the whole batch is the sum of share x each micro-batch's loss, exactly,
+        whatever each counts; a batch of one micro-batch comes whole, share 1."""
+        size = self.blueprint.config.batch_size
+        if len(y) <= size:
+            yield x, y, 1.0
+            return
+        counted = (y != IGNORED).sum()
+        for xs, ys in zip(x.split(size), y.split(size)):
+            yield xs, ys, (ys != IGNORED).sum() / counted
+
+    def accumulate(
+        self,
+        model: nn.Module,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        objective: Callable[[torch.Tensor], torch.Tensor] = lambda value: value,
+    ) -> torch.Tensor:
+        """Back-propagate `objective` of the loss of `model` on a step's batch, micro-batch by
+        micro-batch (`micro_batches`: each one's activations freed before the next); the loss."""
+        total: torch.Tensor | None = None
+        for xs, ys, share in self.micro_batches(x, y):
+            value = self.blueprint.loss(model(xs), ys) * share
+            objective(value).backward()
+            total = value.detach() if total is None else total + value.detach()
+        return cast(torch.Tensor, total)
 
     @verb()
     def end_round(self) -> None:
@@ -424,7 +512,8 @@ class ClientNode(Role[ParamsT]):
         def passes() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for epoch in range(cfg.local_epochs):
                 order = self.blueprint.rng(rnd, STREAM_BATCHES, self.id, epoch).permutation(self.num_samples)
-                for batch, idx in enumerate(torch.as_tensor(order, device=self.y.device).split(cfg.batch_size)):
+                indices = torch.as_tensor(order, device=self.y.device).split(Blueprint.step_batch(cfg))
+                for batch, idx in enumerate(indices):
                     x = self.x[idx]
                     if augment:
                         x = augmented(augment, x, self.blueprint.rng(rnd, STREAM_AUGMENT, self.id, epoch, batch))
@@ -436,6 +525,8 @@ class ClientNode(Role[ParamsT]):
         return x if self.prepare is None else self.prepare(x)
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.blueprint.on_batch is not None:
+            self.blueprint.on_batch()
         return next(self._batches)
 
     @verb()
@@ -452,6 +543,8 @@ class ClientNode(Role[ParamsT]):
         applied: the defended tensor (which the cut gradient will reach) and the message for the
         server, compressed as configured. Without a defense: `smashed` and its detached self."""
         defense = self.blueprint.defense
+        if self.blueprint.cut_dtype is not None:
+            smashed = smashed.to(self.blueprint.cut_dtype)
         defended = defense.protect(smashed, self._noise_generator(smashed.device))
         wire = defense.encode(defended)
         if self.blueprint.recorder is not None:  # a release without a step awaits no gradient: a key no step has
@@ -545,9 +638,8 @@ class ClientNode(Role[ParamsT]):
         """One ordinary step of the whole model in `client_model` on the next batch (FedAvg)."""
         x, y = self.next_batch()
         with self.blueprint.timed("client"):
-            value = self.blueprint.loss(self.model("client_model")(x), y)
-            self.step("client_model", value.backward)
-        return {"loss": value.detach()}
+            value = self.step("client_model", lambda: self.accumulate(self.model("client_model"), x, y))
+        return {"loss": value}
 
     @verb()
     def end_round(self) -> None:
@@ -559,8 +651,14 @@ class ClientNode(Role[ParamsT]):
 class TrainingServer(Role[ParamsT]):
     """The server part (slot `server_model`), trained on the smashed data clients send."""
 
+    #: whether each step's figures (`step`) are checked before its optimizer steps, as where one
+    #: client's data can be to blame (over a network, on Ray); False in process, where a non-finite
+    #: step means training diverged: the figures stay on the device, checked at `end_round`
+    checks_each_step = True
+
     def __init__(self, blueprint: Blueprint) -> None:
         super().__init__(blueprint)
+        self._unchecked: list[torch.Tensor] = []
         self._average: ModelAverage | None = None
 
     def objective(self, value: torch.Tensor) -> torch.Tensor:
@@ -570,28 +668,40 @@ class TrainingServer(Role[ParamsT]):
     def step(
         self,
         slot: str,
-        backward: Callable[[], None],
+        backward: Callable[[], Any],
         inputs: tuple[torch.Tensor, ...] = (),
         value: torch.Tensor | None = None,
-    ) -> None:
+    ) -> Any:
         """One optimizer step of `slot`, taken only if the loss `value`, the norm of its gradients
         and that of `inputs`' (the smashed data: the cut gradient) are finite; else NonFiniteStep,
         and the model and its optimizer are untouched (a client's extreme data cannot corrupt them:
-        a norm that overflows would overflow Adam's moments or any clipping too). One sync."""
+        a norm that overflows would overflow Adam's moments or any clipping too). The gradients
+        are clipped (`max_grad_norm`) with the norm checked. One sync; none unless
+        `checks_each_step` (the round's figures are checked at its end, and a run whose were not
+        finite stops as diverged). What `backward` returns (the loss, if `value` is None)."""
         optimizer = self.optimizer(slot)
         optimizer.zero_grad(set_to_none=True)
-        backward()
-        figures = {
+        result = backward()
+        if value is None and isinstance(result, torch.Tensor):
+            value = result
+        figures = {  # STEP_FIGURES
             "loss": torch.zeros(()) if value is None else value.detach(),
             "gradient norm": get_total_norm([p.grad for p in self.model(slot).parameters() if p.grad is not None]),
             "cut-layer gradient norm": get_total_norm([z.grad for z in inputs if z.grad is not None]),
         }
         device = figures["gradient norm"].device
-        for what, figure in zip(figures, torch.stack([f.float().to(device) for f in figures.values()]).tolist()):
-            if not math.isfinite(figure):
+        stacked = torch.stack([f.float().to(device) for f in figures.values()])
+        if self.checks_each_step:
+            try:
+                self._check_finite(stacked[None])
+            except NonFiniteStep:
                 optimizer.zero_grad(set_to_none=True)
-                raise NonFiniteStep(what, figure)
+                raise
+        else:
+            self._unchecked.append(stacked)
+        self.clip(slot, figures["gradient norm"])
         optimizer.step()
+        return result
 
     @verb()
     def train_step(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:
@@ -617,10 +727,11 @@ class TrainingServer(Role[ParamsT]):
     def learn(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:
         """One server step on received smashed data; nothing goes back but the loss."""
         smashed = decode(smashed)
+        model = self.model(slot)
+        inputs = (smashed,) if smashed.requires_grad else ()
         with self.blueprint.timed("server"):
-            value = self.blueprint.loss(self.model(slot)(smashed), labels)
-            self.step(slot, self.objective(value).backward, (smashed,) if smashed.requires_grad else (), value)
-        return {"loss": value.detach()}
+            value = self.step(slot, lambda: self.accumulate(model, smashed, labels, self.objective), inputs)
+        return {"loss": value}
 
     @verb()
     def learn_from(self, client_id: int, smashed: torch.Tensor, labels: torch.Tensor) -> State:
@@ -659,6 +770,21 @@ class TrainingServer(Role[ParamsT]):
             server = self.model("server_model")
             load_shared(server, self._average.result(shared_state(server)))
         self._average = None
+
+    def _check_finite(self, steps: torch.Tensor) -> None:
+        """NonFiniteStep for the first of `steps` (rows of `step`'s figures) with a figure not finite. One sync."""
+        for row in steps.tolist():
+            for what, figure in zip(STEP_FIGURES, row):
+                if not math.isfinite(figure):
+                    raise NonFiniteStep(what, figure)
+
+    @verb()
+    def end_round(self) -> None:
+        """Give the working copies back; the round's step figures, if not checked at each step, are checked now."""
+        super().end_round()
+        if self._unchecked:
+            steps, self._unchecked = torch.stack(self._unchecked), []
+            self._check_finite(steps)
 
 
 class SyncServer(Role[ParamsT]):

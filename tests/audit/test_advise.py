@@ -66,8 +66,8 @@ def test_advise_refuses_bad_settings_before_any_training(tmp_path, capsys):
     for args, message in [
         (["algorithm=fedavg"], "algorithm=fedavg has none"),
         (["test_subset=50", "aux=40", "targets=20"], "ask for fewer"),
-        (["lr=.nan"], "expected a finite number"),
-        (["batch_size=true"], "not a boolean"),
+        (["lr=nan"], "invalid value nan for lr"),
+        (["batch_size=true"], "invalid value 'true' for batch_size"),
         (["defense=blur"], "defense"),
     ]:
         assert main(["advise", *probe, *args]) == 2, args

@@ -371,7 +371,7 @@ def test_unknown_dataset_lists_the_available_ones():
         load_dataset("mnistt")
     assert one_line_error(excinfo) == (
         "unknown dataset 'mnistt'; available: breast_cancer, celeba, cifar10, cifar100, csv, digits, e2e, "
-        "fashion_mnist, femnist, shakespeare, shakespeare_lm, synthetic"
+        "fashion_mnist, femnist, hf_disk, jsonl, shakespeare, shakespeare_lm, synthetic"
     )
     assert dataset_names() == sorted(DATASETS)
 

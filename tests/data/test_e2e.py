@@ -10,7 +10,8 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from hf_helpers import tiny_tokenizer
-from splitlab.data.e2e import FILES, SEPARATOR, encode_pairs, load_e2e, pad_id, read_pairs
+from splitlab.data.e2e import FILES, SEPARATOR, encode_pairs, load_e2e, read_pairs
+from splitlab.data.text_rows import pad_id
 from splitlab.errors import UserError
 
 TRAIN = [
@@ -53,7 +54,9 @@ def test_a_sample_by_hand_padded_and_cut():
     assert mask.tolist() == [[False] * 4 + [True] * 3 + [False] * 3]
     tokens, mask = encode_pairs(pairs, word_tokenizer(), seq_len=5)  # cut: the completion keeps one token
     assert tokens.tolist() == [[2, 3, 4, 5, 6, 7]] and mask.tolist() == [[False] * 4 + [True]]
-    with pytest.raises(UserError, match=r"seq_len=4 leaves no room.*of 5 tokens; E2E needs seq_len >= 5"):
+    with pytest.raises(
+        UserError, match=r"sample 1: seq_len=4 leaves no room.*of 5 tokens; these rows need seq_len >= 5"
+    ):
         encode_pairs(pairs, word_tokenizer(), seq_len=4)
 
 

@@ -210,3 +210,21 @@ def test_checks_accept_what_a_client_node_sends(checks):
     checks.result("forward", FORWARD, (0,), node.forward(0))
     checks.result("upload", UPLOAD, ("client_model",), node.upload("client_model"))
     checks.result("state_dict", ClientNode.state_dict.__verb__, (), node.state_dict())
+
+
+def test_checks_take_the_runs_precision_and_refuse_other_dtypes():
+    """precision=bf16: smashed data crosses as bfloat16 and the loss is float32; a float32 smashed
+    batch (or a bfloat16 one in an fp32 run) is refused, and a step of grad_accum micro-batches fits."""
+    config = quick(clients=2, train_subset=100, precision="bf16", batch_size=4, grad_accum=2)
+    experiment = build(config)
+    node, bf16 = experiment.roles.clients[0], Checks(experiment.blueprint)
+    node.begin_round(0)
+    sent = node.forward(0)
+    assert sent["smashed"].dtype == torch.bfloat16 and len(sent["smashed"]) == 8
+    bf16.result("forward", FORWARD, (0,), sent)
+    bf16.result("local_step", LOCAL_STEP, (), node.local_step())
+    with pytest.raises(Refused, match=re.escape("smashed is torch.float32 (8, 200), expected torch.bfloat16")):
+        bf16.result("forward", FORWARD, (0,), {**sent, "smashed": sent["smashed"].float()})
+    fp32 = Checks(build(quick(clients=2, train_subset=100)).blueprint)
+    with pytest.raises(Refused, match=re.escape("smashed is torch.bfloat16 (8, 200), expected torch.float32")):
+        fp32.result("forward", FORWARD, (0,), sent)

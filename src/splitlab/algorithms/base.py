@@ -169,6 +169,11 @@ class Algorithm(Generic[ParamsT]):
         return self.ctx.client_proxies[client_id]
 
     # --- what a subclass provides ---------------------------------------------------------
+    def round_batches(self, clients: list[ClientInfo]) -> int | None:
+        """How many mini-batches the clients of a round draw (`ClientNode.next_batch`), for the
+        progress within a round; None where they draw none of their own."""
+        return sum(self.ctx.local_steps(c) for c in clients)
+
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         raise NotImplementedError
 

@@ -107,12 +107,8 @@ class CSEFSLClient(ClientNode[CSEFSLParams]):
         with self.blueprint.timed("client"):
             smashed = self.client_output(x)
             value = self.blueprint.loss(self.model("aux_model")(smashed), y)
-            client, aux = self.optimizer("client_model"), self.optimizer("aux_model")
-            client.zero_grad(set_to_none=True)
-            aux.zero_grad(set_to_none=True)
-            defenses.backward((value, None), (self.blueprint.defense.penalty(x, smashed), None))
-            client.step()
-            aux.step()
+            penalty = self.blueprint.defense.penalty(x, smashed)
+            self.steps(("client_model", "aux_model"), lambda: defenses.backward((value, None), (penalty, None)))
         return self.release(x, y, smashed.detach())[1] if send else {}
 
 

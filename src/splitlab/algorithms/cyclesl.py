@@ -293,6 +293,9 @@ class CycleSL(Algorithm):
     Server = CycleServer
     supports_u_shape = True
 
+    def round_batches(self, clients: list[ClientInfo]) -> int | None:
+        return len(clients)  # ONE mini-batch each
+
     def cycle(self, rnd: int, clients: list[ClientInfo], averaged: Collection[int] = ()) -> None:
         """`averaged`: ids of the clients whose cut gradients are averaged. A client that drops
         out is left out of the pooled features (and of what follows)."""

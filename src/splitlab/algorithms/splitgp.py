@@ -121,13 +121,11 @@ class SplitGPClient(ClientNode[SplitGPParams]):
         smashed, client_loss, penalty = self.stash.pop(step)
         cut_grad = self.receive(step, cut_grad)
         gamma = self.params.gamma
-        optimizers = self.optimizer("client_model"), self.optimizer("aux_model")
         with self.blueprint.timed("client"):
-            for optimizer in optimizers:
-                optimizer.zero_grad(set_to_none=True)
-            defenses.backward((gamma * client_loss, None), (smashed, cut_grad), (penalty, None))
-            for optimizer in optimizers:
-                optimizer.step()
+            self.steps(
+                ("client_model", "aux_model"),
+                lambda: defenses.backward((gamma * client_loss, None), (smashed, cut_grad), (penalty, None)),
+            )
 
     @verb(down="{0}_down")
     def mix(self, slot: str, average: State) -> None:

@@ -411,6 +411,9 @@ class VerticalSplitNN(Algorithm[NoParams]):
     Client = FeatureParty
     Server = VerticalServer
 
+    def round_batches(self, clients: list[ClientInfo]) -> int | None:
+        return None  # the parties take the rows of shared batches (FeatureParty.rows), not batches of their own
+
     @property
     def labels_at(self) -> int | str:
         return self.ctx.config.labels_at

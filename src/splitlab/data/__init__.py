@@ -10,6 +10,7 @@ from splitlab.data.datasets import (
     SAMPLES,
     SEQUENCE_DATASETS,
     Dataset,
+    TextSource,
     dataset_availability,
     dataset_names,
     load_dataset,
@@ -31,7 +32,7 @@ SEQUENCE_DATASETS.update(language.LOADERS)
 LOCATORS.update(language.LOCATORS)
 DATASETS.update(
     {
-        name: functools.partial(lambda name, data_dir, seed: SEQUENCE_DATASETS[name](data_dir, None, None), name)
+        name: functools.partial(lambda name, data_dir, seed: SEQUENCE_DATASETS[name](TextSource(data_dir)), name)
         for name in SEQUENCE_DATASETS
     }  # fmt: skip
 )
@@ -44,6 +45,7 @@ __all__ = [
     "SAMPLE_KINDS",
     "SAMPLES",
     "Dataset",
+    "TextSource",
     "dataset_availability",
     "dataset_names",
     "load_dataset",

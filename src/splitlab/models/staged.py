@@ -17,11 +17,33 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from splitlab.errors import UserError
 
 
-class StagedModel(nn.Sequential):
+def run_stages(stages: list[nn.Module], x: torch.Tensor, checkpointed: bool) -> torch.Tensor:
+    """`stages` in order on `x`. `checkpointed` (gradient_checkpointing=): while gradients are
+    recorded, each stage keeps only its input and is run again in the backward pass, with the
+    random state its dropout drew from the first time (so the result is the same)."""
+    for stage in stages:
+        if checkpointed and torch.is_grad_enabled():
+            x = checkpoint(stage, x, use_reentrant=False, preserve_rng_state=True)
+        else:
+            x = stage(x)
+    return x
+
+
+class Stages(nn.Sequential):
+    """Named stages run in order, each checkpointed if `checkpointed` (`run_stages`)."""
+
+    checkpointed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return run_stages(list(self), x, self.checkpointed)
+
+
+class StagedModel(Stages):
     """An `nn.Sequential` of named stages plus the paper's cut numbering.
 
     `cut_stages[c]` is how many stages the client holds at user-facing cut `c`. Most models use
@@ -43,7 +65,7 @@ class StagedModel(nn.Sequential):
         return self.cut_stages[cut]
 
 
-class HeadAndTail(nn.Sequential):
+class HeadAndTail(Stages):
     """A U-shaped split's client part: its head's stages then its tail's, under the unsplit model's
     names (one slot, one optimizer, averaged as a whole). Calling it runs the head (its output
     is the smashed data at cut A); `tail` runs the rest on the server's output at cut B."""
@@ -53,14 +75,10 @@ class HeadAndTail(nn.Sequential):
         self.head_stages = head_stages
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for stage in list(self)[: self.head_stages]:
-            x = stage(x)
-        return x
+        return run_stages(list(self)[: self.head_stages], x, self.checkpointed)
 
     def tail(self, x: torch.Tensor) -> torch.Tensor:
-        for stage in list(self)[self.head_stages :]:
-            x = stage(x)
-        return x
+        return run_stages(list(self)[self.head_stages :], x, self.checkpointed)
 
     def tail_part(self) -> nn.Sequential:
         """The tail's stages as a model of their own (the same modules)."""
@@ -79,20 +97,26 @@ class UShaped(nn.Sequential):
         return typing.cast(HeadAndTail, client).tail(server(client(x)))
 
 
-def split(model: StagedModel, cut: int, tail_cut: int | None = None) -> tuple[nn.Sequential, nn.Sequential]:
-    """Split at `cut` into (client part, server part) that share the model's modules and names;
-    with a `tail_cut` too, U-shaped: (`HeadAndTail`, the stages between the two cuts)."""
+def split(model: StagedModel, cut: int, tail_cut: int | None = None) -> tuple[Stages, Stages]:
+    """Split at `cut` into (client part, server part) that share the model's modules and names
+    (and whether its stages are checkpointed); with a `tail_cut` too, U-shaped: (`HeadAndTail`,
+    the stages between the two cuts)."""
     k = model.client_stage_count(cut)
     stages = list(model.named_children())
+    parts: tuple[Stages, Stages]
     if tail_cut is None:
-        return nn.Sequential(OrderedDict(stages[:k])), nn.Sequential(OrderedDict(stages[k:]))
-    if tail_cut not in model.cut_stages or model.cut_stages[tail_cut] <= k:
+        parts = Stages(OrderedDict(stages[:k])), Stages(OrderedDict(stages[k:]))
+    elif tail_cut not in model.cut_stages or model.cut_stages[tail_cut] <= k:
         later = [c for c in model.valid_cuts if model.cut_stages[c] > k]
         raise UserError(
             f"cut={cut},{tail_cut}: the second cut must be a later cut of this model; valid: {later or 'none'}"
         )
-    tail = model.cut_stages[tail_cut]
-    return HeadAndTail(stages[:k] + stages[tail:], k), nn.Sequential(OrderedDict(stages[k:tail]))
+    else:
+        tail = model.cut_stages[tail_cut]
+        parts = HeadAndTail(stages[:k] + stages[tail:], k), Stages(OrderedDict(stages[k:tail]))
+    for part in parts:
+        part.checkpointed = model.checkpointed
+    return parts
 
 
 def joined(parts: list[nn.Module]) -> nn.Sequential:

@@ -48,3 +48,11 @@ def share_frozen_copy(module: ModuleT) -> ModuleT:
     copies (SFL-V1's server copies, clients' slots) hold the frozen base once."""
     memo = {id(p): p for p in module.parameters() if not p.requires_grad}
     return copy.deepcopy(module, memo)
+
+
+def hold_frozen_in(module: nn.Module, dtype: torch.dtype) -> None:
+    """Hold `module`'s frozen floating-point parameters in `dtype` (base_dtype=bfloat16: a LoRA
+    model's base in half the memory); what trains keeps its own dtype, float32."""
+    for parameter in module.parameters():
+        if not parameter.requires_grad and parameter.is_floating_point():
+            parameter.data = parameter.data.to(dtype)

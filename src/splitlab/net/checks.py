@@ -170,7 +170,7 @@ class Checks:
             raise Refused(f"{verb} returns exactly {sorted(keys)}, the result holds {held}")
         batch = None
         if "smashed" in result:
-            most = args[0] if verb == "route" else self.blueprint.config.batch_size
+            most = args[0] if verb == "route" else self.blueprint.step_batch(self.blueprint.config)
             batch = self._smashed_batch(result["smashed"], 0 if verb == "route" else 1, most)
         if "labels" in result:
             self._labels(_tensor(result, "labels"), batch)
@@ -180,8 +180,9 @@ class Checks:
                 raise Refused(f"tail_grad is {_form(grad)}, expected {_form(output)} (the server's output)")
         if "loss" in result:
             value = _tensor(result, "loss")
-            if value.dim() != 0 or value.dtype != self._expected_smashed().dtype:
-                raise Refused(f"loss is {_form(value)}, expected a {self._expected_smashed().dtype} scalar")
+            want = self._expected_loss_dtype()
+            if value.dim() != 0 or value.dtype != want:
+                raise Refused(f"loss is {_form(value)}, expected a {want} scalar")
         if "evaluation" in result:  # route: which of the n samples went to the server
             routed = _tensor(result, "evaluation")
             if routed.dtype != torch.bool or tuple(routed.shape) != (args[0],) or int(routed.sum()) != batch:
@@ -366,9 +367,14 @@ class Checks:
             blueprint = self.blueprint
             shape = blueprint.input_shape if slot == "client_model" else _party_shape(blueprint, self._client)
             x = torch.zeros(1, *shape, dtype=blueprint.input_dtype, device=blueprint.device)
-            with torch.no_grad():
-                self._smashed[slot] = blueprint.initial(slot).eval()(x)
+            with torch.no_grad(), blueprint.autocast():
+                smashed = blueprint.initial(slot).eval()(x)
+            self._smashed[slot] = smashed if blueprint.cut_dtype is None else smashed.to(blueprint.cut_dtype)
         return self._smashed[slot]
+
+    def _expected_loss_dtype(self) -> torch.dtype:
+        """A client's loss: the model's dtype; under autocast (precision=bf16), float32, as torch computes losses."""
+        return self._expected_smashed().dtype if self.blueprint.cut_dtype is None else torch.float32
 
 
 def _tensor(result: dict, key: str) -> torch.Tensor:

@@ -1,0 +1,233 @@
+"""Rows of text as causal-LM sequences: the row formats of `dataset=jsonl` and `dataset=hf_disk`.
+
+Every row of a file has one format, that of its first row (the first of these whose fields it
+has; other fields are ignored):
+
+- `text`: plain language modelling. Each row's tokens are followed by the tokenizer's
+  end-of-sequence token where it has one (LEAF's characters: a newline), the rows are joined into one stream and
+  cut into sequences of `seq_len + 1` tokens that share one token with the next (the stream's end
+  that fills no whole sequence is dropped, as transformers' run_clm does); every position is in
+  the loss.
+- `prompt` + `completion`: one sequence per row, `[bos] prompt completion [eos]`, each part
+  tokenised on its own (so no token spans the two; no space is put between them), padded or cut
+  to `seq_len + 1` tokens exactly as E2E's (data/e2e.py); the loss is on the completion and its
+  end-of-sequence token only.
+- `messages`: a conversation, `[{"role": "user", "content": "..."}, {"role": "assistant", ...}]`,
+  rendered by the tokenizer's chat template (`apply_chat_template`) and tokenised whole as it
+  would be at inference, padded or cut as above. The loss is on the assistant turns: the tokens
+  that start inside what the template adds for an assistant message (its content and end-of-turn
+  marker, not the header before it), found by rendering the conversation up to each assistant
+  message with and without it. Where a template renders an earlier part of a conversation other
+  than as the start of the whole (some drop earlier reasoning), that conversation is in the loss
+  whole, and a warning says how many were.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from splitlab.errors import UserError
+from splitlab.lazy import torch
+from splitlab.logs import LOGGER, progress
+
+#: format -> the fields a row of it needs
+FORMATS = {"text": ("text",), "prompt/completion": ("prompt", "completion"), "messages": ("messages",)}
+ALLOWED = "text | prompt + completion | messages"
+#: characters tokenised per call (at least a row), so that progress shows
+_CHUNK = 1 << 18
+
+
+def row_format(row: Any, where: str) -> str:
+    """The format of `row` (a mapping), or a UserError naming `where` and the formats allowed."""
+    if isinstance(row, dict):
+        for name, fields in FORMATS.items():
+            if all(field in row for field in fields):
+                return name
+    found = ", ".join(row) if isinstance(row, dict) and row else "no fields"
+    raise UserError(f"{where}: a row needs the fields {ALLOWED}; found {found}")
+
+
+def row_value(row: dict, form: str, where: str) -> Any:
+    """The row's value in `form`: a string, a (prompt, completion) pair or a list of messages, checked."""
+    if row_format(row, where) != form:
+        raise UserError(
+            f"{where}: a {row_format(row, where)} row where the first row is {form}; every row of a file "
+            f"has the first row's format"
+        )
+    if form == "messages":
+        messages = row["messages"]
+        if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        ):
+            raise UserError(f'{where}: messages must be a list of {{"role": "...", "content": "..."}} objects')
+        if not any(m["role"] == "assistant" for m in messages):
+            raise UserError(f"{where}: a conversation without an assistant message has nothing in the loss")
+        return messages
+    values = tuple(row[field] for field in FORMATS[form])
+    for field, value in zip(FORMATS[form], values):
+        if not isinstance(value, str) or not value:
+            raise UserError(f"{where}: {field} must be a non-empty string; found {value!r}")
+    return values[0] if form == "text" else values
+
+
+class Rows(NamedTuple):
+    """A file's rows: their format, their values (`row_value`) and where each is (for refusals)."""
+
+    form: str
+    values: list[Any]
+    wheres: list[str]
+
+
+def read_rows(rows: Iterable[tuple[str, Any]], source: str) -> Rows:
+    """The `Rows` of `rows`, each (where it is, e.g. "data.jsonl, line 7"; the row)."""
+    form, values, wheres = None, [], []
+    for where, row in rows:
+        form = form or row_format(row, where)
+        values.append(row_value(row, form, where))
+        wheres.append(where)
+    if form is None:
+        raise UserError(f"{source}: no rows; expected rows with the fields {ALLOWED}")
+    return Rows(form, values, wheres)
+
+
+def pad_id(tokenizer: Any) -> int:
+    """What fills a sequence after its end (never a target)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def tokenize(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, without special tokens added: every loader's one call of a tokenizer."""
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def tokenize_with_progress(tokenizer: Any, texts: list[str], title: str) -> list[list[int]]:
+    """`tokenize`, about `_CHUNK` characters at a time, saying how far it is while it lasts."""
+    ids: list[list[int]] = []
+    with progress(title, sum(map(len, texts)), "characters") as advance:
+        start = 0
+        while start < len(texts):
+            stop, size = start, 0
+            while stop < len(texts) and (size < _CHUNK or stop == start):
+                size += len(texts[stop])
+                stop += 1
+            ids += tokenize(tokenizer, texts[start:stop])
+            advance(size)
+            start = stop
+    return ids
+
+
+def masked_sequences(
+    prefixes: list[list[int]], completions: list[list[int]], seq_len: int, pad: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens int64 (N, seq_len + 1), mask bool (N, seq_len)): each prefix then its completion,
+    cut at seq_len + 1 tokens and padded with `pad`; `mask[i, j]` is true where the target
+    `tokens[i, j + 1]` belongs to the completion. Every prefix must leave room for one completion
+    token (at most seq_len tokens): the callers say which does not."""
+    tokens = np.full((len(prefixes), seq_len + 1), pad, dtype=np.int64)
+    mask = np.zeros((len(prefixes), seq_len), dtype=bool)
+    for i, (prefix, completion) in enumerate(zip(prefixes, completions)):
+        sequence = (prefix + completion)[: seq_len + 1]
+        tokens[i, : len(sequence)] = sequence
+        mask[i, len(prefix) - 1 : len(sequence) - 1] = True
+    return torch.from_numpy(tokens), torch.from_numpy(mask)
+
+
+def encode(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens (N, seq_len + 1), loss mask (N, seq_len)) of `rows` (module docstring); `title`
+    names the work in progress lines."""
+    eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    if rows.form == "text":
+        ids = tokenize_with_progress(tokenizer, rows.values, title)
+        stream = np.concatenate([np.array(row + eos, dtype=np.int64) for row in ids])
+        n = (len(stream) - 1) // seq_len
+        if n < 1:
+            raise UserError(f"{title}: {len(stream)} tokens make no sequence of seq_len={seq_len}; lower seq_len")
+        tokens = torch.from_numpy(stream[: n * seq_len + 1]).unfold(0, seq_len + 1, seq_len).contiguous()
+        return tokens, torch.ones(n, seq_len, dtype=torch.bool)
+    if rows.form == "messages":
+        return _conversations(rows, tokenizer, seq_len, title)
+    return completion_sequences(rows.values, rows.wheres, tokenizer, seq_len, title)
+
+
+def completion_sequences(
+    pairs: list[tuple[str, str]], wheres: list[str], tokenizer: Any, seq_len: int, title: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`masked_sequences` of `[bos] prompt completion [eos]` for each (prompt, completion) pair,
+    the loss on the completion; a prompt that leaves no room for the completion is refused,
+    naming where it is (`wheres`, one per pair)."""
+    if tokenizer.eos_token_id is None:
+        raise UserError("the model's tokenizer has no end-of-sequence token, which ends every completion")
+    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+    ids = tokenize_with_progress(tokenizer, [text for pair in pairs for text in pair], title)
+    prefixes, completions = [bos + p for p in ids[0::2]], [c + [tokenizer.eos_token_id] for c in ids[1::2]]
+    longest = max(map(len, prefixes))
+    if longest > seq_len:
+        row = next(i for i, p in enumerate(prefixes) if len(p) > seq_len)
+        raise UserError(
+            f"{wheres[row]}: seq_len={seq_len} leaves no room for the completion after a prompt of "
+            f"{len(prefixes[row])} tokens; these rows need seq_len >= {longest}"
+        )
+    return masked_sequences(prefixes, completions, seq_len, pad_id(tokenizer))
+
+
+def assistant_spans(messages: list[dict], tokenizer: Any) -> tuple[str, list[tuple[int, int]] | None]:
+    """(the rendering, the character spans of its assistant turns), the spans None where the
+    template does not render each earlier part as the start of the later ones (module docstring)."""
+
+    def render(upto: list[dict], generation_prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(upto, tokenize=False, add_generation_prompt=generation_prompt)
+
+    text = render(messages)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        try:
+            before, through = render(messages[:i], generation_prompt=True), render(messages[: i + 1])
+        except Exception:  # noqa: BLE001  (a template may refuse a conversation cut short: then no spans)
+            return text, None
+        if not (through.startswith(before) and text.startswith(through)):
+            return text, None
+        spans.append((len(before), len(through)))
+    return text, spans
+
+
+def _conversations(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tuple[torch.Tensor, torch.Tensor]:
+    conversations = rows.values
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise UserError(
+            "rows with messages are rendered by the tokenizer's chat template, and this tokenizer has none: "
+            "use model=hf model_dir=DIR whose tokenizer has one, or rows with text | prompt + completion"
+        )
+    tokens = np.full((len(conversations), seq_len + 1), pad_id(tokenizer), dtype=np.int64)
+    mask = np.zeros((len(conversations), seq_len), dtype=bool)
+    whole = 0
+    with progress(title, len(conversations), "conversations") as advance:
+        for i, messages in enumerate(conversations):
+            text, spans = assistant_spans(messages, tokenizer)
+            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            ids, offsets = encoded["input_ids"][: seq_len + 1], encoded["offset_mapping"][: seq_len + 1]
+            tokens[i, : len(ids)] = ids
+            if spans is None:
+                whole += 1
+                mask[i, : len(ids) - 1] = True
+            else:
+                starts = np.array([start for start, _ in offsets[1:]], dtype=np.int64)
+                for first, end in spans:
+                    mask[i, : len(starts)] |= (starts >= first) & (starts < end)
+            if not mask[i].any():
+                raise UserError(
+                    f"{rows.wheres[i]}: seq_len={seq_len} cuts the conversation before its first "
+                    f"assistant token; raise seq_len"
+                )
+            advance(1)
+    if whole:
+        LOGGER.warning(
+            f"{title}: the chat template does not render {whole} of {len(conversations)} conversations turn by "
+            f"turn as the start of the whole; those are in the loss whole, not only their assistant turns"
+        )
+    return torch.from_numpy(tokens), torch.from_numpy(mask)
