@@ -40,9 +40,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("splitlab.resolve",),
     ("splitlab.assembly",),
     (  # planning and placing a run
+        "splitlab.settings",
         "splitlab.build",
-        "splitlab.vertical",
-        "splitlab.vertical_build",
         "splitlab.ray_backend",
         "splitlab.cluster",
         "splitlab.checkpoints",

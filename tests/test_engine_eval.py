@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from helpers import client_model, quick, server_model, sync_model, train
-from splitlab.build import hold_out
 from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
 from splitlab.metrics import classification_metrics
+from splitlab.settings.horizontal import hold_out
 
 
 def test_hold_out_is_sample_wise_seeded_and_keeps_a_training_sample():

@@ -286,11 +286,14 @@ def test_an_actor_lost_where_the_roles_cannot_be_built_again_stops_and_resumes_b
     killed = kill_an_actor_mid_round(monkeypatch)
     start_roles, starts = ray_backend.start_roles, []
 
-    def too_few_cpus_the_second_time(resolved, *args):
-        starts.append(resolved.run.workers)
+    def too_few_cpus_the_second_time(plan, transport):
+        starts.append(plan.config.run.workers)
         if len(starts) > 1:
-            resolved = dataclasses.replace(resolved, run=resolved.run.model_copy(update={"workers": 5}))
-        return start_roles(resolved, *args)
+            config = plan.config
+            plan = dataclasses.replace(
+                plan, config=dataclasses.replace(config, run=config.run.model_copy(update={"workers": 5}))
+            )
+        return start_roles(plan, transport)
 
     monkeypatch.setattr(ray_backend, "start_roles", too_few_cpus_the_second_time)
     with pytest.raises(RoundFailed, match=r"lost during .* could not be built again: .* needs 6 CPUs") as stopped:
@@ -418,14 +421,13 @@ def test_vertical_parties_on_actors_are_bit_identical_to_in_process(local_ray, t
     monkeypatch.setattr(ray, "put", lambda value: sent.append(value) or put(value))
     local = run(vertical(tmp_path / "local"), progress=False)
     remote = run(vertical(tmp_path / "ray", backend="ray", workers=2), progress=False)
-    held = [
-        {
-            key: [x is not None and x.shape[1:] for x in (fields["x"], fields["test_x"])]
-            for key, fields in s["roles"].items()
-        }
-        for s in sent
-    ]
-    assert held == [{0: [(15,), (15,)]}, {1: [(15,), (15,)]}, {"server": [False, False]}]
+    *parties, server = sent
+
+    def columns(fields: dict) -> list:
+        return [x is not None and x.shape[1:] for x in (fields["x"], fields["test_x"])]
+
+    held = [{key: columns(fields) for key, fields in s["roles"].items()} for s in parties]
+    assert held == [{0: [(15,), (15,)]}, {1: [(15,), (15,)]}] and columns(server) == [False, False]
     assert results(tmp_path / "local") == results(tmp_path / "ray")
     assert remote["comm_bytes_by_kind"] == local["comm_bytes_by_kind"] and local["comm_bytes_by_kind"]["psi_up"]
     assert remote["comm_bytes_by_client"] == local["comm_bytes_by_client"]

@@ -2,9 +2,9 @@
 the blueprint, the client nodes and the test set; the `Experiment` they make up and the
 `Assembler` of its evaluated model.
 
-They sit below the engine and the places that build roles elsewhere (Ray actors:
-splitlab.ray_backend; a vertical run's parties: splitlab.vertical), so that those build from
-the same functions without importing the engine that drives them.
+They sit below the engine, the settings (splitlab.settings) and the places that build roles
+elsewhere (Ray actors: splitlab.ray_backend), so that those build from the same functions
+without importing the engine that drives them.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from splitlab.algorithms import get_algorithm
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.augment import check_augment
 from splitlab.config import ResolvedConfig
@@ -176,17 +175,18 @@ def blueprint_of(
         num_classes,
         input_dtype,
         task,
-        builders=builders or get_algorithm(run.algorithm).models,
+        builders=builders or config.algorithm_class.models,
         model_settings=config.model_settings(),
         recorder=recorder or (Recorder(run.record) if run.record else None),
         init_state=init_state,
     )
 
 
-def client_nodes(blueprint: Blueprint, data: Dataset, owners: Mapping[int, np.ndarray]) -> list[ClientNode]:
-    """A node per data owner k holding only its samples `owners[k]`, as stored (uint8 images are
-    prepared batch by batch)."""
-    Client = get_algorithm(blueprint.config.algorithm).Client
+def client_nodes(
+    blueprint: Blueprint, data: Dataset, owners: Mapping[int, np.ndarray], Client: type[ClientNode]
+) -> list[ClientNode]:
+    """A `Client` node per data owner k holding only its samples `owners[k]`, as stored (uint8
+    images are prepared batch by batch)."""
     device = blueprint.device
     return [
         Client(blueprint, k, data.train_x[idx].to(device), data.train_y[idx].to(device), data.prepare)

@@ -710,6 +710,9 @@ class ResolvedConfig:
 
     run: RunConfig
     params: BaseModel
+    #: the algorithm's class (a splitlab.algorithms.base.Algorithm, which this module sits below),
+    #: looked up once by splitlab.resolve
+    algorithm_class: Any
     model_params: BaseModel = NoParams()
 
     def as_dict(self) -> dict[str, Any]:

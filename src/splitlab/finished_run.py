@@ -82,7 +82,7 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
     stored = rundir.stored_config(path, "evaluate", "point evaluate at the directory of a finished run")
-    assert stored.get("setting") != "vertical", "a vertical run is read by splitlab.vertical.load_final"
+    assert stored.get("setting") != "vertical", "a vertical run is read by splitlab.settings.vertical.load_final"
     experiment = build({**stored, "device": device, "out": str(path), "backend": "local"})  # in this process
     algorithm = experiment.algorithm
     weights = path / "weights.safetensors"

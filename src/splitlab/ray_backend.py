@@ -15,29 +15,26 @@ results are bit for bit those of an in-process run. Ray itself pickles what it c
 those bytes, client ids, verb names and the dataset's arrays), between processes of a cluster
 the user started and trusts.
 
-A vertical run (`setting=vertical`, splitlab.vertical) puts its parties on the client workers
-(party j on worker j mod workers, for the whole run) and its server (the top model, and the labels
-unless a party holds them) on the server's actor; each actor gets only what its roles hold.
+What each actor gets and how it builds its roles is the run's setting's (splitlab.settings): a
+vertical run puts its parties on the client workers (party j on worker j mod workers, for the
+whole run) and its server (the top model, and the labels unless a party holds them) on the
+server's actor; each actor gets only what its roles hold.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import importlib
 import json
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
-import numpy as np
 import torch
 
 from splitlab import assembly, cluster, codec
 from splitlab.config import ResolvedConfig
-from splitlab.data.datasets import Dataset
 from splitlab.errors import NonFiniteStep, RoleLost, UserError
 from splitlab.ledger import Ledger
 from splitlab.logs import LOGGER
@@ -46,21 +43,20 @@ from splitlab.models import shared_state
 from splitlab.plugins import ray_options
 from splitlab.process_settings import peak_memory_mib, set_worker_threads, training_device
 from splitlab.resolve import resolve_config
-from splitlab.roles import Blueprint, ClientNode, Role, State
-from splitlab.runmodel import init_state
+from splitlab.roles import Blueprint, ClientNode, State
+from splitlab.settings import Plan, setting_of
+from splitlab.settings.base import SERVER
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
-
-SERVER = "server"  # the training server's key in its actor
 
 
 class RoleHost:
-    """A Ray actor's roles: the client nodes `placed` here (a client worker, given the run's
-    `shared` data: `SharedData`), or, without data, the training server, from the data's shape
-    alone (`data_shape`, JSON); built from the configuration, as in the driver. A bad setting
-    found while building (a device this node lacks) is kept, not raised, for `ready` to report
-    with the node's id and hostname."""
+    """A Ray actor's roles: the nodes `placed` here (a client worker, built from its `load`), or
+    (`placed` None) the training server, from its load and the data's shape (`data_shape`, JSON);
+    built by the run's setting (splitlab.settings) from the configuration, as in the driver. A bad
+    setting found while building (a device this node lacks) is kept, not raised, for `ready` to
+    report with the node's id and hostname."""
 
-    def __init__(self, config_json: str, shared: dict[str, Any] | None, placed: list[int], data_shape: str) -> None:
+    def __init__(self, config_json: str, load: Any, placed: list[int] | None, data_shape: str) -> None:
         config = resolve_config(json.loads(config_json))
         set_worker_threads(config.run.cpus_per_client)
         # torch's first optimizer step imports torch._dynamo (1.5 s): here, while the actors start, not
@@ -68,7 +64,7 @@ class RoleHost:
         importlib.import_module("torch._dynamo")
         self.failure: str | None = None
         try:
-            self._build(config, shared, placed, data_shape)
+            self._build(config, load, placed, data_shape)
         except UserError as error:
             self.failure = f"{cluster.this_node()}: {error}"
         except Exception as error:  # the node's libraries or devices (e.g. CUDA): named, not a dead actor
@@ -76,46 +72,19 @@ class RoleHost:
             reason = (str(error).strip().splitlines() or [""])[0][:200]
             self.failure = f"{cluster.this_node()}: building the roles failed: {type(error).__name__}: {reason}"
 
-    def _build(self, config: ResolvedConfig, shared: dict[str, Any] | None, placed: list[int], data_shape: str) -> None:
-        from splitlab.algorithms import get_algorithm
-
-        run = config.run
-        algorithm = get_algorithm(run.algorithm)
-        self.device = assigned_device() if run.device == "auto" else assembly.resolve_device(run.device)
-        self.roles: dict[int | str, Role]
-        if run.setting == "vertical":
-            assert shared is not None
-            self._build_vertical(config, shared, data_shape)
-            return
-        if shared is None:  # the training server holds no samples: it never loads them
-            self.blueprint = assembly.blueprint_of(config, self.device, *shape_of(data_shape), init_state(config))
-            self.roles = {SERVER: algorithm.Server(self.blueprint)}
-            return
-        self.data, self.owners, self.held_out = dataset_of(shared["dataset"]), shared["owners"], shared["held_out"]
-        self.metrics = TASK_METRICS[self.data.task]
-        self.blueprint = assembly.make_blueprint(config, self.data, self.device, init_state(config))
-        self.roles = {node.id: node for node in self._nodes(placed)}
-        if algorithm.personal_models:  # evaluated here, where the personal models are
-            self.test = assembly.test_set(config, self.data, self.device)
-            self.assemble = assembly.Assembler(self.blueprint)
-
-    def _build_vertical(self, config: ResolvedConfig, shared: dict[str, Any], data_shape: str) -> None:
-        """setting=vertical: the parties `start_parties` placed here, or the server, each built from
-        what it holds (`splitlab.vertical.Holding`) as in the driver's process."""
-        from splitlab import vertical
-
-        plan, self.blueprint = vertical.vertical_blueprint(config, self.device, *shape_of(data_shape))
-        self.roles = {}
-        for key, fields in shared["roles"].items():
-            held = holding_of(fields)
-            self.roles[key] = (
-                vertical.vertical_server(self.blueprint, plan, held)
-                if key == SERVER
-                else vertical.feature_party(self.blueprint, plan, key, held, shared["prepare"])
-            )
-
-    def _nodes(self, client_ids: list[int]) -> list[ClientNode]:
-        return assembly.client_nodes(self.blueprint, self.data, {k: self.owners[k] for k in client_ids})
+    def _build(self, config: ResolvedConfig, load: Any, placed: list[int] | None, data_shape: str) -> None:
+        """The roles, built by the run's setting."""
+        device = assigned_device() if config.run.device == "auto" else assembly.resolve_device(config.run.device)
+        self.device = device
+        setting, shape = setting_of(config), shape_of(data_shape)
+        hosted = (
+            setting.host_server(config, device, load, shape)
+            if placed is None
+            else setting.host_nodes(config, device, load, placed, shape)
+        )
+        self.hosted, self.blueprint, self.roles = hosted, hosted.blueprint, hosted.roles
+        self.metrics = TASK_METRICS[self.blueprint.task]
+        self.assemble = assembly.Assembler(self.blueprint)
 
     def ready(self) -> str | None:
         """None once the roles are built; else why they could not be, naming this node."""
@@ -154,7 +123,8 @@ class RoleHost:
     def adopt(self, client_id: int, moving: bytes) -> None:
         """Client `client_id` comes here with what `give_up` encoded, before it trains in its round:
         built afresh from its samples, it gets its state, the round begins, its copies are loaded."""
-        (node,) = self._nodes([client_id])
+        assert self.hosted.new_node is not None, "this setting's nodes never move"
+        node = self.hosted.new_node(client_id)
         message = codec.decode(moving, self.device)
         node.load_state_dict(message["state"])
         node.begin_round(message["round"])
@@ -169,7 +139,8 @@ class RoleHost:
         slot, server = message["slot"], message["server"]
         logits = {}
         for k in message["clients"]:
-            x = self.data.inputs(self.data.train_x[self.held_out[k]].to(self.device))
+            assert self.hosted.held_out is not None, "test_split=client holds samples out"
+            x = self.hosted.held_out(k)
             model = self.assemble([self.roles[k].snapshot(slot), server])
             logits[str(k)] = logits_in_batches(model, x, self.blueprint.inference_batch)
         return codec.encode(logits)
@@ -181,7 +152,8 @@ class RoleHost:
         them, so the work and the reply follow the clients that trained, not K."""
         message = codec.decode(request, self.device)
         slot, server = message["slot"], message["server"]
-        x, y = self.test
+        assert self.hosted.test is not None, "personal models are evaluated where they are"
+        x, y = self.hosted.test
 
         def metrics(client_state: State) -> dict[str, float]:
             return assembly.personal_metrics(
@@ -191,51 +163,6 @@ class RoleHost:
         trained = {str(k): metrics(role.snapshot(slot)) for k, role in self.roles.items() if slot in role.models}
         untrained = metrics(self.blueprint.initial_state(slot)) if len(trained) < len(self.roles) else None
         return json.dumps({"trained": trained, "untrained": untrained})
-
-
-def shared_data(
-    data: Dataset, owners: list[np.ndarray], held_out: list[np.ndarray] | None, with_test: bool
-) -> dict[str, Any]:
-    """What every client worker gets through Ray's object store (one copy per node): the dataset's
-    fields, its tensors as numpy arrays (which actors map without copying), the test split only
-    where the actors evaluate (`with_test`), every client's sample indices, and those it holds
-    out (test_split=client; None: none)."""
-    fields = {field.name: getattr(data, field.name) for field in dataclasses.fields(data)}
-    fields["train_groups"] = None  # the partition is the driver's: the owners below
-    if not with_test:
-        fields["test_x"], fields["test_y"] = data.test_x[:0], data.test_y[:0]
-    arrays = {name: _numpy(value) for name, value in fields.items()}
-    held = dict(enumerate(held_out)) if held_out is not None else None
-    return {"dataset": arrays, "owners": dict(enumerate(owners)), "held_out": held}
-
-
-def dataset_of(fields: dict[str, Any]) -> Dataset:
-    """The dataset `shared_data` sent, its tensors over the object store's read-only memory (nothing
-    writes to them: a client's samples and the test set are copies indexed out of them)."""
-    return Dataset(**_tensors(fields))
-
-
-def _tensors(fields: dict[str, Any]) -> dict[str, Any]:
-    """`fields`' numpy arrays as tensors over the same (read-only) memory; the rest as they are."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return {name: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for name, v in fields.items()}
-
-
-def holding_fields(held: Any) -> dict[str, Any]:
-    """A vertical role's `Holding` for the object store: its tensors as numpy arrays (the ids are one already)."""
-    return {field.name: _numpy(getattr(held, field.name)) for field in dataclasses.fields(held)}
-
-
-def holding_of(fields: dict[str, Any]) -> Any:
-    """The `Holding` `holding_fields` sent, labels and columns as tensors over the object store's memory."""
-    from splitlab.vertical import Holding
-
-    return Holding(**{**_tensors(fields), "ids": fields["ids"]})
-
-
-def _numpy(value: Any) -> Any:
-    return value.numpy() if isinstance(value, torch.Tensor) else value
 
 
 def data_shape_of(blueprint: Blueprint) -> str:
@@ -460,57 +387,29 @@ class RayTransport(SerializedTransport):
             return super().call(method, spec, counted, *args, **kwargs)
 
 
-def start_roles(
-    config: ResolvedConfig,
-    data: Dataset,
-    owners: list[np.ndarray],
-    held_out: list[np.ndarray] | None,
-    blueprint: Blueprint,
-    transport: RayTransport,
-) -> tuple[dict[int, RemoteRole], RemoteRole]:
-    """Start `workers` client actors (client k first on worker k mod `workers`) and the training
-    server's actor (local Ray, or the cluster RAY_ADDRESS names), the dataset going to the client
-    workers through Ray's object store; return the remote client roles by id, and the remote server."""
-    from splitlab.algorithms import get_algorithm
-
-    run = config.run
+def start_roles(plan: Plan, transport: RayTransport) -> tuple[dict[int, RemoteRole], RemoteRole]:
+    """Start `workers` client actors (node k on worker k mod `workers`) and the training server's
+    actor (local Ray, or the cluster RAY_ADDRESS names); each gets through Ray's object store what
+    the plan says its roles hold (`Plan.actor_loads`: the dataset, put once, for clients holding
+    samples; a vertical party's columns of its rows, not the dataset). Return the remote nodes by
+    id, and the remote server."""
+    run = plan.config.run
     ray = _connected(run)
-    algorithm_class = get_algorithm(run.algorithm)
-    shared = ray.put(shared_data(data, owners, held_out, with_test=algorithm_class.personal_models))
-    placed = [list(range(w, len(owners), run.workers)) for w in range(run.workers)]
-    hosts, server_host = _start_actors(config, [(shared, ks) for ks in placed], None, blueprint, transport)
+    placed = [list(range(w, plan.node_count, run.workers)) for w in range(run.workers)]
+    refs: dict[int, Any] = {}  # one object put once, where every worker gets the same
+    loads = [refs.setdefault(id(load), ray.put(load)) for load in plan.actor_loads(placed)]
+    server_load = plan.server_load()
+    hosts, server_host = _start_actors(
+        plan.config,
+        list(zip(loads, placed)),
+        None if server_load is None else ray.put(server_load),
+        plan.blueprint,
+        transport,
+    )
     transport.clients = {
-        k: RemoteRole(algorithm_class.Client, hosts[k % run.workers], k, k % run.workers) for k in range(len(owners))
+        k: RemoteRole(plan.node_class(k), hosts[k % run.workers], k, k % run.workers) for k in range(plan.node_count)
     }
-    return dict(transport.clients), RemoteRole(algorithm_class.Server, server_host, SERVER)
-
-
-def start_parties(
-    config: ResolvedConfig,
-    parties: dict[int, tuple[type, Any]],
-    server: tuple[type, Any],
-    prepare: Any,
-    blueprint: Blueprint,
-    transport: RayTransport,
-) -> tuple[dict[int, RemoteRole], RemoteRole]:
-    """setting=vertical: `workers` actors holding the parties (party j, a `parties[j][0]` node
-    holding the `Holding` `parties[j][1]`, on worker j mod `workers`) and the server's actor (a
-    `server[0]` holding `server[1]`: the top model, and the labels unless a party holds them).
-    Each actor gets through the object store only what its roles hold (a party's columns of its
-    rows, not the dataset). A party stays on its worker: every party takes part in every step, one
-    after another, so none ever waits for a free one (`lease` is never asked)."""
-    run = config.run
-    ray = _connected(run)
-    placed = [list(range(w, len(parties), run.workers)) for w in range(run.workers)]
-    loads = [
-        (ray.put({"prepare": prepare, "roles": {j: holding_fields(parties[j][1]) for j in js}}), js) for js in placed
-    ]
-    server_load = ray.put({"prepare": None, "roles": {SERVER: holding_fields(server[1])}})
-    hosts, server_host = _start_actors(config, loads, server_load, blueprint, transport)
-    transport.clients = {
-        j: RemoteRole(role_class, hosts[j % run.workers], j, j % run.workers) for j, (role_class, _) in parties.items()
-    }
-    return dict(transport.clients), RemoteRole(server[0], server_host, SERVER)
+    return dict(transport.clients), RemoteRole(plan.server_class, server_host, SERVER)
 
 
 def _connected(run: Any) -> Any:
@@ -547,7 +446,7 @@ def _start_actors(
     Host = ray.remote(num_cpus=run.cpus_per_client, num_gpus=run.gpus_per_client, **ray_options(run.plugins))(RoleHost)
     config_json, data_shape = json.dumps(config.as_dict()), data_shape_of(blueprint)
     hosts = [Host.remote(config_json, shared, placed, data_shape) for shared, placed in loads]
-    server_host = Host.remote(config_json, server_load, [], data_shape)
+    server_host = Host.remote(config_json, server_load, None, data_shape)
     transport.hosts = [*hosts, server_host]
     started = time.perf_counter()
     failures = sorted(

@@ -58,7 +58,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_u_shape(run)
     check_applicable(run, raw)
     check_model_fits(run)
-    return ResolvedConfig(run, params, model_settings)
+    return ResolvedConfig(run, params, algorithm, model_settings)
 
 
 def without_null_model_keys(raw: Mapping[str, Any]) -> dict[str, Any]:

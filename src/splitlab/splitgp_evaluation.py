@@ -40,7 +40,6 @@ from torch import nn
 from splitlab import rundir
 from splitlab.algorithms.splitgp import SplitGP, entropy, to_server
 from splitlab.assembly import Experiment
-from splitlab.build import client_indices, hold_out
 from splitlab.config import parse_settings, parse_test_split
 from splitlab.data import load_dataset
 from splitlab.data.datasets import Prepared
@@ -51,6 +50,7 @@ from splitlab.metrics import logits_in_batches
 from splitlab.models import joined, split
 from splitlab.random_streams import register_stream
 from splitlab.roles import ClientNode, State
+from splitlab.settings.horizontal import client_indices, hold_out
 
 __all__ = [
     "ENTROPY_GRID",
@@ -425,7 +425,7 @@ def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
 def _evaluate_vertical(path: Path, stored: dict[str, Any], settings: EvaluationSettings) -> dict[str, Any]:
     """A vertical run's final model on the test set (its parties hold the same samples, so there
     are no per-client views to take); also written to RUN_DIR/evaluation.json."""
-    from splitlab.vertical import evaluate_vertical
+    from splitlab.settings.vertical import evaluate_vertical
 
     given = sorted(settings.model_fields_set - {"device"})
     if given:

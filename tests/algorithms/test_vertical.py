@@ -19,8 +19,8 @@ from splitlab.errors import UserError
 from splitlab.loop import evaluate
 from splitlab.metrics import classification_metrics, logits_in_batches
 from splitlab.roles import Role
+from splitlab.settings.vertical import plan_vertical
 from splitlab.transport import ClientDropped, Transport
-from splitlab.vertical import plan_vertical
 from test_transport import ORCHESTRATION, ROLE_INTERNALS, attributes
 
 TABLE = dict(setting="vertical", algorithm="sl", dataset="breast_cancer", model="mlp", device="cpu", seed=0)
@@ -282,7 +282,7 @@ def test_a_csv_table_trains_horizontally_without_its_incomplete_rows(table, tmp_
 def test_a_party_that_rejoins_as_a_fresh_node_gets_its_state_and_is_aligned_again(table, labels_at, who):
     """What a `splitlab client` that reconnects builds (every row it holds, the initial weights)
     is given the party's kept state and narrowed again to the intersection by PSI (counted)."""
-    from splitlab.vertical import party_node
+    from splitlab.settings.vertical import Vertical
 
     config = dict(TABLE, dataset="csv", data_dir=str(table), labels_at=labels_at, local_steps=1)
     experiment = build(config)
@@ -291,7 +291,7 @@ def test_a_party_that_rejoins_as_a_fresh_node_gets_its_state_and_is_aligned_agai
     party = experiment.roles.clients[who]
     ids, x, y = party.ids.copy(), party.x.clone(), party.y.clone()
     weights = {k: v.clone() for k, v in party.models["client_model"].state_dict().items()}
-    vars(party).update(vars(party_node(experiment.config, who)))  # the fresh node, unaligned
+    vars(party).update(vars(Vertical().node_here(experiment.config, who)))  # the fresh node, unaligned
     assert len(party.ids) > len(ids)
     psi_before = experiment.ledger.state_dict()["psi_up"]
     experiment.algorithm.rejoined(who)

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from helpers import play_with_roles, write_sdist
-from splitlab.build import client_indices
 from splitlab.data import load_dataset
 from splitlab.data.shakespeare import (
     SEQ_LEN,
@@ -27,6 +26,7 @@ from splitlab.data.shakespeare import (
 from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.resolve import resolve_config
+from splitlab.settings.horizontal import client_indices
 
 PLAY = """\
 THE TRAGEDY OF TESTING

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from hf_helpers import tiny_hf_model
-from splitlab import build
 from splitlab.cli import main
+from splitlab.settings import horizontal
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def refused(plays, tmp_path, monkeypatch, capsys):
     def never(*_args, **_kwargs):
         raise AssertionError("the data was read before the model's keys were checked")
 
-    monkeypatch.setattr(build, "load_data", never)
+    monkeypatch.setattr(horizontal, "load_data", never)
     monkeypatch.chdir(tmp_path)
 
     def error(*args: str) -> str:

@@ -11,11 +11,11 @@ import yaml
 from safetensors.torch import load_file
 
 from splitlab.assembly import load_data
-from splitlab.build import client_indices
 from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.experiments import run_sweep
 from splitlab.resolve import resolve_config
+from splitlab.settings.horizontal import client_indices
 
 
 def _spec(lm: dict) -> dict:

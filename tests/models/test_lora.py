@@ -150,9 +150,9 @@ def test_a_split_that_leaves_the_client_nothing_to_train_names_the_cuts_that_wou
     """The CNN's linear layers (`1` in fc1, `out`) are all on the server at cut 1, so LoRA on them
     would leave the client part's optimizer empty: refused, naming cut 3 (fc1 on the client)."""
     from splitlab.algorithms import get_algorithm
-    from splitlab.build import check_split
     from splitlab.config import RunConfig
     from splitlab.models import build_model
+    from splitlab.settings.horizontal import check_split
 
     model = build_model("cnn", (1, 28, 28), 10, lora=(4, 8.0), lora_targets=("out", "1"))
     with pytest.raises(UserError) as refused:

@@ -16,7 +16,7 @@ from splitlab.algorithms.vertical_sl import FeatureParty, LabelParty
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import Checks, Refused
 from splitlab.resolve import resolve_config
-from splitlab.vertical import plan_vertical
+from splitlab.settings.vertical import plan_vertical
 
 IMAGES = dict(setting="vertical", algorithm="sl", dataset="fashion_mnist", model="cnn", cut=1, device="cpu", seed=0)
 TABLE = dict(setting="vertical", algorithm="sl", dataset="breast_cancer", model="mlp", device="cpu", seed=0)
@@ -27,7 +27,7 @@ FORWARD = FeatureParty.forward.__verb__
 @pytest.fixture(scope="module")
 def checks() -> Checks:
     """Checks of a Fashion-MNIST run whose two parties hold 12 and 16 columns (of 28) and 10 samples each."""
-    checks = Checks(plan_vertical(resolve_config({**IMAGES, "features": "0-11/12-27"})).blueprint)
+    checks = Checks(plan_vertical(resolve_config({**IMAGES, "features": "0-11/12-27"})).blueprint, parties=True)
     for party, columns in ((0, 12), (1, 16)):
         report = {"data": "partition", "input_shape": [1, 28, columns], "samples": 10}
         assert checks.report(report, {"samples": 10}, party) == {"samples": 10}

@@ -16,12 +16,13 @@ from safetensors.torch import load_file
 from sklearn.datasets import load_breast_cancer
 
 from splitlab.build import build, client_node
+from splitlab.cli import main
 from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.net.certs import make_certs
+from splitlab.net.launch import LaunchSettings, launch
 from splitlab.resolve import resolve_config
-from splitlab.vertical import own_report, plan_own_server
-from splitlab.vertical_build import _as_when_begun
+from splitlab.settings.vertical import _as_when_begun, own_report, plan_own_server
 
 CONFIG = dict(
     setting="vertical", algorithm="sl", dataset="csv", model="mlp", labels_at=0, rounds=2, local_steps=2, seed=0
@@ -153,7 +154,7 @@ def test_parties_with_other_test_samples_are_refused():
         plan_own_server(resolve_config({**CONFIG, "data": "own"}), reports)
     reports[1] = {"samples": 50, **own_report(15, np.arange(10), 0)}
     plan = plan_own_server(resolve_config({**CONFIG, "data": "own"}), reports)
-    assert plan.features == [list(GROUPS[0]), list(GROUPS[1])] and plan.server.test_samples == 10
+    assert [list(g) for g in plan.plan.groups] == [list(GROUPS[0]), list(GROUPS[1])] and plan.holding.test_samples == 10
 
 
 def test_a_resume_with_other_files_is_refused(tmp_path):
@@ -172,3 +173,41 @@ def test_a_resume_with_other_files_is_refused(tmp_path):
     ):
         _as_when_begun(config, {**report, "held_before_alignment": [375, 379], "aligned": 355})
     _as_when_begun(resolve_config({**CONFIG, "data": "own", "out": str(tmp_path)}), {**report, "aligned": 354})
+
+
+def test_launch_from_per_party_folders_gives_what_run_gives_on_the_joined_table(tmp_path, capsys):
+    """`splitlab launch data=own data_dirs=P0,P1` starts the server and one party per folder (its
+    certificates made): bit for bit `splitlab run` on the table that joins the parties' files.
+    `splitlab evaluate` on it says in one line why it cannot, and where the final metrics are."""
+    tables = write_tables(tmp_path, 0)
+    run_joined(tables, CONFIG, tmp_path / "run")
+    folders = f"{tables['party0']},{tables['party1']}"
+    config = {**CONFIG, "data": "own", "out": str(tmp_path / "net")}
+    assert launch(config, {}, LaunchSettings(data_dirs=folders), progress=False) == 0
+    here, there = (
+        load_file(tmp_path / "run" / "weights.safetensors"),
+        load_file(tmp_path / "net" / "weights.safetensors"),
+    )
+    assert here.keys() == there.keys() and all(torch.equal(here[k], there[k]) for k in here)
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "net")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs every party's columns of the test samples in one process" in err
+    assert "are in its summary.json" in err and not (tmp_path / "net" / "evaluation.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("data_dirs", "message"),
+    [
+        (None, r"launch data=own needs data_dirs=DIR0,DIR1,...: each client's \(vertical: each party's\) own folder"),
+        ("party0", "data_dirs= names 1 folders; this run has 2 nodes, one folder each"),
+        ("party0,nowhere", "data_dirs=: '.*nowhere' is not a folder"),
+    ],
+)
+def test_launch_from_per_party_folders_refuses_a_bad_list_before_writing(tables, tmp_path, data_dirs, message):
+    named = [] if data_dirs is None else [str(tables["whole"].parent / name) for name in data_dirs.split(",")]
+    folders = ",".join(named) or None
+    out = tmp_path / "net"
+    with pytest.raises(UserError, match=message):
+        launch({**CONFIG, "data": "own", "out": str(out)}, {}, LaunchSettings(data_dirs=folders), progress=False)
+    assert not out.exists()

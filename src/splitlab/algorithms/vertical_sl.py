@@ -32,7 +32,7 @@ learning with one client (tested, with a stateless optimizer: vanilla SL's clien
 fresh every round).
 
 This class has no `name`: it is not an algorithm of its own but what `algorithm=sl` means in the
-vertical setting (splitlab.vertical builds it).
+vertical setting (splitlab.settings.vertical plans it).
 """
 
 from __future__ import annotations

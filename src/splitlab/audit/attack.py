@@ -68,8 +68,8 @@ class VerticalTarget:
     path: Path
     settings: AttackSettings
     config: ResolvedConfig
-    plan: Any  # splitlab.vertical's FeaturePlan: parties, column groups, labels_at
-    model: Any  # splitlab.vertical's VerticalModel: bottoms, top, shapes
+    plan: Any  # splitlab.algorithms.vertical_sl's FeaturePlan: parties, column groups, labels_at
+    model: Any  # splitlab.algorithms.vertical_sl's VerticalModel: bottoms, top, shapes
     defense: Defense
     x: torch.Tensor
     y: torch.Tensor

@@ -43,7 +43,7 @@ def vertical_target(
     """The target of `attack` on the vertical run in `path`; refused in one line where the run
     cannot give what the attack needs."""
     from splitlab.assembly import test_set
-    from splitlab.vertical import load_final
+    from splitlab.settings.vertical import load_final
 
     if settings.client:
         raise UserError(f"client={settings.client} does not apply to a vertical run: every party is attacked")

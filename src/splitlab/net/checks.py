@@ -74,8 +74,9 @@ def check_finite(value: Any) -> None:
 class Checks:
     """The expected form of clients' results, from what every role can build: the blueprint."""
 
-    def __init__(self, blueprint: Blueprint) -> None:
+    def __init__(self, blueprint: Blueprint, parties: bool = False) -> None:
         self.blueprint = blueprint
+        self.parties = parties  # the nodes are vertical parties (FeatureParty): they report their rows
         self._smashed: dict[str, torch.Tensor] = {}
         self._optimizers: dict[str, dict[str, Any]] = {}
         self._samples: dict[int, int] = {}  # vertical: the samples each party reported
@@ -237,7 +238,7 @@ class Checks:
         and the summary the run has for the client (`expected`: its partition's, or what it
         reported before), if any."""
         config, shape = self.blueprint.config, list(self.blueprint.input_shape)
-        vertical = config.setting == "vertical"
+        vertical = self.parties
         summary_keys = _vertical_keys(config.data) if vertical else SUMMARY_KEYS[self.blueprint.task]
         if vertical:
             shape = list(_party_shape(self.blueprint, client_id))

@@ -3,7 +3,10 @@
 Certificates are made in the run directory (`OUT/certs`, kept across resumes), the server
 listens on a free loopback port, and every client is `splitlab client` with its own certificate:
 the same code paths as a deployment on several machines. Each process uses one torch thread
-unless `threads=` says otherwise. The exit code is the server's.
+unless `threads=` says otherwise. The exit code is the server's. With data=own, `data_dirs=`
+names one folder per client (a vertical run: per party, its own columns), each client started
+with `data=own data_dir=` its folder; the run's `data_dir=` stays the server's (its test set, or
+a vertical run's ids and labels with labels_at=server).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,6 +30,10 @@ class LaunchSettings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     threads: int = Field(1, ge=1, le=1024, description="torch threads per process")
+    data_dirs: str | None = Field(
+        None,
+        description="data=own: each client's (vertical: each party's) own folder, in client order, comma-separated",
+    )
 
 
 def _free_port() -> int:
@@ -34,17 +42,32 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _own_folders(data: str, data_dirs: str | None) -> list[Path]:
+    """Each client's own folder (data=own: one per client, existing), or none (data=partition)."""
+    if data != "own":
+        if data_dirs is not None:
+            raise UserError("data_dirs= gives each client (vertical: each party) its own folder; it needs data=own")
+        return []
+    if data_dirs is None:
+        raise UserError(
+            "launch data=own needs data_dirs=DIR0,DIR1,...: each client's (vertical: each party's) own folder, in order"
+        )
+    folders = [Path(part.strip()) for part in data_dirs.split(",")]
+    for folder in folders:
+        if not folder.is_dir():
+            raise UserError(f"data_dirs=: {str(folder)!r} is not a folder")
+    return folders
+
+
 def launch(raw: Mapping[str, Any], server_keys: Mapping[str, Any], settings: LaunchSettings, progress: bool) -> int:
     """Start the server and one client process per client; wait for all; the server's exit code."""
     from splitlab.build import client_count
 
     config = resolve_config(raw)
-    if config.run.data == "own":
-        raise UserError(
-            "launch gives every client the run's data_dir; with data=own start each client with its own: "
-            "splitlab client data=own data_dir=DIR ... (docs/deployment.md)"
-        )
+    own = _own_folders(config.run.data, settings.data_dirs)
     clients = client_count(raw)
+    if own and len(own) != clients:
+        raise UserError(f"data_dirs= names {len(own)} folders; this run has {clients} nodes, one folder each")
     certs = config.out_dir / "certs"
     if not (certs / f"{CA}.pem").exists() or not (certs / f"client-{clients - 1}.pem").exists():
         make_certs(certs, clients, [], overwrite=True)  # the run's own, for more clients than before
@@ -64,7 +87,13 @@ def launch(raw: Mapping[str, Any], server_keys: Mapping[str, Any], settings: Lau
                 f"certs={certs}",
                 f"threads={settings.threads}",
             ]
-            + ([f"data_dir={config.run.data_dir}"] if config.run.data_dir else []),
+            + (
+                ["data=own", f"data_dir={own[k]}"]
+                if own
+                else [f"data_dir={config.run.data_dir}"]
+                if config.run.data_dir
+                else []
+            ),
             env=env,
         )
         for k in range(clients)

@@ -44,6 +44,7 @@ from google.protobuf.message import DecodeError
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from splitlab import codec
+from splitlab.algorithms.vertical_sl import FeatureParty
 from splitlab.config import RUN_CONTROL_KEYS, parse_settings
 from splitlab.errors import UserError
 from splitlab.ledger import Ledger
@@ -643,7 +644,8 @@ class NetworkTransport(Transport):
     def connect_remote(
         self, role_classes: Mapping[int, type], blueprint: Blueprint, summaries: Mapping[int, dict[str, Any] | None]
     ) -> dict[int, Proxy]:
-        self.checks = self.checks or Checks(blueprint)
+        parties = all(issubclass(role_class, FeatureParty) for role_class in role_classes.values())
+        self.checks = self.checks or Checks(blueprint, parties)
         for k, summary in summaries.items():
             if summary is not None and "samples" in summary:  # a vertical party's rows (data=own: reported)
                 self.checks.holds(k, summary["samples"])
@@ -655,7 +657,7 @@ class NetworkTransport(Transport):
 
     def reported_parties(self, parties: int) -> dict[int, dict[str, Any]]:
         """What every party of a vertical run with its own files (data=own) reports of them, once
-        all have: the server plans the run from these (splitlab.vertical_build)."""
+        all have: the server plans the run from these (splitlab.settings.vertical)."""
         self.hub.expect(dict.fromkeys(range(parties)), self.ledger, OwnPartyReports())
         return self.hub.reported()
 

@@ -1,19 +1,25 @@
-"""Building a vertical run (`setting=vertical`): parties holding different features of shared
+"""The vertical setting (`setting=vertical`): parties holding different features of shared
 samples, aligned by private set intersection, trained by vertical SplitNN
 (splitlab.algorithms.vertical_sl). The engine's loop, evaluation, ledger and checkpoints are the
-same as for any run; only what the roles hold differs, so `build` (splitlab.build) hands it here.
+same as for any run; only what the roles hold differs. A party's node is built from what it
+holds (`Holding`) alike in this process, in its own (`splitlab client`) or on a Ray actor; with
+the parties' own files (data=own) the server plans the run from their reports.
 """
 
 from __future__ import annotations
 
+import abc
 import dataclasses
+import functools
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.algorithms.vertical_sl import (
     LABELS_AT_SERVER,
     FeatureParty,
@@ -30,20 +36,72 @@ from splitlab.algorithms.vertical_sl import (
 from splitlab.assembly import blueprint_of, load_data, resolve_device, seeded_subset, test_set
 from splitlab.config import ResolvedConfig, RunConfig
 from splitlab.data import Dataset
+from splitlab.data.partition import counts_report
 from splitlab.data.tables import csv_training_set, own_csv_table, table_ids
 from splitlab.errors import UserError
 from splitlab.privacy.record import PartyRecorder
-from splitlab.roles import Blueprint
+from splitlab.roles import Blueprint, ClientNode, Role
 from splitlab.runmodel import init_state
+from splitlab.settings.base import SERVER, DataShape, Hosted, Plan, Reports, Setting, as_arrays, as_tensors
+from splitlab.transport import Proxy, Transport
 
 #: algorithm -> its meaning in the vertical setting (the others have none here yet)
 VERTICAL_ALGORITHMS = {"sl": VerticalSplitNN}
 
 
-@dataclasses.dataclass
-class VerticalPlan:
-    """What a vertical run derives from its config before any role exists."""
+class Parties(Plan):
+    """What every vertical plan has: parties by their columns (`plan`), a server with the top
+    model, the parties aligned once connected, the whole model every bottom model then the top."""
 
+    plan: FeaturePlan
+    client_test = None  # a vertical run evaluates on the dataset's test set
+
+    @property
+    def algorithm_class(self) -> type[Algorithm]:
+        return VERTICAL_ALGORITHMS[self.config.run.algorithm]
+
+    @property
+    def node_count(self) -> int:
+        return self.plan.parties
+
+    def node_class(self, k: int) -> type[ClientNode]:
+        return party_class(self.plan, k)
+
+    @property
+    def server_class(self) -> type[Role]:
+        return VerticalServer
+
+    def clients(self, transport: Transport) -> tuple[list[ClientInfo], dict[str, Any]]:
+        return [ClientInfo(j, 0) for j in range(self.plan.parties)], {}
+
+    def align(
+        self, algorithm: Algorithm, proxies: dict[int, Proxy], clients: list[ClientInfo], report: dict[str, Any]
+    ) -> tuple[list[ClientInfo], dict[str, Any]]:
+        """The parties aligned by private set intersection (counted in the ledger): every party
+        holds the samples they have in common (UserError if none)."""
+        assert isinstance(algorithm, VerticalSplitNN)
+        algorithm.align()
+        common = proxies[0].sample_count()
+        if common == 0:
+            raise UserError(
+                "the parties have no sample in common (their private set intersection is empty); "
+                "check that their id columns name the same samples"
+            )
+        return [ClientInfo(j, common) for j in range(self.plan.parties)], self.report(common)
+
+    @abc.abstractmethod
+    def report(self, common: int) -> dict[str, Any]:
+        """partition.json, once `common` samples are aligned."""
+
+    def assembler(self) -> Any:
+        return VerticalAssembler(self.blueprint, self.plan)
+
+
+@dataclasses.dataclass
+class VerticalPlan(Parties):
+    """A vertical run whose table this process reads: every party's columns, the labels, the ids."""
+
+    config: ResolvedConfig
     data: Dataset  # every training row (a CSV's missing cells NaN), and the test set
     plan: FeaturePlan
     blueprint: Blueprint
@@ -61,6 +119,62 @@ class VerticalPlan:
         if self.plan.labels_at == party:
             rows = rows[self.labelled[rows]]
         return rows
+
+    def node(self, k: int) -> ClientNode:
+        return local_party(self, k)
+
+    def server(self, remote: bool) -> Role:
+        return vertical_server(self.blueprint, self.plan, server_holding(self))
+
+    def expected_reports(self) -> dict[int, dict[str, Any] | None]:
+        """Each party in its own process must report the rows it holds."""
+        return {j: {"samples": len(party_rows(self, j))} for j in range(self.plan.parties)}
+
+    def actor_loads(self, placed: list[list[int]]) -> list[Any]:
+        """Each worker gets only what its parties hold (their columns of their rows, not the dataset)."""
+        return [
+            {"prepare": self.data.prepare, "roles": {j: as_arrays(vars(party_holding(self, j))) for j in js}}
+            for js in placed
+        ]
+
+    def server_load(self) -> Any:
+        """The top model's actor gets the labels unless a party holds them."""
+        return as_arrays(vars(server_holding(self)))
+
+    def test_data(self) -> Dataset:
+        """No sample: the parties and the server evaluate among themselves (VerticalSplitNN.role_metrics)."""
+        data = self.data
+        none = dict(train_x=data.train_x[:0], train_y=data.train_y[:0], test_x=data.test_x[:0], test_y=data.test_y[:0])
+        return dataclasses.replace(data, **none, prepare=None)
+
+    def report(self, common: int) -> dict[str, Any]:
+        """partition.json: the aligned samples' class counts (every party holds the same samples),
+        each party's columns and how many samples it held before alignment; UserError if the
+        parties aligned other than the dataset's ids say (only a party that lies makes them
+        differ; tested: PSI finds the truth)."""
+        truth = self.common_ids()
+        if common != len(truth):
+            raise UserError(f"party 0 holds {common} samples after alignment; the parties have {len(truth)} in common")
+        rows = np.flatnonzero(np.isin(self.ids, truth))
+        labels = self.data.train_y.numpy()[rows]
+        counts = np.bincount(labels[labels >= 0], minlength=self.blueprint.num_classes).tolist()
+        plan = self.plan
+        return {
+            **counts_report([counts] * plan.parties, self.blueprint.num_classes),
+            "setting": "vertical",
+            "features": [list(group) for group in plan.groups],
+            "held_before_alignment": [len(self.held(j)) for j in range(plan.parties)],
+            "aligned": len(truth),
+        }
+
+    def common_ids(self) -> np.ndarray:
+        """The ids every holder (each party, and the server when it holds the labels) holds: what
+        the parties' private set intersection finds. The server reads them from the dataset, as it
+        reads the test set; the parties never send it their ids."""
+        holders = [self.held(j) for j in range(self.plan.parties)]
+        if self.plan.labels_at == LABELS_AT_SERVER:
+            holders.append(self.pool[self.labelled[self.pool]])
+        return functools.reduce(np.intersect1d, [self.ids[rows] for rows in holders])
 
 
 def _refusals(run: RunConfig) -> None:
@@ -124,7 +238,7 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
     ids, labelled, missing = table_ids(run.dataset, data_dir, data)
     pool = np.sort(seeded_subset(len(ids), run.train_subset, run.seed, "train_subset"))
     test = seeded_subset(len(data.test_y), run.test_subset, run.seed, "test_subset")  # as assembly.test_set's
-    return VerticalPlan(data, plan, blueprint, ids, labelled, missing, pool, test)
+    return VerticalPlan(config, data, plan, blueprint, ids, labelled, missing, pool, test)
 
 
 def vertical_blueprint(
@@ -227,16 +341,6 @@ def party_rows(vertical: VerticalPlan, party: int) -> np.ndarray:
     return rows[np.argsort(vertical.ids[rows], kind="stable")]
 
 
-def party_node(config: ResolvedConfig, party: int) -> FeatureParty:
-    """Party `party`'s node, built in its own process (`splitlab client`): the same rows and
-    initial weights as in `build_vertical`; it aligns them when the server asks."""
-    if not 0 <= party < config.run.parties:
-        raise UserError(f"client_id={party} is not a party of this run; allowed: 0 to {config.run.parties - 1}")
-    if config.run.data == "own":
-        return _own_party(config, party)
-    return local_party(plan_vertical(config), party)
-
-
 def _own_party(config: ResolvedConfig, party: int) -> FeatureParty:
     """Party `party`'s node from its own files (data=own): its columns only, standardised as in
     the whole table, its bottom model built for them as in a run that reads the whole table (the
@@ -266,26 +370,68 @@ def _own_party(config: ResolvedConfig, party: int) -> FeatureParty:
     )
     missing = torch.isnan(data.train_x).numpy()
     test = seeded_subset(len(test_ids), run.test_subset, run.seed, "test_subset")
-    vertical = VerticalPlan(data, plan, blueprint, ids, labelled, missing, np.arange(len(ids)), test)
+    vertical = VerticalPlan(config, data, plan, blueprint, ids, labelled, missing, np.arange(len(ids)), test)
     node = local_party(vertical, party)
     node.reported = own_report(columns, test_ids, classes if holds_labels else 0)
     return node
 
 
 @dataclasses.dataclass
-class OwnPlan:
+class OwnPlan(Parties):
     """What the server of a vertical run with the parties' own files (data=own) derives from their
     reports (and, `labels_at=server`, its own file of ids and labels): no feature reaches it."""
 
+    config: ResolvedConfig
     plan: FeaturePlan
     blueprint: Blueprint
-    server: Holding
-    held: list[int]  # how many rows each party held before alignment
+    holding: Holding  # the server's
+    reports: dict[int, dict[str, Any]]  # what each party reported of its files
     data: Dataset  # no sample: the dataset's shape and classes
 
-    @property
-    def features(self) -> list[list[int]]:
-        return [list(group) for group in self.plan.groups]
+    def node(self, k: int) -> ClientNode:
+        raise AssertionError("data=own: every party is a `splitlab client` with its own files")
+
+    def server(self, remote: bool) -> Role:
+        return vertical_server(self.blueprint, self.plan, self.holding)
+
+    def expected_reports(self) -> dict[int, dict[str, Any] | None]:
+        return dict(self.reports)
+
+    def test_data(self) -> Dataset:
+        return self.data
+
+    def report(self, common: int) -> dict[str, Any]:
+        """partition.json: as a `VerticalPlan`'s, without the class counts (the server sees the
+        labels only with labels_at=server); a resumed run goes on only with the files it began
+        with (`_as_when_begun`)."""
+        report = {
+            "setting": "vertical",
+            "features": [list(group) for group in self.plan.groups],
+            "held_before_alignment": [self.reports[j]["samples"] for j in range(self.plan.parties)],
+            "aligned": common,
+        }
+        _as_when_begun(self.config, report)
+        return report
+
+
+def _as_when_begun(config: ResolvedConfig, report: dict[str, Any]) -> None:
+    """A resumed run of the parties' own files goes on only with the files it began with: their
+    columns, rows and common rows as in its partition.json (UserError otherwise), as a client of
+    a horizontal data=own run must report its class counts again (splitlab.settings.horizontal)."""
+    path = config.out_dir / "partition.json"
+    if not config.run.resume or not path.exists():
+        return
+    try:
+        stored = json.loads(path.read_text())
+    except (ValueError, OSError) as error:
+        raise UserError(f"cannot resume: {str(path)!r} is unreadable ({error})") from None
+    for key, value in report.items():
+        if not isinstance(stored, dict) or stored.get(key) != value:
+            began = stored.get(key) if isinstance(stored, dict) else None
+            raise UserError(
+                f"cannot resume: the parties' files give {key} {value}, not {began} as when the run began "
+                f"({str(path)!r}); resume with the files it began with, or start anew without resume=true"
+            )
 
 
 def check_own_server(run: RunConfig) -> None:
@@ -338,7 +484,7 @@ def plan_own_server(config: ResolvedConfig, reports: dict[int, dict[str, Any]]) 
         )
     empty = torch.zeros(0, ends[-1])
     data = Dataset("csv", empty, empty[:, 0].long(), empty, empty[:, 0].long(), classes, (ends[-1],))
-    return OwnPlan(plan, blueprint, server, [reports[j]["samples"] for j in range(run.parties)], data)
+    return OwnPlan(config, plan, blueprint, server, reports, data)
 
 
 def own_report(columns: int, test_ids: np.ndarray, classes: int) -> dict[str, Any]:
@@ -346,6 +492,57 @@ def own_report(columns: int, test_ids: np.ndarray, classes: int) -> dict[str, An
     its rows: its columns, its test rows and their ids' digest (in order), the classes it knows."""
     digest = hashlib.sha256(np.ascontiguousarray(test_ids, dtype="<i8").tobytes()).hexdigest()
     return {"columns": columns, "test_samples": len(test_ids), "test_ids": digest, "classes": classes}
+
+
+class Vertical(Setting):
+    """Parties holding different features of shared samples."""
+
+    def check(self, config: ResolvedConfig) -> None:
+        plan_vertical(config)
+
+    def plan(self, config: ResolvedConfig, elsewhere: bool, reports: Reports) -> Parties:
+        run = config.run
+        if run.record and (elsewhere or run.backend == "ray"):
+            raise UserError(
+                f"record={run.record} needs the parties in this process (`splitlab run`, backend=local): it keeps "
+                f"each party's inputs for scoring, which a party in another process never sends"
+            )
+        if run.data != "own" or not elsewhere:
+            return plan_vertical(config)  # data=own: refused in one line, saying how to run it
+        check_own_server(run)
+        return plan_own_server(config, reports(run.parties))
+
+    def node_count(self, config: ResolvedConfig) -> int:
+        return config.run.parties
+
+    def node_here(self, config: ResolvedConfig, k: int) -> ClientNode:
+        """Party `k`'s node, built in its own process: the same rows and initial weights as in
+        this process; it aligns them when the server asks."""
+        if not 0 <= k < config.run.parties:
+            raise UserError(f"client_id={k} is not a party of this run; allowed: 0 to {config.run.parties - 1}")
+        if config.run.data == "own":
+            return _own_party(config, k)
+        return local_party(plan_vertical(config), k)
+
+    def host_nodes(
+        self, config: ResolvedConfig, device: torch.device, load: Any, placed: list[int], shape: DataShape
+    ) -> Hosted:
+        """The parties placed on a Ray actor, each from what it holds, as in the driver's process:
+        a party stays on its worker (every party takes part in every step, one after another)."""
+        plan, blueprint = vertical_blueprint(config, device, *shape)
+        roles: dict[int | str, Role] = {
+            j: feature_party(blueprint, plan, j, _holding_of(load["roles"][j]), load["prepare"]) for j in placed
+        }
+        return Hosted(blueprint, roles)
+
+    def host_server(self, config: ResolvedConfig, device: torch.device, load: Any, shape: DataShape) -> Hosted:
+        plan, blueprint = vertical_blueprint(config, device, *shape)
+        return Hosted(blueprint, {SERVER: vertical_server(blueprint, plan, _holding_of(load))})
+
+
+def _holding_of(fields: dict[str, Any]) -> Holding:
+    """The `Holding` a Ray actor got (`as_arrays`), labels and columns as tensors over the object store's memory."""
+    return Holding(**{**as_tensors(fields), "ids": fields["ids"]})
 
 
 def party_class(plan: FeaturePlan, party: int) -> type[FeatureParty]:
