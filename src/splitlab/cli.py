@@ -325,7 +325,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
 
     result = advise(parse_overrides(args.overrides))
     print(result["markdown"])
-    console.print(f"written to {result['out']}: advise.md, advise.json, advise.png")
+    console.print(f"written to {result['out']}: {', '.join(result['files'])}")
     return 0
 
 

@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 
 from helpers import global_weights, max_abs_difference, train
-from splitlab.audit.advise import advise
 from splitlab.audit.run import attack_run
 from splitlab.engine import run
 from splitlab.errors import UserError
@@ -56,5 +55,3 @@ def test_clip_and_noise_claim_no_guarantee_and_the_image_attacks_are_refused(lm,
         with pytest.raises(UserError, match=f"attack={attack} does not apply to .*, a language run: ") as error:
             attack_run(out, {"attack": attack})
         assert "\n" not in str(error.value)
-    with pytest.raises(UserError, match="advise .* does not apply to dataset=shakespeare_lm"):
-        advise({"dataset": "shakespeare_lm", "model": "gpt", "data_dir": lm["data_dir"], "out": str(tmp_path / "a")})

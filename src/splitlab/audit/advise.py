@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
 from splitlab import rundir
@@ -59,11 +59,32 @@ class AdviseSettings(BaseModel):
     max_auc: float | None = Field(
         None, ge=0, le=1, description="budget: pick only cuts whose label-leak AUCs are <= this"
     )
+    max_recovery: float | None = Field(
+        None, ge=0, le=1, description="language: pick only cuts whose recovered text (token fraction) is <= this"
+    )
+    cuts: str | None = Field(
+        None, pattern=r"^\d+(,\d+)*$", description="language: the cuts to probe, comma-separated (default: every one)"
+    )
+    u_shaped: bool = Field(True, description="language: also probe cut=C,LAST (the client keeps the head and targets)")
+    layers: int | None = Field(None, ge=1, le=1024, description="model=gpt: transformer blocks (default 4)")
+    heads: int | None = Field(None, ge=1, le=1024, description="model=gpt: attention heads per block")
+    width: int | None = Field(None, ge=1, le=65536, description="model=gpt: hidden width")
+    context: int | None = Field(None, ge=1, le=1_000_000, description="model=gpt: longest sequence")
+    seq_len: int | None = Field(None, ge=2, le=1_000_000, description="language: tokens per sequence")
+    model_dir: str | None = Field(None, description="model=hf: the pretrained checkpoint's folder")
+    lora: str | None = Field(None, description="R:ALPHA: fine-tune low-rank adapters (model=hf, or gpt with init=)")
+    init: str | None = Field(None, description="a finished run (or peft folder) to start from, as for run")
     client_power: float = Field(20, gt=0, le=1e18, description="P_C (SplitGP's latency model)")
     server_power: float = Field(100, gt=0, le=1e18, description="P_S")
     rate: float = Field(1, gt=0, le=1e18, description="R, uplink rate")
     beta: float = Field(0.1, ge=0, le=1, description="fraction of samples sent to the server")
     out: str | None = Field(None, description="default runs/advise_<dataset>_<model>")
+
+    @field_validator("cuts", mode="before")
+    @classmethod
+    def _one_cut(cls, value: Any) -> Any:
+        """`cuts=3` reads as a number: one cut."""
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 def client_flops(client: nn.Module, input_shape: tuple[int, ...]) -> int:
@@ -126,19 +147,24 @@ def advise(raw: dict) -> dict[str, Any]:
     from splitlab.audit.records import attack_sizes
     from splitlab.audit.run import attack_run
     from splitlab.config import parse_settings
-    from splitlab.data import load_dataset
+    from splitlab.data import SEQUENCE_DATASETS, load_dataset
     from splitlab.engine import run
 
     settings = parse_settings(AdviseSettings, raw)
-    check_classification(settings.dataset, "advise (its probes run inversion and label_leak)")
     algorithm = get_algorithm(settings.algorithm)
     if "server_model" not in algorithm.models or algorithm.personal_models:
         raise UserError(
             f"advise compares the cuts of one global split model; algorithm={settings.algorithm} has none "
             f"(use e.g. sfl_v2, sfl_v1 or sl)"
         )
-    out = Path(settings.out or f"runs/advise_{settings.dataset}_{settings.model}")
-    rundir.check_out_dir(out)
+    if settings.dataset in SEQUENCE_DATASETS:
+        from splitlab.audit.advise_language import advise_language
+
+        return advise_language(settings, _probe(settings), _out(settings))
+    for key in ("cuts", "max_recovery"):
+        if getattr(settings, key) is not None:
+            raise UserError(f"{key}= applies to language datasets; dataset={settings.dataset} probes every cut")
+    out = _out(settings)
     data = load_dataset(settings.dataset, settings.data_dir, settings.seed)
     sizes = {
         "train_subset": settings.train_subset or min(DEFAULT_TRAIN, len(data.train_y)),
@@ -149,10 +175,7 @@ def advise(raw: dict) -> dict[str, Any]:
     )
     sizes.update(targets=targets, aux=aux)
     rows = cut_costs(settings, data.input_shape, data.num_classes)
-    probe = settings.model_dump(
-        include={"dataset", "data_dir", "model", "algorithm", "defense", "clients", "rounds"}
-        | {"batch_size", "lr", "seed", "device"}
-    ) | {"train_subset": sizes["train_subset"], "test_subset": sizes["test_subset"]}
+    probe = _probe(settings) | {"train_subset": sizes["train_subset"], "test_subset": sizes["test_subset"]}
     for row in rows:
         resolve_config({**probe, "cut": row["cut"]})  # every probe's settings valid before any trains
     attack = {"aux": aux, "targets": targets, "epochs": settings.epochs, "seed": settings.seed}
@@ -175,7 +198,23 @@ def advise(raw: dict) -> dict[str, Any]:
     write_json(out / "advise.json", result)
     write_text(out / "advise.md", table)
     _plot(out / "advise.png", settings, rows)
-    return {**result, "out": str(out), "markdown": table}
+    return {**result, "out": str(out), "markdown": table, "files": ["advise.md", "advise.json", "advise.png"]}
+
+
+def _out(settings: AdviseSettings) -> Path:
+    out = Path(settings.out or f"runs/advise_{settings.dataset}_{settings.model}")
+    rundir.check_out_dir(out)
+    return out
+
+
+def _probe(settings: AdviseSettings) -> dict[str, Any]:
+    """The probe runs' settings: the run keys of `settings`, the model's own where given."""
+    given = ("layers", "heads", "width", "context", "seq_len", "model_dir", "lora", "init")
+    probe = settings.model_dump(
+        include={"dataset", "data_dir", "model", "algorithm", "defense", "clients", "rounds"}
+        | {"batch_size", "lr", "seed", "device"}
+    )
+    return probe | {key: getattr(settings, key) for key in given if getattr(settings, key) is not None}
 
 
 def pareto_front(rows: list[dict[str, Any]]) -> list[int]:
@@ -276,15 +315,3 @@ def _plot(file: Path, settings: AdviseSettings, rows: list[dict[str, Any]]) -> N
     ax.legend(fontsize=7)
     write_png(file, fig)
     plt.close(fig)
-
-
-def check_classification(dataset: str, what: str) -> None:
-    """Refuse, in one line, these attacks on a language dataset: they are image classification's."""
-    from splitlab.data import SEQUENCE_DATASETS
-
-    if dataset in SEQUENCE_DATASETS:
-        raise UserError(
-            f"{what} does not apply to dataset={dataset}: inversion rebuilds images (scored by SSIM/PSNR) and "
-            f"label_leak infers class labels from cut gradients, but a language run's inputs are tokens, and its "
-            f"targets (the text shifted by one token) already reach the server in the clear"
-        )

@@ -23,7 +23,16 @@ if TYPE_CHECKING:
     from splitlab.privacy.defenses import Defense
 
 #: the built-in attacks, in the order `splitlab attack` lists them
-ATTACK_MODULES = ("inversion", "label_leak", "unsplit", "fsha", "model_completion", "token_inversion")
+ATTACK_MODULES = (
+    "inversion",
+    "label_leak",
+    "unsplit",
+    "fsha",
+    "model_completion",
+    "token_inversion",
+    "embedding_inversion",
+    "gradient_matching",
+)
 
 
 @dataclass
@@ -85,6 +94,8 @@ class Attack:
     replays_record: ClassVar[bool] = True
     #: it needs auxiliary samples; False: a vertical run's targets may take the whole test split
     aux: ClassVar[bool] = True
+    #: `splitlab advise` plays it on every probe; False: too slow for a probe (run it with `splitlab attack`)
+    advised: ClassVar[bool] = True
 
     def run(self, target: Target) -> dict[str, Any]:
         raise NotImplementedError

@@ -91,7 +91,7 @@ def _target(path: Path, stored: dict[str, Any], settings: AttackSettings, attack
     # what the server infers labels from: the cut gradient it sends, or U-shaped the gradient it receives at B
     gradient = "tail_grad" if isinstance(client, HeadAndTail) else "cut_grad"
     if gradient == "tail_grad":
-        shapes["tail_grad"] = output_shape(nn.Sequential(client, server), shapes["inputs"])
+        shapes["tail_grad"] = output_shape(nn.Sequential(client, server), shapes["inputs"], data.test_x.dtype)
     num_classes = experiment.blueprint.num_classes
     chosen = chosen_round(path, recorded_rounds, settings.round)
     recorded = None if chosen is None else (chosen, load_record(recorded_rounds[chosen], shapes, num_classes))

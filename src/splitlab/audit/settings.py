@@ -11,7 +11,16 @@ class AttackSettings(BaseModel):
     """The `splitlab attack` keys."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    attack: Literal["inversion", "label_leak", "unsplit", "fsha", "model_completion", "token_inversion"]
+    attack: Literal[
+        "inversion",
+        "label_leak",
+        "unsplit",
+        "fsha",
+        "model_completion",
+        "token_inversion",
+        "embedding_inversion",
+        "gradient_matching",
+    ]
     round: int | None = Field(
         None,
         ge=1,
@@ -42,7 +51,12 @@ class AttackSettings(BaseModel):
     )
     iterations: int = Field(30, ge=1, le=100_000, description="alternations of input and surrogate descent (unsplit)")
     tv: float = Field(0.001, ge=0, le=1_000, description="weight of the total-variation prior (unsplit)")
-    steps: int = Field(300, ge=10, le=10_000_000, description="client training steps under attack (fsha)")
+    steps: int = Field(
+        300,
+        ge=10,
+        le=10_000_000,
+        description="client training steps under attack (fsha); optimisation steps per sequence (gradient_matching)",
+    )
     guard: int = Field(5, ge=2, le=10_000, description="SplitGuard: a fake batch every this many steps (fsha)")
     device: Literal["cpu", "cuda", "auto"] = "cpu"
     seed: int = Field(0, ge=0, le=2**32 - 1)

@@ -29,6 +29,7 @@ from splitlab.audit.common import DECODER_WIDTH, fit
 from splitlab.privacy.defenses import Defense, received
 
 EXAMPLE_CHARACTERS = 64
+EXAMPLES = 3  # example reconstructions in a result
 
 
 def train_token_decoder(
@@ -65,9 +66,8 @@ def token_inversion(
     decoder = train_token_decoder(aux_hidden.flatten(0, 1), aux_tokens.flatten(), vocabulary, epochs, seed)
     with torch.no_grad():
         reconstructed = torch.cat([decoder(h).argmax(-1) for h in target_hidden.split(256)])
-    most_frequent = int(torch.bincount(aux_tokens.flatten(), minlength=vocabulary).argmax())
+    most_frequent, floor = token_floor(aux_tokens, target_tokens, vocabulary)
     learned = float((reconstructed == target_tokens).float().mean())
-    floor = float((target_tokens == most_frequent).float().mean())
     best = "decoder" if learned >= floor else "most frequent token"
     result: dict[str, Any] = {
         "accuracy": max(learned, floor),
@@ -80,12 +80,25 @@ def token_inversion(
         "aux_samples": len(aux_tokens),
     }
     if characters is not None:
-        shown = reconstructed[0] if best == "decoder" else torch.full_like(reconstructed[0], most_frequent)
-        result["example"] = {
-            "original": "".join(characters[t] for t in target_tokens[0, :EXAMPLE_CHARACTERS].tolist()),
-            "reconstructed": "".join(characters[t] for t in shown[:EXAMPLE_CHARACTERS].tolist()),
-        }
+        shown = reconstructed if best == "decoder" else torch.full_like(reconstructed, most_frequent)
+        result["examples"] = examples(target_tokens, shown, characters)
     return result
+
+
+def token_floor(aux_tokens: torch.Tensor, target_tokens: torch.Tensor, vocabulary: int) -> tuple[int, float]:
+    """The floor of every token attack: (the auxiliary text's most frequent token, the fraction of
+    target positions an attacker who answers it everywhere, ignoring what it observed, gets right)."""
+    most_frequent = int(torch.bincount(aux_tokens.flatten(), minlength=vocabulary).argmax())
+    return most_frequent, float((target_tokens == most_frequent).float().mean())
+
+
+def examples(tokens: torch.Tensor, reconstructed: torch.Tensor, characters: str) -> list[dict[str, str]]:
+    """The first EXAMPLES target sequences as text beside their reconstructions (token i is characters[i])."""
+
+    def text(row: torch.Tensor) -> str:
+        return "".join(characters[t] for t in row[:EXAMPLE_CHARACTERS].tolist())
+
+    return [{"original": text(t), "reconstructed": text(r)} for t, r in zip(tokens[:EXAMPLES], reconstructed)]
 
 
 class TokenInversion(Attack):
@@ -117,5 +130,14 @@ class TokenInversion(Attack):
             (f"token accuracy ({result['attacker']})", f"{result['accuracy']:.2%}"),
             ("decoder", f"{result['decoder']:.2%}"),
             (f"floor: always token {result['baseline_token']}", f"{result['baseline']:.2%}"),
-            *((name, repr(text)) for name, text in result.get("example", {}).items()),
+            *example_rows(result),
         ]
+
+
+def example_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """A token attack's example reconstructions as `splitlab attack` prints them: true text, then recovered."""
+    return [
+        row
+        for example in result.get("examples", [])
+        for row in (("original", repr(example["original"])), ("reconstructed", repr(example["reconstructed"])))
+    ]

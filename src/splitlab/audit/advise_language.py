@@ -1,0 +1,260 @@
+"""`splitlab advise` on a language dataset (model=gpt, or model=hf with lora=): every cut of the
+model, and the U-shaped splits that keep the last stages on the client, side by side.
+
+Per candidate, a short probe run (OUT/cut<c>, or OUT/cut<a>_<b> for cut=A,B) gives the bytes that
+crossed per training token per round by kind (from the run's ledger), the client's share of the
+model's FLOPs per token, the loss, perplexity and next-token accuracy after the probe, and the
+token attacks of the registry that probes take (`Attack.advised`) against its final model: the
+strongest one's recovery (the fraction of the client's text it rebuilds) beside the floor, with a
+few reconstructed lines. A U-shaped split keeps the next-token targets on the client: no
+`labels` reach the server.
+"""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from splitlab.audit.advise import AdviseSettings
+from splitlab.errors import UserError
+from splitlab.io import write_json, write_text
+from splitlab.models.staged import UShaped
+
+#: language probes' sizes when not given (sequences): small, so that a CPU probes every cut in minutes
+DEFAULT_TRAIN, DEFAULT_TEST, DEFAULT_AUX, DEFAULT_TARGETS = 400, 300, 200, 100
+
+
+def linear_flops(client: nn.Module, server: nn.Module, tokens: torch.Tensor) -> tuple[float, float]:
+    """(client's, whole model's) FLOPs per token (2 x multiply-adds of the linear layers, the
+    projections of attention and MLP; embedding lookups, attention's score products and
+    normalisation are not counted), by one dry run of `tokens` (B, T) through the whole split model."""
+    whole = UShaped(client, server) if hasattr(client, "tail") else nn.Sequential(client, server)
+    on_client = {id(m) for m in client.modules()}
+    counted = {"client": 0.0, "all": 0.0}
+
+    def count(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        weight = typing.cast(torch.Tensor, module.weight)  # Linear: (out, in); transformers' Conv1D: (in, out)
+        rows = output.numel() / output.shape[-1]
+        flops = 2 * weight.numel() * rows / tokens.numel()
+        counted["all"] += flops
+        if id(module) in on_client:
+            counted["client"] += flops
+
+    linear = [m for m in whole.modules() if isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"]
+    handles = [m.register_forward_hook(count) for m in linear]
+    try:
+        with torch.no_grad():
+            whole(tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return counted["client"], counted["all"]
+
+
+def candidates(settings: AdviseSettings, valid: list[int]) -> list[tuple[int, int | None]]:
+    """The cuts to probe: `cuts=` or every valid cut, then U-shaped (c, last cut) for each c before
+    the last (the client keeps the model's head and the targets)."""
+    chosen = valid if settings.cuts is None else [int(c) for c in settings.cuts.split(",")]
+    wrong = [c for c in chosen if c not in valid]
+    if wrong:
+        raise UserError(f"cuts={settings.cuts}: {wrong[0]} is not a cut of model={settings.model}; valid: {valid}")
+    u_shaped = [(c, valid[-1]) for c in chosen if c < valid[-1]] if settings.u_shaped else []
+    return [*((c, None) for c in chosen), *u_shaped]
+
+
+def label(cut: int, tail: int | None) -> str:
+    return str(cut) if tail is None else f"{cut},{tail}"
+
+
+def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) -> dict[str, Any]:
+    """Probe every candidate cut of a language model (settings checked before any trains); write
+    OUT/advise.md and advise.json; return the rows."""
+    from splitlab.assembly import load_data
+    from splitlab.audit.attack import attacks
+    from splitlab.audit.records import attack_sizes
+    from splitlab.audit.run import attack_run
+    from splitlab.engine import run
+    from splitlab.finished_run import final_states, load_run
+    from splitlab.models import build_model
+    from splitlab.resolve import resolve_config
+
+    resolved = resolve_config(probe)
+    data = load_data(resolved)
+    sizes = {
+        "train_subset": settings.train_subset or min(DEFAULT_TRAIN, len(data.train_y)),
+        "test_subset": settings.test_subset or min(DEFAULT_TEST, len(data.test_y)),
+    }
+    targets, aux = attack_sizes(
+        sizes["test_subset"], settings.aux, settings.targets, held_out=True, defaults=(DEFAULT_AUX, DEFAULT_TARGETS)
+    )
+    sizes.update(targets=targets, aux=aux)
+    model = build_model(settings.model, data.input_shape, data.num_classes, **resolved.model_settings())
+    cuts = candidates(settings, model.valid_cuts)
+    probe = {**probe, "train_subset": sizes["train_subset"], "test_subset": sizes["test_subset"]}
+    for cut, tail in cuts:
+        resolve_config({**probe, "cut": label(cut, tail)})  # every probe valid before any trains
+    token_attacks = [name for name, cls in attacks().items() if "tokens" in cls.inputs and cls.advised]
+    attack = {
+        "aux": aux,
+        "targets": targets,
+        "epochs": settings.epochs,
+        "seed": settings.seed,
+        "device": settings.device,
+    }
+    rows = []
+    for cut, tail in cuts:
+        run_dir = out / ("cut" + label(cut, tail).replace(",", "_"))
+        summary = run({**probe, "cut": label(cut, tail), "out": str(run_dir), "overwrite": True}, progress=False)
+        experiment = load_run(run_dir, settings.device)
+        client, server = typing.cast(nn.Sequential, experiment.assemble(final_states(experiment)))
+        sample = experiment.data.test_x[:2].long()
+        client_flops, all_flops = linear_flops(client, server, sample)
+        # every client passes its sequences once a round
+        per_round = settings.rounds * sizes["train_subset"] * sample.shape[1]
+        found = {name: attack_run(run_dir, {**attack, "attack": name}) for name in token_attacks}
+        best = max(found, key=lambda name: found[name]["accuracy"])
+        rows.append(
+            {
+                "cut": label(cut, tail),
+                "u_shaped": tail is not None,
+                "targets_at_server": summary["comm_bytes_by_kind"].get("labels", 0) > 0,
+                "client_parameters": sum(p.numel() for p in client.parameters()),
+                "client_share": client_flops / all_flops,
+                "bytes_per_token": {k: v / per_round for k, v in summary["comm_bytes_by_kind"].items()},
+                "loss": summary["final_loss"],
+                "perplexity": summary["final_perplexity"],
+                "accuracy": summary["final_accuracy"],
+                "attack": best,
+                "recovery": found[best]["accuracy"],
+                "floor": found[best]["baseline"],
+                "attacks": {name: found[name]["accuracy"] for name in token_attacks},
+                "examples": found[best].get("examples", []),
+            }
+        )
+    result = {"settings": settings.model_dump(), "sizes": sizes, "rows": rows, **recommend(settings, rows)}
+    table = markdown(settings, sizes, rows, result)
+    write_json(out / "advise.json", result)
+    write_text(out / "advise.md", table)
+    return {**result, "out": str(out), "markdown": table, "files": ["advise.md", "advise.json"]}
+
+
+def bytes_up(row: dict[str, Any]) -> float:
+    from splitlab.ledger import KINDS
+
+    return sum(v for kind, v in row["bytes_per_token"].items() if KINDS[kind] == "up")
+
+
+def pareto_front(rows: list[dict[str, Any]]) -> list[str]:
+    """Candidates no other beats on all of loss, text recovered, targets at the server and bytes up per token."""
+
+    def costs(row: dict[str, Any]) -> tuple[float, ...]:
+        return (row["loss"], row["recovery"], float(row["targets_at_server"]), bytes_up(row))
+
+    def dominates(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+        return all(x <= y for x, y in zip(a, b)) and a != b
+
+    return [row["cut"] for row in rows if not any(dominates(costs(other), costs(row)) for other in rows)]
+
+
+def recommend(settings: AdviseSettings, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The Pareto front and the pick: among the front's candidates within `max_recovery`, the lowest
+    loss (then the least recovered); None if none meets the budget."""
+    front = pareto_front(rows)
+    within = [
+        row
+        for row in rows
+        if row["cut"] in front and (settings.max_recovery is None or row["recovery"] <= settings.max_recovery)
+    ]
+    best = min(within, key=lambda row: (row["loss"], row["recovery"]), default=None)
+    return {"pareto_front": front, "pick": None if best is None else best["cut"]}
+
+
+COLUMNS = (
+    ("cut", "cut", "{}"),
+    ("client_parameters", "client params", "{:,}"),
+    ("client_share", "client FLOPs share", "{:.1%}"),
+    ("up", "bytes up/token/round", "{}"),
+    ("down", "bytes down/token/round", "{}"),
+    ("targets_at_server", "targets at server", "{}"),
+    ("attack", "strongest attack", "{}"),
+    ("recovery", "text recovered", "{:.1%}"),
+    ("floor", "floor", "{:.1%}"),
+    ("loss", "loss", "{:.3f}"),
+    ("perplexity", "perplexity", "{:.2f}"),
+    ("accuracy", "next-token accuracy", "{:.1%}"),
+)
+
+
+def _by_kind(row: dict[str, Any], direction: str) -> str:
+    from splitlab.ledger import KINDS
+
+    kinds = [(kind, v) for kind, v in row["bytes_per_token"].items() if KINDS[kind] == direction]
+    return ", ".join(f"{kind} {v:.3g}" for kind, v in kinds) or "0"
+
+
+def markdown(
+    settings: AdviseSettings, sizes: dict[str, int], rows: list[dict[str, Any]], advice: dict[str, Any]
+) -> str:
+    head = (
+        f"# Cuts of {settings.model} on {settings.dataset}\n\n"
+        f"Probe: {settings.algorithm}, {settings.rounds} rounds, {settings.clients} clients, "
+        f"train_subset={sizes['train_subset']}, test_subset={sizes['test_subset']} sequences, "
+        f"defense={settings.defense}, seed={settings.seed}. Attacker: aux={sizes['aux']} sequences, "
+        f"targets={sizes['targets']}, decoder epochs={settings.epochs}; *text recovered* is the fraction of the "
+        f"targets' tokens the strongest token attack rebuilds from the final model's hidden states at the cut, "
+        f"*floor* what always answering the most frequent token gets (docs/privacy.md). Bytes per training "
+        f"token per round, by kind; cut A,B is U-shaped (the client keeps the stages from B on and the targets).\n\n"
+    )
+    cells = [{**row, "up": _by_kind(row, "up"), "down": _by_kind(row, "down")} for row in rows]
+    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cell(fmt, cell[key]) for key, _, fmt in COLUMNS) + " |" for cell in cells]
+    examples = ["", "Reconstructions by the strongest attack, first targets:"]
+    for row in rows:
+        examples += [
+            f"- cut {row['cut']}: true {e['original']!r}, recovered {e['reconstructed']!r}" for e in row["examples"]
+        ]
+    return head + "\n".join(lines) + "\n" + "\n".join(examples) + "\n\n" + words(settings, rows, advice) + "\n"
+
+
+def words(settings: AdviseSettings, rows: list[dict[str, Any]], advice: dict[str, Any]) -> str:
+    """The recommendation in a few sentences: the front, the pick and what it leaks, what U-shape removes."""
+    by_cut = {row["cut"]: row for row in rows}
+    said = [
+        f"Pareto front (loss, text recovered, targets at server, bytes up): cuts {', '.join(advice['pareto_front'])}."
+    ]
+    pick = advice["pick"]
+    if pick is None:
+        said.append(
+            f"No cut on the front keeps the recovered text within max_recovery={settings.max_recovery:g}: "
+            f"add a defense at the cut (e.g. noise) or relax the budget."
+        )
+    else:
+        row = by_cut[pick]
+        budget = f" within max_recovery={settings.max_recovery:g}" if settings.max_recovery is not None else ""
+        said.append(
+            f"Pick cut {pick} (the lowest loss on the front{budget}): there a curious server rebuilds "
+            f"{row['recovery']:.1%} of the client's text ({row['attack']}; floor {row['floor']:.1%})"
+            + ("; the next-token targets reach it in the clear." if row["targets_at_server"] else ".")
+        )
+        if row["recovery"] > row["floor"] + 0.1:
+            said.append("No depth measured here hides the text: add a defense at the cut to bring it to the floor.")
+    for row in rows:
+        if row["u_shaped"]:
+            plain = by_cut.get(row["cut"].split(",")[0])
+            extra = f" for {bytes_up(row) - bytes_up(plain):+.3g} bytes up per token" if plain else ""
+            said.append(
+                f"U-shaped cut {row['cut']} keeps the next-token targets on the client (no labels reach the "
+                f"server){extra}; the hidden states at the first cut still cross."
+            )
+            break
+    return " ".join(said)
+
+
+def _cell(fmt: str, value: Any) -> str:
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return fmt.format(value)
