@@ -12,13 +12,12 @@ from safetensors.torch import load_file
 from scipy.stats import rankdata
 
 from helpers import quick, train
-from splitlab.audit.common import defended_smashed
 from splitlab.audit.inversion import inversion
 from splitlab.audit.label_leak import cut_gradients, label_leak
 from splitlab.cli import main
 from splitlab.engine import run
 from splitlab.privacy.accounting import epsilon
-from splitlab.privacy.defenses import parse_defense
+from splitlab.privacy.defenses import parse_defense, received
 
 
 def digits_attacks(cut: int, defense: str) -> tuple[dict, dict]:
@@ -28,7 +27,7 @@ def digits_attacks(cut: int, defense: str) -> tuple[dict, dict]:
     client, server = experiment.assemble(experiment.algorithm.global_model())
     x, y, d = experiment.data.test_x, experiment.data.test_y, parse_defense(defense)
     aux, targets, labels = x[:200], x[200:], y[200:]
-    scores = inversion(client, d, aux, defended_smashed(client, targets, d, 1), targets, 20, 0)
+    scores = inversion(client, d, aux, received(client, targets, d, 1), targets, 20, 0)
     leak = label_leak(cut_gradients(client, server, targets, labels, d, 32, 0), labels)
     return scores, leak
 

@@ -22,7 +22,7 @@ def test_a_curious_server_reconstructs_the_tokens_from_the_hidden_states_at_cut_
     tokens = record["inputs"].long()
     assert result["baseline"] == float((tokens == result["baseline_token"]).float().mean())
     assert result["attacker"] == "decoder" and result["accuracy"] > result["baseline"] + 0.5
-    assert len(result["example"]["original"]) == 16  # characters: the vocabulary is LEAF's
+    assert [len(e["original"]) for e in result["examples"]] == [16] * 3  # characters: the vocabulary is LEAF's
     capsys.readouterr()
     for attack, message in [
         ("inversion", "it reconstructs images; on a language run use attack=token_inversion"),

@@ -12,17 +12,9 @@ import torch
 from torch import nn
 
 from splitlab.io import write_png
-from splitlab.privacy.defenses import Defense, decode
 
 DECODER_WIDTH = 512
 PSNR_CAP = 100.0  # dB; an exact reconstruction's PSNR is infinite, which JSON cannot hold
-
-
-def defended_smashed(client: nn.Module, x: torch.Tensor, defense: Defense, seed: int) -> torch.Tensor:
-    """What the server receives for inputs `x`: the client part's output, defended and through the wire."""
-    generator = torch.Generator(x.device).manual_seed(seed)
-    with torch.no_grad():
-        return torch.cat([decode(defense.encode(defense.protect(client(b), generator))) for b in x.split(256)])
 
 
 def fit(

@@ -22,9 +22,8 @@ import torch
 from torch import nn
 
 from splitlab.audit.attack import Attack, Target
-from splitlab.audit.common import defended_smashed
 from splitlab.audit.token_inversion import example_rows, examples, token_floor
-from splitlab.privacy.defenses import Defense
+from splitlab.privacy.defenses import Defense, received
 
 
 def token_embeddings(client: nn.Sequential, vocabulary: int, length: int) -> torch.Tensor:
@@ -68,7 +67,7 @@ def embedding_inversion(
     the auxiliary text (N, T); scored by the fraction of target tokens recovered."""
     candidates = token_embeddings(client, vocabulary, target_tokens.shape[1])
     raw = nearest_tokens(target_hidden, candidates)
-    aux_hidden = defended_smashed(client, aux_tokens, defense, seed + 1)
+    aux_hidden = received(client, aux_tokens, defense, seed + 1)
     mapping = embedding_map(aux_hidden, aux_tokens, candidates)
     mapped_hidden = torch.cat([target_hidden, torch.ones_like(target_hidden[..., :1])], -1) @ mapping
     mapped = nearest_tokens(mapped_hidden, candidates)
@@ -104,7 +103,7 @@ class EmbeddingInversion(Attack):
         if target.recorded:
             x, smashed = target.recorded[1]["inputs"].to(x.device).long(), target.recorded[1]["smashed"].to(x.device)
         else:
-            smashed = defended_smashed(target.client, x, target.defense, settings.seed)
+            smashed = received(target.client, x, target.defense, settings.seed)
         return embedding_inversion(
             typing.cast(nn.Sequential, target.client),
             target.defense,

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitlab.audit.attack import Attack, Target, VerticalTarget
-from splitlab.audit.common import DECODER_WIDTH, defended_smashed, fit, image_scores, write_picture
+from splitlab.audit.common import DECODER_WIDTH, fit, image_scores, write_picture
 from splitlab.errors import UserError
-from splitlab.privacy.defenses import Defense
+from splitlab.privacy.defenses import Defense, received
 
 
 class Inversion(Attack):
@@ -37,7 +37,7 @@ class Inversion(Attack):
         if target.recorded:
             x, smashed = (target.recorded[1][name].to(x.device) for name in ("inputs", "smashed"))
         else:
-            smashed = defended_smashed(target.client, x, target.defense, settings.seed)
+            smashed = received(target.client, x, target.defense, settings.seed)
         try:
             scores = inversion(target.client, target.defense, target.aux_x, smashed, x, settings.epochs, settings.seed)
         except ValueError as error:
@@ -67,7 +67,7 @@ class Inversion(Attack):
             for j, bottom in enumerate(target.model.bottoms):
                 if target.recorded is None:
                     inputs = plan.columns(target.x, j)
-                    smashed = defended_smashed(bottom, inputs, target.defense, settings.seed)
+                    smashed = received(bottom, inputs, target.defense, settings.seed)
                 else:
                     inputs, smashed = target.recorded[1][f"inputs@{j}"], target.recorded[1][f"smashed@{j}"]
                 scores = inversion(
@@ -133,7 +133,7 @@ def inversion(
             f"input reconstruction needs images (N, C, H, W) or table rows (N, columns), not inputs of shape "
             f"{tuple(target_inputs.shape)}"
         )
-    aux_smashed = defended_smashed(client, aux_inputs, defense, seed + 1)
+    aux_smashed = received(client, aux_inputs, defense, seed + 1)
     decoder = train_decoder(aux_smashed, aux_inputs, epochs, seed)
     with torch.no_grad():
         reconstructed = torch.cat([decoder(z) for z in target_smashed.split(256)]).view_as(target_inputs)

@@ -20,11 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitlab.audit.attack import Attack, Target, VerticalTarget
-from splitlab.audit.common import defended_smashed
 from splitlab.audit.records import load_record
 from splitlab.errors import UserError
 from splitlab.models import HeadAndTail
-from splitlab.privacy.defenses import Defense, decode
+from splitlab.privacy.defenses import Defense, decode, received
 
 LABELS_ARE_TOKENS = "a language run's labels are its next input tokens, which the client holds"
 
@@ -138,7 +137,7 @@ def cut_gradients(
 ) -> torch.Tensor:
     """The cut gradients the server would send for (x, y) (mean loss over each batch), as decoded."""
     grads = []
-    smashed = defended_smashed(client, x, defense, seed)
+    smashed = received(client, x, defense, seed)
     generator = torch.Generator(x.device).manual_seed(seed + 2)
     for z, labels in zip(smashed.split(batch_size), y.split(batch_size)):
         z = z.detach().requires_grad_()
@@ -159,7 +158,7 @@ def tail_gradients(
     """U-shaped: the gradients at the second cut the client's tail would send the server for (x, y)
     (mean loss over each batch), the server's output computed from the defended smashed data."""
     with torch.no_grad():
-        outputs = torch.cat([server(z) for z in defended_smashed(client, x, defense, seed).split(256)])
+        outputs = torch.cat([server(z) for z in received(client, x, defense, seed).split(256)])
     grads = []
     for output, labels in zip(outputs.split(batch_size), y.split(batch_size)):
         output = output.detach().requires_grad_()

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitlab.audit.attack import Attack, Target
-from splitlab.audit.common import defended_smashed, image_scores, write_picture
+from splitlab.audit.common import image_scores, write_picture
 from splitlab.errors import UserError
+from splitlab.privacy.defenses import received
 
 BATCH = 128  # targets reconstructed together, sharing the surrogate
 STEPS = 10  # descent steps on each coordinate (input, surrogate) per alternation
@@ -124,7 +125,7 @@ class UnSplit(Attack):
         if target.recorded:
             x, smashed = (target.recorded[1][name].to(x.device) for name in ("inputs", "smashed"))
         else:
-            smashed = defended_smashed(target.client, x, target.defense, settings.seed)
+            smashed = received(target.client, x, target.defense, settings.seed)
         try:
             scores = scored_unsplit(
                 target.client,
