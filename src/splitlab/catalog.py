@@ -81,8 +81,7 @@ def command_settings() -> dict[str, Any]:
     """Every command's settings model: `run` (RunConfig, then each algorithm's own keys as
     `run algorithm=<name>`, each model's as `run model=<name>`), then the other commands'. A new
     command with keys is added here."""
-    from splitlab.audit.advise import AdviseSettings
-    from splitlab.audit.settings import AttackSettings
+    from splitlab.audit.settings import AdviseSettings, AttackSettings
     from splitlab.config import RunConfig
     from splitlab.models import BUILT_IN, MODEL_PARAMS
     from splitlab.net.certs import CertsSettings

@@ -22,7 +22,7 @@ SETTINGS = {
     "evaluate": ["splitlab.splitgp_evaluation:EvaluationSettings"],
     "latency": ["splitlab.splitgp_latency:LatencySettings"],
     "attack": ["splitlab.audit.settings:AttackSettings"],
-    "advise": ["splitlab.audit.advise:AdviseSettings"],
+    "advise": ["splitlab.audit.settings:AdviseSettings"],
     "certs": ["splitlab.net.certs:CertsSettings"],
     **dict.fromkeys(["models", "algorithms", "datasets"], ["splitlab.plugins:ListingSettings"]),
     "generate": ["splitlab.runmodel:GenerateSettings"],

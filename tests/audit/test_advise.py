@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from splitlab.audit.advise import AdviseSettings, cut_costs, pareto_front, recommend
+from splitlab.audit.advise import cut_costs, pareto_front, recommend
+from splitlab.audit.settings import AdviseSettings
 from splitlab.cli import main
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from splitlab.audit.advise import AdviseSettings
+from splitlab.audit.settings import AdviseSettings
 from splitlab.errors import UserError
 from splitlab.io import write_json, write_text
 from splitlab.models.staged import UShaped
