@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from splitlab.errors import UserError
+from splitlab.privacy.defenses import received
 
 if TYPE_CHECKING:
     from splitlab.assembly import Experiment
@@ -57,6 +58,14 @@ class Target:
     aux_x: torch.Tensor  # the attacker's auxiliary samples, disjoint from the targets
     gradient: str  # what the server infers labels from: "cut_grad", or U-shaped "tail_grad"
     source: str  # what the targets are, for the result
+
+    def observed(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The targets' inputs and what the server received for them: the recorded round's, or the
+        final client part's output through the run's defenses (the attacker's own noise draw)."""
+        if self.recorded:
+            inputs, smashed = (self.recorded[1][name].to(self.x.device) for name in ("inputs", "smashed"))
+            return inputs, smashed
+        return self.x, received(self.client, self.x, self.defense, self.settings.seed)
 
 
 @dataclass

@@ -99,11 +99,8 @@ class EmbeddingInversion(Attack):
     why = "it searches the vocabulary's embeddings for the tokens of a language run; use attack=inversion"
 
     def run(self, target: Target) -> dict[str, Any]:
-        x, settings, experiment = target.x, target.settings, target.experiment
-        if target.recorded:
-            x, smashed = target.recorded[1]["inputs"].to(x.device).long(), target.recorded[1]["smashed"].to(x.device)
-        else:
-            smashed = received(target.client, x, target.defense, settings.seed)
+        settings, experiment = target.settings, target.experiment
+        x, smashed = target.observed()
         return embedding_inversion(
             typing.cast(nn.Sequential, target.client),
             target.defense,

@@ -33,11 +33,8 @@ class Inversion(Attack):
     vertical = "each party's features from its embedding"
 
     def run(self, target: Target) -> dict[str, Any]:
-        x, settings = target.x, target.settings
-        if target.recorded:
-            x, smashed = (target.recorded[1][name].to(x.device) for name in ("inputs", "smashed"))
-        else:
-            smashed = received(target.client, x, target.defense, settings.seed)
+        settings = target.settings
+        x, smashed = target.observed()
         try:
             scores = inversion(target.client, target.defense, target.aux_x, smashed, x, settings.epochs, settings.seed)
         except ValueError as error:

@@ -107,17 +107,14 @@ class TokenInversion(Attack):
     why = "it reconstructs the tokens of a language run; use attack=inversion"
 
     def run(self, target: Target) -> dict[str, Any]:
-        x, settings, experiment = target.x, target.settings, target.experiment
-        if target.recorded:
-            x, smashed = target.recorded[1]["inputs"].to(x.device).long(), target.recorded[1]["smashed"].to(x.device)
-        else:
-            smashed = received(target.client, x, target.defense, settings.seed)
+        settings, experiment = target.settings, target.experiment
+        x, smashed = target.observed()
         return token_inversion(
             target.client,
             target.defense,
             target.aux_x,
             smashed,
-            x,
+            x.long(),
             experiment.blueprint.num_classes,
             settings.epochs,
             settings.seed,
