@@ -388,14 +388,6 @@ class RunConfig(BaseModel):
         """`~` and `~user` as a shell would expand them (a folder literally named `~` is never meant)."""
         return None if value is None else os.path.expanduser(value)
 
-    @field_validator("partition")
-    @classmethod
-    def _check_partition(cls, value: str) -> str:
-        from splitlab.data import parse_partition_scheme
-
-        parse_partition_scheme(value)
-        return value
-
     @field_validator("lr_schedule")
     @classmethod
     def _check_lr_schedule(cls, value: str) -> str:
@@ -418,14 +410,6 @@ class RunConfig(BaseModel):
         from splitlab.augment import parse_augment
 
         parse_augment(value)
-        return value
-
-    @field_validator("defense")
-    @classmethod
-    def _check_defense(cls, value: str) -> str:
-        from splitlab.privacy.defenses import parse_defense
-
-        parse_defense(value)
         return value
 
     @field_validator("lora", mode="before")
@@ -486,10 +470,8 @@ def parse_lora(value: str) -> tuple[int, float]:
 UNSPLIT_ALGORITHMS = ("fedavg", "centralized")
 
 
-def _reads_files(dataset: str) -> bool:
-    from splitlab.data.datasets import WITHOUT_FILES
-
-    return dataset not in WITHOUT_FILES
+#: Datasets that read no files (bundled or generated): `data_dir` does not apply to them.
+WITHOUT_FILES = frozenset({"digits", "synthetic", "breast_cancer"})
 
 
 #: Keys of RunConfig that apply to every run.
@@ -538,7 +520,7 @@ ONLY_WHEN: dict[str, Applies] = {
         {"clients": "all", "train_range": "0:0.5"},
     ),
     "data_dir": Applies(
-        lambda r: _reads_files(r.dataset) and r.dataset != "jsonl",
+        lambda r: r.dataset not in WITHOUT_FILES and r.dataset != "jsonl",
         "this dataset reads no folder (bundled, generated, or dataset=jsonl's data_file)",
         {"dataset": "digits", "data_dir": "/tmp"},
     ),

@@ -31,7 +31,7 @@ from splitlab.models import HeadAndTail
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.random_streams import register_stream
 from splitlab.roles import random_stream
-from splitlab.runmodel import export_hf
+from splitlab.run_weights import export_hf
 from splitlab.transport import ClientDropped
 from splitlab.units import GIB, to_target
 

@@ -19,10 +19,11 @@ from splitlab.config import (
     check_no_booleans,
     from_text,
 )
+from splitlab.data import parse_partition_scheme
 from splitlab.errors import UserError, one_line, unknown_key
 from splitlab.models import MODEL_INPUTS, MODEL_PARAMS, NoModelParams, model_params
 from splitlab.plugins import load_plugins
-from splitlab.privacy.defenses import check_applies
+from splitlab.privacy.defenses import check_applies, parse_defense
 
 
 def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
@@ -54,6 +55,8 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
         raise UserError(one_line(err)) from None
     for settings in (run, params, model_settings):
         check_finite(settings)
+    parse_partition_scheme(run.partition)  # the named schemes and defenses live above the schema
+    parse_defense(run.defense)
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
     check_applicable(run, raw)

@@ -17,7 +17,7 @@ from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.generation import DecodingSettings, beam_search, decode, filtered, text_scores
 from splitlab.models import split
-from splitlab.runmodel import run_model
+from splitlab.run_weights import run_model
 
 COMMON = dict(model="gpt", layers=2, heads=2, width=16, context=32, seq_len=16, batch_size=8, device="cpu")
 

@@ -21,7 +21,7 @@ from splitlab.models import StagedModel, split
 from splitlab.models.lora import apply_lora, linear_layer_names, load_init
 from splitlab.privacy.defenses import check_task, parse_defense
 from splitlab.roles import Blueprint, ClientNode, Role
-from splitlab.runmodel import init_shapes, init_state
+from splitlab.run_weights import init_shapes, init_state
 from splitlab.settings.base import SERVER, DataShape, Hosted, Plan, Reports, Setting, as_arrays, as_tensors
 from splitlab.transport import Transport
 

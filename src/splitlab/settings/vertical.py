@@ -41,7 +41,7 @@ from splitlab.data.tables import csv_training_set, own_csv_table, table_ids
 from splitlab.errors import UserError
 from splitlab.privacy.record import PartyRecorder
 from splitlab.roles import Blueprint, ClientNode, Role
-from splitlab.runmodel import init_state
+from splitlab.run_weights import init_state
 from splitlab.settings.base import SERVER, DataShape, Hosted, Plan, Reports, Setting, as_arrays, as_tensors
 from splitlab.transport import Proxy, Transport
 
