@@ -422,8 +422,6 @@ def check_applies(config: Any, splits: bool) -> None:
             f"defense={config.defense}: {label_defenses[0]} protects labels the server holds; in a U-shaped split "
             f"(cut=A,B) they never leave the client (use a vanilla cut)"
         )
-    if label_defenses and config.setting == "vertical":
-        raise UserError(f"defense={config.defense}: {label_defenses[0]} is not implemented for setting=vertical")
 
 
 def check_task(defense: Defense, value: str, dataset: str, task: str, classes: int) -> None:

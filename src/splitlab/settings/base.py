@@ -19,7 +19,7 @@ import torch
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.assembly import Assembler
-from splitlab.config import ResolvedConfig
+from splitlab.config import ResolvedConfig, RunConfig
 from splitlab.data import Dataset
 from splitlab.roles import Blueprint, ClientNode, Role
 from splitlab.transport import Proxy, Transport
@@ -130,6 +130,11 @@ class Setting(abc.ABC):
         """Validate the run and derive its plan; UserError on bad input. `elsewhere`: the nodes
         are processes of their own that report their data (`splitlab server`); `reports(n)`: the
         n nodes' reports, once all have reported (with data=own the plan may come from them)."""
+
+    def releasers(self, run: RunConfig) -> int:
+        """How many parties release their own part of one sample each time it is used, each a
+        mechanism of its own in the privacy accounting: one, the client holding the sample."""
+        return 1
 
     @abc.abstractmethod
     def node_count(self, config: ResolvedConfig) -> int:

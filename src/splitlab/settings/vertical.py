@@ -39,6 +39,7 @@ from splitlab.data import Dataset
 from splitlab.data.partition import counts_report
 from splitlab.data.tables import csv_training_set, own_csv_table, table_ids
 from splitlab.errors import UserError
+from splitlab.privacy.defenses import parse_defense
 from splitlab.privacy.record import PartyRecorder
 from splitlab.roles import Blueprint, ClientNode, Role
 from splitlab.run_weights import init_state
@@ -178,6 +179,10 @@ class VerticalPlan(Parties):
 
 
 def _refusals(run: RunConfig) -> None:
+    defense = parse_defense(run.defense)
+    label_defenses = [name for name in ("marvell", "label_dp") if getattr(defense, name) is not None]
+    if label_defenses:  # they protect labels a client sends the server
+        raise UserError(f"defense={run.defense}: {label_defenses[0]} is not implemented for setting=vertical")
     checks = {
         "algorithm": (
             run.algorithm not in VERTICAL_ALGORITHMS,
@@ -514,6 +519,10 @@ class Vertical(Setting):
 
     def node_count(self, config: ResolvedConfig) -> int:
         return config.run.parties
+
+    def releasers(self, run: RunConfig) -> int:
+        """Every party releases its own embedding of a sample."""
+        return run.parties
 
     def node_here(self, config: ResolvedConfig, k: int) -> ClientNode:
         """Party `k`'s node, built in its own process: the same rows and initial weights as in
