@@ -77,7 +77,7 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         return made[0]
 
     def reports(nodes: int) -> dict[int, dict[str, Any]]:
-        return transport_().reported_parties(nodes)
+        return transport_().reports_to_plan(nodes)
 
     try:
         plan = setting_of(config).plan(config, transport is not None, reports)

@@ -655,10 +655,10 @@ class NetworkTransport(Transport):
     def reported_counts(self) -> list[list[int]]:
         return self.hub.reported_counts()
 
-    def reported_parties(self, parties: int) -> dict[int, dict[str, Any]]:
-        """What every party of a vertical run with its own files (data=own) reports of them, once
-        all have: the server plans the run from these (splitlab.settings.vertical)."""
-        self.hub.expect(dict.fromkeys(range(parties)), self.ledger, OwnPartyReports())
+    def reports_to_plan(self, nodes: int) -> dict[int, dict[str, Any]]:
+        """What every node of a run with its own files (data=own) reports of them, once all have,
+        checked as the reports a plan is made from (a vertical party's columns, rows and test ids)."""
+        self.hub.expect(dict.fromkeys(range(nodes)), self.ledger, OwnPartyReports())
         return self.hub.reported()
 
     def drop(self, client_id: int, reason: str) -> None:
