@@ -12,16 +12,10 @@ class AttackSettings(BaseModel):
     """The `splitlab attack` keys."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    attack: Literal[
-        "inversion",
-        "label_leak",
-        "unsplit",
-        "fsha",
-        "model_completion",
-        "token_inversion",
-        "embedding_inversion",
-        "gradient_matching",
-    ]
+    attack: str = Field(description="the attack: a built-in one (docs/privacy.md) or one a plugin defines")
+    plugins: str | None = Field(
+        None, min_length=1, description="modules of your own to import first (attacks: docs/extending.md)"
+    )
     round: int | None = Field(
         None,
         ge=1,
