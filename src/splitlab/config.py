@@ -474,14 +474,23 @@ UNSPLIT_ALGORITHMS = ("fedavg", "centralized")
 WITHOUT_FILES = frozenset({"digits", "synthetic", "breast_cancer"})
 
 
-#: Keys of RunConfig that apply to every run.
+#: Keys of RunConfig that apply to every run, but where a setting refuses them (splitlab.settings:
+#: `Setting.refused_keys`; the keys that only one setting takes are its `own_keys`).
 EVERYWHERE = frozenset(
     {"algorithm", "dataset", "data", "model", "cut", "clients", "participation", "rounds", "local_epochs"}
     | {"local_steps", "batch_size", "optimizer", "lr", "weight_decay", "seed", "device", "eval_every"}
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
     | {"backend", "checkpoint_every", "defense", "overwrite", "setting"}
     | {"init", "seq_len", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
-    | {"max_grad_norm", "precision", "gradient_checkpointing"}
+    | {"max_grad_norm", "precision", "gradient_checkpointing", "grad_accum"}
+)
+
+EVAL_GENERATE_WHY = (
+    "eval_generate continues the test prompts of a language dataset with references (e2e) with the global model"
+)
+U_SHAPE_WHY = (
+    "a U-shaped split needs clients that hold whole samples (not setting=vertical) and an algorithm that runs one "
+    "(docs/configurations.md)"
 )
 
 
@@ -533,11 +542,7 @@ ONLY_WHEN: dict[str, Applies] = {
         "this algorithm does not split the model: nothing crosses a cut to record",
         {"algorithm": "fedavg", "record": 10},
     ),
-    "eval_generate": Applies(
-        lambda r: r.setting == "vanilla" and r.data == "partition",
-        "eval_generate continues the test prompts of a language dataset with references (e2e) with the global model",
-        {"setting": "vertical", "eval_generate": 4},
-    ),
+    "eval_generate": Applies(lambda r: r.data == "partition", EVAL_GENERATE_WHY, {"data": "own", "eval_generate": 4}),
     "lora": Applies(
         lambda r: r.model == "hf" or r.init is not None,
         "LoRA fine-tunes a pretrained model's weights, and this one starts from random ones: give init=RUN_DIR "
@@ -559,30 +564,13 @@ ONLY_WHEN: dict[str, Applies] = {
         )
     },
     "tail_cut": Applies(  # which split algorithms run one: splitlab.resolve.check_u_shape, which comes first
-        lambda r: r.algorithm not in UNSPLIT_ALGORITHMS and r.setting == "vanilla",
-        "a U-shaped split needs clients that hold whole samples (not setting=vertical) and an algorithm that runs "
-        "one (docs/configurations.md)",
-        {"algorithm": "fedavg", "tail_cut": 3},
+        lambda r: r.algorithm not in UNSPLIT_ALGORITHMS, U_SHAPE_WHY, {"algorithm": "fedavg", "tail_cut": 3}
     ),
-    **{
-        key: Applies(lambda r: r.setting == "vertical", f"{key} is for parties; it needs setting=vertical", example)
-        for key, example in (
-            ("parties", {"parties": 3}),
-            ("features", {"features": "0-3/4-7"}),
-            ("labels_at", {"labels_at": 0}),
-            ("combine", {"combine": "sum"}),
-        )
-    },
     "base_dtype": Applies(
         lambda r: r.lora is not None and r.precision == "bf16",
         "only a LoRA model has a frozen base, which computes in bfloat16 under autocast: base_dtype needs "
         "lora=R:ALPHA and precision=bf16",
         {"base_dtype": "bfloat16"},
-    ),
-    "grad_accum": Applies(
-        lambda r: r.setting == "vanilla",
-        "a vertical run's parties step on every batch of shared samples; grad_accum needs setting=vanilla",
-        {"setting": "vertical", "grad_accum": 2},
     ),
     "deterministic": Applies(
         lambda r: r.device != "cpu",

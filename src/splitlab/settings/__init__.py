@@ -6,7 +6,8 @@ set intersection) are the two settings; a third is one more module and one more 
 
 from __future__ import annotations
 
-from splitlab.config import ResolvedConfig
+from splitlab.config import ResolvedConfig, RunConfig
+from splitlab.errors import UserError
 from splitlab.settings.base import Hosted, Plan, Setting
 from splitlab.settings.horizontal import Horizontal
 from splitlab.settings.vertical import Vertical
@@ -19,4 +20,15 @@ def setting_of(config: ResolvedConfig) -> Setting:
     return SETTINGS[config.run.setting]
 
 
-__all__ = ["SETTINGS", "Hosted", "Plan", "Setting", "setting_of"]
+def check_keys(config: ResolvedConfig) -> Setting:
+    """The run's setting, once a key that only another setting takes, or one this setting cannot
+    use, given other than its default, is refused in one line (as splitlab.config's ONLY_WHEN)."""
+    run, setting = config.run, setting_of(config)
+    others = {key: why for other in SETTINGS.values() if other is not setting for key, why in other.own_keys.items()}
+    for key, why in {**others, **setting.refused_keys}.items():
+        if getattr(run, key) != RunConfig.model_fields[key].default:
+            raise UserError(f"{key}={getattr(run, key)} does not apply here: {why}")
+    return setting
+
+
+__all__ = ["SETTINGS", "Hosted", "Plan", "Setting", "check_keys", "setting_of"]

@@ -11,8 +11,8 @@ from __future__ import annotations
 import abc
 import dataclasses
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -119,7 +119,14 @@ class Hosted:
 
 
 class Setting(abc.ABC):
-    """A way of holding a run's samples: how it is planned and where its roles are built."""
+    """A way of holding a run's samples: how it is planned and where its roles are built, and the
+    keys of RunConfig it alone takes or cannot use (refused, given other than their default, by
+    `check_keys`)."""
+
+    #: keys that only this setting takes -> why, said where another setting is given one
+    own_keys: ClassVar[Mapping[str, str]] = {}
+    #: keys of every run that this setting cannot use -> why
+    refused_keys: ClassVar[Mapping[str, str]] = {}
 
     @abc.abstractmethod
     def check(self, config: ResolvedConfig) -> None:

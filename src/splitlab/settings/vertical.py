@@ -34,7 +34,7 @@ from splitlab.algorithms.vertical_sl import (
     vertical_models,
 )
 from splitlab.assembly import blueprint_of, load_data, resolve_device, seeded_subset, test_set
-from splitlab.config import ResolvedConfig, RunConfig
+from splitlab.config import EVAL_GENERATE_WHY, U_SHAPE_WHY, ResolvedConfig, RunConfig
 from splitlab.data import Dataset
 from splitlab.data.partition import counts_report
 from splitlab.data.tables import csv_training_set, own_csv_table, table_ids
@@ -46,6 +46,8 @@ from splitlab.run_weights import init_state
 from splitlab.settings.base import SERVER, DataShape, Hosted, Plan, Reports, Setting, as_arrays, as_tensors
 from splitlab.transport import Proxy, Transport
 
+#: the keys of RunConfig that only a vertical run takes
+PARTY_KEYS = ("parties", "features", "labels_at", "combine")
 #: algorithm -> its meaning in the vertical setting (the others have none here yet)
 VERTICAL_ALGORITHMS = {"sl": VerticalSplitNN}
 
@@ -485,6 +487,17 @@ def own_report(columns: int, test_ids: np.ndarray, classes: int) -> dict[str, An
 
 class Vertical(Setting):
     """Parties holding different features of shared samples."""
+
+    own_keys = {
+        key: f"{key} is for parties; it needs setting=vertical"
+        for key in ("parties", "features", "labels_at", "combine")
+    }
+    refused_keys = {
+        "eval_generate": EVAL_GENERATE_WHY,
+        "tail_cut": U_SHAPE_WHY,
+        "grad_accum": "a vertical run's parties step on every batch of shared samples; grad_accum needs "
+        "setting=vanilla",
+    }
 
     def check(self, config: ResolvedConfig) -> None:
         plan_vertical(config)
