@@ -35,6 +35,7 @@ from splitlab.errors import UserError
 from splitlab.io import write_json
 from splitlab.models import HeadAndTail, output_shape
 from splitlab.plugins import load_plugins
+from splitlab.settings import stored_setting
 
 RESULTS = "attack.json"
 
@@ -48,7 +49,7 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     attack = attack_named(settings.attack)
     path = Path(run_dir)
     stored = rundir.stored_config(path, "attack", "point attack at a finished run's directory")
-    if stored.get("setting") == "vertical":  # parties holding features: played per party
+    if not stored_setting(stored).whole_samples:  # parties holding features: played per party
         from splitlab.audit.vertical import vertical_target
 
         vertical = vertical_target(path, stored, settings, check_vertical(settings.attack))

@@ -6,6 +6,9 @@ set intersection) are the two settings; a third is one more module and one more 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from splitlab.config import ResolvedConfig, RunConfig
 from splitlab.errors import UserError
 from splitlab.settings.base import Hosted, Plan, Setting
@@ -20,6 +23,12 @@ def setting_of(config: ResolvedConfig) -> Setting:
     return SETTINGS[config.run.setting]
 
 
+def stored_setting(stored: Mapping[str, Any]) -> Setting:
+    """The setting of a finished run's stored config (a name that is none: the default's, whose
+    build then refuses it in one line)."""
+    return SETTINGS.get(str(stored.get("setting")), SETTINGS[RunConfig.model_fields["setting"].default])
+
+
 def check_keys(config: ResolvedConfig) -> Setting:
     """The run's setting, once a key that only another setting takes, or one this setting cannot
     use, given other than its default, is refused in one line (as splitlab.config's ONLY_WHEN)."""
@@ -31,4 +40,4 @@ def check_keys(config: ResolvedConfig) -> Setting:
     return setting
 
 
-__all__ = ["SETTINGS", "Hosted", "Plan", "Setting", "check_keys", "setting_of"]
+__all__ = ["SETTINGS", "Hosted", "Plan", "Setting", "check_keys", "setting_of", "stored_setting"]

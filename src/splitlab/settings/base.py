@@ -123,6 +123,9 @@ class Setting(abc.ABC):
     keys of RunConfig it alone takes or cannot use (refused, given other than their default, by
     `check_keys`)."""
 
+    #: each node holds whole samples, and a finished run is rebuilt whole (splitlab.finished_run);
+    #: False: nodes hold parts of each sample, and the setting reads a finished run (vertical: load_final)
+    whole_samples: ClassVar[bool] = True
     #: keys that only this setting takes -> why, said where another setting is given one
     own_keys: ClassVar[Mapping[str, str]] = {}
     #: keys of every run that this setting cannot use -> why

@@ -488,10 +488,8 @@ def own_report(columns: int, test_ids: np.ndarray, classes: int) -> dict[str, An
 class Vertical(Setting):
     """Parties holding different features of shared samples."""
 
-    own_keys = {
-        key: f"{key} is for parties; it needs setting=vertical"
-        for key in ("parties", "features", "labels_at", "combine")
-    }
+    whole_samples = False
+    own_keys = {key: f"{key} is for parties; it needs setting=vertical" for key in PARTY_KEYS}
     refused_keys = {
         "eval_generate": EVAL_GENERATE_WHY,
         "tail_cut": U_SHAPE_WHY,
