@@ -300,8 +300,11 @@ class Checks:
                 raise Refused(f"{slot}.{name} is {_form(tensor)}, expected {want.dtype} {tuple(want.shape)}")
 
     def _role_state(self, state: Any) -> None:
-        if not isinstance(state, dict) or set(state) != {"models", "optimizers"}:
-            raise Refused("a client's state must hold exactly 'models' and 'optimizers'")
+        keys = {"models", "optimizers"} | ({"loss_scale"} if self.blueprint.config.precision == "fp16" else set())
+        if not isinstance(state, dict) or set(state) != keys:
+            raise Refused(f"a client's state must hold exactly {', '.join(map(repr, sorted(keys)))}")
+        if "loss_scale" in state:
+            _loss_scale(state["loss_scale"])
         models, optimizers = state["models"], state["optimizers"]
         if not isinstance(models, dict) or not isinstance(optimizers, dict):
             raise Refused("a client's state's models and optimizers must be dicts")
@@ -389,6 +392,15 @@ def _tensor(result: dict, key: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise Refused(f"{key} is a {type(value).__name__}, expected a tensor")
     return value
+
+
+def _loss_scale(state: Any) -> None:
+    """precision=fp16: a role's (scale, finite steps), splitlab.loss_scale.LossScale.state."""
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.float64 or tuple(state.shape) != (2,):
+        raise Refused(f"loss_scale is {_form(state)}, expected torch.float64 (2,)")
+    scale, steps = state.tolist()
+    if not (scale > 0 and steps >= 0 and steps == int(steps)):
+        raise Refused(f"loss_scale holds scale {scale} and {steps} steps, expected a scale > 0 and a whole count")
 
 
 def _psi_bytes(where: str, message: Any, points: int) -> None:
