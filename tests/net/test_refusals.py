@@ -240,9 +240,10 @@ def test_checks_take_fp16_and_a_clients_loss_scale():
     assert sent["smashed"].dtype == torch.float16
     fp16.result("forward", FORWARD, (0,), sent)
     state = node.state_dict()
-    fp16.result("state_dict", ClientNode.state_dict.__verb__, (), state)
+    verb = ClientNode.state_dict.__verb__
+    fp16.result("state_dict", verb, (), state)
     with pytest.raises(Refused, match="must hold exactly 'loss_scale', 'models', 'optimizers'"):
-        fp16.result("state_dict", ClientNode.state_dict.__verb__, (), {k: v for k, v in state.items() if k != "loss_scale"})
+        fp16.result("state_dict", verb, (), {k: v for k, v in state.items() if k != "loss_scale"})
     for bad in (torch.tensor([0.0, 1.0], dtype=torch.float64), torch.tensor([2.0, 0.5], dtype=torch.float64)):
         with pytest.raises(Refused, match="loss_scale holds"):
-            fp16.result("state_dict", ClientNode.state_dict.__verb__, (), {**state, "loss_scale": bad})
+            fp16.result("state_dict", verb, (), {**state, "loss_scale": bad})
