@@ -63,6 +63,27 @@ def test_an_overflow_skips_the_step_backs_off_and_never_crosses(monkeypatch):
     assert taken == 1 and sorted(node.loss_scale.scale for node in direct.roles.clients) == [2.0**39, 2.0**40, 2.0**40]
 
 
+@pytest.mark.parametrize("initial", [2.0**16, 2.0**40], ids=["fitting", "overflowing"])
+def test_u_shaped_fp16_sends_the_second_cuts_gradient_scaled_and_transports_agree(monkeypatch, initial):
+    """cut=1,2: the client's tail scales its loss; the gradient at the second cut goes up scaled,
+    with the client's scale (an overflow there: zeros and scale 0, and the server skips as well);
+    the server's scaled cut gradient comes down. In process and serialized alike, bit for bit."""
+    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", initial)
+    config = dict(FP16, algorithm="sfl_v2", cut="1,2")
+    before = evaluate(train(0, **config))["loss"]
+    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
+    assert max_abs_difference(global_weights(direct), global_weights(serialized)) == 0
+    ledger = direct.ledger.state_dict()
+    assert ledger == serialized.ledger.state_dict() and "labels" not in ledger
+    assert ledger["server_output"] == 2 * 300 * 200 * 2  # the server's output at the second cut, fp16
+    assert ledger["tail_grad"] == ledger["cut_grad"] == 2 * (300 * 200 * 2 + STEPS_PER_ROUND * 4)
+    scales = [role.loss_scale.scale for role in (direct.roles.server, *direct.roles.clients)]
+    if initial == 2.0**16:
+        assert evaluate(direct)["loss"] < before - 0.1 and set(scales) == {2.0**16}
+    else:  # every tail overflows (its client halves, 8 steps each); the server skips every step unscaled
+        assert scales == [2.0**40, *[2.0**32] * 3] and "server_model" not in direct.roles.server.optimizers
+
+
 def test_fp16_resumes_with_every_roles_loss_scale(monkeypatch):
     """The scales back off in round 1; a run resumed before round 2 scales as the straight one."""
     monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**30)
@@ -102,7 +123,6 @@ def test_a_scaled_cut_gradient_is_checked_and_a_skipped_one_reads_as_none():
     ("settings", "why"),
     [
         ({"algorithm": "fsl_sage"}, "algorithm=fsl_sage does not declare it"),
-        ({"algorithm": "sfl_v2", "cut": "1,2"}, "U-shaped"),
         ({"algorithm": "sfl_v2", "defense": "gradnoise:0.1"}, "noise on cut gradients"),
         ({"dataset": "shakespeare", "model": "lstm"}, "no float16 LSTM kernel on the CPU"),
     ],

@@ -51,19 +51,29 @@ class LossScale:
         """Divide `grads` (the parameters' gradients) by S in place; whether they and `sent` (the
         scaled cut gradients that will cross) are all finite. Then the scale follows: a step not
         finite is to be skipped and halves it; `GROWTH_INTERVAL` finite ones double it. One sync."""
-        self.used = self.scale
         if grads:
             torch._foreach_mul_(list(grads), 1.0 / self.scale)
-        checked = [torch.isfinite(g).all() for g in (*grads, *sent)]
-        finite = not checked or bool(torch.stack(checked).all())
+        finite = self.crossing([*grads, *sent])
         if finite:
             self.finite_steps += 1
             if self.finite_steps == GROWTH_INTERVAL:
                 self.scale, self.finite_steps = self.scale * GROWTH_FACTOR, 0
-        else:
-            self.used = 0.0
-            self.scale, self.finite_steps = self.scale * BACKOFF_FACTOR, 0
         return finite
+
+    def crossing(self, grads: Sequence[torch.Tensor]) -> bool:
+        """Whether scaled gradients about to cross (and decide a step) are finite; if not, the step
+        is skipped (`used` 0, what crosses is zeros) and S halves. One sync."""
+        self.used = self.scale
+        checked = [torch.isfinite(g).all() for g in grads]
+        if not checked or bool(torch.stack(checked).all()):
+            return True
+        self.skip()
+        self.scale, self.finite_steps = self.scale * BACKOFF_FACTOR, 0
+        return False
+
+    def skip(self) -> None:
+        """This step is not taken, here or (scale 0 crossing) on the other side: nothing of it crosses."""
+        self.used = 0.0
 
     def state(self) -> torch.Tensor:
         """(scale, finite steps) for a checkpoint: a resumed run scales as the straight one."""
@@ -77,6 +87,11 @@ class LossScale:
 def scaled(wire: Any, scale: float, device: torch.device) -> dict[str, Any]:
     """A cut gradient as it crosses under fp16: its wire form (scaled by `scale`) and the scale."""
     return {"grad": wire, "scale": torch.tensor(scale, dtype=torch.float32, device=device)}
+
+
+def outgoing(grad: torch.Tensor, loss_scale: LossScale) -> torch.Tensor:
+    """`grad`, computed under `loss_scale`'s last step, as it may cross: zeros if that step was skipped."""
+    return grad if loss_scale.used else torch.zeros_like(grad)
 
 
 def unscaled(message: Any) -> torch.Tensor | None:

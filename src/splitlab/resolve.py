@@ -100,8 +100,6 @@ def check_fp16(run: RunConfig) -> None:
     why = ""
     if not algorithm.supports_fp16:
         why = f"algorithm={run.algorithm} does not declare it (supports_fp16, docs/extending.md)"
-    elif run.tail_cut is not None:
-        why = f"cut={run.cut},{run.tail_cut} (U-shaped): the gradient at the second cut does not carry a loss scale yet"
     elif parse_defense(run.defense).noises_gradients:
         why = f"defense={run.defense}: noise on cut gradients is drawn for unscaled float32 values"
     elif run.model == "lstm" and run.device != "cuda":

@@ -34,7 +34,7 @@ from torch.nn.utils import get_total_norm
 from splitlab.augment import STREAM_AUGMENT, Augmentation, augmented, parse_augment
 from splitlab.config import RunConfig
 from splitlab.errors import NonFiniteStep
-from splitlab.loss_scale import LossScale, scaled, unscaled
+from splitlab.loss_scale import LossScale, outgoing, scaled, unscaled
 from splitlab.losses import Loss, parse_loss
 from splitlab.metrics import logits_in_batches
 from splitlab.models import (
@@ -779,8 +779,7 @@ class TrainingServer(Role[ParamsT]):
         then compressed as configured."""
         defense = self.blueprint.defense
         if self.loss_scale is not None:  # fp16: scaled as computed, with its scale; zeros if the step was skipped
-            used = self.loss_scale.used
-            return scaled(defense.encode(grad if used else torch.zeros_like(grad)), used, grad.device)
+            return scaled(defense.encode(outgoing(grad, self.loss_scale)), self.loss_scale.used, grad.device)
         generator = None
         if defense.noises_gradients:
             generator = keys.generator(

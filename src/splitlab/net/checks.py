@@ -35,6 +35,7 @@ import torch
 
 from splitlab.algorithms.vertical_sl import FeatureParty, parse_features
 from splitlab.data.datasets import SUMMARY_KEYS, data_summary
+from splitlab.loss_scale import unscaled
 from splitlab.privacy import defenses
 from splitlab.roles import Blueprint, ClientNode, pooled
 from splitlab.targets import IGNORED
@@ -177,7 +178,7 @@ class Checks:
         if "labels" in result:
             self._labels(_tensor(result, "labels"), batch)
         if "tail_grad" in result:  # tail_step(step, output): the gradient at the output sent
-            grad, output = _tensor(result, "tail_grad"), args[1]
+            grad, output = self._tail_grad(result["tail_grad"]), args[1]
             if grad.dtype != output.dtype or grad.shape != output.shape:
                 raise Refused(f"tail_grad is {_form(grad)}, expected {_form(output)} (the server's output)")
         if "loss" in result:
@@ -189,6 +190,17 @@ class Checks:
             routed = _tensor(result, "evaluation")
             if routed.dtype != torch.bool or tuple(routed.shape) != (args[0],) or int(routed.sum()) != batch:
                 raise Refused(f"evaluation is {_form(routed)}, expected torch.bool ({args[0]},) with {batch} set")
+
+    def _tail_grad(self, message: Any) -> torch.Tensor:
+        """The gradient at the second cut as sent; fp16: its scaled form and scale, checked (the
+        scaled values are what must fit the server's output)."""
+        if self.blueprint.config.precision != "fp16":
+            return _tensor({"tail_grad": message}, "tail_grad")
+        try:
+            unscaled(message)
+        except ValueError as error:
+            raise Refused(f"tail_grad: {error}") from None
+        return _tensor(message, "grad")
 
     def _labels(self, labels: torch.Tensor, batch: int | None) -> None:
         """The task's targets of `batch` samples: int64 (B,) classes in [0, classes), or for a
