@@ -247,3 +247,22 @@ def test_checks_take_fp16_and_a_clients_loss_scale():
     for bad in (torch.tensor([0.0, 1.0], dtype=torch.float64), torch.tensor([2.0, 0.5], dtype=torch.float64)):
         with pytest.raises(Refused, match="loss_scale holds"):
             fp16.result("state_dict", verb, (), {**state, "loss_scale": bad})
+
+
+def test_checks_take_a_u_shaped_fp16_tail_gradient_with_its_scale_and_refuse_a_bad_one():
+    from splitlab.u_shaped import UShapedClient
+
+    experiment = build(quick(clients=2, train_subset=100, precision="fp16", cut="1,2"))
+    node, server, checks = experiment.roles.clients[0], experiment.roles.server, Checks(experiment.blueprint)
+    node.begin_round(0)
+    output = server.forward_middle(node.forward(0)["smashed"])
+    sent, verb = node.tail_step(0, output), UShapedClient.tail_step.__verb__
+    checks.result("tail_step", verb, (0, output), sent)
+    scaled = sent["tail_grad"]
+    for bad, why in (
+        ({**scaled, "scale": -scaled["scale"]}, "scale must be finite and not negative"),
+        ({**scaled, "grad": scaled["grad"].float()}, "tail_grad is torch.float32"),
+        (scaled["grad"], "must come as its scaled value and its scale"),
+    ):
+        with pytest.raises(Refused, match=why):
+            checks.result("tail_step", verb, (0, output), {**sent, "tail_grad": bad})
