@@ -123,6 +123,7 @@ def test_a_scaled_cut_gradient_is_checked_and_a_skipped_one_reads_as_none():
     ("settings", "why"),
     [
         ({"algorithm": "fsl_sage"}, "algorithm=fsl_sage does not declare it"),
+        ({"setting": "vertical", "algorithm": "sl", "dataset": "breast_cancer"}, "setting=vertical"),
         ({"algorithm": "sfl_v2", "defense": "gradnoise:0.1"}, "noise on cut gradients"),
         ({"dataset": "shakespeare", "model": "lstm"}, "no float16 LSTM kernel on the CPU"),
     ],

@@ -100,6 +100,8 @@ def check_fp16(run: RunConfig) -> None:
     why = ""
     if not algorithm.supports_fp16:
         why = f"algorithm={run.algorithm} does not declare it (supports_fp16, docs/extending.md)"
+    elif run.setting == "vertical":
+        why = "setting=vertical: its parties and top model step through verbs of their own, not built for it"
     elif parse_defense(run.defense).noises_gradients:
         why = f"defense={run.defense}: noise on cut gradients is drawn for unscaled float32 values"
     elif run.model == "lstm" and run.device != "cuda":
