@@ -417,7 +417,7 @@ class Role(Generic[ParamsT]):
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         result = backward()
-        if not self.unscaled([self.gradients(slot) for slot in slots]):
+        if not self.unscale_for_step([self.gradients(slot) for slot in slots]):
             for optimizer in optimizers:  # fp16: a step that overflowed is skipped
                 optimizer.zero_grad(set_to_none=True)
             return result
@@ -433,13 +433,13 @@ class Role(Generic[ParamsT]):
         """Back-propagate (tensor, gradient) pairs, gradient None for a loss (a pair whose tensor is
         None is left out): every backward pass of a step goes through here, where precision=fp16
         multiplies each seed by the role's loss scale."""
-        if self.loss_scale is not None:
-            loss_scale = self.loss_scale
-            pairs = tuple(loss_scale.seed(tensor, grad) for tensor, grad in pairs if tensor is not None)
+        scale = self.loss_scale
+        if scale is not None:
+            pairs = tuple(scale.seed(tensor, grad) for tensor, grad in pairs if tensor is not None)
             self._seeded = True
         defenses.backward(*pairs)
 
-    def unscaled(self, grads: list[list[torch.Tensor]], sent: tuple[torch.Tensor, ...] = ()) -> bool:
+    def unscale_for_step(self, grads: list[list[torch.Tensor]], sent: tuple[torch.Tensor, ...] = ()) -> bool:
         """Whether the step may go on: without fp16, always; with it, the gradients `grads` are
         divided by the loss scale, and the step goes on if they and `sent` (scaled cut gradients)
         are finite (splitlab.loss_scale)."""
@@ -740,7 +740,7 @@ class TrainingServer(Role[ParamsT]):
         if value is None and isinstance(result, torch.Tensor):
             value = result
         cut_grads = [z.grad for z in inputs if z.grad is not None]
-        taken = self.unscaled([self.gradients(slot)], tuple(cut_grads))
+        taken = self.unscale_for_step([self.gradients(slot)], tuple(cut_grads))
         grads = self.gradients(slot) if taken else []  # fp16: an overflow skips the step, its loss still checked
         unscale = self.loss_scale.used if self.loss_scale is not None and taken else 1.0
         figures = {  # STEP_FIGURES

@@ -65,9 +65,10 @@ class UShapedClient(ClientNode[ParamsT]):
         else:  # fp16: scaled, with the client's scale; an overflow here skips the step on both sides
             self.loss_scale.crossing([grad, *tail_grads])
             tail_grad = scaled(outgoing(grad, self.loss_scale), self.loss_scale.used, grad.device)
-        received = grad if self.loss_scale is None else unscaled(tail_grad)
-        if self.blueprint.recorder is not None and received is not None:
-            self.blueprint.recorder.received_tail(self.id, step, received)
+        if self.blueprint.recorder is not None:  # the gradient as the server reads it (fp16: unscaled)
+            received = grad if self.loss_scale is None else unscaled(tail_grad)
+            if received is not None:
+                self.blueprint.recorder.received_tail(self.id, step, received)
         return {"tail_grad": tail_grad, "loss": value.detach()}
 
     def backpropagate(self, step: int, *pairs: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
