@@ -417,7 +417,7 @@ class Role(Generic[ParamsT]):
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         result = backward()
-        if not self.unscale_for_step([self.gradients(slot) for slot in slots]):
+        if not self.unscale_for_step(slots):
             for optimizer in optimizers:  # fp16: a step that overflowed is skipped
                 optimizer.zero_grad(set_to_none=True)
             return result
@@ -439,8 +439,8 @@ class Role(Generic[ParamsT]):
             self._seeded = True
         defenses.backward(*pairs)
 
-    def unscale_for_step(self, grads: list[list[torch.Tensor]], sent: tuple[torch.Tensor, ...] = ()) -> bool:
-        """Whether the step may go on: without fp16, always; with it, the gradients `grads` are
+    def unscale_for_step(self, slots: tuple[str, ...], sent: tuple[torch.Tensor, ...] = ()) -> bool:
+        """Whether the step may go on: without fp16, always; with it, the gradients of `slots` are
         divided by the loss scale, and the step goes on if they and `sent` (scaled cut gradients)
         are finite (splitlab.loss_scale)."""
         if self.loss_scale is None:
@@ -448,7 +448,7 @@ class Role(Generic[ParamsT]):
         if not self._seeded:
             raise RuntimeError(f"{type(self).__name__}'s step back-propagated without Role.backward_pass, unscaled")
         self._seeded = False
-        return self.loss_scale.unscale([g for slot in grads for g in slot], sent)
+        return self.loss_scale.unscale([g for slot in slots for g in self.gradients(slot)], sent)
 
     def clip(self, slot: str, norm: torch.Tensor | None = None) -> None:
         """`max_grad_norm=`: scale `slot`'s gradients to at most that total norm (`norm`, if known)."""
@@ -740,7 +740,7 @@ class TrainingServer(Role[ParamsT]):
         if value is None and isinstance(result, torch.Tensor):
             value = result
         cut_grads = [z.grad for z in inputs if z.grad is not None]
-        taken = self.unscale_for_step([self.gradients(slot)], tuple(cut_grads))
+        taken = self.unscale_for_step((slot,), tuple(cut_grads))
         grads = self.gradients(slot) if taken else []  # fp16: an overflow skips the step, its loss still checked
         unscale = self.loss_scale.used if self.loss_scale is not None and taken else 1.0
         figures = {  # STEP_FIGURES
