@@ -315,7 +315,7 @@ class FeatureParty(IdHolder, ClientNode[NoParams]):
         """The bottom model on this party's columns of test samples `start` to `stop`, as the whole
         model is evaluated (eval mode, no defense at the cut), for the joint evaluation."""
         model = self.model("client_model")
-        with inference(model):
+        with inference(model), self.blueprint.autocast():
             return model(self.inputs(self.test_x[start:stop]))
 
 
@@ -382,7 +382,7 @@ class VerticalServer(IdHolder, TrainingServer[NoParams]):
     def test_logits(self, embeddings: list[torch.Tensor]) -> torch.Tensor:
         """The top model (eval mode) on the parties' embeddings of one batch of test samples, combined."""
         model = self.model("server_model")
-        with inference(model):
+        with inference(model), self.blueprint.autocast():
             return model(self.plan.join(embeddings, self.shapes))
 
     @verb()

@@ -576,8 +576,8 @@ def load_final(path: Path, stored: dict[str, Any], device: str) -> tuple[Resolve
 def evaluate_vertical(path: Path, stored: dict[str, Any], device: str) -> dict[str, float]:
     """A finished vertical run's final model on its test set, computed as the run computed its
     final metrics (every party's features of each test sample, combined, through the top model)."""
-    from splitlab.metrics import TASK_METRICS, logits_in_batches
+    from splitlab.metrics import TASK_METRICS
 
     config, vertical, model = load_final(path, stored, device)
     x, y = test_set(config, vertical.data, vertical.blueprint.device)
-    return TASK_METRICS[vertical.data.task](logits_in_batches(model, x, vertical.blueprint.inference_batch), y)
+    return TASK_METRICS[vertical.data.task](vertical.blueprint.logits(model, x), y)
