@@ -154,7 +154,7 @@ def _plot(file: Path, settings: AdviseSettings, rows: list[dict[str, Any]]) -> N
     plot_per_cut(
         file,
         f"{settings.model} on {settings.dataset}",
-        column("cut"),
+        [row["cut"] for row in rows],
         {"bytes up per token (rel.)": [bytes_up(row) for row in rows]},
         {
             "client FLOPs share": column("client_share"),
