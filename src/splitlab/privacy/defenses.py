@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from splitlab.errors import UserError
+from splitlab.models.staged import HeadAndTail
 
 #: the delta of (epsilon, delta) when none is given (`dp:epsilon=E`, and the reported epsilon)
 DELTA = 1e-5
@@ -127,10 +128,11 @@ class Defense:
 
     def client_output(self, client: nn.Module, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """The client part on `x`: with `dchi:E`, d_chi-privacy noise on every token's embedding
-        (the first stage's output), which the client's later stages only post-process."""
+        (the first stage's output), which the client's later stages only post-process (in a
+        U-shaped split, those before the first cut: calling a `HeadAndTail` runs its head)."""
         if self.dchi is None:
             return client(x)
-        first, *rest = client.children()
+        first, *rest = list(client.children())[: client.head_stages if isinstance(client, HeadAndTail) else None]
         hidden = first(x)
         hidden = hidden + dchi_noise(hidden, self.dchi, generator)
         for stage in rest:
@@ -414,16 +416,17 @@ def check_applies(config: Any, splits: bool) -> None:
             "noise_key= applies to a randomised defense (noise, dp, gradnoise, marvell, label_dp, dchi), "
             f"not {config.defense!r}"
         )
-    if defense.dchi is not None and config.tail_cut is not None:
-        raise UserError(f"defense={config.defense}: dchi is not implemented for U-shaped splits (cut=A,B)")
     label_defenses = [name for name in ("marvell", "label_dp") if getattr(defense, name) is not None]
     if label_defenses and config.tail_cut is not None:
         raise UserError(
             f"defense={config.defense}: {label_defenses[0]} protects labels the server holds; in a U-shaped split "
             f"(cut=A,B) they never leave the client (use a vanilla cut)"
         )
-    if label_defenses and config.setting == "vertical":
-        raise UserError(f"defense={config.defense}: {label_defenses[0]} is not implemented for setting=vertical")
+    if defense.label_dp is not None and config.setting == "vertical":
+        raise UserError(
+            f"defense={config.defense}: label_dp is not implemented for setting=vertical: with labels_at=server the "
+            "labels never leave the server, and randomised response at a labelled party is not built"
+        )
 
 
 def check_task(defense: Defense, value: str, dataset: str, task: str, classes: int) -> None:
