@@ -31,7 +31,6 @@ import torch
 from splitlab.audit.run import attack_run
 from splitlab.engine import run
 
-
 TOKENS_HEADER = (
     "| defense | test loss | next-token accuracy / deployed | token_inversion | embedding_inversion | floor |"
 )
