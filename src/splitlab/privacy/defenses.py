@@ -423,11 +423,6 @@ def check_applies(config: Any, splits: bool) -> None:
             f"defense={config.defense}: {label_defenses[0]} protects labels the server holds; in a U-shaped split "
             f"(cut=A,B) they never leave the client (use a vanilla cut)"
         )
-    if defense.label_dp is not None and config.setting == "vertical":
-        raise UserError(
-            f"defense={config.defense}: label_dp is not implemented for setting=vertical: with labels_at=server the "
-            "labels never leave the server, and randomised response at a labelled party is not built"
-        )
 
 
 def check_task(defense: Defense, value: str, dataset: str, task: str, classes: int) -> None:

@@ -179,6 +179,11 @@ class VerticalPlan(Parties):
 
 
 def _refusals(run: RunConfig) -> None:
+    if parse_defense(run.defense).label_dp is not None:  # marvell is built: the server noises every party's gradient
+        raise UserError(
+            f"defense={run.defense}: label_dp is not implemented for setting=vertical: with labels_at=server the "
+            "labels never leave the server, and randomised response at a labelled party is not built"
+        )
     checks = {
         "algorithm": (
             run.algorithm not in VERTICAL_ALGORITHMS,
