@@ -198,6 +198,10 @@ def test_a_label_defended_run_resumes_bit_for_bit(defense):
         (["dataset=breast_cancer", "defense=marvell", "cut=1,2"], "in a U-shaped split"),
         (["dataset=synthetic", "defense=label_dp:1", "cut=1,2"], "in a U-shaped split"),
         (["dataset=breast_cancer", "defense=label_dp:1", "setting=vertical"], "not implemented for setting=vertical"),
+        (
+            ["dataset=digits", "defense=marvell", "setting=vertical", "algorithm=sl"],
+            "marvell needs a binary classification task",
+        ),
     ],
 )
 def test_bad_label_defenses_are_refused_in_one_line(tmp_path, capsys, settings, message):
