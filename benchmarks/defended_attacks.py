@@ -52,8 +52,10 @@ def tokens(defense: str, cut: int, out: Path) -> str:
     )
 
 
-def labels(defense: str, keys: list[str], out: Path) -> str:
-    config = dict(dataset="breast_cancer", model="mlp", algorithm="sl", clients=2, rounds=5, record=200, device="cpu")
+def labels(defense: str, keys: list[str], seed: int, out: Path) -> str:
+    config = dict(
+        dataset="breast_cancer", model="mlp", algorithm="sl", clients=2, rounds=5, record=200, device="cpu", seed=seed
+    )
     found = []
     for key in keys if defense != "none" else keys[:1]:
         summary = run({**config, "defense": defense, **_key(defense, key), "out": str(out / key)}, progress=False)
@@ -74,6 +76,7 @@ def main() -> None:
     parser.add_argument("--defenses", nargs="+", default=["none"])
     parser.add_argument("--cut", type=int, default=1, help="tokens: the GPT's cut")
     parser.add_argument("--keys", nargs="+", default=["a", "b", "c"], help="labels: noise keys per defense")
+    parser.add_argument("--seed", type=int, default=0, help="labels: the runs' seed (data order, initial weights)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.part == "tokens":
@@ -81,14 +84,16 @@ def main() -> None:
         print(TOKENS_HEADER)
         print("|---|---|---|---|---|---|")
     else:
-        print(f"breast_cancer mlp sl, 2 clients, 5 rounds, record=200; noise keys {' / '.join(args.keys)}")
+        print(f"breast_cancer mlp sl, 2 clients, 5 rounds, record=200, seed {args.seed}; keys {' / '.join(args.keys)}")
         print("| defense | accuracy | norm AUC | direction AUC |")
         print("|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for i, defense in enumerate(args.defenses):
             out = Path(tmp) / str(i)
-            line = tokens(defense, args.cut, out) if args.part == "tokens" else labels(defense, args.keys, out)
-            print(line, flush=True)
+            if args.part == "tokens":
+                print(tokens(defense, args.cut, out), flush=True)
+            else:
+                print(labels(defense, args.keys, args.seed, out), flush=True)
 
 
 if __name__ == "__main__":
