@@ -64,8 +64,8 @@ ITEMS = {
     "dchi": "dchi:<epsilon > 0>",
 }
 #: Marvell's power scale without `:S` (Li et al.'s s, P = s ||mean positive - mean negative||^2): the paper sweeps
-#: it, its reference code defaults to 1; on breast_cancer s = 0.1 to 4 left the norm AUC reversed (0.37-0.41) and
-#: 16 was the smallest measured that kept both attacks within 0.1 of chance over three noise keys (docs/privacy.md)
+#: it, its reference code defaults to 1; on breast_cancer s = 0.1 to 4 left an attack more than 0.1 from chance in
+#: most of 9 runs (3 seeds x 3 noise keys; the norm AUC reversed, down to 0.32), 16 held in all 9 (docs/privacy.md)
 MARVELL_SCALE = 16.0
 FP16_MAX = torch.finfo(torch.float16).max
 #: relative error of fp16 for normal values (10 stored mantissa bits, round to nearest) ...

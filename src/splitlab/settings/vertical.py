@@ -231,9 +231,9 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
     data_dir = None if run.data_dir is None else Path(run.data_dir)
     if data.task != "classification":
         raise UserError(f"setting=vertical divides a sample's features; {run.dataset}'s sequences are not split so")
-    check_task(parse_defense(run.defense), run.defense, run.dataset, data.task, data.num_classes)
     if run.dataset == "csv":
         data = csv_training_set(data_dir)
+    check_task(parse_defense(run.defense), run.defense, run.dataset, data.task, data.num_classes)
     if run.labels_at != LABELS_AT_SERVER and not 0 <= int(run.labels_at) < run.parties:
         raise UserError(f"labels_at={run.labels_at} is not a party; allowed: server or 0 to {run.parties - 1}")
     dtype = data.inputs(data.train_x[:1]).dtype
