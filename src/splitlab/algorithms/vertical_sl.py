@@ -369,7 +369,7 @@ class VerticalServer(IdHolder, TrainingServer[NoParams]):
         with self.blueprint.timed("server"):
             value = self.blueprint.loss(self.model("server_model")(self.plan.join(received, self.shapes)), labels)
             self.step("server_model", value.backward, tuple(r for r in received if r is not None), value)
-        grads = [None if r is None else self.send_gradient(cast(torch.Tensor, r.grad)) for r in received]
+        grads = [None if r is None else self.send_gradient(cast(torch.Tensor, r.grad), labels) for r in received]
         return {"cut_grads": grads, "loss": value.detach()}
 
     @verb()
