@@ -12,7 +12,7 @@ text 200 sequences, decoder 20 epochs, `bisr` `--steps` optimisation steps); `--
 adds `gradient_matching` (8 sequences, 100 steps). One torch thread; prints a Markdown table.
 
     .venv/bin/python benchmarks/language_attacks.py [--models gpt,llama] [--cuts 1,2,4]
-        [--defenses none,dchi:1000,dchi:200] [--steps 100] [--gradient-matching] [--data-dir data]
+        [--defenses none,dchi:1000,dchi:100] [--steps 100] [--gradient-matching] [--data-dir data]
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="gpt,llama")
     parser.add_argument("--cuts", default="1,2,4")
-    parser.add_argument("--defenses", default="none,dchi:1000,dchi:200")
+    parser.add_argument("--defenses", default="none,dchi:1000,dchi:100")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--gradient-matching", action="store_true")
     parser.add_argument("--data-dir", default="data")

@@ -5,6 +5,7 @@ states and the tail's gradients together."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import torch
 
@@ -44,5 +45,9 @@ def test_bisr_beats_its_floor_at_cut_1_and_u_shaped_with_the_tail_gradients(lm, 
     assert len(found["examples"]) == 3 and len(found["examples"][0]["original"]) == 16
     u_shaped = tmp_path / "u"
     run(dict(lm, algorithm="sfl_v2", cut="1,2", rounds=1, record=10, out=str(u_shaped)), progress=False)
-    found = attack_run(u_shaped, {"attack": "bisr", "aux": 19, "epochs": 5, "steps": 100})
+    settings = {"attack": "bisr", "aux": 19, "targets": 10, "epochs": 5, "steps": 100}
+    found = attack_run(u_shaped, settings)
     assert found["gradients"] and found["targets"] == "recorded round 1" and found["optimised"] > found["baseline"]
+    shutil.rmtree(u_shaped / "record")  # the tail gradients the client's final tail would send, for held-out text
+    found = attack_run(u_shaped, settings)
+    assert found["gradients"] and found["samples"] == 10 and found["optimised"] > found["baseline"]
