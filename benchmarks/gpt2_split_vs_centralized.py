@@ -40,19 +40,30 @@ SIZES = {
 
 def save_gpt2(folder: Path, corpus: list[str], size: str = "small") -> None:
     """Random GPT-2 weights of `size` and a BPE tokenizer trained on `corpus`, in the on-disk format."""
+    from transformers import GPT2Config
+
+    save_random(folder, corpus, GPT2Config(bos_token_id=0, eos_token_id=0, **SIZES[size]), 4096)
+
+
+def save_random(folder: Path, corpus: list[str], config, vocab_size: int) -> None:
+    """A causal LM of `config` with random weights (seed 0) and a byte-level BPE tokenizer of at
+    most `vocab_size` tokens trained on `corpus` (`EOS` as id 0), as `save_pretrained` writes them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=4096, special_tokens=[EOS], show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(GPT2Config(bos_token_id=0, eos_token_id=0, **SIZES[size]))
+    model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
 
