@@ -59,6 +59,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     parse_defense(run.defense)
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
+    check_fp16(run)
     check_applicable(run, raw)
     check_model_fits(run)
     return ResolvedConfig(run, params, algorithm, model_settings)
@@ -92,6 +93,22 @@ def misplaced_key(key: str, algorithm: str, model: str) -> UserError:
 def _listed(names: list[str]) -> str:
     """a | a and b | a, b and c"""
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def check_fp16(run: RunConfig) -> None:
+    """precision=fp16 where its loss scaling reaches every backward pass and what crosses, or one line."""
+    if run.precision != "fp16":
+        return
+    algorithm = get_algorithm(run.algorithm)
+    why = ""
+    if not algorithm.supports_fp16:
+        why = f"algorithm={run.algorithm} does not declare it (supports_fp16, docs/extending.md)"
+    elif parse_defense(run.defense).noises_gradients:
+        why = f"defense={run.defense}: noise on cut gradients is drawn for unscaled float32 values"
+    elif run.model == "lstm" and run.device != "cuda":
+        why = "model=lstm: torch has no float16 LSTM kernel on the CPU (device=cuda has one)"
+    if why:
+        raise UserError(f"precision=fp16 does not apply here: {why}; precision=bf16 needs no loss scaling")
 
 
 def check_model_fits(run: RunConfig) -> None:
