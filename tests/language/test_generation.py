@@ -187,6 +187,26 @@ def test_eval_generate_writes_bleu_and_rouge_l_of_an_e2e_run(tmp_path):
     assert 0 <= stored["bleu"] <= 100 and 0 <= stored["rouge_l"] <= 1 and math.isfinite(stored["bleu"])
 
 
+def test_generate_on_a_character_model_stops_at_the_newline_that_ends_a_reference(tmp_path):
+    """model=gpt's E2E references end with a newline, its end of sequence: with a head that makes the
+    newline the most likely token whatever the input (final norm's output = its bias, all ones; only
+    the newline's row of the LM head nonzero), nothing follows the prompt (before, 5 newlines did)."""
+    from safetensors.torch import load_file, save_file
+
+    from splitlab.runmodel import generate
+
+    out = tmp_path / "run"
+    config = dict(COMMON, seq_len=40, context=48, dataset="e2e", data_dir=str(write_e2e(tmp_path)), algorithm="sl")
+    run(dict(config, clients=1, rounds=1, local_steps=1, out=str(out)), progress=False)
+    weights = load_file(out / "weights.safetensors")
+    head = torch.zeros_like(weights["head.lm_head.weight"])
+    head[run_model(out)[2].index("\n")] = 1.0
+    norm = {"head.ln_f.weight": torch.zeros(16), "head.ln_f.bias": torch.ones(16)}
+    save_file({**weights, **norm, "head.lm_head.weight": head}, out / "weights.safetensors")
+    for keys in ({}, {"num_beams": 2}):
+        assert generate(out, "name[Place 0]", max_new_tokens=5, **keys) == "name[Place 0]"
+
+
 def test_eval_generate_is_refused_without_references(plays):
     from helpers import train
 
