@@ -57,6 +57,8 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
     check_applicable(run, raw)
+    if run.eval_generate:
+        run.decoding(room=1)  # the eval_* keys agree
     check_model_fits(run)
     return ResolvedConfig(with_seq_len(run), params, algorithm, model_settings)
 
