@@ -50,7 +50,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -58,6 +58,7 @@ from torch import nn
 
 from splitlab.errors import UserError
 from splitlab.io import atomic_folder, cpu_copy, write_safetensors
+from splitlab.models.lora import KeyedDropout
 from splitlab.models.staged import StagedModel
 
 WEIGHTS = "model.safetensors"
@@ -73,13 +74,25 @@ class Layout:
     layers: str  # the decoder layers' list, under the body: h / layers
     norm: str  # the final norm, under the body: ln_f / norm
     rotary: bool  # positions by rotary embeddings computed at model level (Llama) or learned (GPT-2)
-    dropouts: tuple[str, ...]  # the config's dropout probabilities, set to 0 at load (see `load_staged`)
+    #: the config's probabilities of its dropout layers: 0 at load, unless hf_dropout=checkpoint
+    #: (then the layers become `KeyedDropout`s; see `load_staged`)
+    dropouts: tuple[str, ...]
+    #: the config's dropout of attention probabilities, which transformers draws inside its attention
+    #: function from torch's global random state (no layer to replace): always 0 at load
+    attention_dropout: str
 
 
 GPT2 = Layout(
-    body="transformer", layers="h", norm="ln_f", rotary=False, dropouts=("embd_pdrop", "attn_pdrop", "resid_pdrop")
+    body="transformer",
+    layers="h",
+    norm="ln_f",
+    rotary=False,
+    dropouts=("embd_pdrop", "resid_pdrop"),
+    attention_dropout="attn_pdrop",
 )
-LLAMA = Layout(body="model", layers="layers", norm="norm", rotary=True, dropouts=("attention_dropout",))
+LLAMA = Layout(
+    body="model", layers="layers", norm="norm", rotary=True, dropouts=(), attention_dropout="attention_dropout"
+)
 #: config.json's `model_type` -> layout.
 LAYOUTS = {"gpt2": GPT2, "llama": LLAMA, "qwen2": LLAMA, "mistral": LLAMA}
 
@@ -203,11 +216,16 @@ def staged_from_hf(model: Any) -> StagedModel:
     return StagedModel(stages, cut_stages={c: c + 1 for c in range(1, len(layers) + 1)})
 
 
-def load_staged(model_dir: str | Path, attn_implementation: str = "eager") -> StagedModel:
+def load_staged(
+    model_dir: str | Path, attn_implementation: str = "eager", checkpoint_dropout: bool = False
+) -> StagedModel:
     """The model in `model_dir` (float32) as stages `embed`, `block1`..`blockN`, `head`, in train
-    mode like every model splitlab builds, with the checkpoint's dropout off: a dropout layer would
-    draw from torch's global random state, which no model may (a client computes the same in any
-    process, and every copy of a part, FSL-SAGE's auxiliary model included, computes alike)."""
+    mode like every model splitlab builds. A dropout layer of transformers' would draw from torch's
+    global random state, which no model may (a client computes the same in any process, and every
+    copy of a part, FSL-SAGE's auxiliary model included, computes alike): so the checkpoint's
+    dropout is off, or with `checkpoint_dropout` its dropout layers keep their probabilities as
+    `KeyedDropout`s (masks keyed by the run's seed, the layer and the input). Attention-probability
+    dropout, drawn inside transformers' attention function, is off either way."""
     layout = LAYOUTS[read_config(model_dir)["model_type"]]
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
@@ -221,12 +239,16 @@ def load_staged(model_dir: str | Path, attn_implementation: str = "eager") -> St
         local_files_only=True,
         attn_implementation=attn_implementation,
         output_loading_info=True,
-        **dict.fromkeys(layout.dropouts, 0.0),
+        **dict.fromkeys((layout.attention_dropout, *(() if checkpoint_dropout else layout.dropouts)), 0.0),
     )
     model, info = loaded
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise UserError(f"model_dir={model_dir}: the weights lack {len(missing)} tensors of the model: {missing[:5]}")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Dropout) and module.p > 0:
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, KeyedDropout(module.p))
     return staged_from_hf(model).train()
 
 
@@ -243,15 +265,22 @@ def skeleton(model_dir: str | Path) -> StagedModel:
 
 
 class HfParams(BaseModel):
-    """`model=hf`'s own key: the folder it is read from."""
+    """`model=hf`'s own keys: the folder it is read from, and whether its dropout applies."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     model_dir: str | None = Field(
         None, description="model=hf: a local Hugging Face causal-LM folder (config.json, *.safetensors, tokenizer)"
     )
+    hf_dropout: Literal["off", "checkpoint"] = Field(
+        "off",
+        description="model=hf: off (no dropout in any copy) | checkpoint (its dropout layers' probabilities in "
+        "training, masks keyed by seed, layer and input, alike in every copy; docs/language-hf.md)",
+    )
 
 
-def hf_model(input_shape: tuple[int, ...], num_classes: int, model_dir: str | None) -> StagedModel:
+def hf_model(
+    input_shape: tuple[int, ...], num_classes: int, model_dir: str | None, hf_dropout: str = "off"
+) -> StagedModel:
     """`model=hf`: the checkpoint in `model_dir` for sequences of `input_shape[0]` tokens whose ids
     are below `num_classes` (a model-zoo builder: `splitlab.models.MODELS`). Its logits cover the
     model's whole vocabulary, which may be larger than `num_classes`."""
@@ -266,7 +295,7 @@ def hf_model(input_shape: tuple[int, ...], num_classes: int, model_dir: str | No
         raise UserError(
             f"the dataset's tokens go up to {num_classes - 1}, beyond the model's vocabulary of {config['vocab_size']}"
         )
-    return load_staged(model_dir)
+    return load_staged(model_dir, checkpoint_dropout=hf_dropout == "checkpoint")
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:
