@@ -138,7 +138,7 @@ def test_fsl_sage_with_a_full_aux_equals_sfl_v2_on_a_checkpoint_with_dropout(pla
         assert max_abs_difference(global_weights(without), global_weights(sfl_v2)) > 0
 
 
-def test_hf_dropout_checkpoint_applies_the_checkpoints_dropout_in_training_only(tmp_path):
+def test_hf_dropout_checkpoint_applies_the_checkpoints_dropout_in_training_only(tmp_path, caplog):
     """The checkpoint's dropout layers (GPT-2's embd_pdrop and resid_pdrop, 0.1) drop in training,
     with the same masks for the same input (no global random draws), and are gone in evaluation;
     attention-probability dropout, drawn inside transformers' attention, stays off."""
@@ -158,3 +158,10 @@ def test_hf_dropout_checkpoint_applies_the_checkpoints_dropout_in_training_only(
         assert torch.equal(checkpoint(tokens), dropped) and not torch.equal(dropped, off(tokens))
         assert torch.equal(torch.get_rng_state(), global_state)
         assert torch.equal(checkpoint.eval()(tokens), off.eval()(tokens))
+    from splitlab.resolve import resolve_config
+    from splitlab.settings.horizontal import check_model
+
+    check_model(
+        resolve_config(dict(dataset="shakespeare_lm", model="hf", model_dir=model_dir, hf_dropout="checkpoint"))
+    )
+    assert "hf_dropout=checkpoint: attn_pdrop=0.1 (dropout of attention probabilities) stays off" in caplog.text
