@@ -13,6 +13,8 @@ from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
 from splitlab.models.lora import KeyedDropout
+from splitlab.resolve import resolve_config
+from splitlab.settings.horizontal import check_model
 
 ALGORITHMS = [
     "fedavg",
@@ -158,9 +160,6 @@ def test_hf_dropout_checkpoint_applies_the_checkpoints_dropout_in_training_only(
         assert torch.equal(checkpoint(tokens), dropped) and not torch.equal(dropped, off(tokens))
         assert torch.equal(torch.get_rng_state(), global_state)
         assert torch.equal(checkpoint.eval()(tokens), off.eval()(tokens))
-    from splitlab.resolve import resolve_config
-    from splitlab.settings.horizontal import check_model
-
     check_model(
         resolve_config(dict(dataset="shakespeare_lm", model="hf", model_dir=model_dir, hf_dropout="checkpoint"))
     )
