@@ -13,8 +13,6 @@ from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
 from splitlab.models.lora import KeyedDropout
-from splitlab.resolve import resolve_config
-from splitlab.settings.horizontal import check_model
 
 ALGORITHMS = [
     "fedavg",
@@ -140,19 +138,24 @@ def test_fsl_sage_with_a_full_aux_equals_sfl_v2_on_a_checkpoint_with_dropout(pla
         assert max_abs_difference(global_weights(without), global_weights(sfl_v2)) > 0
 
 
-def test_hf_dropout_checkpoint_applies_the_checkpoints_dropout_in_training_only(tmp_path, caplog):
-    """The checkpoint's dropout layers (GPT-2's embd_pdrop and resid_pdrop, 0.1) drop in training,
-    with the same masks for the same input (no global random draws), and are gone in evaluation;
-    attention-probability dropout, drawn inside transformers' attention, stays off."""
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_dropout_checkpoint_applies_the_checkpoints_dropout_in_training_only(tmp_path, arch):
+    """Every dropout of the checkpoint (GPT-2's embd_pdrop, attn_pdrop and resid_pdrop; the Llama
+    layout's attention_dropout, on attention probabilities only) drops in training, with the same
+    masks for the same input and no global random draws, and is gone in evaluation."""
     from hf_helpers import tiny_hf_model
     from splitlab.models import build_model
 
-    model_dir = str(tiny_hf_model(tmp_path / "gpt2", "gpt2"))
-    checkpoint = build_model("hf", (16,), 300, model_dir=model_dir, hf_dropout="checkpoint", seed=3)
-    off = build_model("hf", (16,), 300, model_dir=model_dir, seed=3)
+    model_dir = tiny_hf_model(tmp_path / arch, arch)
+    if arch == "llama":
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    checkpoint = build_model("hf", (16,), 300, model_dir=str(model_dir), hf_dropout="checkpoint", seed=3)
+    off = build_model("hf", (16,), 300, model_dir=str(model_dir), seed=3)
     keyed = {name: m.key for name, m in checkpoint.named_modules() if isinstance(m, KeyedDropout)}
-    assert keyed["embed.drop"] == "3:embed.drop" and len(keyed) == 1 + 2 * 3  # the embedding's, 2 per block
-    assert {m.p for m in checkpoint.modules() if isinstance(m, torch.nn.Dropout)} == {0.0}  # attention's
+    attention = "block1.layer.attn.attn_dropout" if arch == "gpt2" else "block1.layer.self_attn.attn_dropout"
+    assert keyed[attention] == f"3:{attention}" and len(keyed) == (1 + 3 * 3 if arch == "gpt2" else 3)
+    assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in checkpoint.modules())
     tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     global_state = torch.get_rng_state()
     with torch.no_grad():
@@ -160,7 +163,3 @@ def test_hf_dropout_checkpoint_applies_the_checkpoints_dropout_in_training_only(
         assert torch.equal(checkpoint(tokens), dropped) and not torch.equal(dropped, off(tokens))
         assert torch.equal(torch.get_rng_state(), global_state)
         assert torch.equal(checkpoint.eval()(tokens), off.eval()(tokens))
-    check_model(
-        resolve_config(dict(dataset="shakespeare_lm", model="hf", model_dir=model_dir, hf_dropout="checkpoint"))
-    )
-    assert "hf_dropout=checkpoint: attn_pdrop=0.1 (dropout of attention probabilities) stays off" in caplog.text

@@ -17,7 +17,6 @@ from splitlab.config import ResolvedConfig, RunConfig, parse_lora, parse_test_sp
 from splitlab.data import Dataset, counts_report, load_split, partition, partition_report
 from splitlab.data.datasets import data_summary
 from splitlab.errors import UserError
-from splitlab.logs import LOGGER
 from splitlab.models import StagedModel, build_model, split
 from splitlab.models.lora import apply_lora, linear_layer_names, load_init
 from splitlab.privacy.defenses import check_task, parse_defense
@@ -282,16 +281,9 @@ def _skeleton(config: ResolvedConfig) -> StagedModel | None:
     if model_dir is not None:
         from splitlab.models import hf
 
-        checkpoint = hf.read_config(model_dir)
-        context = hf.context_length(checkpoint)
+        context = hf.context_length(hf.read_config(model_dir))
         if run.seq_len is not None and run.seq_len > context:
             raise UserError(f"seq_len={run.seq_len} is beyond the model's context of {context} tokens")
-        attention = hf.LAYOUTS[checkpoint["model_type"]].attention_dropout
-        if config.model_params.model_dump().get("hf_dropout") == "checkpoint" and checkpoint.get(attention):
-            LOGGER.warning(
-                f"hf_dropout=checkpoint: {attention}={checkpoint[attention]} (dropout of attention probabilities) "
-                f"stays off: transformers draws it inside its attention function from torch's global random state"
-            )
         model = hf.skeleton(model_dir)
         if run.lora is not None:
             targets = run.lora_targets.split(",") if run.lora_targets is not None else None
