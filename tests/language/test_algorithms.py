@@ -163,3 +163,16 @@ def test_hf_dropout_checkpoint_applies_the_checkpoints_dropout_in_training_only(
         assert torch.equal(checkpoint(tokens), dropped) and not torch.equal(dropped, off(tokens))
         assert torch.equal(torch.get_rng_state(), global_state)
         assert torch.equal(checkpoint.eval()(tokens), off.eval()(tokens))
+
+
+def test_hf_dropout_checkpoint_with_gradient_checkpointing_recomputes_the_same_masks(plays, tmp_path):
+    from hf_helpers import tiny_hf_model
+
+    model_dir = tiny_hf_model(tmp_path / "gpt2", "gpt2")
+    common = dict(
+        dataset="shakespeare_lm", data_dir=plays, model="hf", model_dir=str(model_dir), seq_len=16, lora="4:8",
+        clients=1, batch_size=4, local_steps=2, device="cpu", optimizer="sgd", lr=0.5, algorithm="sfl_v2",
+        hf_dropout="checkpoint",
+    )  # fmt: skip
+    plain, recomputed = train(1, **common), train(1, **common, gradient_checkpointing=True)
+    assert max_abs_difference(global_weights(plain), global_weights(recomputed)) == 0
