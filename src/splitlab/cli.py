@@ -429,7 +429,7 @@ def build_parser(plugins: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitlab", description="Split learning and split federated learning.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
     for name, (help_text, description, handler, arguments) in COMMANDS.items():
-        command = commands.add_parser(name, help=help_text, **({"description": description} if description else {}))
+        command = commands.add_parser(name, help=help_text, description=description)
         for argument in arguments.split():
             if "=" in argument:
                 command.add_argument("overrides", nargs="*", metavar=argument)

@@ -211,7 +211,7 @@ class RunConfig(BaseModel):
     def _check_form(cls, value: str | None, info: ValidationInfo) -> str | None:
         """A key written in a small language of its own is read by its parser, whose ValueError says what is allowed."""
         if value is not None:
-            _form_parsers()[info.field_name](value)
+            _form_parsers()[typing.cast(str, info.field_name)](value)
         return value
 
     @field_validator("lora", mode="before")
