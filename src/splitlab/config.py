@@ -107,9 +107,10 @@ class RunConfig(BaseModel):
     max_grad_norm: float | None = Field(None, gt=0, le=1e9, json_schema_extra=TRAINING)
     """clip the gradients of what each role trains, slot by slot, to this total L2 norm before its optimizer steps; none
     = no clipping"""
-    precision: Literal["fp32", "bf16"] = Field("fp32", json_schema_extra=TRAINING)
-    """fp32 | bf16: every role's forward and loss under torch's autocast in bfloat16, weights and optimizers in float32;
-    hidden states and cut gradients cross the cut as bfloat16"""
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", json_schema_extra=TRAINING)
+    """fp32 | bf16 | fp16: every role's forward and loss under torch's autocast in that dtype, weights and optimizers in
+    float32; hidden states and cut gradients cross the cut in it (fp16: each role scales its loss dynamically, and a
+    cut gradient crosses scaled, with its scale)"""
     base_dtype: Literal["float32", "bfloat16"] = Field("float32", json_schema_extra=TRAINING)
     """with lora and precision=bf16: the dtype the frozen base is held in (bfloat16: half the memory); what trains stays
     float32"""

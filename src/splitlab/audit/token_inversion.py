@@ -18,6 +18,7 @@ frequent token everywhere; the reported accuracy is the stronger of the two, as 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -48,6 +49,23 @@ def train_token_decoder(
         return fit(decoder, hidden, tokens, F.cross_entropy, epochs, 256)
 
 
+def decoded_logits(
+    client: nn.Module,
+    defense: Defense,
+    aux_tokens: torch.Tensor,
+    target_hidden: torch.Tensor,
+    vocabulary: int,
+    epochs: int,
+    seed: int,
+) -> torch.Tensor:
+    """The decoder's token logits (M, T, V) for the hidden states received (M, T, D), the decoder
+    trained on the auxiliary text (N, T) through `client` with the run's defense (the attacker's draw)."""
+    aux_hidden = received(client, aux_tokens, defense, seed + 1)
+    decoder = train_token_decoder(aux_hidden.flatten(0, 1), aux_tokens.flatten(), vocabulary, epochs, seed)
+    with torch.no_grad():
+        return torch.cat([decoder(h) for h in target_hidden.split(256)])
+
+
 class Observed(NamedTuple):
     """What a token attack on a finished run works from."""
 
@@ -70,11 +88,8 @@ def token_inversion(seen: Observed, epochs: int, seed: int, characters: str | No
     tokens from the hidden states the server received. With `characters` (token i is
     characters[i]) the result shows the first target sequences and their reconstructions."""
     client, defense, aux_tokens, target_hidden, target_tokens, vocabulary = seen
-    aux_hidden = received(client, aux_tokens, defense, seed + 1)
-    decoder = train_token_decoder(aux_hidden.flatten(0, 1), aux_tokens.flatten(), vocabulary, epochs, seed)
-    with torch.no_grad():
-        reconstructed = torch.cat([decoder(h).argmax(-1) for h in target_hidden.split(256)])
-    found = {"decoder": reconstructed}
+    logits = decoded_logits(client, defense, aux_tokens, target_hidden, vocabulary, epochs, seed)
+    found = {"decoder": logits.argmax(-1)}
     return scored(found, aux_tokens, target_tokens, vocabulary, characters, aux_samples=len(aux_tokens))
 
 
@@ -85,13 +100,15 @@ def scored(
     vocabulary: int,
     characters: str | None,
     named: str | None = None,
+    how: Mapping[str, Any] | None = None,
     **counts: int,
 ) -> dict[str, Any]:
     """The result of a token attack, the same for every one: the fraction of target tokens each of
     its attackers (`found`: name -> reconstructed tokens) recovered, the strongest of them or the
     floor (a failed attack never reads as privacy), the targets' counts, then `counts`; with
     `characters` (token i is characters[i]) the strongest's first reconstructions beside the true
-    text. `named`: the result's name for the attacker where it beats the floor (default: its key)."""
+    text. `named`: the result's name for the attacker where it beats the floor (default: its key);
+    `how`: what the attack matched or used, after the scores."""
     most_frequent, floor = token_floor(aux_tokens, target_tokens, vocabulary)
     scores = {name: float((tokens == target_tokens).float().mean()) for name, tokens in found.items()}
     best = max(scores, key=lambda name: scores[name])
@@ -100,6 +117,7 @@ def scored(
         "accuracy": max(scores[best], floor),
         "attacker": "most frequent token" if beaten else named or best,
         **scores,
+        **(how or {}),
         "baseline": floor,
         "baseline_token": most_frequent,
         "samples": len(target_tokens),
