@@ -100,8 +100,9 @@ def bisr(
     optimised = optimised_tokens(pretrained, logits, target_hidden, steps, tail)
     found = {"learned": logits.argmax(-1), "optimised": optimised}
     how = {"gradients": tail is not None}
-    counts = {"aux_samples": len(aux_tokens), "steps": steps}
-    return scored(found, aux_tokens, target_tokens, vocabulary, characters, how=how, **counts)
+    return scored(
+        found, aux_tokens, target_tokens, vocabulary, characters, how=how, aux_samples=len(aux_tokens), steps=steps
+    )
 
 
 class BiSR(Attack):
