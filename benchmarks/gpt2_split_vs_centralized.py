@@ -10,12 +10,14 @@ Tokens/s = tokens trained / the round loop's `wall_seconds`, after a one-round r
 setting in the same process (warm-up: CUDA context, kernels, allocator) that is not counted.
 
 `--size medium` builds GPT-2 medium's architecture (24 blocks, width 1024, 16 heads; 355M);
-`--precision bf16` trains both sides under autocast in bfloat16 (`precision=bf16`), and
-`--deterministic false` lets CUDA pick its fastest kernels. Issue 33's GPU check, one call of a
-few minutes: `--device cuda --size medium --precision bf16 --lora-only`.
+`--precision bf16` trains both sides under autocast in bfloat16 (`precision=bf16`), `--precision
+fp16` in float16 with each role's loss scaling (`precision=fp16`), and `--deterministic false` lets
+CUDA pick its fastest kernels. Issue 33's GPU check, one call of a few minutes: `--device cuda
+--size medium --precision bf16 --lora-only` (and `--precision fp16`). `--size tiny` (2 blocks of
+width 64) checks the script on a CPU: `--device cpu --size tiny --rounds 1 --steps 1 --seq-len 32`.
 
     python benchmarks/gpt2_split_vs_centralized.py --device cuda [--rounds 5] [--steps 4]
-        [--size small|medium] [--precision fp32|bf16] [--deterministic true|false] [--lora-only]
+        [--size tiny|small|medium] [--precision fp32|bf16|fp16] [--deterministic true|false] [--lora-only]
 """
 
 from __future__ import annotations
@@ -29,24 +31,39 @@ import torch
 EOS = "<|endoftext|>"
 
 
-SIZES = {"small": {}, "medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16}}
+SIZES = {
+    "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 2},
+    "small": {},
+    "medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16},
+}
 
 
 def save_gpt2(folder: Path, corpus: list[str], size: str = "small") -> None:
     """Random GPT-2 weights of `size` and a BPE tokenizer trained on `corpus`, in the on-disk format."""
+    from transformers import GPT2Config
+
+    save_random(folder, corpus, GPT2Config(bos_token_id=0, eos_token_id=0, **SIZES[size]), 4096)
+
+
+def save_random(folder: Path, corpus: list[str], config, vocab_size: int) -> None:
+    """A causal LM of `config` with random weights (seed 0) and a byte-level BPE tokenizer of at
+    most `vocab_size` tokens trained on `corpus` (`EOS` as id 0), as `save_pretrained` writes them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import AutoModelForCausalLM, GPT2Config, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=4096, special_tokens=[EOS], show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     bpe.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(GPT2Config(bos_token_id=0, eos_token_id=0, **SIZES[size]))
+    model = AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
 
@@ -76,7 +93,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     parser.add_argument("--deterministic", choices=["true", "false"], default="true")
     parser.add_argument("--lora-only", action="store_true", help="only the LoRA comparison")
     args = parser.parse_args()

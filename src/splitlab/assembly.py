@@ -23,7 +23,6 @@ from splitlab.config import ResolvedConfig
 from splitlab.data import Dataset, load_dataset
 from splitlab.errors import UserError
 from splitlab.ledger import Ledger
-from splitlab.metrics import logits_in_batches
 from splitlab.models import joined, load_shared, split
 from splitlab.privacy.record import Recorder
 from splitlab.process_settings import training_device
@@ -213,8 +212,8 @@ def personal_metrics(
     states: list[State],
     x: torch.Tensor,
     y: torch.Tensor,
-    batch: int,
+    blueprint: Blueprint,
     metrics: Callable[[torch.Tensor, torch.Tensor], dict[str, float]],
 ) -> dict[str, float]:
     """The test metrics of one client's personal model (in the driver, or in the Ray actor holding it)."""
-    return metrics(logits_in_batches(assemble(states), x, batch), y)
+    return metrics(blueprint.logits(assemble(states), x), y)

@@ -454,7 +454,7 @@ def build_parser(plugins: str | None = None) -> argparse.ArgumentParser:
     attack = commands.add_parser(
         "attack",
         help="an attack on a finished run (inversion | unsplit | fsha | label_leak | model_completion | "
-        "token_inversion)",
+        "token_inversion | embedding_inversion | gradient_matching | bisr)",
         description="An attack on a finished run (a curious or malicious server's, or model completion); see "
         "docs/privacy.md.",
     )

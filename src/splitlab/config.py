@@ -183,10 +183,11 @@ class RunConfig(BaseModel):
         "before its optimizer steps; none = no clipping",
         json_schema_extra=TRAINING,
     )
-    precision: Literal["fp32", "bf16"] = Field(
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32",
-        description="fp32 | bf16: every role's forward and loss under torch's autocast in bfloat16, weights "
-        "and optimizers in float32; hidden states and cut gradients cross the cut as bfloat16",
+        description="fp32 | bf16 | fp16: every role's forward and loss under torch's autocast in that dtype, "
+        "weights and optimizers in float32; hidden states and cut gradients cross the cut in it (fp16: each "
+        "role scales its loss dynamically, and a cut gradient crosses scaled, with its scale)",
         json_schema_extra=TRAINING,
     )
     base_dtype: Literal["float32", "bfloat16"] = Field(

@@ -26,7 +26,7 @@ from splitlab.errors import NonFiniteLoss, NonFiniteStep, RoundFailed
 from splitlab.generation import DecodingSettings, decode, text_scores
 from splitlab.io import save_safetensors, write_json, write_jsonl, write_yaml
 from splitlab.loggers import make_logger
-from splitlab.metrics import TASK_METRICS, logits_in_batches
+from splitlab.metrics import TASK_METRICS
 from splitlab.models import HeadAndTail
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.random_streams import register_stream
@@ -52,13 +52,8 @@ def evaluate(experiment: Experiment) -> dict[str, float]:
     test-size-weighted means of the per-client values). On the global test set, algorithms with
     personal client models get the unweighted mean over clients of each client's model's metrics.
     An algorithm whose roles evaluate among themselves (`role_metrics`: vertical) gives its own.
-    The model runs in the run's precision (precision=bf16: under autocast, as it trained)."""
-    with experiment.blueprint.autocast():
-        return _evaluate(experiment)
-
-
-def _evaluate(experiment: Experiment) -> dict[str, float]:
-    data, algorithm, batch = experiment.data, experiment.algorithm, experiment.blueprint.inference_batch
+    The model runs in the run's precision (`Blueprint.logits`: under autocast, as it trained)."""
+    data, algorithm, blueprint = experiment.data, experiment.algorithm, experiment.blueprint
     by_roles = algorithm.role_metrics()
     if by_roles is not None:
         return by_roles
@@ -69,7 +64,7 @@ def _evaluate(experiment: Experiment) -> dict[str, float]:
         logits = (
             where_they_are(algorithm, [k for k, _, _ in held])
             if where_they_are is not None and algorithm.personal_models
-            else [logits_in_batches(experiment.assemble(algorithm.personal_model(k)), x, batch) for k, x, _ in held]
+            else [blueprint.logits(experiment.assemble(algorithm.personal_model(k)), x) for k, x, _ in held]
         )
         return metrics(torch.cat(logits), torch.cat([y for _, _, y in held]))
     if algorithm.personal_models:
@@ -80,7 +75,7 @@ def _evaluate(experiment: Experiment) -> dict[str, float]:
             if where_they_are is not None
             else [
                 personal_metrics(
-                    experiment.assemble, algorithm.personal_model(k), data.test_x, data.test_y, batch, metrics
+                    experiment.assemble, algorithm.personal_model(k), data.test_x, data.test_y, blueprint, metrics
                 )
                 for k in ids
             ]
@@ -89,7 +84,7 @@ def _evaluate(experiment: Experiment) -> dict[str, float]:
     model = algorithm.global_model()
     if model is None:
         raise NotImplementedError(f"{algorithm.name} has no global model and no personal models")
-    return metrics(logits_in_batches(experiment.assemble(model), data.test_x, batch), data.test_y)
+    return metrics(blueprint.logits(experiment.assemble(model), data.test_x), data.test_y)
 
 
 DEPLOYED_NOTE = (
@@ -111,8 +106,7 @@ def evaluate_deployed(experiment: Experiment, rnd: int) -> dict[str, float]:
     deployed = defense.deployed(client, server, generator)
     if isinstance(client, HeadAndTail):  # U-shaped: the client's tail after the server's stages
         deployed = nn.Sequential(deployed, client.tail_part())
-    with experiment.blueprint.autocast():  # as `evaluate`
-        logits = logits_in_batches(deployed, experiment.data.test_x, experiment.blueprint.inference_batch)
+    logits = experiment.blueprint.logits(deployed, experiment.data.test_x)
     metrics = TASK_METRICS[experiment.data.task](logits, experiment.data.test_y)
     return {"test_accuracy_deployed": metrics["accuracy"]}
 
@@ -217,7 +211,8 @@ def _eval_generate(experiment: Experiment, states: list) -> dict[str, Any]:
     tokenizer, count = references.tokenizer, min(experiment.config.run.eval_generate, len(references.prompts))
 
     def logits(tokens: torch.Tensor) -> torch.Tensor:
-        return model(tokens.to(device)).float().cpu()
+        with experiment.blueprint.autocast():  # as it trained, as `evaluate`
+            return model(tokens.to(device)).float().cpu()
 
     texts = []
     for prompt in references.prompts[:count]:

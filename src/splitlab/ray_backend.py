@@ -38,7 +38,7 @@ from splitlab.config import ResolvedConfig
 from splitlab.errors import NonFiniteStep, RoleLost, UserError
 from splitlab.ledger import Ledger
 from splitlab.logs import LOGGER
-from splitlab.metrics import TASK_METRICS, logits_in_batches
+from splitlab.metrics import TASK_METRICS
 from splitlab.models import shared_state
 from splitlab.plugins import ray_options
 from splitlab.process_settings import peak_memory_mib, set_worker_threads, training_device
@@ -142,7 +142,7 @@ class RoleHost:
             assert self.hosted.held_out is not None, "test_split=client holds samples out"
             x = self.hosted.held_out(k)
             model = self.assemble([self.roles[k].snapshot(slot), server])
-            logits[str(k)] = logits_in_batches(model, x, self.blueprint.inference_batch)
+            logits[str(k)] = self.blueprint.logits(model, x)
         return codec.encode(logits)
 
     def personal_metrics(self, request: bytes) -> str:
@@ -156,9 +156,7 @@ class RoleHost:
         x, y = self.hosted.test
 
         def metrics(client_state: State) -> dict[str, float]:
-            return assembly.personal_metrics(
-                self.assemble, [client_state, server], x, y, self.blueprint.inference_batch, self.metrics
-            )
+            return assembly.personal_metrics(self.assemble, [client_state, server], x, y, self.blueprint, self.metrics)
 
         trained = {str(k): metrics(role.snapshot(slot)) for k, role in self.roles.items() if slot in role.models}
         untrained = metrics(self.blueprint.initial_state(slot)) if len(trained) < len(self.roles) else None

@@ -22,7 +22,7 @@ from splitlab.config import (
 from splitlab.errors import UserError, one_line, unknown_key
 from splitlab.models import MODEL_INPUTS, MODEL_PARAMS, NoModelParams, model_params
 from splitlab.plugins import load_plugins
-from splitlab.privacy.defenses import check_applies
+from splitlab.privacy.defenses import check_applies, parse_defense
 
 
 def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
@@ -56,6 +56,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
         check_finite(settings)
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
+    check_fp16(run)
     check_applicable(run, raw)
     check_model_fits(run)
     return ResolvedConfig(run, params, algorithm, model_settings)
@@ -89,6 +90,24 @@ def misplaced_key(key: str, algorithm: str, model: str) -> UserError:
 def _listed(names: list[str]) -> str:
     """a | a and b | a, b and c"""
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def check_fp16(run: RunConfig) -> None:
+    """precision=fp16 where its loss scaling reaches every backward pass and what crosses, or one line."""
+    if run.precision != "fp16":
+        return
+    algorithm = get_algorithm(run.algorithm)
+    why = ""
+    if not algorithm.supports_fp16:
+        why = f"algorithm={run.algorithm} does not declare it (supports_fp16, docs/extending.md)"
+    elif run.setting == "vertical":
+        why = "setting=vertical: its parties and top model step through verbs of their own, not built for it"
+    elif parse_defense(run.defense).noises_gradients:
+        why = f"defense={run.defense}: noise on cut gradients is drawn for unscaled float32 values"
+    elif run.model == "lstm" and run.device != "cuda":
+        why = "model=lstm: torch has no float16 LSTM kernel on the CPU (device=cuda has one)"
+    if why:
+        raise UserError(f"precision=fp16 does not apply here: {why}; precision=bf16 needs no loss scaling")
 
 
 def check_model_fits(run: RunConfig) -> None:

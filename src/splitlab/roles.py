@@ -34,7 +34,9 @@ from torch.nn.utils import get_total_norm
 from splitlab.augment import STREAM_AUGMENT, Augmentation, augmented, parse_augment
 from splitlab.config import RunConfig
 from splitlab.errors import NonFiniteStep
+from splitlab.loss_scale import LossScale, outgoing, scaled, unscaled
 from splitlab.losses import Loss, parse_loss
+from splitlab.metrics import logits_in_batches
 from splitlab.models import (
     StagedModel,
     build_model,
@@ -78,6 +80,9 @@ def random_stream(seed: int, rnd: int, stream: int, *keys: int) -> np.random.Gen
     """A random stream that depends only on (seed, round, purpose, keys): resumable by design."""
     return np.random.default_rng([seed, rnd, stream, *keys])
 
+
+#: `precision=` -> the dtype of autocast and of what crosses a cut (fp32: none, as computed)
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 INFERENCE_BUDGET = {"cpu": 32 * 2**20, "cuda": 256 * 2**20}
 """Bytes of the largest layer output one inference batch may hold, by device type (others: the
@@ -228,14 +233,20 @@ class Blueprint:
     @functools.cached_property
     def cut_dtype(self) -> torch.dtype | None:
         """The dtype hidden states and their gradients cross a cut in (`precision=`; None: as computed)."""
-        return torch.bfloat16 if self.config.precision == "bf16" else None
+        return HALF.get(self.config.precision)
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        """The run's precision for the block: bf16, torch's autocast (weights and their gradients
-        stay float32); fp32, nothing."""
-        if self.config.precision == "fp32":
+        """The run's precision for the block: bf16 and fp16, torch's autocast in that dtype (weights
+        and their gradients stay float32); fp32, nothing."""
+        if self.cut_dtype is None:
             return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return torch.autocast(self.device.type, dtype=self.cut_dtype)
+
+    def logits(self, predict: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """`predict` on `x` in inference batches, in the run's precision: every evaluation, in the
+        driver, on a Ray actor or in a role, computes its logits here, as the model trained."""
+        with self.autocast():
+            return logits_in_batches(predict, x, self.inference_batch)
 
     def borrow(self, slot: str, make: Callable[[], nn.Module]) -> nn.Module:
         """A scratch module for `slot` from this process's pool (made if the pool is empty): working
@@ -350,6 +361,9 @@ class Role(Generic[ParamsT]):
         self.optimizers: dict[str, torch.optim.Optimizer] = {}
         self.scratch: set[str] = set()
         self.round = 0
+        #: precision=fp16: this role's loss scale, over every slot it trains (splitlab.loss_scale)
+        self.loss_scale = LossScale() if blueprint.config.precision == "fp16" else None
+        self._seeded = False  # whether the step's backward pass went through `backward_pass` (fp16's guard)
 
     def lr(self, slot: str) -> float | None:
         """The learning rate of `slot`'s optimizer (None: the configured `lr`)."""
@@ -403,10 +417,38 @@ class Role(Generic[ParamsT]):
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         result = backward()
+        if not self.unscale_for_step(slots):
+            for optimizer in optimizers:  # fp16: a step that overflowed is skipped
+                optimizer.zero_grad(set_to_none=True)
+            return result
         for slot, optimizer in zip(slots, optimizers):
             self.clip(slot)
             optimizer.step()
         return result
+
+    def gradients(self, slot: str) -> list[torch.Tensor]:
+        return [p.grad for p in self.model(slot).parameters() if p.grad is not None]
+
+    def backward_pass(self, *pairs: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
+        """Back-propagate (tensor, gradient) pairs, gradient None for a loss (a pair whose tensor is
+        None is left out): every backward pass of a step goes through here, where precision=fp16
+        multiplies each seed by the role's loss scale."""
+        scale = self.loss_scale
+        if scale is not None:
+            pairs = tuple(scale.seed(tensor, grad) for tensor, grad in pairs if tensor is not None)
+            self._seeded = True
+        defenses.backward(*pairs)
+
+    def unscale_for_step(self, slots: tuple[str, ...], sent: tuple[torch.Tensor, ...] = ()) -> bool:
+        """Whether the step may go on: without fp16, always; with it, the gradients of `slots` are
+        divided by the loss scale, and the step goes on if they and `sent` (scaled cut gradients)
+        are finite (splitlab.loss_scale)."""
+        if self.loss_scale is None:
+            return True
+        if not self._seeded:
+            raise RuntimeError(f"{type(self).__name__}'s step back-propagated without Role.backward_pass, unscaled")
+        self._seeded = False
+        return self.loss_scale.unscale([g for slot in slots for g in self.gradients(slot)], sent)
 
     def clip(self, slot: str, norm: torch.Tensor | None = None) -> None:
         """`max_grad_norm=`: scale `slot`'s gradients to at most that total norm (`norm`, if known)."""
@@ -446,7 +488,7 @@ class Role(Generic[ParamsT]):
         total: torch.Tensor | None = None
         for xs, ys, share in self.micro_batches(x, y):
             value = self.blueprint.loss(model(xs), ys) * share
-            objective(value).backward()
+            self.backward_pass((objective(value), None))
             total = value.detach() if total is None else total + value.detach()
         return cast(torch.Tensor, total)
 
@@ -465,13 +507,18 @@ class Role(Generic[ParamsT]):
     @verb(up="checkpoint")
     def state_dict(self) -> State:
         own = [slot for slot in self.models if slot not in self.scratch]
-        return {
+        state: State = {
             "models": {slot: shared_state(self.models[slot]) for slot in own},
             "optimizers": {slot: self.optimizers[slot].state_dict() for slot in own if slot in self.optimizers},
         }
+        if self.loss_scale is not None:
+            state["loss_scale"] = self.loss_scale.state()
+        return state
 
     @verb(down="checkpoint")
     def load_state_dict(self, state: State) -> None:
+        if self.loss_scale is not None:
+            self.loss_scale.load(state["loss_scale"])
         for slot, weights in state["models"].items():
             load_shared(self.model(slot), weights)
         for slot, optimizer_state in state["optimizers"].items():
@@ -587,9 +634,12 @@ class ClientNode(Role[ParamsT]):
             self.blueprint.noise_secret, f"client {self.id}", self.round, self._releases, device=device
         )
 
-    def receive(self, step: int, cut_grad: Any) -> torch.Tensor:
-        """The cut gradient of `step` from its wire form."""
-        grad = decode(cut_grad)
+    def receive(self, step: int, cut_grad: Any) -> torch.Tensor | None:
+        """The cut gradient of `step` from its wire form (fp16: unscaled, float32); None when the
+        server skipped the step (fp16: its backward pass overflowed), and so does the client."""
+        grad = decode(cut_grad) if self.loss_scale is None else unscaled(cut_grad)
+        if grad is None:
+            return None
         if self.blueprint.recorder is not None:
             self.blueprint.recorder.received(self.id, step, grad)
         return grad
@@ -624,14 +674,19 @@ class ClientNode(Role[ParamsT]):
         """Back-propagate the cut gradient of `step` (one vector is broadcast over the batch) and
         NoPeek's penalty, if any, and step."""
         defended, penalty = self.stash.pop(step)
-        grad = self.receive(step, cut_grad).expand_as(defended)
+        grad = self.receive(step, cut_grad)
+        if grad is None:
+            return
         with self.blueprint.timed("client"):
-            self.step("client_model", functools.partial(self.backpropagate, step, (defended, grad), (penalty, None)))
+            self.step(
+                "client_model",
+                functools.partial(self.backpropagate, step, (defended, grad.expand_as(defended)), (penalty, None)),
+            )
 
     def backpropagate(self, step: int, *pairs: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
         """The client part's gradients for `step`: of each (tensor, its gradient) pair (a U-shaped
         client adds its tail's: splitlab.u_shaped)."""
-        defenses.backward(*pairs)
+        self.backward_pass(*pairs)
 
     @verb(up=KEYED, keys=("loss",))
     def local_step(self) -> State:
@@ -684,10 +739,14 @@ class TrainingServer(Role[ParamsT]):
         result = backward()
         if value is None and isinstance(result, torch.Tensor):
             value = result
+        cut_grads = [z.grad for z in inputs if z.grad is not None]
+        taken = self.unscale_for_step((slot,), tuple(cut_grads))
+        grads = self.gradients(slot) if taken else []  # fp16: an overflow skips the step, its loss still checked
+        unscale = self.loss_scale.used if self.loss_scale is not None and taken else 1.0
         figures = {  # STEP_FIGURES
             "loss": torch.zeros(()) if value is None else value.detach(),
-            "gradient norm": get_total_norm([p.grad for p in self.model(slot).parameters() if p.grad is not None]),
-            "cut-layer gradient norm": get_total_norm([z.grad for z in inputs if z.grad is not None]),
+            "gradient norm": get_total_norm(grads),
+            "cut-layer gradient norm": get_total_norm([g.float() for g in cut_grads] if taken else []) / unscale,
         }
         device = figures["gradient norm"].device
         stacked = torch.stack([f.float().to(device) for f in figures.values()])
@@ -699,6 +758,9 @@ class TrainingServer(Role[ParamsT]):
                 raise
         else:
             self._unchecked.append(stacked)
+        if not taken:
+            optimizer.zero_grad(set_to_none=True)
+            return result
         self.clip(slot, figures["gradient norm"])
         optimizer.step()
         return result
@@ -716,6 +778,8 @@ class TrainingServer(Role[ParamsT]):
         from a stream keyed by the server's secret and the gradient itself (splitlab.privacy.keys),
         then compressed as configured."""
         defense = self.blueprint.defense
+        if self.loss_scale is not None:  # fp16: scaled as computed, with its scale; zeros if the step was skipped
+            return scaled(defense.encode(outgoing(grad, self.loss_scale)), self.loss_scale.used, grad.device)
         generator = None
         if defense.noises_gradients:
             generator = keys.generator(
@@ -793,6 +857,7 @@ class SyncServer(Role[ParamsT]):
     def __init__(self, blueprint: Blueprint) -> None:
         super().__init__(blueprint)
         self._averages: dict[str, ModelAverage] = {}
+        self.loss_scale = None  # it trains nothing
 
     @verb()
     def model_state(self, slot: str) -> State:

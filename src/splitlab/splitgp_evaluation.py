@@ -46,7 +46,6 @@ from splitlab.data.datasets import Prepared
 from splitlab.errors import UserError
 from splitlab.finished_run import final_states, global_states, load_run
 from splitlab.io import write_json
-from splitlab.metrics import logits_in_batches
 from splitlab.models import joined, split
 from splitlab.random_streams import register_stream
 from splitlab.roles import ClientNode, State
@@ -375,22 +374,19 @@ def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
         for name, thresholds in gated:
             add(name, [_deployed(experiment, test, rho, t) for rho, t in zip(rhos, thresholds)], thresholds)
     elif experiment.algorithm.personal_models:  # each client's own model on its own view
-        batch = experiment.blueprint.inference_batch
         outputs = [
             ClientOutputs(
                 data.test_y[i],
                 n,
                 None,
-                logits_in_batches(experiment.assemble(final_states(experiment, k)), data.test_x[i], batch),
+                experiment.blueprint.logits(experiment.assemble(final_states(experiment, k)), data.test_x[i]),
             )
             for k, (i, n) in enumerate(test_views)
         ]
         add("personal", [_accuracy(outputs, rho, None) for rho in rhos], [None] * len(rhos))
     else:
         states = global_states(experiment)
-        global_logits = logits_in_batches(
-            experiment.assemble(states), data.test_x, experiment.blueprint.inference_batch
-        )
+        global_logits = experiment.blueprint.logits(experiment.assemble(states), data.test_x)
         results = [
             _accuracy([ClientOutputs(data.test_y[i], n, None, global_logits[i]) for i, n in test_views], rho, None)
             for rho in rhos
@@ -404,7 +400,7 @@ def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
                         data.test_y[i],
                         n,
                         None,
-                        logits_in_batches(model, data.test_x[i], experiment.blueprint.inference_batch),
+                        experiment.blueprint.logits(model, data.test_x[i]),
                     )
                     for model, (i, n) in zip(models, test_views)
                 ]

@@ -15,6 +15,7 @@ from typing import Any, cast
 
 import torch
 
+from splitlab.loss_scale import outgoing, scaled, unscaled
 from splitlab.models import HeadAndTail
 from splitlab.privacy.defenses import decode
 from splitlab.roles import ClientNode, ParamsT, State, TrainingServer
@@ -56,11 +57,19 @@ class UShapedClient(ClientNode[ParamsT]):
         with self.blueprint.timed("client"):
             value = self.blueprint.loss(model.tail(output), y)
             tail = model.tail_parameters()
-            grad, *tail_grads = torch.autograd.grad(value, [output, *tail])
+            seed = value if self.loss_scale is None else self.loss_scale.seed(value, None)[0]
+            grad, *tail_grads = torch.autograd.grad(seed, [output, *tail])
         self.tail_stash[step] = list(zip(tail, tail_grads))
-        if self.blueprint.recorder is not None:
-            self.blueprint.recorder.received_tail(self.id, step, grad)
-        return {"tail_grad": grad, "loss": value.detach()}
+        if self.loss_scale is None:
+            tail_grad: Any = grad
+        else:  # fp16: scaled, with the client's scale; an overflow here skips the step on both sides
+            self.loss_scale.crossing([grad, *tail_grads])
+            tail_grad = scaled(outgoing(grad, self.loss_scale), self.loss_scale.used, grad.device)
+        if self.blueprint.recorder is not None:  # the gradient as the server reads it (fp16: unscaled)
+            received = grad if self.loss_scale is None else unscaled(tail_grad)
+            if received is not None:
+                self.blueprint.recorder.received_tail(self.id, step, received)
+        return {"tail_grad": tail_grad, "loss": value.detach()}
 
     def backpropagate(self, step: int, *pairs: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
         """With the tail's gradients of the step, if it took one (a weight the head shares, as GPT's
@@ -94,12 +103,18 @@ class UShapedServer(TrainingServer[ParamsT]):
         return output.detach()
 
     @verb()
-    def backward_middle(self, tail_grad: torch.Tensor, slot: str = "server_model") -> State:
+    def backward_middle(self, tail_grad: Any, slot: str = "server_model") -> State:
         """Step `slot` on the client's gradient at the second cut; the cut gradient at the first,
-        compressed as configured, goes back (checked finite first, as every server step)."""
+        compressed as configured, goes back (checked finite first, as every server step). fp16:
+        the gradient comes scaled with the client's scale; scale 0 (the client's tail overflowed)
+        skips the step, and zeros with scale 0 go back."""
         smashed, output = self._middle.pop(slot)
+        grad = tail_grad if self.loss_scale is None else unscaled(tail_grad)
+        if grad is None and self.loss_scale is not None:
+            self.loss_scale.skip()
+            return {"cut_grad": self.send_gradient(torch.zeros_like(smashed))}
         with self.blueprint.timed("server"):
-            self.step(slot, lambda: output.backward(tail_grad), (smashed,))
+            self.step(slot, lambda: self.backward_pass((output, grad)), (smashed,))
         return {"cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad))}
 
     @verb()

@@ -91,6 +91,8 @@ def test_a_tables_rows_are_inverted_and_scored_per_column_without_a_picture(tmp_
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and f"attack={attack} does not apply to" in err, err
         assert "(it needs images; this run has table rows)" in err, err
+    assert main(["attack", str(out), "attack=bisr"]) == 2
+    assert "(it needs tokens; this run has table rows)" in capsys.readouterr().err
 
 
 def test_label_leak_is_refused_where_no_cut_gradient_is_sent(tmp_path, capsys):

@@ -9,10 +9,12 @@ import math
 import pytest
 import torch
 
-from helpers import global_weights, straight_and_resumed, train
+from helpers import TINY_GPT, global_weights, straight_and_resumed, train
+from splitlab.audit.run import attack_run
 from splitlab.cli import main
 from splitlab.engine import run
-from splitlab.privacy.defenses import dchi_noise
+from splitlab.models import build_model, split
+from splitlab.privacy.defenses import Defense, dchi_noise
 
 
 @pytest.mark.parametrize(("epsilon", "d"), [(2.0, 16), (0.5, 64)])
@@ -35,7 +37,9 @@ def token_recovery(lm, tmp_path, defense: str) -> tuple[dict, dict]:
     return summary, json.loads((out / "attack.json").read_text())["token_inversion"]
 
 
-def test_dchi_lowers_token_inversion_at_cut_1(lm, tmp_path):
+def test_dchi_and_noise_on_the_hidden_states_lower_both_token_attacks_at_cut_1(lm, tmp_path):
+    """Each defense against the attacks it targets: d_chi noise on the embeddings and Gaussian
+    noise on the hidden states at the cut bring the decoder and the nearest-token search down."""
     plain_summary, plain = token_recovery(lm, tmp_path, "none")
     noised_summary, noised = token_recovery(lm, tmp_path, "dchi:1")
     assert plain["decoder"] > plain["baseline"] + 0.5
@@ -43,6 +47,27 @@ def test_dchi_lowers_token_inversion_at_cut_1(lm, tmp_path):
     assert math.isfinite(noised_summary["final_loss"])
     assert noised_summary["privacy"]["epsilon"] is None  # metric DP per token, not an (epsilon, delta)
     assert noised_summary["privacy"]["tokens"]["epsilon_per_token"] == 1.0
+    _, at_cut = token_recovery(lm, tmp_path, "noise:0.5")
+    assert at_cut["decoder"] < plain["decoder"] - 0.3
+    nearest = {d: attack_run(tmp_path / d, {"attack": "embedding_inversion"}) for d in ("none", "dchi_1", "noise_0.5")}
+    assert nearest["none"]["accuracy"] > nearest["none"]["baseline"] + 0.5
+    assert all(nearest[d]["accuracy"] < nearest["none"]["accuracy"] - 0.3 for d in ("dchi_1", "noise_0.5")), nearest
+
+
+def test_dchi_noises_the_embeddings_of_a_u_shaped_client_part_before_its_head(lm, tmp_path):
+    """U-shaped (cut=1,2), the client's part holds the embedding, the first block and the last
+    stages: the noise goes on the embedding output, and only the head runs before the cut."""
+    model = build_model("gpt", (16,), 30, **{k: TINY_GPT[k] for k in ("layers", "heads", "width", "context")})
+    client, _ = split(model, 1, 2)
+    tokens = torch.randint(0, 30, (4, 16), generator=torch.Generator().manual_seed(0))
+    found = Defense(dchi=2.0).client_output(client, tokens, torch.Generator().manual_seed(5))
+    embed, block, *_ = client.children()
+    hidden = embed(tokens)
+    assert torch.equal(found, block(hidden + dchi_noise(hidden, 2.0, torch.Generator().manual_seed(5))))
+    config = {**lm, "algorithm": "sfl_v2", "cut": "1,2", "rounds": 1, "defense": "dchi:2", "noise_key": "k"}
+    summary = run({**config, "out": str(tmp_path / "u")}, progress=False)
+    assert math.isfinite(summary["final_loss"]) and "labels" not in summary["comm_bytes_by_kind"]
+    assert summary["final_accuracy_deployed"] is not None
 
 
 def test_dchi_is_bit_identical_through_either_transport_and_resumes(lm):

@@ -64,9 +64,29 @@ def test_advise_on_a_split_gpt_tables_cuts_and_u_shaped_cuts(lm, tmp_path, capsy
     printed = capsys.readouterr().out
     assert "| 1,2 |" in printed and "keeps the next-token targets on the client" in printed
     assert f"Pick cut {result['pick']}" in printed and "- cut 1: true " in printed
+    assert (out / "advise.png").read_bytes().startswith(b"\x89PNG")
     assert main(["advise", *probe, "cuts=3", f"out={tmp_path / 'x'}"]) == 2
     assert "cuts=3: 3 is not a cut of model=gpt; valid: [1, 2]" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_advise_on_a_lora_fine_tuned_checkpoint_runs_end_to_end(plays, tmp_path, capsys):
+    """model=hf with lora=: the probes fine-tune the adapters of a saved GPT-2 checkpoint at the
+    one cut asked for; the table, the JSON, the picture and the recommendation are written."""
+    from hf_helpers import tiny_hf_model
+
+    model_dir = tiny_hf_model(tmp_path / "gpt2", "gpt2", layers=2)
+    out = tmp_path / "advise"
+    probe = ["dataset=shakespeare_lm", f"data_dir={plays}", "model=hf", f"model_dir={model_dir}", "lora=4:8"]
+    sizes = ["seq_len=16", "cuts=1", "u_shaped=false", "rounds=1", "clients=2", "aux=18", "targets=10", "epochs=1"]
+    assert main(["advise", *probe, *sizes, "batch_size=8", f"out={out}"]) == 0
+    result = json.loads((out / "advise.json").read_text())
+    (row,) = result["rows"]
+    assert row["cut"] == "1" and result["pick"] == "1" and row["targets_at_server"]
+    assert row["bytes_per_token"]["smashed"] == 4 * 32  # GPT-2's width 32 in float32 per token
+    assert 0 < row["client_share"] < 1 and row["recovery"] >= row["floor"]
+    assert "| 1 |" in (out / "advise.md").read_text() and (out / "advise.png").is_file()
+    assert "Pick cut 1" in capsys.readouterr().out
 
 
 def test_gradient_matching_rebuilds_a_short_sequence_from_its_update():

@@ -1,5 +1,5 @@
 """The training conveniences every algorithm and role share: grad_accum, max_grad_norm,
-optimizer=adamw, precision=bf16, base_dtype, gradient_checkpointing (docs/performance.md)."""
+optimizer=adamw, precision=bf16 and fp16, base_dtype, gradient_checkpointing (docs/performance.md)."""
 
 from __future__ import annotations
 
@@ -99,6 +99,21 @@ def test_bf16_trains_a_gpt_on_the_cpu_and_halves_what_crosses_the_cut(lm):
     assert ledger["smashed"] == sequences * 16 * 16 * 2
     assert ledger["cut_grad"] == sequences * 16 * 16 * 2
     assert ledger["labels"] == sequences * 16 * 8
+    assert {t.dtype for t in global_weights(experiment).values()} == {torch.float32}
+    serialized = train(3, **dict(config, transport="serialized"))
+    assert max_abs_difference(global_weights(experiment), global_weights(serialized)) == 0
+
+
+def test_fp16_trains_a_gpt_on_the_cpu_sending_2_bytes_a_value_and_a_4_byte_scale(lm):
+    """As bf16 above, in float16 with loss scaling: each of the 27 cut gradients carries its scale."""
+    config = dict(lm, algorithm="sfl_v2", cut=1, precision="fp16")
+    before = evaluate(train(0, **config))
+    experiment = train(3, **config)
+    assert evaluate(experiment)["loss"] < before["loss"]
+    sequences = 3 * 3 * sum(min(8, len(node.y)) for node in experiment.roles.clients)
+    ledger = experiment.ledger.state_dict()
+    assert ledger["smashed"] == sequences * 16 * 16 * 2
+    assert ledger["cut_grad"] == sequences * 16 * 16 * 2 + 3 * 3 * 3 * 4
     assert {t.dtype for t in global_weights(experiment).values()} == {torch.float32}
     serialized = train(3, **dict(config, transport="serialized"))
     assert max_abs_difference(global_weights(experiment), global_weights(serialized)) == 0

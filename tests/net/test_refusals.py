@@ -228,3 +228,41 @@ def test_checks_take_the_runs_precision_and_refuse_other_dtypes():
     fp32 = Checks(build(quick(clients=2, train_subset=100)).blueprint)
     with pytest.raises(Refused, match=re.escape("smashed is torch.bfloat16 (8, 200), expected torch.float32")):
         fp32.result("forward", FORWARD, (0,), sent)
+
+
+def test_checks_take_fp16_and_a_clients_loss_scale():
+    """precision=fp16: float16 smashed data, and a client's state holds its loss scale (scale > 0,
+    a whole count of finite steps), which a state without it, or with a bad one, is refused for."""
+    experiment = build(quick(clients=2, train_subset=100, precision="fp16"))
+    node, fp16 = experiment.roles.clients[0], Checks(experiment.blueprint)
+    node.begin_round(0)
+    sent = node.forward(0)
+    assert sent["smashed"].dtype == torch.float16
+    fp16.result("forward", FORWARD, (0,), sent)
+    state = node.state_dict()
+    verb = ClientNode.state_dict.__verb__
+    fp16.result("state_dict", verb, (), state)
+    with pytest.raises(Refused, match="must hold exactly 'loss_scale', 'models', 'optimizers'"):
+        fp16.result("state_dict", verb, (), {k: v for k, v in state.items() if k != "loss_scale"})
+    for bad in (torch.tensor([0.0, 1.0], dtype=torch.float64), torch.tensor([2.0, 0.5], dtype=torch.float64)):
+        with pytest.raises(Refused, match="loss_scale holds"):
+            fp16.result("state_dict", verb, (), {**state, "loss_scale": bad})
+
+
+def test_checks_take_a_u_shaped_fp16_tail_gradient_with_its_scale_and_refuse_a_bad_one():
+    from splitlab.u_shaped import UShapedClient
+
+    experiment = build(quick(clients=2, train_subset=100, precision="fp16", cut="1,2"))
+    node, server, checks = experiment.roles.clients[0], experiment.roles.server, Checks(experiment.blueprint)
+    node.begin_round(0)
+    output = server.forward_middle(node.forward(0)["smashed"])
+    sent, verb = node.tail_step(0, output), UShapedClient.tail_step.__verb__
+    checks.result("tail_step", verb, (0, output), sent)
+    scaled = sent["tail_grad"]
+    for bad, why in (
+        ({**scaled, "scale": -scaled["scale"]}, "scale must be finite and not negative"),
+        ({**scaled, "grad": scaled["grad"].float()}, "tail_grad is torch.float32"),
+        (scaled["grad"], "must come as its scaled value and its scale"),
+    ):
+        with pytest.raises(Refused, match=why):
+            checks.result("tail_step", verb, (0, output), {**sent, "tail_grad": bad})

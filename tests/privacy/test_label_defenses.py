@@ -11,9 +11,13 @@ import pytest
 import torch
 from scipy.optimize import minimize
 
-from helpers import global_weights, personal_weights, quick, straight_and_resumed, train
+from helpers import global_weights, idx_bytes, personal_weights, quick, straight_and_resumed, train
+from splitlab.audit.run import attack_run
+from splitlab.build import client_node
 from splitlab.cli import main
+from splitlab.config import RunConfig
 from splitlab.engine import run
+from splitlab.errors import UserError
 from splitlab.privacy.defenses import Defense, keep_probability, marvell_variances
 
 
@@ -98,6 +102,32 @@ def test_marvell_brings_li_et_al_attacks_to_chance_on_a_binary_task(tmp_path):
     assert marvell_summary["final_accuracy"] > plain_summary["final_accuracy"] - 0.05
 
 
+def test_marvell_on_a_vertical_run_protects_the_labels_from_every_passive_party(tmp_path):
+    """Li et al.'s own setting: the party without labels receives the cut gradients. The server
+    holds the labels (labels_at=server) and noises each party's gradient with Marvell."""
+    vertical = {**BINARY, "setting": "vertical", "parties": 2, "clients": RunConfig.model_fields["clients"].default}
+    found = {}
+    for defense in ("none", "marvell"):
+        out = tmp_path / defense
+        key = {"noise_key": "k"} if defense != "none" else {}
+        run({**vertical, "defense": defense, **key, "out": str(out)}, progress=False)
+        found[defense] = attack_run(out, {"attack": "label_leak"})["by_party"]
+    assert all(party["direction_auc"] > 0.95 for party in found["none"].values())
+    assert all(abs(party["direction_auc"] - 0.5) < 0.1 for party in found["marvell"].values()), found
+
+
+def test_marvell_is_refused_on_a_client_whose_own_data_is_not_binary(tmp_path):
+    """data=own: the task is known once the client reads its files, and checked there."""
+    folder = tmp_path / "own"
+    folder.mkdir()
+    labels = np.arange(20) % 10
+    (folder / "train-images-idx3-ubyte").write_bytes(idx_bytes(np.zeros((20, 28, 28), dtype=np.uint8)))
+    (folder / "train-labels-idx1-ubyte").write_bytes(idx_bytes(labels.astype(np.uint8)))
+    config = dict(dataset="fashion_mnist", model="mlp", clients=2, data="own", data_dir=str(folder), defense="marvell")
+    with pytest.raises(UserError, match="marvell needs a binary classification task; fashion_mnist has 10 classes"):
+        client_node(config, 0)
+
+
 @pytest.mark.parametrize(("epsilon", "classes"), [(0.5, 2), (1.0, 10), (3.0, 4)])
 def test_randomised_response_flips_at_its_epsilon_rate(epsilon, classes):
     labels = torch.arange(20000) % classes
@@ -168,6 +198,10 @@ def test_a_label_defended_run_resumes_bit_for_bit(defense):
         (["dataset=breast_cancer", "defense=marvell", "cut=1,2"], "in a U-shaped split"),
         (["dataset=synthetic", "defense=label_dp:1", "cut=1,2"], "in a U-shaped split"),
         (["dataset=breast_cancer", "defense=label_dp:1", "setting=vertical"], "not implemented for setting=vertical"),
+        (
+            ["dataset=digits", "defense=marvell", "setting=vertical", "algorithm=sl"],
+            "marvell needs a binary classification task",
+        ),
     ],
 )
 def test_bad_label_defenses_are_refused_in_one_line(tmp_path, capsys, settings, message):

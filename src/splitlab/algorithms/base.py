@@ -128,6 +128,10 @@ class Algorithm(Generic[ParamsT]):
     supports_u_shape: ClassVar[bool] = False
     #: why a built-in algorithm cannot run a U-shaped split (one line, said when `cut=A,B` is refused)
     not_u_shaped: ClassVar[str] = ""
+    #: it runs precision=fp16: every backward pass of its roles goes through `Role.backward_pass` in a
+    #: step, and every cut gradient it sends comes from that step (`TrainingServer.send_gradient`),
+    #: so that each role's loss scale applies (splitlab.loss_scale); fp16 is refused for any other
+    supports_fp16: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

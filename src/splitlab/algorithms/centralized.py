@@ -16,6 +16,7 @@ class Centralized(Algorithm[NoParams]):
     name = "centralized"
     models = {"client_model": whole_model}
     not_u_shaped = "nothing is split: one node trains the whole model"
+    supports_fp16 = True
 
     @staticmethod
     def data_owners(indices: list[np.ndarray]) -> list[np.ndarray]:

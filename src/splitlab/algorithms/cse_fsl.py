@@ -26,7 +26,6 @@ from torch import nn
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.errors import UserError
 from splitlab.models.aux import build_aux, parse_aux
-from splitlab.privacy import defenses
 from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, sent_if
 from splitlab.transport import KEYED, verb
 
@@ -108,13 +107,14 @@ class CSEFSLClient(ClientNode[CSEFSLParams]):
             smashed = self.client_output(x)
             value = self.blueprint.loss(self.model("aux_model")(smashed), y)
             penalty = self.blueprint.defense.penalty(x, smashed)
-            self.steps(("client_model", "aux_model"), lambda: defenses.backward((value, None), (penalty, None)))
+            self.steps(("client_model", "aux_model"), lambda: self.backward_pass((value, None), (penalty, None)))
         return self.release(x, y, smashed.detach())[1] if send else {}
 
 
 class CSEFSL(AuxiliaryFSL, Algorithm[CSEFSLParams]):
     name = "cse_fsl"
     Client = CSEFSLClient
+    supports_fp16 = True
 
     def start_round(self, clients: list[ClientInfo]) -> None:
         for client in clients:

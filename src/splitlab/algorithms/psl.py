@@ -56,6 +56,7 @@ class PSL(PersonalClients, Algorithm[NoParams]):
     name = "psl"
     Server = UShapedServer
     supports_u_shape = True
+    supports_fp16 = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.fold)

@@ -21,6 +21,7 @@ class SFLV1(Algorithm[NoParams]):
     name = "sfl_v1"
     Client, Server = UShapedClient, UShapedServer
     supports_u_shape = True
+    supports_fp16 = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.fold)

@@ -35,6 +35,7 @@ class SFLV2(Algorithm[SFLV2Params]):
     name = "sfl_v2"
     Client, Server = UShapedClient, UShapedServer
     supports_u_shape = True
+    supports_fp16 = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         if self.params.server_schedule == "interleaved":

@@ -93,6 +93,7 @@ class SplitLearning(Relay, Algorithm[NoParams]):
     name = "sl"
     Server = UShapedServer
     supports_u_shape = True
+    supports_fp16 = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         for client in clients:

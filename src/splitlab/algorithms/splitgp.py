@@ -31,7 +31,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
-from splitlab.metrics import logits_in_batches
 from splitlab.models import inference, output_shape
 from splitlab.privacy import defenses
 from splitlab.roles import (
@@ -139,8 +138,9 @@ class SplitGPClient(ClientNode[SplitGPParams]):
         the simulation's doing, not traffic). The features stay here for `route`."""
         phi, h = self.model("client_model"), self.model("aux_model")
         with inference(phi, h):
-            features = logits_in_batches(phi, x, self.blueprint.inference_batch)
-            logits = h(features)
+            features = self.blueprint.logits(phi, x)
+            with self.blueprint.autocast():
+                logits = h(features)
         self._inferred = features, logits
         return logits
 
@@ -164,7 +164,7 @@ class SplitGPServer(TrainingServer[SplitGPParams]):
         """theta's logits on the features clients routed to the server at inference."""
         theta = self.model("server_model")
         with inference(theta):
-            return logits_in_batches(theta, smashed, self.blueprint.inference_batch)
+            return self.blueprint.logits(theta, smashed)
 
 
 class SplitGP(Algorithm[SplitGPParams]):

@@ -315,7 +315,7 @@ class FeatureParty(IdHolder, ClientNode[NoParams]):
         """The bottom model on this party's columns of test samples `start` to `stop`, as the whole
         model is evaluated (eval mode, no defense at the cut), for the joint evaluation."""
         model = self.model("client_model")
-        with inference(model):
+        with inference(model), self.blueprint.autocast():
             return model(self.inputs(self.test_x[start:stop]))
 
 
@@ -369,7 +369,7 @@ class VerticalServer(IdHolder, TrainingServer[NoParams]):
         with self.blueprint.timed("server"):
             value = self.blueprint.loss(self.model("server_model")(self.plan.join(received, self.shapes)), labels)
             self.step("server_model", value.backward, tuple(r for r in received if r is not None), value)
-        grads = [None if r is None else self.send_gradient(cast(torch.Tensor, r.grad)) for r in received]
+        grads = [None if r is None else self.send_gradient(cast(torch.Tensor, r.grad), labels) for r in received]
         return {"cut_grads": grads, "loss": value.detach()}
 
     @verb()
@@ -382,7 +382,7 @@ class VerticalServer(IdHolder, TrainingServer[NoParams]):
     def test_logits(self, embeddings: list[torch.Tensor]) -> torch.Tensor:
         """The top model (eval mode) on the parties' embeddings of one batch of test samples, combined."""
         model = self.model("server_model")
-        with inference(model):
+        with inference(model), self.blueprint.autocast():
             return model(self.plan.join(embeddings, self.shapes))
 
     @verb()

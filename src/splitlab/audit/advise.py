@@ -18,7 +18,7 @@ from torch import nn
 from splitlab import rundir
 from splitlab.audit.settings import AdviseSettings
 from splitlab.errors import UserError
-from splitlab.io import write_json, write_png, write_text
+from splitlab.io import write_json, write_text
 from splitlab.ledger import payload_bytes
 from splitlab.models import build_model, output_shape, split
 from splitlab.resolve import resolve_config
@@ -239,19 +239,15 @@ def _cell(fmt: str, value: Any) -> str:
 
 def _plot(file: Path, settings: AdviseSettings, rows: list[dict[str, Any]]) -> None:
     """Per cut: client FLOPs and bytes up (relative to the largest), inversion SSIM, direction AUC, accuracy."""
-    import matplotlib
+    from splitlab.experiments.plots import plot_per_cut
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def column(key: str) -> list[float]:
+        return [row[key] for row in rows]
 
-    cuts = [row["cut"] for row in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key, label in (("client_flops", "client FLOPs (rel.)"), ("up_bytes", "bytes up (rel.)")):
-        top = max(row[key] for row in rows) or 1
-        ax.plot(cuts, [row[key] / top for row in rows], "--o", label=label)
-    for key, label in (("ssim", "inversion SSIM"), ("direction_auc", "label leak AUC"), ("accuracy", "accuracy")):
-        ax.plot(cuts, [row[key] for row in rows], "-s", label=label)
-    ax.set(xlabel="cut", xticks=cuts, ylim=(0, 1.05), title=f"{settings.model} on {settings.dataset}")
-    ax.legend(fontsize=7)
-    write_png(file, fig)
-    plt.close(fig)
+    plot_per_cut(
+        file,
+        f"{settings.model} on {settings.dataset}",
+        [str(row["cut"]) for row in rows],
+        {"client FLOPs (rel.)": column("client_flops"), "bytes up (rel.)": column("up_bytes")},
+        {"inversion SSIM": column("ssim"), "label leak AUC": column("direction_auc"), "accuracy": column("accuracy")},
+    )

@@ -72,7 +72,7 @@ def label(cut: int, tail: int | None) -> str:
 
 def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) -> dict[str, Any]:
     """Probe every candidate cut of a language model (settings checked before any trains); write
-    OUT/advise.md and advise.json; return the rows."""
+    OUT/advise.md, advise.json and advise.png; return the rows."""
     from splitlab.assembly import load_data
     from splitlab.audit.attack import attacks
     from splitlab.audit.records import attack_sizes
@@ -139,7 +139,30 @@ def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) 
     table = markdown(settings, sizes, rows, result)
     write_json(out / "advise.json", result)
     write_text(out / "advise.md", table)
-    return {**result, "out": str(out), "markdown": table, "files": ["advise.md", "advise.json"]}
+    _plot(out / "advise.png", settings, rows)
+    return {**result, "out": str(out), "markdown": table, "files": ["advise.md", "advise.json", "advise.png"]}
+
+
+def _plot(file: Path, settings: AdviseSettings, rows: list[dict[str, Any]]) -> None:
+    """Per candidate: bytes up per token (relative to the largest), the client's FLOPs share, the
+    text the strongest attack recovers and its floor, next-token accuracy."""
+    from splitlab.experiments.plots import plot_per_cut
+
+    def column(key: str) -> list[float]:
+        return [row[key] for row in rows]
+
+    plot_per_cut(
+        file,
+        f"{settings.model} on {settings.dataset}",
+        [row["cut"] for row in rows],
+        {"bytes up per token (rel.)": [bytes_up(row) for row in rows]},
+        {
+            "client FLOPs share": column("client_share"),
+            "text recovered": column("recovery"),
+            "floor": column("floor"),
+            "next-token accuracy": column("accuracy"),
+        },
+    )
 
 
 def bytes_up(row: dict[str, Any]) -> float:

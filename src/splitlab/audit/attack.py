@@ -33,6 +33,7 @@ ATTACK_MODULES = (
     "token_inversion",
     "embedding_inversion",
     "gradient_matching",
+    "bisr",
 )
 
 
@@ -66,6 +67,11 @@ class Target:
             inputs, smashed = (self.recorded[1][name].to(self.x.device) for name in ("inputs", "smashed"))
             return inputs, smashed
         return self.x, received(self.client, self.x, self.defense, self.settings.seed)
+
+    def pretrained(self) -> tuple[nn.Module, nn.Module]:
+        """(client part, server part) with the weights the run started from: the checkpoint it was
+        started from (`init=`, `model_dir=`) or the seeded initial model the server handed out."""
+        return self.experiment.blueprint.new_split()
 
 
 @dataclass
@@ -103,6 +109,9 @@ class Attack:
     replays_record: ClassVar[bool] = True
     #: it needs auxiliary samples; False: a vertical run's targets may take the whole test split
     aux: ClassVar[bool] = True
+    #: the client part's weights it assumes the server knows: "final" (the run's, which a server that is
+    #: or colludes with the sync server holds) or "pretrained" (only those the run started from)
+    weights: ClassVar[str] = "final"
     #: `splitlab advise` plays it on every probe; False: too slow for a probe (run it with `splitlab attack`)
     advised: ClassVar[bool] = True
 

@@ -24,6 +24,7 @@ from splitlab.audit.records import load_record
 from splitlab.errors import UserError
 from splitlab.models import HeadAndTail
 from splitlab.privacy.defenses import Defense, decode, received
+from splitlab.targets import IGNORED
 
 LABELS_ARE_TOKENS = "a language run's labels are its next input tokens, which the client holds"
 
@@ -162,7 +163,8 @@ def tail_gradients(
     grads = []
     for output, labels in zip(outputs.split(batch_size), y.split(batch_size)):
         output = output.detach().requires_grad_()
-        (grad,) = torch.autograd.grad(F.cross_entropy(client.tail(output), labels), output)
+        logits = client.tail(output).flatten(0, -2)  # a language run's: (B, T, V), a target per position
+        (grad,) = torch.autograd.grad(F.cross_entropy(logits, labels.flatten(), ignore_index=IGNORED), output)
         grads.append(grad)
     return torch.cat(grads)
 

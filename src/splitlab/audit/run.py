@@ -54,7 +54,12 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
         found = {**head, **attack().run_vertical(vertical)}
     else:
         target = _target(path, stored, settings, attack)
-        head = {"attack": settings.attack, "targets": target.source, "defense": target.experiment.config.run.defense}
+        head = {
+            "attack": settings.attack,
+            "targets": target.source,
+            "defense": target.experiment.config.run.defense,
+            "weights": attack.weights,  # what the attacker knows of the client part: its final or starting weights
+        }
         found = {**head, **attack().run(target)}
     earlier = json.loads((path / RESULTS).read_text()) if (path / RESULTS).is_file() else {}
     write_json(path / RESULTS, {**earlier, settings.attack: {"settings": settings.model_dump(), **found}})

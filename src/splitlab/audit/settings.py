@@ -21,6 +21,7 @@ class AttackSettings(BaseModel):
         "token_inversion",
         "embedding_inversion",
         "gradient_matching",
+        "bisr",
     ]
     round: int | None = Field(
         None,
@@ -56,7 +57,8 @@ class AttackSettings(BaseModel):
         300,
         ge=10,
         le=10_000_000,
-        description="client training steps under attack (fsha); optimisation steps per sequence (gradient_matching)",
+        description="client training steps under attack (fsha); optimisation steps (gradient_matching per "
+        "sequence, bisr)",
     )
     guard: int = Field(5, ge=2, le=10_000, description="SplitGuard: a fake batch every this many steps (fsha)")
     device: Literal["cpu", "cuda", "auto"] = "cpu"

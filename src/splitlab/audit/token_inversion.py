@@ -48,6 +48,23 @@ def train_token_decoder(
         return fit(decoder, hidden, tokens, F.cross_entropy, epochs, 256)
 
 
+def decoded_logits(
+    client: nn.Module,
+    defense: Defense,
+    aux_tokens: torch.Tensor,
+    target_hidden: torch.Tensor,
+    vocabulary: int,
+    epochs: int,
+    seed: int,
+) -> torch.Tensor:
+    """The decoder's token logits (M, T, V) for the hidden states received (M, T, D), the decoder
+    trained on the auxiliary text (N, T) through `client` with the run's defense (the attacker's draw)."""
+    aux_hidden = received(client, aux_tokens, defense, seed + 1)
+    decoder = train_token_decoder(aux_hidden.flatten(0, 1), aux_tokens.flatten(), vocabulary, epochs, seed)
+    with torch.no_grad():
+        return torch.cat([decoder(h) for h in target_hidden.split(256)])
+
+
 def token_inversion(
     client: nn.Module,
     defense: Defense,
@@ -62,10 +79,7 @@ def token_inversion(
     """Train the per-position decoder on the server's auxiliary text (N, T) and reconstruct the
     target tokens (M, T) from the hidden states the server received (M, T, D). With `characters`
     (token i is characters[i]) the result shows the first target sequence and its reconstruction."""
-    aux_hidden = received(client, aux_tokens, defense, seed + 1)
-    decoder = train_token_decoder(aux_hidden.flatten(0, 1), aux_tokens.flatten(), vocabulary, epochs, seed)
-    with torch.no_grad():
-        reconstructed = torch.cat([decoder(h).argmax(-1) for h in target_hidden.split(256)])
+    reconstructed = decoded_logits(client, defense, aux_tokens, target_hidden, vocabulary, epochs, seed).argmax(-1)
     most_frequent, floor = token_floor(aux_tokens, target_tokens, vocabulary)
     learned = float((reconstructed == target_tokens).float().mean())
     best = "decoder" if learned >= floor else "most frequent token"

@@ -272,6 +272,23 @@ def plot_run(rows: list[dict], path: Path, title: str) -> Path:
     return _save(fig, path)
 
 
+def plot_per_cut(
+    path: Path, title: str, cuts: list[str], relative: dict[str, list[float]], absolute: dict[str, list[float]]
+) -> Path:
+    """`splitlab advise`'s picture: one line per quantity over the candidate cuts, `relative` ones
+    (costs) divided by their largest value (dashed), `absolute` ones (shares, scores in [0, 1]) as they are."""
+    fig, (ax,) = _figure(1, width=6, height=3.5)
+    for label, values in relative.items():
+        top = max(values) or 1
+        ax.plot(cuts, [v / top for v in values], "--o", label=label)
+    for label, values in absolute.items():
+        ax.plot(cuts, values, "-s", label=label)
+    ax.set(xlabel="cut", ylim=(0, 1.05), title=title)
+    ax.legend(fontsize=7)
+    ax.grid(True, alpha=0.3)
+    return _save(fig, path)
+
+
 def plot_vs_cut(an: Analysis, path: Path) -> Path:
     fig, axes = _figure(len(an.col_tuples))
     style = _Styler(an)

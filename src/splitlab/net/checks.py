@@ -35,6 +35,7 @@ import torch
 
 from splitlab.algorithms.vertical_sl import FeatureParty, parse_features
 from splitlab.data.datasets import SUMMARY_KEYS, data_summary
+from splitlab.loss_scale import unscaled
 from splitlab.privacy import defenses
 from splitlab.roles import Blueprint, ClientNode, pooled
 from splitlab.targets import IGNORED
@@ -177,7 +178,7 @@ class Checks:
         if "labels" in result:
             self._labels(_tensor(result, "labels"), batch)
         if "tail_grad" in result:  # tail_step(step, output): the gradient at the output sent
-            grad, output = _tensor(result, "tail_grad"), args[1]
+            grad, output = self._tail_grad(result["tail_grad"]), args[1]
             if grad.dtype != output.dtype or grad.shape != output.shape:
                 raise Refused(f"tail_grad is {_form(grad)}, expected {_form(output)} (the server's output)")
         if "loss" in result:
@@ -189,6 +190,17 @@ class Checks:
             routed = _tensor(result, "evaluation")
             if routed.dtype != torch.bool or tuple(routed.shape) != (args[0],) or int(routed.sum()) != batch:
                 raise Refused(f"evaluation is {_form(routed)}, expected torch.bool ({args[0]},) with {batch} set")
+
+    def _tail_grad(self, message: Any) -> torch.Tensor:
+        """The gradient at the second cut as sent; fp16: its scaled form and scale, checked (the
+        scaled values are what must fit the server's output)."""
+        if self.blueprint.config.precision != "fp16":
+            return _tensor({"tail_grad": message}, "tail_grad")
+        try:
+            unscaled(message)
+        except ValueError as error:
+            raise Refused(f"tail_grad: {error}") from None
+        return _tensor(message, "grad")
 
     def _labels(self, labels: torch.Tensor, batch: int | None) -> None:
         """The task's targets of `batch` samples: int64 (B,) classes in [0, classes), or for a
@@ -300,8 +312,11 @@ class Checks:
                 raise Refused(f"{slot}.{name} is {_form(tensor)}, expected {want.dtype} {tuple(want.shape)}")
 
     def _role_state(self, state: Any) -> None:
-        if not isinstance(state, dict) or set(state) != {"models", "optimizers"}:
-            raise Refused("a client's state must hold exactly 'models' and 'optimizers'")
+        keys = {"models", "optimizers"} | ({"loss_scale"} if self.blueprint.config.precision == "fp16" else set())
+        if not isinstance(state, dict) or set(state) != keys:
+            raise Refused(f"a client's state must hold exactly {', '.join(map(repr, sorted(keys)))}")
+        if "loss_scale" in state:
+            _loss_scale(state["loss_scale"])
         models, optimizers = state["models"], state["optimizers"]
         if not isinstance(models, dict) or not isinstance(optimizers, dict):
             raise Refused("a client's state's models and optimizers must be dicts")
@@ -389,6 +404,15 @@ def _tensor(result: dict, key: str) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
         raise Refused(f"{key} is a {type(value).__name__}, expected a tensor")
     return value
+
+
+def _loss_scale(state: Any) -> None:
+    """precision=fp16: a role's (scale, finite steps), splitlab.loss_scale.LossScale.state."""
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.float64 or tuple(state.shape) != (2,):
+        raise Refused(f"loss_scale is {_form(state)}, expected torch.float64 (2,)")
+    scale, steps = state.tolist()
+    if not (scale > 0 and steps >= 0 and steps == int(steps)):
+        raise Refused(f"loss_scale holds scale {scale} and {steps} steps, expected a scale > 0 and a whole count")
 
 
 def _psi_bytes(where: str, message: Any, points: int) -> None:

@@ -46,6 +46,7 @@ import torch
 from torch import nn
 
 from splitlab.errors import UserError
+from splitlab.models.staged import HeadAndTail
 
 #: the delta of (epsilon, delta) when none is given (`dp:epsilon=E`, and the reported epsilon)
 DELTA = 1e-5
@@ -62,8 +63,9 @@ ITEMS = {
     "label_dp": "label_dp:<epsilon > 0>",
     "dchi": "dchi:<epsilon > 0>",
 }
-#: Marvell's power scale without `:S`: the smallest of 1, 4, 16 that kept both of Li et al.'s attacks within
-#: 0.1 of chance on breast_cancer over three noise keys (docs/privacy.md)
+#: Marvell's power scale without `:S` (Li et al.'s s, P = s ||mean positive - mean negative||^2): the paper sweeps
+#: it, its reference code defaults to 1; on breast_cancer s = 0.1 to 4 left an attack more than 0.1 from chance in
+#: most of 9 runs (3 seeds x 3 noise keys; the norm AUC reversed, down to 0.32), 16 held in all 9 (docs/privacy.md)
 MARVELL_SCALE = 16.0
 FP16_MAX = torch.finfo(torch.float16).max
 #: relative error of fp16 for normal values (10 stored mantissa bits, round to nearest) ...
@@ -127,10 +129,11 @@ class Defense:
 
     def client_output(self, client: nn.Module, x: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
         """The client part on `x`: with `dchi:E`, d_chi-privacy noise on every token's embedding
-        (the first stage's output), which the client's later stages only post-process."""
+        (the first stage's output), which the client's later stages only post-process (in a
+        U-shaped split, those before the first cut: calling a `HeadAndTail` runs its head)."""
         if self.dchi is None:
             return client(x)
-        first, *rest = client.children()
+        first, *rest = list(client.children())[: client.head_stages if isinstance(client, HeadAndTail) else None]
         hidden = first(x)
         hidden = hidden + dchi_noise(hidden, self.dchi, generator)
         for stage in rest:
@@ -414,16 +417,12 @@ def check_applies(config: Any, splits: bool) -> None:
             "noise_key= applies to a randomised defense (noise, dp, gradnoise, marvell, label_dp, dchi), "
             f"not {config.defense!r}"
         )
-    if defense.dchi is not None and config.tail_cut is not None:
-        raise UserError(f"defense={config.defense}: dchi is not implemented for U-shaped splits (cut=A,B)")
     label_defenses = [name for name in ("marvell", "label_dp") if getattr(defense, name) is not None]
     if label_defenses and config.tail_cut is not None:
         raise UserError(
             f"defense={config.defense}: {label_defenses[0]} protects labels the server holds; in a U-shaped split "
             f"(cut=A,B) they never leave the client (use a vanilla cut)"
         )
-    if label_defenses and config.setting == "vertical":
-        raise UserError(f"defense={config.defense}: {label_defenses[0]} is not implemented for setting=vertical")
 
 
 def check_task(defense: Defense, value: str, dataset: str, task: str, classes: int) -> None:

@@ -175,6 +175,7 @@ class Horizontal(Setting):
             if run.clients != "all" and not 0 <= k < run.clients:
                 raise UserError(f"client_id={k} is not a client of this run; allowed: 0 to {run.clients - 1}")
             data = load_split(run.dataset, "train", run.data_dir)
+            check_task(parse_defense(run.defense), run.defense, run.dataset, data.task, data.num_classes)
             blueprint = make_blueprint(config, data, resolve_device(run.device), init_state(config))
             return client_nodes(blueprint, data, {k: np.arange(len(data.train_y))}, config.algorithm_class.Client)[0]
         plan = _plan(config)

@@ -39,6 +39,7 @@ from splitlab.data import Dataset
 from splitlab.data.partition import counts_report
 from splitlab.data.tables import csv_training_set, own_csv_table, table_ids
 from splitlab.errors import UserError
+from splitlab.privacy.defenses import check_task, parse_defense
 from splitlab.privacy.record import PartyRecorder
 from splitlab.roles import Blueprint, ClientNode, Role
 from splitlab.runmodel import init_state
@@ -178,6 +179,11 @@ class VerticalPlan(Parties):
 
 
 def _refusals(run: RunConfig) -> None:
+    if parse_defense(run.defense).label_dp is not None:  # marvell is built: the server noises every party's gradient
+        raise UserError(
+            f"defense={run.defense}: label_dp is not implemented for setting=vertical: with labels_at=server the "
+            "labels never leave the server, and randomised response at a labelled party is not built"
+        )
     checks = {
         "algorithm": (
             run.algorithm not in VERTICAL_ALGORITHMS,
@@ -227,6 +233,7 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
         raise UserError(f"setting=vertical divides a sample's features; {run.dataset}'s sequences are not split so")
     if run.dataset == "csv":
         data = csv_training_set(data_dir)
+    check_task(parse_defense(run.defense), run.defense, run.dataset, data.task, data.num_classes)
     if run.labels_at != LABELS_AT_SERVER and not 0 <= int(run.labels_at) < run.parties:
         raise UserError(f"labels_at={run.labels_at} is not a party; allowed: server or 0 to {run.parties - 1}")
     dtype = data.inputs(data.train_x[:1]).dtype
@@ -462,6 +469,7 @@ def plan_own_server(config: ResolvedConfig, reports: dict[int, dict[str, Any]]) 
         mine: dict[str, Any] | None = own_report(0, test_ids, classes)
     else:
         classes, mine = reports[int(run.labels_at)]["classes"], None
+    check_task(parse_defense(run.defense), run.defense, run.dataset, "classification", classes)
     samples = reports[0]["test_samples"]
     for holder, report in [*((f"party {j}", reports[j]) for j in range(run.parties)), ("the server", mine)]:
         if report is not None and report["test_ids"] != reports[0]["test_ids"]:
@@ -576,8 +584,8 @@ def load_final(path: Path, stored: dict[str, Any], device: str) -> tuple[Resolve
 def evaluate_vertical(path: Path, stored: dict[str, Any], device: str) -> dict[str, float]:
     """A finished vertical run's final model on its test set, computed as the run computed its
     final metrics (every party's features of each test sample, combined, through the top model)."""
-    from splitlab.metrics import TASK_METRICS, logits_in_batches
+    from splitlab.metrics import TASK_METRICS
 
     config, vertical, model = load_final(path, stored, device)
     x, y = test_set(config, vertical.data, vertical.blueprint.device)
-    return TASK_METRICS[vertical.data.task](logits_in_batches(model, x, vertical.blueprint.inference_batch), y)
+    return TASK_METRICS[vertical.data.task](vertical.blueprint.logits(model, x), y)

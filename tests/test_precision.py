@@ -1,0 +1,134 @@
+"""precision=fp16: autocast in float16, one dynamic loss scale per role that trains, the cut
+gradient crossing scaled with its scale (splitlab.loss_scale, docs/performance.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
+from splitlab import loss_scale
+from splitlab.errors import UserError
+from splitlab.loop import evaluate
+from splitlab.loss_scale import LossScale, scaled, unscaled
+from splitlab.resolve import resolve_config
+
+FP16 = quick(precision="fp16")
+#: quick()'s clients hold 100 samples each: steps of 32, 32, 32 and 4 per round
+STEPS_PER_ROUND = 3 * 4
+
+
+@pytest.mark.parametrize("algorithm", ["sfl_v2", "cse_fsl", "fedavg"])
+def test_fp16_trains_as_fp32_does_with_float32_weights(algorithm):
+    config = dict(FP16, algorithm=algorithm)
+    before = evaluate(train(0, **config))["loss"]
+    experiment = train(2, **config)
+    after, fp32 = evaluate(experiment)["loss"], evaluate(train(2, **dict(config, precision="fp32")))["loss"]
+    assert after < before - 0.1 and after == pytest.approx(fp32, abs=0.02)
+    assert {t.dtype for t in global_weights(experiment).values()} == {torch.float32}
+    roles = [experiment.roles.server, *experiment.roles.clients]
+    assert {role.loss_scale.scale for role in roles if role is not None} == {loss_scale.INITIAL_SCALE}  # no overflow
+
+
+def test_fp16_hidden_states_and_cut_gradients_cross_as_2_bytes_and_each_gradient_its_4_byte_scale():
+    """The MLP's cut holds 200 values per sample: 300 samples a round up and down at 2 bytes,
+    and beside each of a round's 12 cut gradients its float32 scale."""
+    experiment = train(2, **dict(FP16, algorithm="sfl_v2"))
+    ledger = experiment.ledger.state_dict()
+    assert ledger["smashed"] == 2 * 300 * 200 * 2
+    assert ledger["cut_grad"] == 2 * (300 * 200 * 2 + STEPS_PER_ROUND * 4)
+    assert ledger["labels"] == 2 * 300 * 8
+
+
+def test_an_overflow_skips_the_step_backs_off_and_never_crosses(monkeypatch):
+    """Scales of 2^40 overflow float16: the server skips such steps (sending zeros with scale 0, so
+    that its client skips too) and halves its scale each time, until steps pass; in process and
+    through the serialized transport alike, bit for bit."""
+    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**40)
+    config = dict(FP16, algorithm="sfl_v2")
+    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
+    assert max_abs_difference(global_weights(direct), global_weights(serialized)) == 0
+    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+    for a, b in zip([direct.roles.server, *direct.roles.clients], [serialized.roles.server, *serialized.roles.clients]):
+        assert torch.equal(a.loss_scale.state(), b.loss_scale.state())
+    server = direct.roles.server
+    optimizer = server.optimizers["server_model"]
+    taken = int(next(iter(optimizer.state.values()))["step"])
+    skipped = 2 * STEPS_PER_ROUND - taken
+    assert 0 < taken < 2 * STEPS_PER_ROUND
+    assert server.loss_scale.scale == 2.0**40 / 2**skipped
+    assert all(torch.isfinite(t).all() for t in global_weights(direct).values())
+    # only one server step passed (at 2^17); its client then overflowed at its own 2^40 and halved
+    # it; the other clients only received skipped steps, which leave their scales as they were
+    assert taken == 1 and sorted(node.loss_scale.scale for node in direct.roles.clients) == [2.0**39, 2.0**40, 2.0**40]
+
+
+@pytest.mark.parametrize("initial", [2.0**16, 2.0**40], ids=["fitting", "overflowing"])
+def test_u_shaped_fp16_sends_the_second_cuts_gradient_scaled_and_transports_agree(monkeypatch, initial):
+    """cut=1,2: the client's tail scales its loss; the gradient at the second cut goes up scaled,
+    with the client's scale (an overflow there: zeros and scale 0, and the server skips as well);
+    the server's scaled cut gradient comes down. In process and serialized alike, bit for bit."""
+    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", initial)
+    config = dict(FP16, algorithm="sfl_v2", cut="1,2")
+    before = evaluate(train(0, **config))["loss"]
+    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
+    assert max_abs_difference(global_weights(direct), global_weights(serialized)) == 0
+    ledger = direct.ledger.state_dict()
+    assert ledger == serialized.ledger.state_dict() and "labels" not in ledger
+    assert ledger["server_output"] == 2 * 300 * 200 * 2  # the server's output at the second cut, fp16
+    assert ledger["tail_grad"] == ledger["cut_grad"] == 2 * (300 * 200 * 2 + STEPS_PER_ROUND * 4)
+    scales = [role.loss_scale.scale for role in (direct.roles.server, *direct.roles.clients)]
+    if initial == 2.0**16:
+        assert evaluate(direct)["loss"] < before - 0.1 and set(scales) == {2.0**16}
+    else:  # every tail overflows (its client halves, 8 steps each); the server skips every step unscaled
+        assert scales == [2.0**40, *[2.0**32] * 3] and "server_model" not in direct.roles.server.optimizers
+
+
+def test_fp16_resumes_with_every_roles_loss_scale(monkeypatch):
+    """The scales back off in round 1; a run resumed before round 2 scales as the straight one."""
+    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**30)
+    straight, resumed = straight_and_resumed(2, **dict(FP16, algorithm="sfl_v2"))
+    assert straight.roles.server.loss_scale.scale < 2.0**30
+    assert max_abs_difference(global_weights(straight), global_weights(resumed)) == 0
+    assert torch.equal(straight.roles.server.loss_scale.state(), resumed.roles.server.loss_scale.state())
+
+
+def test_the_scale_halves_on_an_overflow_and_doubles_after_an_interval_of_finite_steps(monkeypatch):
+    monkeypatch.setattr(loss_scale, "GROWTH_INTERVAL", 2)
+    scale = LossScale()
+    grads = [torch.full((3,), 4.0)]
+    assert scale.unscale(grads) and grads[0].tolist() == [4 / 2**16] * 3
+    assert scale.unscale([torch.ones(2)]) and scale.scale == 2.0**17 and scale.used == 2.0**16
+    assert not scale.unscale([torch.ones(2)], [torch.tensor([float("inf")], dtype=torch.float16)])
+    assert scale.scale == 2.0**16 and scale.used == 0 and scale.finite_steps == 0
+    loss, grad = scale.seed(torch.tensor(0.5), None)
+    assert loss.item() == 2.0**15 and grad is None
+
+
+def test_a_scaled_cut_gradient_is_checked_and_a_skipped_one_reads_as_none():
+    grad = torch.tensor([[2.0, -4.0]], dtype=torch.float16)
+    assert unscaled(scaled(grad, 4.0, grad.device)).tolist() == [[0.5, -1.0]]
+    assert unscaled(scaled(torch.zeros_like(grad), 0.0, grad.device)) is None
+    for bad in (
+        {"grad": grad},
+        {"grad": grad, "scale": torch.tensor(-1.0)},
+        {"grad": grad, "scale": torch.tensor(1.0, dtype=torch.float64)},
+        {"grad": torch.tensor([float("inf")], dtype=torch.float16), "scale": torch.tensor(1.0)},
+    ):
+        with pytest.raises(ValueError):
+            unscaled(bad)
+
+
+@pytest.mark.parametrize(
+    ("settings", "why"),
+    [
+        ({"algorithm": "fsl_sage"}, "algorithm=fsl_sage does not declare it"),
+        ({"setting": "vertical", "algorithm": "sl", "dataset": "breast_cancer"}, "setting=vertical"),
+        ({"algorithm": "sfl_v2", "defense": "gradnoise:0.1"}, "noise on cut gradients"),
+        ({"dataset": "shakespeare", "model": "lstm"}, "no float16 LSTM kernel on the CPU"),
+    ],
+)
+def test_fp16_is_refused_in_one_line_where_it_does_not_apply(settings, why):
+    with pytest.raises(UserError, match=why) as refused:
+        resolve_config(dict(FP16, **settings))
+    assert "\n" not in str(refused.value) and "precision=bf16" in str(refused.value)
