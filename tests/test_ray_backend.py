@@ -27,6 +27,8 @@ from splitlab.ledger import Ledger
 from splitlab.loop import STREAM_SAMPLING, sample_clients
 from splitlab.roles import random_stream
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time, on one worker
+
 TIMING = (
     "wall_seconds",
     "round_compute_seconds",
@@ -342,8 +344,6 @@ import os
 
 from splitlab.algorithms.fedavg import FedAvg
 from splitlab.roles import ClientNode
-
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time, on one worker
 
 
 class NodeClient(ClientNode):

@@ -13,6 +13,8 @@ import ray
 
 from splitlab.cli import main
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time, on one worker
+
 NOBODY = "127.0.0.1:1"  # a port nothing listens on
 
 
@@ -47,8 +49,6 @@ def test_sweep_on_a_ray_address_where_nothing_listens(tmp_path, capsys):
 HEAD = """
 import sys
 from ray.cluster_utils import Cluster
-
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time, on one worker
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
 print(cluster.address, flush=True)
 sys.stdin.read()
