@@ -2,7 +2,7 @@
 
 `make test` runs them in parallel workers (pytest-xdist, `-n 2 --dist loadgroup`): every test keeps
 its files under tmp_path, picks free ports, and the tests that start Ray share one worker (their
-modules are marked `xdist_group("ray")`)."""
+modules are marked `xdist_group("ray")`); docs/architecture.md, "Tests"."""
 
 import atexit
 import os
@@ -21,10 +21,9 @@ TOKEN_CACHE = tempfile.mkdtemp(prefix="splitlab-token-cache-")
 os.environ["SPLITLAB_TOKEN_CACHE"] = TOKEN_CACHE
 atexit.register(shutil.rmtree, TOKEN_CACHE, ignore_errors=True)
 
-#: Workers share the cores: each computes with its share, and so do the processes it starts, so that
-#: two workers never run more threads than there are cores.
-WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-if WORKERS > 1:
-    THREADS = max(1, (os.cpu_count() or 1) // WORKERS)
-    os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(THREADS)
-    torch.set_num_threads(THREADS)
+#: One torch thread here and in every process a test starts (servers, clients: OMP_NUM_THREADS), as
+#: launched processes and Ray actors compute: a run in the test's process then sums in their order
+#: and compares bit for bit (with two threads, MLP runs differed from launched ones in the last bits
+#: on the loaded 2-core machine), and two workers never run more threads than there are cores.
+os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
