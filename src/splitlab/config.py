@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -21,7 +22,8 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic.json_schema import JsonDict
 
 from splitlab.errors import UserError, one_line, unknown_key
@@ -30,6 +32,38 @@ from splitlab.errors import UserError, one_line, unknown_key
 #: with its own; the command line stays one flat set of KEY=VALUE.
 GROUPS = ("data", "model", "training", "privacy", "deployment")
 DATA, MODEL, TRAINING, PRIVACY, DEPLOYMENT = (typing.cast(JsonDict, {"group": group}) for group in GROUPS)
+
+
+class DecodingSettings(BaseModel):
+    """How a continuation is chosen (splitlab.generation): the keys `splitlab generate` takes besides
+    the prompt, and a run's `eval_generate` as its `eval_*` keys."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    max_new_tokens: int = Field(100, ge=1, le=100_000, description="tokens to generate (fewer if the text ends)")
+    temperature: float = Field(
+        0.0, ge=0, le=100, description="0: greedy or beam search; else sample from softmax(logits / T)"
+    )
+    top_k: int | None = Field(None, ge=1, le=10_000_000, description="sampling: only the k most likely tokens")
+    top_p: float | None = Field(
+        None, gt=0, le=1, description="sampling: only the fewest most likely tokens whose probability reaches p"
+    )
+    num_beams: int = Field(1, ge=1, le=1000, description="beam search with this many beams (temperature 0)")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the sampling (temperature > 0)")
+
+    @model_validator(mode="after")
+    def _one_method(self) -> DecodingSettings:
+        if self.temperature == 0 and (self.top_k is not None or self.top_p is not None):
+            raise ValueError("top_k and top_p restrict sampling: give them with temperature > 0 (e.g. temperature=1)")
+        if self.num_beams > 1 and self.temperature > 0:
+            raise ValueError("num_beams > 1 is beam search, which does not sample: leave temperature at 0")
+        return self
+
+
+def eval_decoding(key: str, default: Any = None, default_said: str = "") -> Any:
+    """RunConfig's `eval_<key>`: DecodingSettings' `key` (its type's bounds) for eval_generate."""
+    field = DecodingSettings.model_fields[key]
+    description = f"with eval_generate: {field.description}{default_said}"
+    return FieldInfo.merge_field_infos(field, default=default, description=description, json_schema_extra=TRAINING)
 
 
 class RunConfig(BaseModel):
@@ -79,7 +113,8 @@ class RunConfig(BaseModel):
         None,
         ge=1,
         le=1_048_576,
-        description="language datasets: tokens per sequence (default 64), at most the model's context",
+        description="language datasets: tokens per sequence (default: the dataset's, 64 for shakespeare_lm, 128 "
+        "for e2e, jsonl and hf_disk), at most the model's context",
         json_schema_extra=DATA,
     )
     lora: str | None = Field(
@@ -275,9 +310,18 @@ class RunConfig(BaseModel):
         ge=0,
         le=10**7,
         description="language datasets with references (e2e): at the final evaluation, continue N test prompts "
-        "greedily and write BLEU and ROUGE-L to summary.json (docs/language.md); 0: none",
+        "(greedily unless the eval_* keys say otherwise) and write BLEU and ROUGE-L to summary.json "
+        "(docs/language.md); 0: none",
         json_schema_extra=TRAINING,
     )
+    eval_max_new_tokens: int | None = eval_decoding(
+        "max_new_tokens", None, " (default: as many as the training sequences hold, seq_len + 1 tokens in all)"
+    )
+    eval_temperature: float = eval_decoding("temperature", 0.0)
+    eval_top_k: int | None = eval_decoding("top_k")
+    eval_top_p: float | None = eval_decoding("top_p")
+    eval_num_beams: int = eval_decoding("num_beams", 1)
+    eval_seed: int | None = eval_decoding("seed", None, " (default: the run's seed)")
     test_split: str = Field(
         "global",
         description="global (the dataset's test set) | client:<fraction> (each "
@@ -445,6 +489,23 @@ class RunConfig(BaseModel):
         dropout = {"lora_dropout": self.lora_dropout} if self.lora_dropout else {}
         return {**lora, **targets, **dropout}
 
+    def decoding(self, room: int) -> DecodingSettings:
+        """How eval_generate continues a prompt with `room` tokens left in a training sequence's
+        length (the default of eval_max_new_tokens): the eval_* keys, one UserError line if they
+        contradict each other."""
+        try:
+            return DecodingSettings(
+                max_new_tokens=self.eval_max_new_tokens or room,
+                temperature=self.eval_temperature,
+                top_k=self.eval_top_k,
+                top_p=self.eval_top_p,
+                num_beams=self.eval_num_beams,
+                seed=self.seed if self.eval_seed is None else self.eval_seed,
+            )
+        except ValidationError as err:
+            why = err.errors()[0]["msg"].removeprefix("Value error, ")
+            raise UserError(re.sub(r"\b(top_k|top_p|temperature|num_beams)\b", r"eval_\1", why)) from None
+
     @field_validator("test_split")
     @classmethod
     def _check_test_split(cls, value: str) -> str:
@@ -557,6 +618,21 @@ ONLY_WHEN: dict[str, Applies] = {
         "eval_generate continues the test prompts of a language dataset with references (e2e) with the global model",
         {"setting": "vertical", "eval_generate": 4},
     ),
+    **{
+        f"eval_{key}": Applies(
+            lambda r: r.eval_generate > 0,
+            f"eval_{key} is how eval_generate decodes; it needs eval_generate=N",
+            {f"eval_{key}": example},
+        )
+        for key, example in (
+            ("max_new_tokens", 10),
+            ("temperature", 0.7),
+            ("top_k", 5),
+            ("top_p", 0.9),
+            ("num_beams", 2),
+            ("seed", 3),
+        )
+    },
     "lora": Applies(
         lambda r: r.model == "hf" or r.init is not None,
         "LoRA fine-tunes a pretrained model's weights, and this one starts from random ones: give init=RUN_DIR "

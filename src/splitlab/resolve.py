@@ -58,8 +58,20 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_u_shape(run)
     check_fp16(run)
     check_applicable(run, raw)
+    if run.eval_generate:
+        run.decoding(room=1)  # the eval_* keys agree
     check_model_fits(run)
-    return ResolvedConfig(run, params, algorithm, model_settings)
+    return ResolvedConfig(with_seq_len(run), params, algorithm, model_settings)
+
+
+def with_seq_len(run: RunConfig) -> RunConfig:
+    """`run` with a language dataset's sequence length as used: its default where none is given, so
+    that config.yaml reruns the same thing and the model's checks before the data see it."""
+    from splitlab.data.language import SEQ_LENS
+
+    if run.seq_len is not None or run.dataset not in SEQ_LENS:
+        return run
+    return run.model_copy(update={"seq_len": SEQ_LENS[run.dataset]})
 
 
 def without_null_model_keys(raw: Mapping[str, Any]) -> dict[str, Any]:

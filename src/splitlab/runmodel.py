@@ -17,9 +17,10 @@ from pydantic import Field
 from torch import nn
 
 from splitlab.assembly import load_data
-from splitlab.config import ResolvedConfig, RunConfig, parse_lora
+from splitlab.config import DecodingSettings, ResolvedConfig, RunConfig, parse_lora
+from splitlab.data.language import characters
 from splitlab.errors import UserError
-from splitlab.generation import DecodingSettings, decode
+from splitlab.generation import decode
 from splitlab.models import StagedModel, build_model, split
 from splitlab.models.lora import ADAPTERS, adapter_state, merge_lora
 from splitlab.resolve import resolve_config
@@ -169,15 +170,16 @@ def _decode(tokenizer: Any, ids: list[int]) -> str:
 
 
 def generate(run_dir: str | Path, prompt: str, **decoding: Any) -> str:
-    """`prompt` continued as `decoding` (splitlab.generation.DecodingSettings) says, each token
+    """`prompt` continued as `decoding` (splitlab.config.DecodingSettings) says, each token
     through the client stages, then the server stages at the run's cut, on the last `seq_len`
-    tokens; the text ends early at the tokenizer's end-of-sequence token, if it has one."""
+    tokens; the text ends early at the tokenizer's end-of-sequence token: model=hf's, or the newline
+    that ends a completion (E2E's reference, a JSONL row) in model=gpt's characters."""
     config, model, tokenizer, window = run_model(run_dir)
     client, server = split(model, config.cut)
     ids = _encode(tokenizer, prompt)
     if not ids:
         raise UserError('prompt is empty; give prompt="some text"')
-    eos = None if isinstance(tokenizer, str) else tokenizer.eos_token_id
+    eos = (characters() if isinstance(tokenizer, str) else tokenizer).eos_token_id
     produced = decode(lambda tokens: server(client(tokens)), ids, DecodingSettings(**decoding), window, eos)
     return prompt + _decode(tokenizer, produced)
 
