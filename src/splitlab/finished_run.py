@@ -110,3 +110,14 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
             }
             _restore(proxy, models, clients_path)
     return experiment
+
+
+def check_columns_in_one_process(stored: dict[str, Any], path: Path, command: str, beside: str, so: str) -> None:
+    """Refuse `command` on a vertical data=own run: it needs every party's columns of the test
+    samples in one process (`beside` what else), and each party's stayed in its own files (`so`:
+    what follows from that)."""
+    if stored.get("data") == "own":
+        raise UserError(
+            f"{command} on a vertical run needs every party's columns of the test samples in one process{beside}; "
+            f"{str(path)!r} is a data=own run: each party's columns stayed in its own files{so}"
+        )
