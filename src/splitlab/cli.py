@@ -63,7 +63,8 @@ def _cmd_certs(args: argparse.Namespace) -> int:
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
-    from splitlab.net.server import ServerSettings, serve, split_settings
+    from splitlab.engine import serve
+    from splitlab.net.server import ServerSettings, split_settings
 
     settings, raw = split_settings(_run_config(args), ServerSettings)
     summary = serve(raw, settings, progress=not args.no_progress)  # type: ignore[arg-type]

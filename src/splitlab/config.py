@@ -66,8 +66,9 @@ def eval_decoding(key: str, default: Any = None, default_said: str = "") -> Any:
     return FieldInfo.merge_field_infos(field, default=default, description=description, json_schema_extra=TRAINING)
 
 
-#: Keys of RunConfig written in a small language of their own, each checked by its parser (_form_parsers).
-WRITTEN_IN_A_FORM = ("partition", "lr_schedule", "loss", "augment", "defense", "test_split", "train_range")
+#: Keys of RunConfig written in a small language of their own, each checked by its parser (_form_parsers);
+#: partition= and defense= too, by splitlab.resolve (their parsers sit with the datasets and the defenses).
+WRITTEN_IN_A_FORM = ("lr_schedule", "loss", "augment", "test_split", "train_range")
 
 
 class RunConfig(BaseModel):
@@ -293,20 +294,15 @@ class RunConfig(BaseModel):
 
 
 def _form_parsers() -> dict[str, Callable[[str], object]]:
-    """The parser of each key in WRITTEN_IN_A_FORM (imported when a value is checked: their modules
-    sit above this one)."""
+    """The parser of each key in WRITTEN_IN_A_FORM (imported when a value is checked)."""
     from splitlab.augment import parse_augment
-    from splitlab.data import parse_partition_scheme
     from splitlab.losses import parse_loss
-    from splitlab.privacy.defenses import parse_defense
     from splitlab.schedules import parse_lr_schedule
 
     return {
-        "partition": parse_partition_scheme,
         "lr_schedule": parse_lr_schedule,
         "loss": parse_loss,
         "augment": parse_augment,
-        "defense": parse_defense,
         "test_split": parse_test_split,
         "train_range": parse_train_range,
     }
@@ -341,20 +337,27 @@ def parse_lora(value: str) -> tuple[int, float]:
 UNSPLIT_ALGORITHMS = ("fedavg", "centralized")
 
 
-def _reads_files(dataset: str) -> bool:
-    from splitlab.data.datasets import WITHOUT_FILES
-
-    return dataset not in WITHOUT_FILES
+#: Datasets that read no files (bundled or generated): `data_dir` does not apply to them.
+WITHOUT_FILES = frozenset({"digits", "synthetic", "breast_cancer"})
 
 
-#: Keys of RunConfig that apply to every run.
+#: Keys of RunConfig that apply to every run, but where a setting refuses them (splitlab.settings:
+#: `Setting.refused_keys`; the keys that only one setting takes are its `own_keys`).
 EVERYWHERE = frozenset(
     {"algorithm", "dataset", "data", "model", "cut", "clients", "participation", "rounds", "local_epochs"}
     | {"local_steps", "batch_size", "optimizer", "lr", "weight_decay", "seed", "device", "eval_every"}
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
     | {"backend", "checkpoint_every", "defense", "overwrite", "setting"}
     | {"init", "seq_len", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
-    | {"max_grad_norm", "precision", "gradient_checkpointing"}
+    | {"max_grad_norm", "precision", "gradient_checkpointing", "grad_accum"}
+)
+
+EVAL_GENERATE_WHY = (
+    "eval_generate continues the test prompts of a language dataset with references (e2e) with the global model"
+)
+U_SHAPE_WHY = (
+    "a U-shaped split needs clients that hold whole samples (not setting=vertical) and an algorithm that runs one "
+    "(docs/configurations.md)"
 )
 
 
@@ -393,7 +396,7 @@ ONLY_WHEN: dict[str, Applies] = {
         {"clients": "all", "train_range": "0:0.5"},
     ),
     "data_dir": Applies(
-        lambda r: _reads_files(r.dataset) and r.dataset != "jsonl",
+        lambda r: r.dataset not in WITHOUT_FILES and r.dataset != "jsonl",
         "this dataset reads no folder (bundled, generated, or dataset=jsonl's data_file)",
         {"dataset": "digits", "data_dir": "/tmp"},
     ),
@@ -406,11 +409,7 @@ ONLY_WHEN: dict[str, Applies] = {
         "this algorithm does not split the model: nothing crosses a cut to record",
         {"algorithm": "fedavg", "record": 10},
     ),
-    "eval_generate": Applies(
-        lambda r: r.setting == "vanilla" and r.data == "partition",
-        "eval_generate continues the test prompts of a language dataset with references (e2e) with the global model",
-        {"setting": "vertical", "eval_generate": 4},
-    ),
+    "eval_generate": Applies(lambda r: r.data == "partition", EVAL_GENERATE_WHY, {"data": "own", "eval_generate": 4}),
     **{
         f"eval_{key}": Applies(
             lambda r: r.eval_generate > 0,
@@ -447,30 +446,13 @@ ONLY_WHEN: dict[str, Applies] = {
         )
     },
     "tail_cut": Applies(  # which split algorithms run one: splitlab.resolve.check_u_shape, which comes first
-        lambda r: r.algorithm not in UNSPLIT_ALGORITHMS and r.setting == "vanilla",
-        "a U-shaped split needs clients that hold whole samples (not setting=vertical) and an algorithm that runs "
-        "one (docs/configurations.md)",
-        {"algorithm": "fedavg", "tail_cut": 3},
+        lambda r: r.algorithm not in UNSPLIT_ALGORITHMS, U_SHAPE_WHY, {"algorithm": "fedavg", "tail_cut": 3}
     ),
-    **{
-        key: Applies(lambda r: r.setting == "vertical", f"{key} is for parties; it needs setting=vertical", example)
-        for key, example in (
-            ("parties", {"parties": 3}),
-            ("features", {"features": "0-3/4-7"}),
-            ("labels_at", {"labels_at": 0}),
-            ("combine", {"combine": "sum"}),
-        )
-    },
     "base_dtype": Applies(
         lambda r: r.lora is not None and r.precision == "bf16",
         "only a LoRA model has a frozen base, which computes in bfloat16 under autocast: base_dtype needs "
         "lora=R:ALPHA and precision=bf16",
         {"base_dtype": "bfloat16"},
-    ),
-    "grad_accum": Applies(
-        lambda r: r.setting == "vanilla",
-        "a vertical run's parties step on every batch of shared samples; grad_accum needs setting=vanilla",
-        {"setting": "vertical", "grad_accum": 2},
     ),
     "deterministic": Applies(
         lambda r: r.device != "cpu",

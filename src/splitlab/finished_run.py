@@ -17,6 +17,7 @@ from splitlab.assembly import Experiment
 from splitlab.build import build
 from splitlab.errors import UserError
 from splitlab.roles import State
+from splitlab.settings import stored_setting
 
 
 def _first_line(error: BaseException) -> str:
@@ -82,7 +83,7 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
     stored = rundir.stored_config(path, "evaluate", "point evaluate at the directory of a finished run")
-    assert stored.get("setting") != "vertical", "a vertical run is read by splitlab.settings.vertical.load_final"
+    assert stored_setting(stored).whole_samples, "a vertical run is read by splitlab.settings.vertical.load_final"
     experiment = build({**stored, "device": device, "out": str(path), "backend": "local"})  # in this process
     algorithm = experiment.algorithm
     weights = path / "weights.safetensors"

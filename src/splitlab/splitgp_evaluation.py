@@ -49,6 +49,7 @@ from splitlab.io import write_json
 from splitlab.models import joined, split
 from splitlab.random_streams import register_stream
 from splitlab.roles import ClientNode, State
+from splitlab.settings import stored_setting
 from splitlab.settings.horizontal import client_indices, hold_out
 
 __all__ = [
@@ -340,7 +341,7 @@ def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     settings = parse_settings(EvaluationSettings, raw)
     path = Path(run_dir)
     stored = rundir.stored_config(path, "evaluate", "point evaluate at the directory of a finished run")
-    if stored.get("setting") == "vertical":
+    if not stored_setting(stored).whole_samples:  # the setting reads its own (vertical: every party's columns)
         return _evaluate_vertical(path, stored, settings)
     experiment = load_run(run_dir, settings.device)
     data, rhos, train = experiment.data, settings.rho, training_set(experiment)
