@@ -46,18 +46,7 @@ TINY = dict(dataset="synthetic", model="mlp", clients=2, rounds=1, batch_size=32
 #: the runs followed: each a tiny real run of one path through the code
 RUNS: dict[str, dict[str, Any]] = {
     "sfl_v2": dict(TINY, algorithm="sfl_v2"),
-    "vertical": dict(
-        setting="vertical",
-        algorithm="sl",
-        dataset="breast_cancer",
-        model="mlp",
-        rounds=1,
-        local_steps=1,
-        batch_size=32,
-        train_subset=64,
-        device="cpu",
-        seed=0,
-    ),
+    "vertical": {**{k: v for k, v in TINY.items() if k != "clients"}, "algorithm": "sl", "setting": "vertical"},
     "serialized": dict(TINY, algorithm="sfl_v2", transport="serialized"),
 }
 

@@ -133,16 +133,16 @@ def test_no_import_runs_back_up_the_layers():
 
 
 def test_following_the_config_from_engine_run_enters_no_file_more_than_three_times(monkeypatch):
-    """benchmarks/config_walk.py on a tiny sfl_v2 run: each call of a splitlab function given the
-    run's config is a step; no file is entered more than 3 times (issue 34 allowed 4), and no
-    lower layer calls up into a higher one with the config."""
+    """benchmarks/config_walk.py on tiny one-round runs (sfl_v2 in process, vertical, serialized):
+    each call of a splitlab function given the run's config is a step; no file is entered more than
+    3 times (issue 34 allowed 4), and no lower layer calls up into a higher one with the config."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "config_walk.py"
     spec = importlib.util.spec_from_file_location("config_walk", path)
     assert spec is not None and spec.loader is not None
     config_walk = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "config_walk", config_walk)  # its dataclass looks its module up
     spec.loader.exec_module(config_walk)
-    walk = config_walk.follow(config_walk.RUNS["sfl_v2"])
-    assert walk.steps[0] == ("splitlab.engine", "run")
-    assert max(walk.entered().values()) == 3
-    assert walk.calls_up == []
+    walks = {name: config_walk.follow(config) for name, config in config_walk.RUNS.items()}
+    assert {name: walk.steps[0] for name, walk in walks.items()} == dict.fromkeys(walks, ("splitlab.engine", "run"))
+    assert {name: max(walk.entered().values()) for name, walk in walks.items()} == dict.fromkeys(walks, 3)
+    assert {name: walk.calls_up for name, walk in walks.items()} == dict.fromkeys(walks, [])
