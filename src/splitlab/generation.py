@@ -20,33 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from splitlab.config import DecodingSettings
 
 Logits = Callable[[torch.Tensor], torch.Tensor]
-
-
-class DecodingSettings(BaseModel):
-    """How a continuation is chosen: the keys `splitlab generate` takes besides the prompt."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    max_new_tokens: int = Field(100, ge=1, le=100_000, description="tokens to generate (fewer if the text ends)")
-    temperature: float = Field(
-        0.0, ge=0, le=100, description="0: greedy or beam search; else sample from softmax(logits / T)"
-    )
-    top_k: int | None = Field(None, ge=1, le=10_000_000, description="sampling: only the k most likely tokens")
-    top_p: float | None = Field(
-        None, gt=0, le=1, description="sampling: only the fewest most likely tokens whose probability reaches p"
-    )
-    num_beams: int = Field(1, ge=1, le=1000, description="beam search with this many beams (temperature 0)")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="seed of the sampling (temperature > 0)")
-
-    @model_validator(mode="after")
-    def _one_method(self) -> DecodingSettings:
-        if self.temperature == 0 and (self.top_k is not None or self.top_p is not None):
-            raise ValueError("top_k and top_p restrict sampling: give them with temperature > 0 (e.g. temperature=1)")
-        if self.num_beams > 1 and self.temperature > 0:
-            raise ValueError("num_beams > 1 is beam search, which does not sample: leave temperature at 0")
-        return self
 
 
 @torch.no_grad()

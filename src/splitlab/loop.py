@@ -23,7 +23,7 @@ from splitlab.assembly import Experiment, personal_metrics
 from splitlab.callbacks import Callback, CommBudget, MetricsFile, ProgressBar, RecorderFlush
 from splitlab.checkpoints import Checkpointer
 from splitlab.errors import NonFiniteLoss, NonFiniteStep, RoundFailed
-from splitlab.generation import DecodingSettings, decode, text_scores
+from splitlab.generation import decode, text_scores
 from splitlab.io import save_safetensors, write_json, write_jsonl, write_yaml
 from splitlab.loggers import make_logger
 from splitlab.metrics import TASK_METRICS
@@ -31,7 +31,8 @@ from splitlab.models import HeadAndTail
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.random_streams import register_stream
 from splitlab.roles import random_stream
-from splitlab.runmodel import export_hf
+from splitlab.run_weights import export_hf
+from splitlab.settings import setting_of
 from splitlab.transport import ClientDropped
 from splitlab.units import GIB, to_target
 
@@ -202,9 +203,10 @@ EXAMPLES = 20
 
 
 def _eval_generate(experiment: Experiment, states: list) -> dict[str, Any]:
-    """BLEU and ROUGE-L of the global model's greedy continuations of the first `eval_generate`
-    test prompts (splitlab.generation), each at most as long as the training sequences allow; the
-    first EXAMPLES of them beside their references in generations.jsonl."""
+    """BLEU and ROUGE-L of the global model's continuations of the first `eval_generate` test
+    prompts (splitlab.generation), decoded as the eval_* keys say (greedily by default, each at most
+    as long as the training sequences allow); the first EXAMPLES of them beside their references in
+    generations.jsonl."""
     references, window = experiment.data.references, experiment.data.input_shape[0]
     assert references is not None, "refused when built"
     model, device = experiment.assemble(states), experiment.blueprint.device
@@ -216,7 +218,7 @@ def _eval_generate(experiment: Experiment, states: list) -> dict[str, Any]:
 
     texts = []
     for prompt in references.prompts[:count]:
-        settings = DecodingSettings(max_new_tokens=max(1, window - len(prompt) + 1))
+        settings = experiment.config.run.decoding(room=max(1, window - len(prompt) + 1))
         texts.append(tokenizer.decode(decode(logits, prompt, settings, window, tokenizer.eos_token_id)).strip())
     examples = [
         {"prompt": tokenizer.decode(prompt), "generated": text, "references": refs}
@@ -339,7 +341,7 @@ def _finish(experiment: Experiment, state: dict, checkpoints: Checkpointer) -> d
         "stopped_by": state["stopped_by"],
         "target_accuracy": cfg.target_accuracy,
         **dict(zip(("rounds_to_target", "gib_to_target"), to_target(rows, cfg.target_accuracy))),
-        **privacy_summary(cfg),
+        **privacy_summary(cfg, setting_of(experiment.config).releasers(cfg)),
     }
     if "test_accuracy_deployed" in rows[-1]:
         summary["final_accuracy_deployed"] = rows[-1]["test_accuracy_deployed"]

@@ -19,6 +19,7 @@ from splitlab.config import (
     check_no_booleans,
     from_text,
 )
+from splitlab.data import parse_partition_scheme
 from splitlab.errors import UserError, one_line, unknown_key
 from splitlab.models import MODEL_INPUTS, MODEL_PARAMS, NoModelParams, model_params
 from splitlab.plugins import load_plugins
@@ -54,12 +55,26 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
         raise UserError(one_line(err)) from None
     for settings in (run, params, model_settings):
         check_finite(settings)
+    parse_partition_scheme(run.partition)  # the named schemes and defenses live above the schema
+    parse_defense(run.defense)
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
     check_fp16(run)
     check_applicable(run, raw)
+    if run.eval_generate:
+        run.decoding(room=1)  # the eval_* keys agree
     check_model_fits(run)
-    return ResolvedConfig(run, params, algorithm, model_settings)
+    return ResolvedConfig(with_seq_len(run), params, algorithm, model_settings)
+
+
+def with_seq_len(run: RunConfig) -> RunConfig:
+    """`run` with a language dataset's sequence length as used: its default where none is given, so
+    that config.yaml reruns the same thing and the model's checks before the data see it."""
+    from splitlab.data.language import SEQ_LENS
+
+    if run.seq_len is not None or run.dataset not in SEQ_LENS:
+        return run
+    return run.model_copy(update={"seq_len": SEQ_LENS[run.dataset]})
 
 
 def without_null_model_keys(raw: Mapping[str, Any]) -> dict[str, Any]:
@@ -100,8 +115,6 @@ def check_fp16(run: RunConfig) -> None:
     why = ""
     if not algorithm.supports_fp16:
         why = f"algorithm={run.algorithm} does not declare it (supports_fp16, docs/extending.md)"
-    elif run.setting == "vertical":
-        why = "setting=vertical: its parties and top model step through verbs of their own, not built for it"
     elif parse_defense(run.defense).noises_gradients:
         why = f"defense={run.defense}: noise on cut gradients is drawn for unscaled float32 values"
     elif run.model == "lstm" and run.device != "cuda":

@@ -12,6 +12,7 @@ from helpers import global_weights, max_abs_difference, straight_and_resumed, tr
 from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
+from splitlab.models.lora import KeyedDropout
 
 ALGORITHMS = [
     "fedavg",
@@ -101,23 +102,26 @@ def test_resume_is_bit_identical_on_a_gpt(lm, algorithm):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("lora_dropout", [0.0, 0.1])
-def test_fsl_sage_with_a_full_aux_equals_sfl_v2_on_a_checkpoint_with_dropout(plays, tmp_path, lora_dropout):
+@pytest.mark.parametrize("lora_dropout, hf_dropout", [(0.0, "off"), (0.1, "off"), (0.0, "checkpoint")])
+def test_fsl_sage_with_a_full_aux_equals_sfl_v2_on_a_checkpoint_with_dropout(plays, tmp_path, lora_dropout, hf_dropout):
     """docs/fsl.md: with aux=full and q = l = 1, FSL-SAGE's first step is SplitFed-v2's, also on a
     GPT-2 checkpoint whose config asks for dropout 0.1: model=hf turns a checkpoint's dropout off
     in every copy alike (the aux model, a deep copy, included), and nothing draws from torch's
-    global random state; LoRA dropout's masks, keyed by the input, are alike in every copy too,
-    and the same through every transport."""
+    global random state; LoRA dropout's masks and, with hf_dropout=checkpoint, the checkpoint's
+    dropout layers' masks, keyed by the input, are alike in every copy too, and the same through
+    every transport."""
     from hf_helpers import tiny_hf_model
     from splitlab.models import build_model
 
     model_dir = tiny_hf_model(tmp_path / "gpt2", "gpt2")
     assert json.loads((model_dir / "config.json").read_text())["resid_pdrop"] == 0.1
-    built = build_model("hf", (16,), 300, model_dir=str(model_dir))
-    assert all(m.p == 0 for m in built.modules() if isinstance(m, torch.nn.Dropout)) and built.training
+    built = build_model("hf", (16,), 300, model_dir=str(model_dir), hf_dropout=hf_dropout)
+    applied = {m.p for m in built.modules() if isinstance(m, torch.nn.Dropout | KeyedDropout)} - {0.0}
+    assert applied == ({0.1} if hf_dropout == "checkpoint" else set()) and built.training
     common = dict(
         dataset="shakespeare_lm", data_dir=plays, model="hf", model_dir=str(model_dir), seq_len=16, lora="4:8",
         clients=1, batch_size=8, local_steps=1, cut=1, device="cpu", optimizer="sgd", lr=0.5, lora_dropout=lora_dropout,
+        hf_dropout=hf_dropout,
     )  # fmt: skip
     sage = dict(algorithm="fsl_sage", server_update_interval=1, align_interval=1, aux="full")
     experiment = train(0, **common, **sage)
@@ -127,8 +131,48 @@ def test_fsl_sage_with_a_full_aux_equals_sfl_v2_on_a_checkpoint_with_dropout(pla
     sfl_v2 = train(1, **common, algorithm="sfl_v2")
     assert max_abs_difference(global_weights(experiment), global_weights(sfl_v2)) == 0
     assert max_abs_difference(global_weights(experiment), global_weights(train(0, **common, algorithm="sfl_v2"))) > 0
-    if lora_dropout:
+    if lora_dropout or hf_dropout != "off":
         serialized = train(1, **common, algorithm="sfl_v2", transport="serialized")
         assert max_abs_difference(global_weights(serialized), global_weights(sfl_v2)) == 0
-        without = train(1, **dict(common, lora_dropout=0.0), algorithm="sfl_v2")
+        without = train(1, **dict(common, lora_dropout=0.0, hf_dropout="off"), algorithm="sfl_v2")
         assert max_abs_difference(global_weights(without), global_weights(sfl_v2)) > 0
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hf_dropout_checkpoint_applies_the_checkpoints_dropout_in_training_only(tmp_path, arch):
+    """Every dropout of the checkpoint (GPT-2's embd_pdrop, attn_pdrop and resid_pdrop; the Llama
+    layout's attention_dropout, on attention probabilities only) drops in training, with the same
+    masks for the same input and no global random draws, and is gone in evaluation."""
+    from hf_helpers import tiny_hf_model
+    from splitlab.models import build_model
+
+    model_dir = tiny_hf_model(tmp_path / arch, arch)
+    if arch == "llama":
+        config = json.loads((model_dir / "config.json").read_text())
+        (model_dir / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.1}))
+    checkpoint = build_model("hf", (16,), 300, model_dir=str(model_dir), hf_dropout="checkpoint", seed=3)
+    off = build_model("hf", (16,), 300, model_dir=str(model_dir), seed=3)
+    keyed = {name: m.key for name, m in checkpoint.named_modules() if isinstance(m, KeyedDropout)}
+    attention = "block1.layer.attn.attn_dropout" if arch == "gpt2" else "block1.layer.self_attn.attn_dropout"
+    assert keyed[attention] == f"3:{attention}" and len(keyed) == (1 + 3 * 3 if arch == "gpt2" else 3)
+    assert not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in checkpoint.modules())
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    global_state = torch.get_rng_state()
+    with torch.no_grad():
+        dropped = checkpoint(tokens)
+        assert torch.equal(checkpoint(tokens), dropped) and not torch.equal(dropped, off(tokens))
+        assert torch.equal(torch.get_rng_state(), global_state)
+        assert torch.equal(checkpoint.eval()(tokens), off.eval()(tokens))
+
+
+def test_hf_dropout_checkpoint_with_gradient_checkpointing_recomputes_the_same_masks(plays, tmp_path):
+    from hf_helpers import tiny_hf_model
+
+    model_dir = tiny_hf_model(tmp_path / "gpt2", "gpt2")
+    common = dict(
+        dataset="shakespeare_lm", data_dir=plays, model="hf", model_dir=str(model_dir), seq_len=16, lora="4:8",
+        clients=1, batch_size=4, local_steps=2, device="cpu", optimizer="sgd", lr=0.5, algorithm="sfl_v2",
+        hf_dropout="checkpoint",
+    )  # fmt: skip
+    plain, recomputed = train(1, **common), train(1, **common, gradient_checkpointing=True)
+    assert max_abs_difference(global_weights(plain), global_weights(recomputed)) == 0

@@ -17,7 +17,9 @@ from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.generation import DecodingSettings, beam_search, decode, filtered, text_scores
 from splitlab.models import split
-from splitlab.runmodel import run_model
+from splitlab.run_weights import run_model
+
+pytestmark = pytest.mark.xdist_group("generation-run")  # one worker runs the module's shared runs once
 
 COMMON = dict(model="gpt", layers=2, heads=2, width=16, context=32, seq_len=16, batch_size=8, device="cpu")
 
@@ -185,6 +187,68 @@ def test_eval_generate_writes_bleu_and_rouge_l_of_an_e2e_run(tmp_path):
     rescored = text_scores([e["generated"] for e in examples], [e["references"] for e in examples])
     assert stored["bleu"] == rescored["bleu"] and stored["rouge_l"] == rescored["rouge_l"]
     assert 0 <= stored["bleu"] <= 100 and 0 <= stored["rouge_l"] <= 1 and math.isfinite(stored["bleu"])
+
+
+@pytest.mark.parametrize(
+    "keys", [dict(eval_num_beams=3), dict(eval_temperature=1.0, eval_top_k=5), dict(eval_temperature=1.0, eval_seed=9)]
+)
+def test_eval_generate_decodes_as_its_eval_keys_say(tmp_path, keys):
+    """The run's generations are splitlab.generation's decoding of its final model with the same
+    settings (beam search; sampling seeded by the run's seed unless eval_seed is given), up to the
+    newline that ends a reference; sampling changes them from greedy's."""
+    out = tmp_path / "run"
+    config = dict(COMMON, seq_len=40, context=48, dataset="e2e", data_dir=str(write_e2e(tmp_path)), algorithm="sl")
+    run(dict(config, clients=1, rounds=1, local_steps=2, seed=2, eval_generate=3, out=str(out), **keys), progress=False)
+    model, _ = the_model(str(out))
+    vocabulary = run_model(out)[2]
+    decoding = {key.removeprefix("eval_"): value for key, value in keys.items()}
+    for example in map(json.loads, (out / "generations.jsonl").read_text().splitlines()):
+        prompt = [vocabulary.index(c) for c in example["prompt"]]
+        room = 40 - len(prompt) + 1
+        chosen = DecodingSettings(max_new_tokens=room, **{"seed": 2, **decoding})
+        expected = decode(model, prompt, chosen, 40, eos=vocabulary.index("\n"))
+        assert example["generated"] == "".join(vocabulary[i] for i in expected).strip()
+        if "eval_temperature" in keys:
+            greedy = decode(model, prompt, DecodingSettings(max_new_tokens=room), 40, eos=vocabulary.index("\n"))
+            assert expected != greedy
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ("eval_num_beams=2", "eval_num_beams=2 does not apply here: eval_num_beams is how eval_generate decodes; "
+         "it needs eval_generate=N"),
+        ("eval_generate=2 eval_top_k=5", "eval_top_k and eval_top_p restrict sampling: give them with "
+         "eval_temperature > 0"),
+        ("eval_generate=2 eval_num_beams=2 eval_temperature=1", "eval_num_beams > 1 is beam search, which does not"),
+        ("eval_generate=2 eval_top_p=0", "invalid value 0 for eval_top_p: Input should be greater than 0"),
+    ],
+)  # fmt: skip
+def test_bad_eval_decoding_keys_are_one_line_exit_2(tmp_path, capsys, keys, message):
+    args = ["run", "dataset=e2e", f"data_dir={tmp_path}", "model=gpt", *keys.split(), f"out={tmp_path}/run"]
+    assert main([*args, "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and not (tmp_path / "run").exists()
+
+
+def test_generate_on_a_character_model_stops_at_the_newline_that_ends_a_reference(tmp_path):
+    """model=gpt's E2E references end with a newline, its end of sequence: with a head that makes the
+    newline the most likely token whatever the input (final norm's output = its bias, all ones; only
+    the newline's row of the LM head nonzero), nothing follows the prompt (before, 5 newlines did)."""
+    from safetensors.torch import load_file, save_file
+
+    from splitlab.runmodel import generate
+
+    out = tmp_path / "run"
+    config = dict(COMMON, seq_len=40, context=48, dataset="e2e", data_dir=str(write_e2e(tmp_path)), algorithm="sl")
+    run(dict(config, clients=1, rounds=1, local_steps=1, out=str(out)), progress=False)
+    weights = load_file(out / "weights.safetensors")
+    head = torch.zeros_like(weights["head.lm_head.weight"])
+    head[run_model(out)[2].index("\n")] = 1.0
+    norm = {"head.ln_f.weight": torch.zeros(16), "head.ln_f.bias": torch.ones(16)}
+    save_file({**weights, **norm, "head.lm_head.weight": head}, out / "weights.safetensors")
+    for keys in ({}, {"num_beams": 2}):
+        assert generate(out, "name[Place 0]", max_new_tokens=5, **keys) == "name[Place 0]"
 
 
 def test_eval_generate_is_refused_without_references(plays):

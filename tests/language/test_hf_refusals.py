@@ -108,3 +108,16 @@ def test_lora_on_a_model_that_is_not_pretrained(refused):
         err = refused(model, "lora=4:8")
         assert "lora=4:8 does not apply here: LoRA fine-tunes a pretrained model's weights" in err
         assert "give init=RUN_DIR (a finished run of this model) or model=hf model_dir=DIR" in err
+
+
+def test_init_of_a_model_gpt_run_of_other_sizes_is_caught_on_the_skeleton(refused, tmp_path):
+    other = tmp_path / "other_run"  # a finished model=gpt run of width 16, where this run's GPT is 32 wide
+    other.mkdir()
+    (other / "config.yaml").write_text("dataset: shakespeare_lm\nmodel: gpt\nlayers: 1\nwidth: 16\nheads: 2\n")
+    save_file({"embed.wte.weight": torch.zeros(80, 16)}, other / "weights.safetensors")
+    err = refused("model=gpt", "layers=1", "heads=2", "width=32", f"init={other}", "lora=4:8")
+    assert f"init={other}: its model does not fit this run's (" in err
+
+
+def test_a_model_gpt_sequence_beyond_its_context_is_caught_on_the_skeleton(refused):
+    assert "seq_len=64 is beyond the model's context of 32 tokens" in refused("model=gpt", "context=32")

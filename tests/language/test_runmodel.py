@@ -17,8 +17,8 @@ from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
 from splitlab.resolve import resolve_config
+from splitlab.run_weights import run_model
 from splitlab.rundir import stored_config
-from splitlab.runmodel import run_model
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +209,18 @@ def test_e2e_trains_an_hf_model_with_the_loss_on_the_references_only(tmp_path):
     experiment = train(0, **{k: v for k, v in config.items() if k != "out"})
     targets = experiment.data.test_y
     assert (targets == -100).any() and (targets != -100).any()  # the context and the padding are not in the loss
+
+
+def test_config_yaml_records_the_datasets_sequence_length_where_none_is_given(plays, tmp_path):
+    """The stored config reruns the same thing: it says seq_len=64 (shakespeare_lm's), not null."""
+    from helpers import TINY_GPT
+
+    config = dict(dataset="shakespeare_lm", data_dir=plays, **{**TINY_GPT, "context": 64}, algorithm="sl")
+    del config["seq_len"]
+    run(dict(config, clients=2, rounds=1, local_steps=1, batch_size=4, device="cpu", out=str(tmp_path / "run")),
+        progress=False)  # fmt: skip
+    stored = stored_config(tmp_path / "run")
+    assert stored["seq_len"] == 64 and resolve_config({"dataset": "e2e", "model": "gpt"}).run.seq_len == 128
+    assert resolve_config({"dataset": "digits"}).run.seq_len is None
+    _, _, _, window = run_model(tmp_path / "run")
+    assert window == 64

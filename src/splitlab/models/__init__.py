@@ -20,6 +20,7 @@ from splitlab.errors import UserError, one_line
 from splitlab.models.gpt import GptParams, gpt
 from splitlab.models.hf import HfParams, hf_model
 from splitlab.models.leaf import LEAF_MODELS
+from splitlab.models.lora import key_dropouts
 from splitlab.models.staged import (
     HeadAndTail,
     StagedModel,
@@ -122,7 +123,8 @@ def build_model(
     `options` are the model's own keys (`model_params`: a GPT's layers, heads, ...), refused for a
     model that does not take them. `lora=(rank, alpha)` then freezes the base and wraps the
     `lora_targets` projections (None: the architecture's default) in low-rank adapters, with
-    `lora_dropout` on their input in training."""
+    `lora_dropout` on their input in training. Keyed dropout layers (a checkpoint's, hf_dropout=checkpoint) are
+    keyed by `seed` and their names."""
     settings = model_settings(name, options).model_dump()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -130,6 +132,7 @@ def build_model(
             model = MODELS[name](tuple(input_shape), num_classes, **settings)
         except RuntimeError as err:  # e.g. an image CNN asked to take sequences, or too small inputs
             raise UserError(f"model {name!r} does not fit inputs of shape {tuple(input_shape)}: {err}") from None
+        key_dropouts(model, seed)
         if lora is not None:
             from splitlab.models.lora import apply_lora
 

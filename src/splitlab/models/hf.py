@@ -46,11 +46,12 @@ import copy
 import json
 import re
 import shutil
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -58,6 +59,7 @@ from torch import nn
 
 from splitlab.errors import UserError
 from splitlab.io import atomic_folder, cpu_copy, write_safetensors
+from splitlab.models.lora import KeyedDropout
 from splitlab.models.staged import StagedModel
 
 WEIGHTS = "model.safetensors"
@@ -73,7 +75,8 @@ class Layout:
     layers: str  # the decoder layers' list, under the body: h / layers
     norm: str  # the final norm, under the body: ln_f / norm
     rotary: bool  # positions by rotary embeddings computed at model level (Llama) or learned (GPT-2)
-    dropouts: tuple[str, ...]  # the config's dropout probabilities, set to 0 at load (see `load_staged`)
+    #: the config's dropout probabilities: 0 at load, unless hf_dropout=checkpoint (see `load_staged`)
+    dropouts: tuple[str, ...]
 
 
 GPT2 = Layout(
@@ -203,11 +206,14 @@ def staged_from_hf(model: Any) -> StagedModel:
     return StagedModel(stages, cut_stages={c: c + 1 for c in range(1, len(layers) + 1)})
 
 
-def load_staged(model_dir: str | Path, attn_implementation: str = "eager") -> StagedModel:
+def load_staged(model_dir: str | Path, checkpoint_dropout: bool = False) -> StagedModel:
     """The model in `model_dir` (float32) as stages `embed`, `block1`..`blockN`, `head`, in train
-    mode like every model splitlab builds, with the checkpoint's dropout off: a dropout layer would
-    draw from torch's global random state, which no model may (a client computes the same in any
-    process, and every copy of a part, FSL-SAGE's auxiliary model included, computes alike)."""
+    mode like every model splitlab builds. transformers' dropout draws from torch's global random
+    state, which no model may (a client computes the same in any process, and every copy of a part,
+    FSL-SAGE's auxiliary model included, computes alike): so the checkpoint's dropout is off, or with
+    `checkpoint_dropout` each dropout keeps its probability as a `KeyedDropout` (masks keyed by the
+    run's seed, the layer and the input): its dropout layers are replaced, and each attention
+    module's dropout of attention probabilities is made by its `attn_dropout` (`keyed_attention`)."""
     layout = LAYOUTS[read_config(model_dir)["model_type"]]
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
@@ -219,15 +225,58 @@ def load_staged(model_dir: str | Path, attn_implementation: str = "eager") -> St
         dtype=torch.float32,
         use_safetensors=True,
         local_files_only=True,
-        attn_implementation=attn_implementation,
+        attn_implementation=_keyed_attention() if checkpoint_dropout else "eager",
         output_loading_info=True,
-        **dict.fromkeys(layout.dropouts, 0.0),
+        **({} if checkpoint_dropout else dict.fromkeys(layout.dropouts, 0.0)),
     )
     model, info = loaded
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise UserError(f"model_dir={model_dir}: the weights lack {len(missing)} tensors of the model: {missing[:5]}")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, nn.Dropout) and module.p > 0:  # GPT-2's attention's attn_dropout among them
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, KeyedDropout(module.p))
+        elif isinstance(getattr(module, "attention_dropout", None), float):  # the Llama layout's attention
+            module.attn_dropout = KeyedDropout(module.attention_dropout)
     return staged_from_hf(model).train()
+
+
+#: transformers' eager attention with its dropout of attention probabilities made by the attention
+#: module's `attn_dropout` (hf_dropout=checkpoint), registered with transformers under this name
+KEYED_ATTENTION = "splitlab_keyed_eager"
+
+
+def _keyed_attention() -> str:
+    """Register `keyed_attention` (and eager attention's masks) with transformers under KEYED_ATTENTION."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    AttentionInterface.register(KEYED_ATTENTION, keyed_attention)
+    AttentionMaskInterface.register(KEYED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["eager"])
+    return KEYED_ATTENTION
+
+
+def keyed_attention(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The model family's own eager attention (operation for operation), whose one dropout call, on
+    the attention probabilities, is made by `module.attn_dropout`, a KeyedDropout, instead of
+    torch's global random state."""
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    with _DropoutBy(module.get_submodule("attn_dropout")):
+        return eager(module, *args, **kwargs)
+
+
+class _DropoutBy(torch.overrides.TorchFunctionMode):
+    """While active, `torch.nn.functional.dropout(x, ...)` is `dropout(x)`; every other call as it is."""
+
+    def __init__(self, dropout: nn.Module) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.nn.functional.dropout:
+            return self.dropout(args[0])
+        return func(*args, **(kwargs or {}))
 
 
 def skeleton(model_dir: str | Path) -> StagedModel:
@@ -243,15 +292,22 @@ def skeleton(model_dir: str | Path) -> StagedModel:
 
 
 class HfParams(BaseModel):
-    """`model=hf`'s own key: the folder it is read from."""
+    """`model=hf`'s own keys: the folder it is read from, and whether its dropout applies."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     model_dir: str | None = Field(
         None, description="model=hf: a local Hugging Face causal-LM folder (config.json, *.safetensors, tokenizer)"
     )
+    hf_dropout: Literal["off", "checkpoint"] = Field(
+        "off",
+        description="model=hf: off (no dropout in any copy) | checkpoint (its dropout probabilities in training, "
+        "masks keyed by seed, layer and input, alike in every copy; docs/language-hf.md)",
+    )
 
 
-def hf_model(input_shape: tuple[int, ...], num_classes: int, model_dir: str | None) -> StagedModel:
+def hf_model(
+    input_shape: tuple[int, ...], num_classes: int, model_dir: str | None, hf_dropout: str = "off"
+) -> StagedModel:
     """`model=hf`: the checkpoint in `model_dir` for sequences of `input_shape[0]` tokens whose ids
     are below `num_classes` (a model-zoo builder: `splitlab.models.MODELS`). Its logits cover the
     model's whole vocabulary, which may be larger than `num_classes`."""
@@ -266,7 +322,7 @@ def hf_model(input_shape: tuple[int, ...], num_classes: int, model_dir: str | No
         raise UserError(
             f"the dataset's tokens go up to {num_classes - 1}, beyond the model's vocabulary of {config['vocab_size']}"
         )
-    return load_staged(model_dir)
+    return load_staged(model_dir, checkpoint_dropout=hf_dropout == "checkpoint")
 
 
 def load_tokenizer(model_dir: str | Path) -> Any:

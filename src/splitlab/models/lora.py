@@ -15,9 +15,10 @@ LoRA dropout (`lora_dropout=P`, as peft's): in training, the adapters see their 
 element zeroed with probability P and the rest scaled 1 / (1 - P); the frozen path sees it whole.
 No model may draw from torch's global random state (a client must compute the same in any
 process), so the mask comes from a generator keyed by the run's seed, the layer's name and the
-input's bytes: a part and every copy of it (SFL-V1's server copies, FSL-SAGE's auxiliary model)
-drop alike given the same input, and resuming needs no generator state. Hashing the input costs a
-pass over it (and a copy to the host on a GPU) per adapted layer and step.
+input's bytes (`KeyedDropout`, also what a checkpoint's own dropout layers become with
+`hf_dropout=checkpoint`): a part and every copy of it (SFL-V1's server copies, FSL-SAGE's
+auxiliary model) drop alike given the same input, and resuming needs no generator state. Hashing
+the input costs a pass over it (and a copy to the host on a GPU) per dropout layer and step.
 """
 
 from __future__ import annotations
@@ -48,6 +49,35 @@ def _is_linear(module: nn.Module) -> bool:
     return isinstance(module, nn.Linear) or _is_conv1d(module)
 
 
+class KeyedDropout(nn.Module):
+    """Dropout whose mask, in training, comes from a generator keyed by `key` (the run's seed and the
+    layer's name, set by `key_dropouts`) and the input's bytes (see the module docstring)."""
+
+    def __init__(self, p: float, key: str = "") -> None:
+        super().__init__()
+        self.p, self.key = p, key
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        data = x.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
+        digest = hashlib.sha256(self.key.encode() + b"\0" + data).digest()
+        generator = torch.Generator(x.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+        keep = torch.rand(x.shape, generator=generator, device=x.device) >= self.p
+        return x * keep / (1 - self.p)
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, key={self.key!r}"
+
+
+def key_dropouts(model: nn.Module, seed: int) -> None:
+    """Key every `KeyedDropout` of a freshly built `model` by `seed` and its name in the model, which
+    every copy of a part keeps."""
+    for name, module in model.named_modules():
+        if isinstance(module, KeyedDropout):
+            module.key = f"{seed}:{name}"
+
+
 class LoraLinear(nn.Module):
     """A frozen linear layer (the base's own `weight` and `bias` tensors) plus `lora_A`, `lora_B`."""
 
@@ -62,7 +92,7 @@ class LoraLinear(nn.Module):
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # what nn.Linear does to its weight
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
-        self.dropout, self.key = dropout, key  # key: the run's seed and the layer's name
+        self.lora_dropout = KeyedDropout(dropout, key)  # key: the run's seed and the layer's name
 
     def base_forward(self, x: torch.Tensor) -> torch.Tensor:
         """The wrapped layer's own computation, operation for operation (so it is bit-identical)."""
@@ -73,17 +103,8 @@ class LoraLinear(nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        adapted = self.dropped(x) if self.training and self.dropout > 0 else x
+        adapted = self.lora_dropout(x)
         return self.base_forward(x) + F.linear(F.linear(adapted, self.lora_A), self.lora_B) * self.scaling
-
-    def dropped(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` with each element zeroed with probability `dropout`, the rest scaled to keep the mean;
-        the mask from a generator keyed by `key` and `x`'s bytes (see the module docstring)."""
-        data = x.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()
-        digest = hashlib.sha256(self.key.encode() + b"\0" + data).digest()
-        generator = torch.Generator(x.device).manual_seed(int.from_bytes(digest[:8], "little") >> 1)
-        keep = torch.rand(x.shape, generator=generator, device=x.device) >= self.dropout
-        return x * keep / (1 - self.dropout)
 
     def merged_weight(self) -> torch.Tensor:
         """`W + (alpha / r) B A` in the base's layout."""
@@ -91,7 +112,7 @@ class LoraLinear(nn.Module):
         return self.weight + (delta.T if self.transposed else delta)
 
     def extra_repr(self) -> str:
-        return f"rank={self.rank}, alpha={self.alpha}, dropout={self.dropout}, transposed={self.transposed}"
+        return f"rank={self.rank}, alpha={self.alpha}, transposed={self.transposed}"
 
 
 def _matches(name: str, target: str) -> bool:

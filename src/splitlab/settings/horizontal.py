@@ -16,12 +16,12 @@ from splitlab.assembly import client_nodes, load_data, make_blueprint, resolve_d
 from splitlab.config import ResolvedConfig, RunConfig, parse_lora, parse_test_split, parse_train_range
 from splitlab.data import Dataset, counts_report, load_split, partition, partition_report
 from splitlab.data.datasets import data_summary
-from splitlab.errors import UserError
-from splitlab.models import StagedModel, split
+from splitlab.errors import UserError, refuse
+from splitlab.models import StagedModel, build_model, split
 from splitlab.models.lora import apply_lora, linear_layer_names, load_init
 from splitlab.privacy.defenses import check_task, parse_defense
 from splitlab.roles import Blueprint, ClientNode, Role
-from splitlab.runmodel import init_shapes, init_state
+from splitlab.run_weights import init_shapes, init_state
 from splitlab.settings.base import SERVER, DataShape, Hosted, Plan, Reports, Setting, as_arrays, as_tensors
 from splitlab.transport import Transport
 
@@ -261,25 +261,41 @@ def check_split(model: StagedModel, run: RunConfig, algorithm_class: type[Algori
 
 
 def check_model(config: ResolvedConfig) -> None:
-    """What can be checked of model=hf before its data is read and tokenised (seconds for a
-    corpus): its folder and architecture, the sequence length, the LoRA targets, the cut, and that
-    init= fits, on the model's skeleton (no weights)."""
-    run, model_dir = config.run, config.model_dir
-    if model_dir is None:
+    """What can be checked of a language model before its data is read and tokenised (seconds for a
+    corpus): model=hf's folder and architecture, the sequence length, the LoRA targets, the cut, and
+    that init= fits, on the model's skeleton (no weights)."""
+    run = config.run
+    model = _skeleton(config)
+    if model is None:
         return
-    from splitlab.models import hf
-
-    model = hf.skeleton(model_dir)
-    context = hf.context_length(hf.read_config(model_dir))
-    if run.seq_len is not None and run.seq_len > context:
-        raise UserError(f"seq_len={run.seq_len} is beyond the model's context of {context} tokens")
-    if run.lora is not None:
-        targets = run.lora_targets.split(",") if run.lora_targets is not None else None
-        apply_lora(model, *parse_lora(run.lora), targets, run.lora_dropout, run.seed)
     shapes = init_shapes(config)
     if shapes is not None:
         load_init(model, shapes, f"init={run.init}")
     check_split(model, run, config.algorithm_class)
+
+
+def _skeleton(config: ResolvedConfig) -> StagedModel | None:
+    """The run's model on the meta device, adapters included, where it is known without the data:
+    model=hf's from its folder; model=gpt's on a language dataset from LEAF's characters (its
+    tokens) and its sizes. None for any other model."""
+    run, model_dir = config.run, config.model_dir
+    if model_dir is not None:
+        from splitlab.models import hf
+
+        context = hf.context_length(hf.read_config(model_dir))
+        if run.seq_len is not None and run.seq_len > context:
+            raise UserError(f"seq_len={run.seq_len} is beyond the model's context of {context} tokens")
+        model = hf.skeleton(model_dir)
+        if run.lora is not None:
+            targets = run.lora_targets.split(",") if run.lora_targets is not None else None
+            apply_lora(model, *parse_lora(run.lora), targets, run.lora_dropout, run.seed)
+        return model
+    if run.model != "gpt" or run.seq_len is None:  # seq_len: set for every language dataset (splitlab.resolve)
+        return None
+    from splitlab.data.language import characters
+
+    with torch.device("meta"):
+        return build_model(run.model, (run.seq_len,), len(characters()), run.seed, **config.model_settings())
 
 
 def _check_task(config: ResolvedConfig, data: Dataset) -> None:
@@ -320,9 +336,7 @@ def _own_data_plan(config: ResolvedConfig, device: torch.device) -> HorizontalPl
         "train_range": (run.train_range is not None, "data=own: each client uses every sample in its data_dir"),
         "test_split": (run.test_split != "global", "data=own: the server evaluates on the dataset's test set"),
     }
-    for key, (refused, why) in refusals.items():
-        if refused:
-            raise UserError(f"{key}={getattr(run, key)} cannot be used with data=own; {why}")
+    refuse(run, refusals, "data=own;")
     algorithm_class = config.algorithm_class
     if len(algorithm_class.data_owners([np.arange(0)] * int(run.clients))) != run.clients:
         raise UserError(f"algorithm={run.algorithm} pools the clients' samples in one node; data=own keeps them apart")
