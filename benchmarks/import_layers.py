@@ -36,11 +36,12 @@ LAYERS: list[tuple[str, ...]] = [
     ("splitlab.config", "splitlab.plugins"),  # the settings
     ("splitlab.data", "splitlab.models", "splitlab.generation"),  # generation: decoding logits, below the runs
     ("splitlab.privacy",),  # what the roles use: defenses, keys, record, accounting
-    ("splitlab.transport", "splitlab.roles", "splitlab.u_shaped", "splitlab.psi"),
+    ("splitlab.transport", "splitlab.roles", "splitlab.u_shaped", "splitlab.psi", "splitlab.loss_scale"),
     ("splitlab.algorithms",),
     ("splitlab.resolve",),
     ("splitlab.assembly",),
     (  # planning and placing a run
+        "splitlab.run_weights",
         "splitlab.settings",
         "splitlab.build",
         "splitlab.ray_backend",
@@ -134,16 +135,24 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def import_graph() -> dict[str, set[str]]:
+    files = {module_name(p): p for p in sorted((SRC / "splitlab").rglob("*.py"))}
+    return {m: imports(p, m, set(files)) for m, p in files.items()}
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(module, what it imports) for every import of a module of a higher layer."""
+    return sorted((m, d) for m, deps in graph.items() for d in deps if layer(d) > layer(m))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--list", action="store_true", help="list every circle and upward import")
     args = parser.parse_args()
-    files = {module_name(p): p for p in sorted((SRC / "splitlab").rglob("*.py"))}
-    modules = set(files)
-    graph = {m: imports(p, m, modules) for m, p in files.items()}
-    upward = sorted((m, d) for m, deps in graph.items() for d in deps if layer(d) > layer(m))
+    graph = import_graph()
+    upward = upward_imports(graph)
     found = circles(graph)
-    print(f"modules: {len(modules)}, imports: {sum(map(len, graph.values()))}")
+    print(f"modules: {len(graph)}, imports: {sum(map(len, graph.values()))}")
     print(f"circles: {len(found)}")
     print(f"imports that run back up: {len(upward)}")
     if args.list:

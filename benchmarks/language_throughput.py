@@ -7,10 +7,12 @@ draws (read from the built experiment before timing); both sides' round loops ar
 (splitlab's summary `wall_seconds`), alternating who goes first, and the medians compared.
 `--lora R:ALPHA` trains LoRA adapters on the frozen model on both sides (the plain loop copies and
 averages only the adapters); `--precision bf16` runs both sides' forward passes and losses under
-torch's autocast, the hidden states and cut gradients crossing as bfloat16, as splitlab does.
+torch's autocast, the hidden states and cut gradients crossing as bfloat16, as splitlab does;
+`--precision fp16` in float16, each side with its own `torch.amp.GradScaler` and the server's
+scaled cut gradient rescaled into the client's scale, as splitlab's loss scales do.
 
     .venv/bin/python benchmarks/language_throughput.py [--rounds 20] [--repeats 3] [--threads 1] [--device cuda]
-        [--lora 8:16] [--precision bf16]
+        [--lora 8:16] [--precision bf16|fp16]
 """
 
 from __future__ import annotations
@@ -60,8 +62,11 @@ def plain_seconds(config: dict) -> float:
     x, y = x.to(device), y.to(device)
     lora = parse_lora(config["lora"]) if config["lora"] else None
     client, server = (part.to(device) for part in split(build_model("gpt", (SEQ_LEN,), 80, seed=0, lora=lora), 2))
-    bf16 = config["precision"] == "bf16"
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(config["precision"])
+    scaling = config["precision"] == "fp16"  # disabled scalers pass the loss and the steps through as they are
     server_opt, copies = adam(server), [copy.deepcopy(client) for _ in range(CLIENTS)]
+    server_scaler = torch.amp.GradScaler(device.type, enabled=scaling)
+    client_scalers = [torch.amp.GradScaler(device.type, enabled=scaling) for _ in range(CLIENTS)]
     started = time.perf_counter()
     for batches in plan:
         opts = {}
@@ -69,17 +74,23 @@ def plain_seconds(config: dict) -> float:
             copies[k].load_state_dict(trainable(client), strict=False)
             opts[k] = adam(copies[k])
         for k, idx in batches:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            with torch.autocast(device.type, dtype=half or torch.bfloat16, enabled=half is not None):
                 z = copies[k](x[idx])
-                wire = z.to(torch.bfloat16) if bf16 else z
+                wire = z.to(half) if half else z
                 received = wire.detach().requires_grad_()
                 loss = F.cross_entropy(server(received).flatten(0, 1), y[idx].flatten())
             server_opt.zero_grad(set_to_none=True)
-            loss.backward()
-            server_opt.step()
+            server_scale = server_scaler.get_scale() if scaling else 1.0
+            server_scaler.scale(loss).backward()
+            server_scaler.step(server_opt)
+            server_scaler.update()
+            grad = received.grad
+            if scaling:  # the server's scaled gradient, in the client's scale
+                grad = client_scalers[k].scale(grad.float() / server_scale).to(half)
             opts[k].zero_grad(set_to_none=True)
-            wire.backward(received.grad)
-            opts[k].step()
+            wire.backward(grad)
+            client_scalers[k].step(opts[k])
+            client_scalers[k].update()
         states = [trainable(copies[k]) for k, _ in batches]
         with torch.no_grad():
             for name, weight in trainable(client).items():
@@ -102,7 +113,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--lora", default=None, help="R:ALPHA: train LoRA adapters on both sides")
-    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     tokens = args.rounds * CLIENTS * BATCH * SEQ_LEN

@@ -14,6 +14,7 @@ import pytest
 from splitlab import catalog
 from splitlab.cli import main
 from splitlab.config import EVERYWHERE, GROUPS, ONLY_WHEN, RunConfig, accepts, bound_value, field_bounds
+from splitlab.settings import SETTINGS as RUN_SETTINGS
 
 SETTINGS = catalog.command_settings()
 CASES = [(command, key) for command, model in SETTINGS.items() for key in model.model_fields]
@@ -77,10 +78,12 @@ def test_every_run_key_is_documented_and_says_where_it_applies():
             f"key {key!r}: tag its Field with the concern it belongs to: json_schema_extra=DATA, MODEL, TRAINING, "
             f"PRIVACY or DEPLOYMENT (splitlab.config.GROUPS), as `run --help` and docs/cli.md group it"
         )
-        assert (key in EVERYWHERE) != (key in ONLY_WHEN), (
-            f"key {key!r}: add it to splitlab.config.EVERYWHERE (applies to every run) or to ONLY_WHEN "
-            f"(Applies(when, why, example))"
+        settings_own = [name for name, setting in RUN_SETTINGS.items() if key in setting.own_keys]
+        assert (key in EVERYWHERE) + (key in ONLY_WHEN) + len(settings_own) == 1, (
+            f"key {key!r}: add it to splitlab.config.EVERYWHERE (applies to every run), to ONLY_WHEN "
+            f"(Applies(when, why, example)) or to the own_keys of the one setting that takes it"
         )
+    assert all(set(setting.refused_keys) <= EVERYWHERE | set(ONLY_WHEN) for setting in RUN_SETTINGS.values())
 
 
 @pytest.mark.parametrize("key", sorted(ONLY_WHEN))
@@ -89,6 +92,37 @@ def test_a_key_where_it_does_not_apply_is_refused(key, tmp_path, capsys):
     assert key in example and RunConfig.model_fields[key].default != example[key]
     pairs = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in example.items()]
     refused(capsys, argv("run", tmp_path, *pairs), f"{key}=")
+    assert not (tmp_path / "out").exists()
+
+
+#: a run of each setting given a key it does not take
+SETTING_EXAMPLES = {
+    ("vanilla", "parties"): ["parties=3"],
+    ("vanilla", "features"): ["features=0-3/4-7"],
+    ("vanilla", "labels_at"): ["labels_at=0"],
+    ("vanilla", "combine"): ["combine=sum"],
+    ("vertical", "eval_generate"): ["algorithm=sl", "eval_generate=4"],
+    ("vertical", "tail_cut"): ["algorithm=sl", "cut=1,2"],
+    ("vertical", "grad_accum"): ["algorithm=sl", "grad_accum=2"],
+}
+
+
+def test_every_key_a_setting_does_not_take_has_an_example():
+    expected = {
+        (name, key)
+        for name, setting in RUN_SETTINGS.items()
+        for key in [
+            *setting.refused_keys,
+            *(k for other in RUN_SETTINGS.values() if other is not setting for k in other.own_keys),
+        ]
+    }
+    assert set(SETTING_EXAMPLES) == expected
+
+
+@pytest.mark.parametrize(("setting", "key"), sorted(SETTING_EXAMPLES))
+def test_a_key_the_setting_does_not_take_is_refused(setting, key, tmp_path, capsys):
+    """The setting declares it (splitlab.settings: own_keys, refused_keys), in one line naming the key."""
+    refused(capsys, argv("run", tmp_path, f"setting={setting}", *SETTING_EXAMPLES[setting, key]), f"{key}=")
     assert not (tmp_path / "out").exists()
 
 

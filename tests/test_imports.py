@@ -9,6 +9,7 @@ up into a higher one, even lazily.
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
 import splitlab
@@ -116,3 +117,15 @@ def test_neither_the_settings_schema_nor_the_algorithms_reach_the_other_way():
     """config (the schema) is below the algorithms (whose Params build on it); splitlab.resolve joins them."""
     graph = import_graph(in_functions=True)
     assert not any(module.startswith("splitlab.algorithms") for module in graph["splitlab.config"])
+
+
+def test_no_import_runs_back_up_the_layers():
+    """benchmarks/import_layers.py's layers (docs/architecture.md's map, bottom to top), every import
+    counted (type-only and inside functions too): no module imports one of a higher layer. Issue 34
+    allowed up to 5; there are none, so a new one fails here (move the code, not the limit)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "import_layers.py"
+    spec = importlib.util.spec_from_file_location("import_layers", path)
+    assert spec is not None and spec.loader is not None
+    layers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layers)
+    assert layers.upward_imports(layers.import_graph()) == []

@@ -8,10 +8,10 @@ import torch
 
 from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
 from splitlab import loss_scale
+from splitlab.build import check
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
 from splitlab.loss_scale import LossScale, scaled, unscaled
-from splitlab.resolve import resolve_config
 
 FP16 = quick(precision="fp16")
 #: quick()'s clients hold 100 samples each: steps of 32, 32, 32 and 4 per round
@@ -128,7 +128,8 @@ def test_a_scaled_cut_gradient_is_checked_and_a_skipped_one_reads_as_none():
         ({"dataset": "shakespeare", "model": "lstm"}, "no float16 LSTM kernel on the CPU"),
     ],
 )
-def test_fp16_is_refused_in_one_line_where_it_does_not_apply(settings, why):
+def test_fp16_is_refused_in_one_line_where_it_does_not_apply(settings, why, tmp_path):
+    """As the config resolves, or (setting=vertical) as the setting plans the run."""
     with pytest.raises(UserError, match=why) as refused:
-        resolve_config(dict(FP16, **settings))
+        check(dict(FP16, **settings, out=str(tmp_path / "run")))
     assert "\n" not in str(refused.value) and "precision=bf16" in str(refused.value)

@@ -8,88 +8,39 @@ Algorithm` with a `name`, and call `register_model` / `register_dataset` / `regi
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from splitlab.logs import setup_logging
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Iterable, Mapping
-    from pathlib import Path
-    from typing import Any
-
-    from pydantic import BaseModel
-
-    from splitlab.augment import Augmentation
+    from splitlab.augment import register_augmentation
     from splitlab.config import RunConfig
-    from splitlab.data import Dataset
-    from splitlab.losses import Loss
-    from splitlab.models import ModelBuilder
+    from splitlab.data import register_dataset
+    from splitlab.engine import run
+    from splitlab.losses import register_loss
+    from splitlab.models import register_model
 
 __version__ = "0.1.0"
 
 setup_logging()  # splitlab's messages go to stderr, one line each (splitlab.logs)
 
-
-def run(config: RunConfig | Mapping[str, Any], *params: BaseModel, **options: Any) -> dict[str, Any]:
-    """Run (or resume) one experiment and return its summary (splitlab.engine.run): `config` a
-    `RunConfig` or a mapping of KEY: VALUE settings, `params` the algorithm's `Params` and the
-    model's params, typed (docs/extending.md)."""
-    from splitlab.engine import run
-
-    return run(config, *params, **options)
+#: The API's names (docs/extending.md) and the modules that define them, imported when a name is
+#: first asked for, so that `import splitlab` stays light (torch and pydantic take seconds to import).
+_MODULE_OF = {
+    "run": "splitlab.engine",
+    "RunConfig": "splitlab.config",
+    "register_model": "splitlab.models",
+    "register_dataset": "splitlab.data",
+    "register_loss": "splitlab.losses",
+    "register_augmentation": "splitlab.augment",
+}
 
 
 def __getattr__(name: str) -> Any:
-    """`splitlab.RunConfig`, imported when first asked for (pydantic takes a second to import)."""
-    if name == "RunConfig":
-        from splitlab.config import RunConfig
-
-        return RunConfig
-    raise AttributeError(f"module 'splitlab' has no attribute {name!r}")
-
-
-def register_model(
-    name: str,
-    builder: ModelBuilder,
-    params: type[BaseModel] | None = None,
-    inputs: Iterable[str] | None = None,
-) -> None:
-    """`model=name` builds `builder(input_shape, num_classes, **params)`, a StagedModel; `params`: a
-    pydantic model of its own keys; `inputs`: the kinds of samples it takes (splitlab.models)."""
-    from splitlab.models import register_model
-
-    register_model(name, builder, params, inputs)
-
-
-def register_dataset(
-    name: str,
-    loader: Callable[[Path | None, int], Dataset],
-    *,
-    split_loader: Callable[[Path | None, str], Dataset] | None = None,
-    locator: Callable[[Path | None], str] | None = None,
-    samples: str | None = None,
-) -> None:
-    """`dataset=name` loads `loader(data_dir, seed)`, a splitlab.data.Dataset (splitlab.data.datasets);
-    `samples`: what one sample is (images, features or tokens)."""
-    from splitlab.data import register_dataset
-
-    register_dataset(name, loader, split_loader=split_loader, locator=locator, samples=samples)
-
-
-def register_loss(name: str, make: Callable[..., Loss], form: str | None = None) -> None:
-    """`loss=name[:a[:b...]]` trains with `make(a, b, ...)` (floats), a `splitlab.losses.Loss` built from
-    per-target terms; `form` shows its arguments in messages, e.g. "mine:<alpha>"."""
-    from splitlab.losses import register_loss
-
-    register_loss(name, make, form)
-
-
-def register_augmentation(name: str, make: Callable[..., Augmentation], form: str | None = None) -> None:
-    """`augment=name[:a...]` applies `make(a, ...)` (floats), a `splitlab.augment.Augmentation`, to
-    clients' training batches; `form` shows its arguments in messages, e.g. "noise:<sigma>"."""
-    from splitlab.augment import register_augmentation
-
-    register_augmentation(name, make, form)
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'splitlab' has no attribute {name!r}")
+    return getattr(importlib.import_module(_MODULE_OF[name]), name)
 
 
 __all__ = [

@@ -144,7 +144,7 @@ def make_blueprint(
     config: ResolvedConfig, data: Dataset, device: torch.device, init_state: Mapping[str, torch.Tensor] | None
 ) -> Blueprint:
     """The run's blueprint, the same in every process that builds roles for it; `init_state`: the
-    weights `init=` names (splitlab.runmodel.init_state, a layer above this one)."""
+    weights `init=` names (splitlab.run_weights.init_state, a layer above this one)."""
     check_augment(config.run.augment, data.name, data.input_shape, data.task)
     return blueprint_of(
         config, device, data.input_shape, data.num_classes, data.inputs(data.train_x[:1]).dtype, data.task, init_state

@@ -24,33 +24,40 @@ from splitlab.loggers import check_logger
 from splitlab.privacy import keys
 from splitlab.resolve import resolve_config
 from splitlab.roles import ClientNode
-from splitlab.settings import Plan, setting_of
+from splitlab.settings import Plan, Setting, check_keys
 from splitlab.transport import TRANSPORTS, Proxy, Transport
+
+
+def resolved(raw: Mapping[str, Any]) -> tuple[ResolvedConfig, Setting]:
+    """The run's config resolved (splitlab.resolve) and its setting, which refuses the keys it
+    does not take (splitlab.settings.check_keys)."""
+    config = resolve_config(raw)
+    return config, check_keys(config)
 
 
 def client_node(raw: Mapping[str, Any], client_id: int) -> ClientNode:
     """Node `client_id` of the run `raw` configures, built in this process (a networked client):
     the same samples, batches and initial weights as the node `build` would make. With data=own,
     its samples are those in `data_dir` (the client's own)."""
-    config = resolve_config(raw)
-    return setting_of(config).node_here(config, client_id)
+    config, setting = resolved(raw)
+    return setting.node_here(config, client_id)
 
 
 def client_count(raw: Mapping[str, Any]) -> int:
     """How many nodes the run `raw` configures (the partition's clients; centralized: one;
     vertical: the parties)."""
-    config = resolve_config(raw)
-    return setting_of(config).node_count(config)
+    config, setting = resolved(raw)
+    return setting.node_count(config)
 
 
 def check(raw: Mapping[str, Any]) -> None:
     """Everything about a run that can be checked without building its roles (settings, out,
     logger, device, dataset, partition, cut, subsets): UserError if `build` would refuse it. A
     sweep checks all its runs so before the first one starts."""
-    config = resolve_config(raw)
+    config, setting = resolved(raw)
     rundir.check_out_dir(config.out_dir)
     check_logger(config.run.logger)
-    setting_of(config).check(config)
+    setting.check(config)
 
 
 def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Transport] | None = None) -> Experiment:
@@ -58,7 +65,7 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
     Ray actors (backend=ray) or in other processes (`transport` with `remote` nodes: a network,
     whose nodes report what they hold); then the algorithm, and the nodes aligned if the setting
     aligns them. UserError on bad input."""
-    config = resolve_config(raw)
+    config, setting = resolved(raw)
     run = config.run
     rundir.check_out_dir(config.out_dir)
     if run.resume and not run.overwrite:
@@ -77,10 +84,10 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         return made[0]
 
     def reports(nodes: int) -> dict[int, dict[str, Any]]:
-        return transport_().reported_parties(nodes)
+        return transport_().reports_to_plan(nodes)
 
     try:
-        plan = setting_of(config).plan(config, transport is not None, reports)
+        plan = setting.plan(config, transport is not None, reports)
         return _placed(config, plan, transport_())
     except BaseException:  # the actors stopped, the networked nodes told the run is over
         for placed in made:

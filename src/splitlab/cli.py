@@ -63,7 +63,8 @@ def _cmd_certs(args: argparse.Namespace) -> int:
 
 
 def _cmd_server(args: argparse.Namespace) -> int:
-    from splitlab.net.server import ServerSettings, serve, split_settings
+    from splitlab.engine import serve
+    from splitlab.net.server import ServerSettings, split_settings
 
     settings, raw = split_settings(_run_config(args), ServerSettings)
     summary = serve(raw, settings, progress=not args.no_progress)  # type: ignore[arg-type]
@@ -348,64 +349,103 @@ class _CommandParser(argparse.ArgumentParser):
         return super().format_help()
 
 
+#: Every command, in the order `splitlab --help` lists them: (what its help says, its description
+#: where it has one beyond that, its handler, its positional arguments: `dir` a run or sweep
+#: directory, `file` a sweep file, then its settings as KEY=VALUE or plugins=MODULE).
+COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.Namespace], int], str]] = {
+    "run": (
+        "train one configuration",
+        "Train one configuration given as KEY=VALUE settings (and/or a YAML file of them); docs/cli.md explains them.",
+        _cmd_run,
+        "KEY=VALUE",
+    ),
+    **{
+        name: (help_text, f"{help_text}; the keys of `run` plus its own (docs/deployment.md).", handler, "KEY=VALUE")
+        for name, help_text, handler in (
+            (
+                "server",
+                "run a configuration as the server of a networked deployment (clients connect over gRPC)",
+                _cmd_server,
+            ),
+            ("launch", "a server and its clients as processes on this machine (loopback, mutual TLS)", _cmd_launch),
+        )
+    },
+    "client": (
+        "one client node of a networked run: connect=HOST:PORT client_id=K certs=DIR [data=own data_dir=DIR]",
+        "One client node of a networked run; see docs/deployment.md.",
+        _cmd_client,
+        "KEY=VALUE",
+    ),
+    "certs": (
+        "a development CA, server and client certificates: out=DIR clients=K [hosts=a,b] [overwrite=true]",
+        "A development CA, server and client certificates (valid for localhost, 127.0.0.1 and hosts).",
+        _cmd_certs,
+        "KEY=VALUE",
+    ),
+    **{
+        name: (f"{help_text} (plugins=MODULE: a plugin's too)", None, handler, "plugins=MODULE")
+        for name, help_text, handler in (
+            ("datasets", "list datasets and whether their files are here", _cmd_datasets),
+            ("models", "list models, their valid cut layers and their own keys", _cmd_models),
+            ("algorithms", "list algorithms and their own keys", _cmd_algorithms),
+        )
+    },
+    "download": ("fetch Fashion-MNIST from its official mirror (needs a network)", None, _cmd_download, ""),
+    "sweep": ("run a grid of configurations from a sweep file", None, _cmd_sweep, "file"),
+    "report": ("tables and plots from a sweep directory", None, _cmd_report, "dir"),
+    "evaluate": (
+        "SplitGP's per-client view of a finished run (rho, E_th)",
+        "SplitGP's per-client view of a finished run; see docs/splitgp.md.",
+        _cmd_evaluate,
+        "dir KEY=VALUE",
+    ),
+    "generate": (
+        "continue a prompt with a finished language run's model (client stages, then server stages)",
+        "Continue a prompt with a finished language run's model; see docs/language.md.",
+        _cmd_generate,
+        "dir KEY=VALUE",
+    ),
+    "latency": (
+        "SplitGP's inference-time model (Table I, Props. 1-3)",
+        "SplitGP's inference-time model; see docs/splitgp.md.",
+        _cmd_latency,
+        "KEY=VALUE",
+    ),
+    "attack": (
+        "an attack on a finished run (inversion | unsplit | fsha | label_leak | model_completion | "
+        "token_inversion | embedding_inversion | gradient_matching | bisr)",
+        "An attack on a finished run (a curious or malicious server's, or model completion); see docs/privacy.md.",
+        _cmd_attack,
+        "dir KEY=VALUE",
+    ),
+    "advise": (
+        "every cut of a model side by side: client cost, bytes, latency, leakage, accuracy",
+        "Every cut of a model side by side; see docs/privacy.md.",
+        _cmd_advise,
+        "KEY=VALUE",
+    ),
+}
+
+
 def build_parser(plugins: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitlab", description="Split learning and split federated learning.")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_CommandParser)
-
-    run = commands.add_parser(
-        "run",
-        help="train one configuration",
-        description="Train one configuration given as KEY=VALUE settings "
-        "(and/or a YAML file of them); docs/cli.md explains them.",
-    )
-    run.add_argument("--config", help="YAML file of KEY: VALUE settings; KEY=VALUE arguments override it")
-    run.add_argument("--no-progress", action="store_true", help="no progress bar")
-    run.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    run.set_defaults(handler=_cmd_run)
-
-    networked = {
-        "server": "run a configuration as the server of a networked deployment (clients connect over gRPC)",
-        "launch": "a server and its clients as processes on this machine (loopback, mutual TLS)",
-    }
-    for name, help_text in networked.items():
-        command = commands.add_parser(
-            name, help=help_text, description=f"{help_text}; the keys of `run` plus its own (docs/deployment.md)."
-        )
+    for name, (help_text, description, handler, arguments) in COMMANDS.items():
+        command = commands.add_parser(name, help=help_text, description=description)
+        for argument in arguments.split():
+            if "=" in argument:
+                command.add_argument("overrides", nargs="*", metavar=argument)
+            else:
+                command.add_argument(argument)
+        command.set_defaults(handler=handler)
+    for name in ("run", "server", "launch"):
+        command = commands.choices[name]
         command.add_argument("--config", help="YAML file of KEY: VALUE settings; KEY=VALUE arguments override it")
         command.add_argument("--no-progress", action="store_true", help="no progress bar")
-        command.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-        command.set_defaults(handler=_cmd_server if name == "server" else _cmd_launch)
-    client = commands.add_parser(
-        "client",
-        help="one client node of a networked run: connect=HOST:PORT client_id=K certs=DIR [data=own data_dir=DIR]",
-        description="One client node of a networked run; see docs/deployment.md.",
-    )
-    client.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    client.set_defaults(handler=_cmd_client)
-    certs = commands.add_parser(
-        "certs",
-        help="a development CA, server and client certificates: out=DIR clients=K [hosts=a,b] [overwrite=true]",
-        description="A development CA, server and client certificates (valid for localhost, 127.0.0.1 and hosts).",
-    )
-    certs.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    certs.set_defaults(handler=_cmd_certs)
-
-    listings = {
-        "datasets": ("list datasets and whether their files are here", _cmd_datasets),
-        "models": ("list models, their valid cut layers and their own keys", _cmd_models),
-        "algorithms": ("list algorithms and their own keys", _cmd_algorithms),
-    }
-    for name, (help_text, handler) in listings.items():
-        listing = commands.add_parser(name, help=f"{help_text} (plugins=MODULE: a plugin's too)")
-        listing.add_argument("overrides", nargs="*", metavar="plugins=MODULE")
-        listing.set_defaults(handler=handler)
-    download = commands.add_parser("download", help="fetch Fashion-MNIST from its official mirror (needs a network)")
+    download = commands.choices["download"]
     download.add_argument("dataset", choices=["fashion_mnist"])
     download.add_argument("--dir", help="target folder (default: ~/.cache/splitlab/fashion_mnist, searched by runs)")
-    download.set_defaults(handler=_cmd_download)
-
-    sweep = commands.add_parser("sweep", help="run a grid of configurations from a sweep file")
-    sweep.add_argument("file")
+    sweep = commands.choices["sweep"]
     sweep.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     sweep.add_argument("--out", help="sweep directory (default runs/<file stem>)")
     sweep.add_argument(
@@ -418,57 +458,9 @@ def build_parser(plugins: str | None = None) -> argparse.ArgumentParser:
         "--gpus-per-run", type=float, default=0, help="with --ray: GPUs per run (0.5: two runs share one)"
     )
     sweep.add_argument("--no-progress", action="store_true")
-    sweep.set_defaults(handler=_cmd_sweep)
-
-    report = commands.add_parser("report", help="tables and plots from a sweep directory")
-    report.add_argument("dir")
-    report.add_argument("--target", type=float, help="target accuracy (fraction) for GiB/rounds-to-target")
-    report.set_defaults(handler=_cmd_report)
-
-    evaluate = commands.add_parser(
-        "evaluate",
-        help="SplitGP's per-client view of a finished run (rho, E_th)",
-        description="SplitGP's per-client view of a finished run; see docs/splitgp.md.",
+    commands.choices["report"].add_argument(
+        "--target", type=float, help="target accuracy (fraction) for GiB/rounds-to-target"
     )
-    evaluate.add_argument("dir")
-    evaluate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    evaluate.set_defaults(handler=_cmd_evaluate)
-
-    generate = commands.add_parser(
-        "generate",
-        help="continue a prompt with a finished language run's model (client stages, then server stages)",
-        description="Continue a prompt with a finished language run's model; see docs/language.md.",
-    )
-    generate.add_argument("dir")
-    generate.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    generate.set_defaults(handler=_cmd_generate)
-
-    latency = commands.add_parser(
-        "latency",
-        help="SplitGP's inference-time model (Table I, Props. 1-3)",
-        description="SplitGP's inference-time model; see docs/splitgp.md.",
-    )
-    latency.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    latency.set_defaults(handler=_cmd_latency)
-
-    attack = commands.add_parser(
-        "attack",
-        help="an attack on a finished run (inversion | unsplit | fsha | label_leak | model_completion | "
-        "token_inversion | embedding_inversion | gradient_matching | bisr)",
-        description="An attack on a finished run (a curious or malicious server's, or model completion); see "
-        "docs/privacy.md.",
-    )
-    attack.add_argument("dir")
-    attack.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    attack.set_defaults(handler=_cmd_attack)
-
-    advise = commands.add_parser(
-        "advise",
-        help="every cut of a model side by side: client cost, bytes, latency, leakage, accuracy",
-        description="Every cut of a model side by side; see docs/privacy.md.",
-    )
-    advise.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    advise.set_defaults(handler=_cmd_advise)
     for command in commands.choices.values():
         command.plugins = plugins
         command.add_argument("-q", "--quiet", action="store_true", help="only warnings and errors; no progress bar")

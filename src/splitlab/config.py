@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import JsonDict
 
@@ -66,254 +66,131 @@ def eval_decoding(key: str, default: Any = None, default_said: str = "") -> Any:
     return FieldInfo.merge_field_infos(field, default=default, description=description, json_schema_extra=TRAINING)
 
 
+#: Keys of RunConfig written in a small language of their own, each checked by its parser (_form_parsers);
+#: partition= and defense= too, by splitlab.resolve (their parsers sit with the datasets and the defenses).
+WRITTEN_IN_A_FORM = ("lr_schedule", "loss", "augment", "test_split", "train_range")
+
+
 class RunConfig(BaseModel):
-    """Settings shared by all algorithms."""
+    """Settings shared by all algorithms; under each key, its description (as `run --help` shows it)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
-    plugins: str | None = Field(
-        None,
-        description="modules of your own to import first, comma-separated (algorithms, models, datasets; "
-        "docs/extending.md)",
-        json_schema_extra=DEPLOYMENT,
-    )
-    algorithm: str = Field(
-        "sfl_v2", description="the algorithm (see `splitlab algorithms`; a plugin's too)", json_schema_extra=TRAINING
-    )
-    dataset: str = Field("fashion_mnist", description="the dataset (see `splitlab datasets`)", json_schema_extra=DATA)
-    data_dir: str | None = Field(
-        None, description="directory with the dataset's files, if not the default", json_schema_extra=DATA
-    )
-    data_file: str | None = Field(
-        None,
-        description="dataset=jsonl: a JSON Lines file of rows with text | prompt + completion | messages "
-        "(docs/data.md)",
-        json_schema_extra=DATA,
-    )
-    test_file: str | None = Field(
-        None,
-        description="dataset=jsonl: its test rows, in the same format (default: a fixed random tenth of data_file's "
-        "rows)",
-        json_schema_extra=DATA,
-    )
-    data: Literal["partition", "own"] = Field(
-        "partition",
-        description="partition: clients are a seeded partition of the dataset | own: each client brings the "
-        "training samples in its own data_dir (a vertical party: a CSV of its own columns; splitlab server only)",
-        json_schema_extra=DATA,
-    )
-    model: str = Field("cnn", description="the model (see `splitlab models`)", json_schema_extra=MODEL)
-    init: str | None = Field(
-        None,
-        description="start from the model of this finished run's directory (same model and sizes; e.g. "
-        "pretrained centrally, then fine-tuned split with lora)",
-        json_schema_extra=MODEL,
-    )
-    seq_len: int | None = Field(
-        None,
-        ge=1,
-        le=1_048_576,
-        description="language datasets: tokens per sequence (default: the dataset's, 64 for shakespeare_lm, 128 "
-        "for e2e, jsonl and hf_disk), at most the model's context",
-        json_schema_extra=DATA,
-    )
-    lora: str | None = Field(
-        None,
-        description="R:ALPHA: freeze the model and train rank-R LoRA adapters scaled ALPHA/R, e.g. 8:16 "
-        "(docs/language.md)",
-        json_schema_extra=MODEL,
-    )
-    lora_targets: str | None = Field(
-        None,
-        description="with lora: comma-separated names of the projections to adapt (default: the model's)",
-        json_schema_extra=MODEL,
-    )
-    lora_dropout: float = Field(
-        0.0,
-        ge=0,
-        lt=1,
-        description="with lora: dropout on the adapters' input in training, as peft's lora_dropout",
-        json_schema_extra=MODEL,
-    )
-    cut: int = Field(
-        1,
-        ge=0,
-        le=1000,
-        description="cut layer, in the model's numbering (see `splitlab models`); cut=A,B: a U-shaped split, "
-        "cut A and tail_cut B",
-        json_schema_extra=MODEL,
-    )
-    tail_cut: int | None = Field(
-        None,
-        ge=1,
-        le=1000,
-        description="U-shaped split (also written cut=A,B): the client also holds the stages from this second "
-        "cut on, with the labels and the loss; the server only those between (docs/configurations.md)",
-        json_schema_extra=MODEL,
-    )
-    clients: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["all"] = Field(
-        10,
-        description="number of clients K (1 to 1,000,000); 'all' = one per natural user",
-        json_schema_extra=DATA,
-    )
-    setting: Literal["vanilla", "vertical"] = Field(
-        "vanilla",
-        description="vanilla (clients hold samples) | vertical (parties hold different features of shared "
-        "samples, aligned by private set intersection; algorithm=sl; docs/configurations.md)",
-        json_schema_extra=DATA,
-    )
-    parties: int = Field(
-        2, ge=1, le=64, description="setting=vertical: parties holding features", json_schema_extra=DATA
-    )
-    features: str | None = Field(
-        None,
-        description="setting=vertical: each party's feature columns, / between parties, ranges and commas "
-        "within, e.g. 0-13/14-27 (default: `parties` contiguous groups of image or table columns)",
-        json_schema_extra=DATA,
-    )
-    labels_at: Annotated[int, Field(ge=0, le=63)] | Literal["server"] = Field(
-        "server",
-        description="setting=vertical: who holds the labels: server | a party's index",
-        json_schema_extra=DATA,
-    )
-    combine: Literal["concat", "sum", "mean"] = Field(
-        "concat",
-        description="setting=vertical: how the server combines the parties' embeddings at the cut",
-        json_schema_extra=MODEL,
-    )
-    participation: float = Field(
-        1.0, gt=0, le=1, description="fraction C of clients sampled per round", json_schema_extra=TRAINING
-    )
-    rounds: int = Field(10, ge=1, le=10_000_000, description="training rounds", json_schema_extra=TRAINING)
-    local_epochs: int = Field(
-        1, ge=1, le=100_000, description="passes over its samples a client makes per round", json_schema_extra=TRAINING
-    )
-    local_steps: int | None = Field(
-        None,
-        ge=1,
-        le=1_000_000_000,
-        description="cap on a client's mini-batches per round (after local_epochs); none = all of them",
-        json_schema_extra=TRAINING,
-    )
-    batch_size: int = Field(64, ge=1, le=1_000_000, description="samples per mini-batch", json_schema_extra=TRAINING)
-    optimizer: Literal["sgd", "adam", "adamw"] = Field(
-        "adam",
-        description="sgd | adam | adamw, for every part of the model (adamw: weight_decay decoupled, as "
-        "Loshchilov & Hutter; with sgd and adam it is an L2 penalty added to the gradient)",
-        json_schema_extra=TRAINING,
-    )
-    grad_accum: int = Field(
-        1,
-        ge=1,
-        le=4096,
-        description="micro-batches of batch_size per optimizer step: a step takes grad_accum x batch_size "
-        "samples, and every role computes its loss micro-batch by micro-batch (docs/performance.md)",
-        json_schema_extra=TRAINING,
-    )
-    max_grad_norm: float | None = Field(
-        None,
-        gt=0,
-        le=1e9,
-        description="clip the gradients of what each role trains, slot by slot, to this total L2 norm "
-        "before its optimizer steps; none = no clipping",
-        json_schema_extra=TRAINING,
-    )
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32",
-        description="fp32 | bf16 | fp16: every role's forward and loss under torch's autocast in that dtype, "
-        "weights and optimizers in float32; hidden states and cut gradients cross the cut in it (fp16: each "
-        "role scales its loss dynamically, and a cut gradient crosses scaled, with its scale)",
-        json_schema_extra=TRAINING,
-    )
-    base_dtype: Literal["float32", "bfloat16"] = Field(
-        "float32",
-        description="with lora and precision=bf16: the dtype the frozen base is held in (bfloat16: half the "
-        "memory); what trains stays float32",
-        json_schema_extra=TRAINING,
-    )
-    gradient_checkpointing: bool = Field(
-        False,
-        description="keep only each stage's input during the forward pass and recompute the stage in the "
-        "backward: less activation memory, about one more forward pass of time; same results",
-        json_schema_extra=TRAINING,
-    )
-    deterministic: bool = Field(
-        True,
-        description="device=cuda: deterministic kernels, cuDNN's autotuner off (runs repeat bit for bit; "
-        "slower, docs/performance.md); false: torch's fastest kernels. The CPU's are deterministic",
-        json_schema_extra=DEPLOYMENT,
-    )
-    lr: float = Field(1e-3, gt=0, le=1e6, description="learning rate", json_schema_extra=TRAINING)
-    lr_schedule: str = Field(
-        "none",
-        description="the learning rate by round, as factors of lr joined by +: step:<every>:<gamma> | cosine | "
-        "warmup:<rounds> (e.g. warmup:5+cosine); none = lr throughout",
-        json_schema_extra=TRAINING,
-    )
-    loss: str = Field(
-        "cross_entropy",
-        description="the training loss: cross_entropy | label_smoothing:<eps> | focal:<gamma> (or a plugin's); "
-        "evaluation reports cross-entropy",
-        json_schema_extra=TRAINING,
-    )
-    augment: str = Field(
-        "none",
-        description="augment clients' training batches, +-joined in order: flip | crop:<pad> (or a plugin's; e.g. "
-        "crop:4+flip); images only; none = as stored",
-        json_schema_extra=DATA,
-    )
-    momentum: float = Field(0.0, ge=0, lt=1, description="SGD momentum", json_schema_extra=TRAINING)
-    weight_decay: float = Field(
-        0.0,
-        ge=0,
-        le=1e3,
-        description="sgd, adam: an L2 penalty on the gradient; adamw: decoupled weight decay",
-        json_schema_extra=TRAINING,
-    )
-    partition: str = Field(
-        "iid", description="iid | dirichlet:<alpha> | shards:<shards per client>", json_schema_extra=DATA
-    )
-    seed: int = Field(
-        0,
-        ge=0,
-        le=2**32 - 1,
-        description="random seed (0 to 2**32-1, what numpy and torch both accept)",
-        json_schema_extra=TRAINING,
-    )
-    device: Literal["cpu", "cuda", "auto"] = Field(
-        "auto", description="cpu | cuda | auto (cuda when there is one)", json_schema_extra=DEPLOYMENT
-    )
-    eval_every: int = Field(
-        1, ge=1, le=10_000_000, description="evaluate every N rounds (and after the last)", json_schema_extra=TRAINING
-    )
-    train_subset: int | None = Field(
-        None, ge=1, le=10**10, description="use only N training samples (seeded choice)", json_schema_extra=DATA
-    )
-    train_range: str | None = Field(
-        None,
-        description="A:B, fractions 0 <= A < B <= 1: only that stretch of the training samples in the dataset's "
-        "order (shakespeare_lm: play by play), e.g. 0:0.5 to pretrain and 0.5:1 to fine-tune on the rest",
-        json_schema_extra=DATA,
-    )
-    test_subset: int | None = Field(
-        None,
-        ge=1,
-        le=10**10,
-        description="evaluate on only N test samples (seeded choice)",
-        json_schema_extra=DATA,
-    )
-    comm_budget_gib: float | None = Field(
-        None, gt=0, le=1e9, description="stop once this much has been communicated", json_schema_extra=TRAINING
-    )
-    eval_generate: int = Field(
-        0,
-        ge=0,
-        le=10**7,
-        description="language datasets with references (e2e): at the final evaluation, continue N test prompts "
-        "(greedily unless the eval_* keys say otherwise) and write BLEU and ROUGE-L to summary.json "
-        "(docs/language.md); 0: none",
-        json_schema_extra=TRAINING,
-    )
+    plugins: str | None = Field(None, json_schema_extra=DEPLOYMENT)
+    """modules of your own to import first, comma-separated (algorithms, models, datasets; docs/extending.md)"""
+    algorithm: str = Field("sfl_v2", json_schema_extra=TRAINING)
+    """the algorithm (see `splitlab algorithms`; a plugin's too)"""
+    dataset: str = Field("fashion_mnist", json_schema_extra=DATA)
+    """the dataset (see `splitlab datasets`)"""
+    data_dir: str | None = Field(None, json_schema_extra=DATA)
+    """directory with the dataset's files, if not the default"""
+    data_file: str | None = Field(None, json_schema_extra=DATA)
+    """dataset=jsonl: a JSON Lines file of rows with text | prompt + completion | messages (docs/data.md)"""
+    test_file: str | None = Field(None, json_schema_extra=DATA)
+    """dataset=jsonl: its test rows, in the same format (default: a fixed random tenth of data_file's rows)"""
+    data: Literal["partition", "own"] = Field("partition", json_schema_extra=DATA)
+    """partition: clients are a seeded partition of the dataset | own: each client brings the training samples in its
+    own data_dir (a vertical party: a CSV of its own columns; splitlab server only)"""
+    model: str = Field("cnn", json_schema_extra=MODEL)
+    """the model (see `splitlab models`)"""
+    init: str | None = Field(None, json_schema_extra=MODEL)
+    """start from the model of this finished run's directory (same model and sizes; e.g. pretrained centrally, then
+    fine-tuned split with lora)"""
+    seq_len: int | None = Field(None, ge=1, le=1_048_576, json_schema_extra=DATA)
+    """language datasets: tokens per sequence (default: the dataset's, 64 for shakespeare_lm, 128 for e2e, jsonl and
+    hf_disk), at most the model's context"""
+    lora: str | None = Field(None, json_schema_extra=MODEL)
+    """R:ALPHA: freeze the model and train rank-R LoRA adapters scaled ALPHA/R, e.g. 8:16 (docs/language.md)"""
+    lora_targets: str | None = Field(None, json_schema_extra=MODEL)
+    """with lora: comma-separated names of the projections to adapt (default: the model's)"""
+    lora_dropout: float = Field(0.0, ge=0, lt=1, json_schema_extra=MODEL)
+    """with lora: dropout on the adapters' input in training, as peft's lora_dropout"""
+    cut: int = Field(1, ge=0, le=1000, json_schema_extra=MODEL)
+    """cut layer, in the model's numbering (see `splitlab models`); cut=A,B: a U-shaped split, cut A and tail_cut B"""
+    tail_cut: int | None = Field(None, ge=1, le=1000, json_schema_extra=MODEL)
+    """U-shaped split (also written cut=A,B): the client also holds the stages from this second cut on, with the labels
+    and the loss; the server only those between (docs/configurations.md)"""
+    clients: Annotated[int, Field(ge=1, le=1_000_000)] | Literal["all"] = Field(10, json_schema_extra=DATA)
+    """number of clients K (1 to 1,000,000); 'all' = one per natural user"""
+    setting: Literal["vanilla", "vertical"] = Field("vanilla", json_schema_extra=DATA)
+    """vanilla (clients hold samples) | vertical (parties hold different features of shared samples, aligned by private
+    set intersection; algorithm=sl; docs/configurations.md)"""
+    parties: int = Field(2, ge=1, le=64, json_schema_extra=DATA)
+    """setting=vertical: parties holding features"""
+    features: str | None = Field(None, json_schema_extra=DATA)
+    """setting=vertical: each party's feature columns, / between parties, ranges and commas within, e.g. 0-13/14-27
+    (default: `parties` contiguous groups of image or table columns)"""
+    labels_at: Annotated[int, Field(ge=0, le=63)] | Literal["server"] = Field("server", json_schema_extra=DATA)
+    """setting=vertical: who holds the labels: server | a party's index"""
+    combine: Literal["concat", "sum", "mean"] = Field("concat", json_schema_extra=MODEL)
+    """setting=vertical: how the server combines the parties' embeddings at the cut"""
+    participation: float = Field(1.0, gt=0, le=1, json_schema_extra=TRAINING)
+    """fraction C of clients sampled per round"""
+    rounds: int = Field(10, ge=1, le=10_000_000, json_schema_extra=TRAINING)
+    """training rounds"""
+    local_epochs: int = Field(1, ge=1, le=100_000, json_schema_extra=TRAINING)
+    """passes over its samples a client makes per round"""
+    local_steps: int | None = Field(None, ge=1, le=1_000_000_000, json_schema_extra=TRAINING)
+    """cap on a client's mini-batches per round (after local_epochs); none = all of them"""
+    batch_size: int = Field(64, ge=1, le=1_000_000, json_schema_extra=TRAINING)
+    """samples per mini-batch"""
+    optimizer: Literal["sgd", "adam", "adamw"] = Field("adam", json_schema_extra=TRAINING)
+    """sgd | adam | adamw, for every part of the model (adamw: weight_decay decoupled, as Loshchilov & Hutter; with sgd
+    and adam it is an L2 penalty added to the gradient)"""
+    grad_accum: int = Field(1, ge=1, le=4096, json_schema_extra=TRAINING)
+    """micro-batches of batch_size per optimizer step: a step takes grad_accum x batch_size samples, and every role
+    computes its loss micro-batch by micro-batch (docs/performance.md)"""
+    max_grad_norm: float | None = Field(None, gt=0, le=1e9, json_schema_extra=TRAINING)
+    """clip the gradients of what each role trains, slot by slot, to this total L2 norm before its optimizer steps; none
+    = no clipping"""
+    precision: Literal["fp32", "bf16", "fp16"] = Field("fp32", json_schema_extra=TRAINING)
+    """fp32 | bf16 | fp16: every role's forward and loss under torch's autocast in that dtype, weights and optimizers in
+    float32; hidden states and cut gradients cross the cut in it (fp16: each role scales its loss dynamically, and a
+    cut gradient crosses scaled, with its scale)"""
+    base_dtype: Literal["float32", "bfloat16"] = Field("float32", json_schema_extra=TRAINING)
+    """with lora and precision=bf16: the dtype the frozen base is held in (bfloat16: half the memory); what trains stays
+    float32"""
+    gradient_checkpointing: bool = Field(False, json_schema_extra=TRAINING)
+    """keep only each stage's input during the forward pass and recompute the stage in the backward: less activation
+    memory, about one more forward pass of time; same results"""
+    deterministic: bool = Field(True, json_schema_extra=DEPLOYMENT)
+    """device=cuda: deterministic kernels, cuDNN's autotuner off (runs repeat bit for bit; slower, docs/performance.md);
+    false: torch's fastest kernels. The CPU's are deterministic"""
+    lr: float = Field(1e-3, gt=0, le=1e6, json_schema_extra=TRAINING)
+    """learning rate"""
+    lr_schedule: str = Field("none", json_schema_extra=TRAINING)
+    """the learning rate by round, as factors of lr joined by +: step:<every>:<gamma> | cosine | warmup:<rounds> (e.g.
+    warmup:5+cosine); none = lr throughout"""
+    loss: str = Field("cross_entropy", json_schema_extra=TRAINING)
+    """the training loss: cross_entropy | label_smoothing:<eps> | focal:<gamma> (or a plugin's); evaluation reports
+    cross-entropy"""
+    augment: str = Field("none", json_schema_extra=DATA)
+    """augment clients' training batches, +-joined in order: flip | crop:<pad> (or a plugin's; e.g. crop:4+flip); images
+    only; none = as stored"""
+    momentum: float = Field(0.0, ge=0, lt=1, json_schema_extra=TRAINING)
+    """SGD momentum"""
+    weight_decay: float = Field(0.0, ge=0, le=1e3, json_schema_extra=TRAINING)
+    """sgd, adam: an L2 penalty on the gradient; adamw: decoupled weight decay"""
+    partition: str = Field("iid", json_schema_extra=DATA)
+    """iid | dirichlet:<alpha> | shards:<shards per client>"""
+    seed: int = Field(0, ge=0, le=2**32 - 1, json_schema_extra=TRAINING)
+    """random seed (0 to 2**32-1, what numpy and torch both accept)"""
+    device: Literal["cpu", "cuda", "auto"] = Field("auto", json_schema_extra=DEPLOYMENT)
+    """cpu | cuda | auto (cuda when there is one)"""
+    eval_every: int = Field(1, ge=1, le=10_000_000, json_schema_extra=TRAINING)
+    """evaluate every N rounds (and after the last)"""
+    train_subset: int | None = Field(None, ge=1, le=10**10, json_schema_extra=DATA)
+    """use only N training samples (seeded choice)"""
+    train_range: str | None = Field(None, json_schema_extra=DATA)
+    """A:B, fractions 0 <= A < B <= 1: only that stretch of the training samples in the dataset's order (shakespeare_lm:
+    play by play), e.g. 0:0.5 to pretrain and 0.5:1 to fine-tune on the rest"""
+    test_subset: int | None = Field(None, ge=1, le=10**10, json_schema_extra=DATA)
+    """evaluate on only N test samples (seeded choice)"""
+    comm_budget_gib: float | None = Field(None, gt=0, le=1e9, json_schema_extra=TRAINING)
+    """stop once this much has been communicated"""
+    eval_generate: int = Field(0, ge=0, le=10**7, json_schema_extra=TRAINING)
+    """language datasets with references (e2e): at the final evaluation, continue N test prompts (greedily unless the
+    eval_* keys say otherwise) and write BLEU and ROUGE-L to summary.json (docs/language.md); 0: none"""
     eval_max_new_tokens: int | None = eval_decoding(
         "max_new_tokens", None, " (default: as many as the training sequences hold, seq_len + 1 tokens in all)"
     )
@@ -322,110 +199,51 @@ class RunConfig(BaseModel):
     eval_top_p: float | None = eval_decoding("top_p")
     eval_num_beams: int = eval_decoding("num_beams", 1)
     eval_seed: int | None = eval_decoding("seed", None, " (default: the run's seed)")
-    test_split: str = Field(
-        "global",
-        description="global (the dataset's test set) | client:<fraction> (each "
-        "client holds out that fraction of its own samples)",
-        json_schema_extra=DATA,
-    )
-    target_accuracy: float | None = Field(
-        None,
-        gt=0,
-        le=1,
-        description="summary reports the first evaluated round (and GiB) reaching this accuracy",
-        json_schema_extra=TRAINING,
-    )
-    ledger: Literal["splitlab", "fsl_sage"] = Field(
-        "splitlab",
-        description="byte-counting convention: splitlab counts everything; fsl_sage leaves labels "
-        "out, as the FSL-SAGE authors' code does",
-        json_schema_extra=DEPLOYMENT,
-    )
-    logger: Literal["none", "csv", "tensorboard", "mlflow", "wandb"] = Field(
-        "none",
-        description="also log every evaluated round to: csv (OUT/metrics.csv) | tensorboard (OUT/tensorboard) | "
-        "mlflow (OUT/mlruns) | wandb (offline, OUT/wandb); all but csv need their package (docs/cli.md)",
-        json_schema_extra=DEPLOYMENT,
-    )
-    out: str | None = Field(
-        None,
-        description="run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>",
-        json_schema_extra=DEPLOYMENT,
-    )
-    transport: Literal["direct", "serialized"] = Field(
-        "direct",
-        description="how roles exchange messages: direct (in-process, zero-copy) | serialized "
-        "(every message encoded to bytes and back, as over a network; same results)",
-        json_schema_extra=DEPLOYMENT,
-    )
-    backend: Literal["local", "ray"] = Field(
-        "local",
-        description="where roles live: local (this process) | ray (clients on `workers` Ray actors, the "
-        "training server on its own; every message as bytes; same results; docs/ray.md)",
-        json_schema_extra=DEPLOYMENT,
-    )
-    workers: int = Field(
-        2, ge=1, le=10_000, description="backend=ray: Ray actors holding the client nodes", json_schema_extra=DEPLOYMENT
-    )
-    cpus_per_client: int = Field(
-        1,
-        ge=1,
-        le=1024,
-        description="backend=ray: CPUs (torch threads) of every actor: each client worker, which trains one "
-        "client at a time, and the training server's (results equal in-process ones run with as many threads)",
-        json_schema_extra=DEPLOYMENT,
-    )
-    gpus_per_client: float = Field(
-        0.0,
-        ge=0,
-        le=64,
-        description="backend=ray: GPUs of every actor (fractions share one: 0.25 puts four actors on a GPU); "
-        "with device=auto an actor uses CUDA when Ray gave it a GPU that torch there can use, else the CPU",
-        json_schema_extra=DEPLOYMENT,
-    )
-    max_restarts: int = Field(
-        3,
-        ge=0,
-        le=1000,
-        description="backend=ray: times a run whose Ray actor (or node) was lost builds its roles again and "
-        "replays from its last checkpoint, before it stops with a resume hint",
-        json_schema_extra=DEPLOYMENT,
-    )
-    checkpoint_every: float = Field(
-        60.0,
-        ge=0,
-        le=10**8,
-        description="seconds between checkpoints (0: after every round; never sooner than 50x the last snapshot's "
-        "in-loop time); a resumed run replays from the last one",
-        json_schema_extra=DEPLOYMENT,
-    )
-    defense: str = Field(
-        "none",
-        description="defenses at the cut, +-joined: clip:<C> noise:<sigma> dp:epsilon=<E> gradnoise:<scale> "
-        "nopeek:<alpha> quantize:int8|fp16 topk:<fraction> marvell[:<scale>] label_dp:<epsilon> dchi:<epsilon>; "
-        "none = no defense (docs/privacy.md)",
-        json_schema_extra=PRIVACY,
-    )
-    record: int = Field(
-        0,
-        ge=0,
-        le=10**7,
-        description="record what the server saw at the cut, up to N samples per round, for attacks",
-        json_schema_extra=PRIVACY,
-    )
-    noise_key: str | None = Field(
-        None,
-        min_length=1,
-        description="fix the defenses' noise (reproducible); the guarantee then assumes this key stays secret "
-        "from the server (default: each party draws its own secret key)",
-        json_schema_extra=PRIVACY,
-    )
-    resume: bool = Field(
-        False, description="continue the run in `out` from its checkpoint", json_schema_extra=DEPLOYMENT
-    )
-    overwrite: bool = Field(
-        False, description="replace a finished or partial run in `out`", json_schema_extra=DEPLOYMENT
-    )
+    test_split: str = Field("global", json_schema_extra=DATA)
+    """global (the dataset's test set) | client:<fraction> (each client holds out that fraction of its own samples)"""
+    target_accuracy: float | None = Field(None, gt=0, le=1, json_schema_extra=TRAINING)
+    """summary reports the first evaluated round (and GiB) reaching this accuracy"""
+    ledger: Literal["splitlab", "fsl_sage"] = Field("splitlab", json_schema_extra=DEPLOYMENT)
+    """byte-counting convention: splitlab counts everything; fsl_sage leaves labels out, as the FSL-SAGE authors' code
+    does"""
+    logger: Literal["none", "csv", "tensorboard", "mlflow", "wandb"] = Field("none", json_schema_extra=DEPLOYMENT)
+    """also log every evaluated round to: csv (OUT/metrics.csv) | tensorboard (OUT/tensorboard) | mlflow (OUT/mlruns) |
+    wandb (offline, OUT/wandb); all but csv need their package (docs/cli.md)"""
+    out: str | None = Field(None, json_schema_extra=DEPLOYMENT)
+    """run directory; default runs/<algorithm>_<dataset>_<model>_cut<cut>_seed<seed>"""
+    transport: Literal["direct", "serialized"] = Field("direct", json_schema_extra=DEPLOYMENT)
+    """how roles exchange messages: direct (in-process, zero-copy) | serialized (every message encoded to bytes and
+    back, as over a network; same results)"""
+    backend: Literal["local", "ray"] = Field("local", json_schema_extra=DEPLOYMENT)
+    """where roles live: local (this process) | ray (clients on `workers` Ray actors, the training server on its own;
+    every message as bytes; same results; docs/ray.md)"""
+    workers: int = Field(2, ge=1, le=10_000, json_schema_extra=DEPLOYMENT)
+    """backend=ray: Ray actors holding the client nodes"""
+    cpus_per_client: int = Field(1, ge=1, le=1024, json_schema_extra=DEPLOYMENT)
+    """backend=ray: CPUs (torch threads) of every actor: each client worker, which trains one client at a time, and the
+    training server's (results equal in-process ones run with as many threads)"""
+    gpus_per_client: float = Field(0.0, ge=0, le=64, json_schema_extra=DEPLOYMENT)
+    """backend=ray: GPUs of every actor (fractions share one: 0.25 puts four actors on a GPU); with device=auto an actor
+    uses CUDA when Ray gave it a GPU that torch there can use, else the CPU"""
+    max_restarts: int = Field(3, ge=0, le=1000, json_schema_extra=DEPLOYMENT)
+    """backend=ray: times a run whose Ray actor (or node) was lost builds its roles again and replays from its last
+    checkpoint, before it stops with a resume hint"""
+    checkpoint_every: float = Field(60.0, ge=0, le=10**8, json_schema_extra=DEPLOYMENT)
+    """seconds between checkpoints (0: after every round; never sooner than 50x the last snapshot's in-loop time); a
+    resumed run replays from the last one"""
+    defense: str = Field("none", json_schema_extra=PRIVACY)
+    """defenses at the cut, +-joined: clip:<C> noise:<sigma> dp:epsilon=<E> gradnoise:<scale> nopeek:<alpha>
+    quantize:int8|fp16 topk:<fraction> marvell[:<scale>] label_dp:<epsilon> dchi:<epsilon>; none = no defense
+    (docs/privacy.md)"""
+    record: int = Field(0, ge=0, le=10**7, json_schema_extra=PRIVACY)
+    """record what the server saw at the cut, up to N samples per round, for attacks"""
+    noise_key: str | None = Field(None, min_length=1, json_schema_extra=PRIVACY)
+    """fix the defenses' noise (reproducible); the guarantee then assumes this key stays secret from the server
+    (default: each party draws its own secret key)"""
+    resume: bool = Field(False, json_schema_extra=DEPLOYMENT)
+    """continue the run in `out` from its checkpoint"""
+    overwrite: bool = Field(False, json_schema_extra=DEPLOYMENT)
+    """replace a finished or partial run in `out`"""
 
     @field_validator("out", "data_dir", "data_file", "test_file")
     @classmethod
@@ -433,44 +251,12 @@ class RunConfig(BaseModel):
         """`~` and `~user` as a shell would expand them (a folder literally named `~` is never meant)."""
         return None if value is None else os.path.expanduser(value)
 
-    @field_validator("partition")
+    @field_validator(*WRITTEN_IN_A_FORM)
     @classmethod
-    def _check_partition(cls, value: str) -> str:
-        from splitlab.data import parse_partition_scheme
-
-        parse_partition_scheme(value)
-        return value
-
-    @field_validator("lr_schedule")
-    @classmethod
-    def _check_lr_schedule(cls, value: str) -> str:
-        from splitlab.schedules import parse_lr_schedule
-
-        parse_lr_schedule(value)
-        return value
-
-    @field_validator("loss")
-    @classmethod
-    def _check_loss(cls, value: str) -> str:
-        from splitlab.losses import parse_loss
-
-        parse_loss(value)
-        return value
-
-    @field_validator("augment")
-    @classmethod
-    def _check_augment(cls, value: str) -> str:
-        from splitlab.augment import parse_augment
-
-        parse_augment(value)
-        return value
-
-    @field_validator("defense")
-    @classmethod
-    def _check_defense(cls, value: str) -> str:
-        from splitlab.privacy.defenses import parse_defense
-
-        parse_defense(value)
+    def _check_form(cls, value: str | None, info: ValidationInfo) -> str | None:
+        """A key written in a small language of its own is read by its parser, whose ValueError says what is allowed."""
+        if value is not None:
+            _form_parsers()[typing.cast(str, info.field_name)](value)
         return value
 
     @field_validator("lora", mode="before")
@@ -506,40 +292,43 @@ class RunConfig(BaseModel):
             why = err.errors()[0]["msg"].removeprefix("Value error, ")
             raise UserError(re.sub(r"\b(top_k|top_p|temperature|num_beams)\b", r"eval_\1", why)) from None
 
-    @field_validator("test_split")
-    @classmethod
-    def _check_test_split(cls, value: str) -> str:
-        parse_test_split(value)
-        return value
 
-    @field_validator("train_range")
-    @classmethod
-    def _check_train_range(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_train_range(value)
-        return value
+def _form_parsers() -> dict[str, Callable[[str], object]]:
+    """The parser of each key in WRITTEN_IN_A_FORM (imported when a value is checked)."""
+    from splitlab.augment import parse_augment
+    from splitlab.losses import parse_loss
+    from splitlab.schedules import parse_lr_schedule
+
+    return {
+        "lr_schedule": parse_lr_schedule,
+        "loss": parse_loss,
+        "augment": parse_augment,
+        "test_split": parse_test_split,
+        "train_range": parse_train_range,
+    }
+
+
+def _colon_pair(value: str, first: Callable[[str], Any], second: Callable[[str], Any]) -> tuple[Any, Any] | None:
+    """`A:B` read as (first(A), second(B)); None where either does not read."""
+    a, _, b = str(value).partition(":")
+    try:
+        return first(a), second(b)
+    except ValueError:
+        return None
 
 
 def parse_train_range(value: str) -> tuple[float, float]:
     """`A:B` -> (A, B) with 0 <= A < B <= 1."""
-    start, _, stop = str(value).partition(":")
-    try:
-        parsed = float(start), float(stop)
-    except ValueError:
-        parsed = (1.0, 0.0)
-    if not 0 <= parsed[0] < parsed[1] <= 1:
+    parsed = _colon_pair(value, float, float)
+    if parsed is None or not 0 <= parsed[0] < parsed[1] <= 1:
         raise ValueError("expected A:B with fractions 0 <= A < B <= 1, e.g. 0:0.5")
     return parsed
 
 
 def parse_lora(value: str) -> tuple[int, float]:
     """`R:ALPHA` -> (rank >= 1, alpha > 0)."""
-    rank, _, alpha = str(value).partition(":")
-    try:
-        parsed = int(rank), float(alpha)
-    except ValueError:
-        parsed = (0, 0.0)
-    if parsed[0] < 1 or not (math.isfinite(parsed[1]) and parsed[1] > 0):
+    parsed = _colon_pair(value, int, float)
+    if parsed is None or parsed[0] < 1 or not (math.isfinite(parsed[1]) and parsed[1] > 0):
         raise ValueError("expected R:ALPHA with an integer rank R >= 1 and a number ALPHA > 0, e.g. 8:16")
     return parsed
 
@@ -548,20 +337,27 @@ def parse_lora(value: str) -> tuple[int, float]:
 UNSPLIT_ALGORITHMS = ("fedavg", "centralized")
 
 
-def _reads_files(dataset: str) -> bool:
-    from splitlab.data.datasets import WITHOUT_FILES
-
-    return dataset not in WITHOUT_FILES
+#: Datasets that read no files (bundled or generated): `data_dir` does not apply to them.
+WITHOUT_FILES = frozenset({"digits", "synthetic", "breast_cancer"})
 
 
-#: Keys of RunConfig that apply to every run.
+#: Keys of RunConfig that apply to every run, but where a setting refuses them (splitlab.settings:
+#: `Setting.refused_keys`; the keys that only one setting takes are its `own_keys`).
 EVERYWHERE = frozenset(
     {"algorithm", "dataset", "data", "model", "cut", "clients", "participation", "rounds", "local_epochs"}
     | {"local_steps", "batch_size", "optimizer", "lr", "weight_decay", "seed", "device", "eval_every"}
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
     | {"backend", "checkpoint_every", "defense", "overwrite", "setting"}
     | {"init", "seq_len", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
-    | {"max_grad_norm", "precision", "gradient_checkpointing"}
+    | {"max_grad_norm", "precision", "gradient_checkpointing", "grad_accum"}
+)
+
+EVAL_GENERATE_WHY = (
+    "eval_generate continues the test prompts of a language dataset with references (e2e) with the global model"
+)
+U_SHAPE_WHY = (
+    "a U-shaped split needs clients that hold whole samples (not setting=vertical) and an algorithm that runs one "
+    "(docs/configurations.md)"
 )
 
 
@@ -600,7 +396,7 @@ ONLY_WHEN: dict[str, Applies] = {
         {"clients": "all", "train_range": "0:0.5"},
     ),
     "data_dir": Applies(
-        lambda r: _reads_files(r.dataset) and r.dataset != "jsonl",
+        lambda r: r.dataset not in WITHOUT_FILES and r.dataset != "jsonl",
         "this dataset reads no folder (bundled, generated, or dataset=jsonl's data_file)",
         {"dataset": "digits", "data_dir": "/tmp"},
     ),
@@ -613,11 +409,7 @@ ONLY_WHEN: dict[str, Applies] = {
         "this algorithm does not split the model: nothing crosses a cut to record",
         {"algorithm": "fedavg", "record": 10},
     ),
-    "eval_generate": Applies(
-        lambda r: r.setting == "vanilla" and r.data == "partition",
-        "eval_generate continues the test prompts of a language dataset with references (e2e) with the global model",
-        {"setting": "vertical", "eval_generate": 4},
-    ),
+    "eval_generate": Applies(lambda r: r.data == "partition", EVAL_GENERATE_WHY, {"data": "own", "eval_generate": 4}),
     **{
         f"eval_{key}": Applies(
             lambda r: r.eval_generate > 0,
@@ -654,30 +446,13 @@ ONLY_WHEN: dict[str, Applies] = {
         )
     },
     "tail_cut": Applies(  # which split algorithms run one: splitlab.resolve.check_u_shape, which comes first
-        lambda r: r.algorithm not in UNSPLIT_ALGORITHMS and r.setting == "vanilla",
-        "a U-shaped split needs clients that hold whole samples (not setting=vertical) and an algorithm that runs "
-        "one (docs/configurations.md)",
-        {"algorithm": "fedavg", "tail_cut": 3},
+        lambda r: r.algorithm not in UNSPLIT_ALGORITHMS, U_SHAPE_WHY, {"algorithm": "fedavg", "tail_cut": 3}
     ),
-    **{
-        key: Applies(lambda r: r.setting == "vertical", f"{key} is for parties; it needs setting=vertical", example)
-        for key, example in (
-            ("parties", {"parties": 3}),
-            ("features", {"features": "0-3/4-7"}),
-            ("labels_at", {"labels_at": 0}),
-            ("combine", {"combine": "sum"}),
-        )
-    },
     "base_dtype": Applies(
         lambda r: r.lora is not None and r.precision == "bf16",
         "only a LoRA model has a frozen base, which computes in bfloat16 under autocast: base_dtype needs "
         "lora=R:ALPHA and precision=bf16",
         {"base_dtype": "bfloat16"},
-    ),
-    "grad_accum": Applies(
-        lambda r: r.setting == "vanilla",
-        "a vertical run's parties step on every batch of shared samples; grad_accum needs setting=vanilla",
-        {"setting": "vertical", "grad_accum": 2},
     ),
     "deterministic": Applies(
         lambda r: r.device != "cpu",

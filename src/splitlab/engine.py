@@ -1,13 +1,14 @@
 """The way in to one run: `run(config)` builds it (splitlab.build), starts or resumes its run
 directory (splitlab.rundir) and runs the rounds (splitlab.loop), building the roles again when a
-process holding some is lost.
+process holding some is lost; `serve` does the same with the client nodes reached over the network
+(`splitlab server`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import BaseModel
@@ -24,6 +25,9 @@ from splitlab.loop import run_rounds
 from splitlab.process_settings import prepare_process
 from splitlab.rundir import RunDirectory
 from splitlab.transport import Transport
+
+if TYPE_CHECKING:
+    from splitlab.net.server import ServerSettings
 
 
 def run(
@@ -72,6 +76,23 @@ def run(
                     f"{lost}; the roles could not be built again: {refused}; then run it again with resume=true "
                     f"to go on from its last checkpoint"
                 ) from None
+
+
+def serve(raw: Mapping[str, Any], settings: ServerSettings, progress: bool = True) -> dict[str, Any]:
+    """`splitlab server`: run the experiment `raw` configures with its client nodes in other
+    processes, connecting over the network (splitlab.net.server's hub and transport)."""
+    from splitlab.net.server import AuditLog, Hub, NetworkTransport, client_config
+    from splitlab.resolve import resolve_config
+
+    raw = {"checkpoint_every": 0, **raw}  # a networked server checkpoints every round unless told otherwise
+    out = resolve_config(raw).out_dir
+    rundir.check_out_dir(out)
+    hub = Hub(settings, client_config(raw), AuditLog(out / "connections.jsonl"))
+    hub.start()
+    try:
+        return run(raw, progress=progress, transport=lambda ledger, device: NetworkTransport(ledger, device, hub))
+    finally:
+        hub.close()
 
 
 def _run(

@@ -7,7 +7,7 @@ its traceback.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -83,3 +83,11 @@ def shown(value: Any) -> str:
             return repr(value)
         return value
     return repr(value)
+
+
+def refuse(settings: object, refusals: Mapping[str, tuple[bool, str]], where: str) -> None:
+    """UserError for the first key `refusals` refuses (key -> (refused, why)): `KEY=VALUE cannot be
+    used with WHERE WHY`, `where` naming what refuses it with its punctuation (`setting=vertical:`)."""
+    for key, (refused, why) in refusals.items():
+        if refused:
+            raise UserError(f"{key}={getattr(settings, key)} cannot be used with {where} {why}")

@@ -17,6 +17,7 @@ from splitlab.assembly import Experiment
 from splitlab.build import build
 from splitlab.errors import UserError
 from splitlab.roles import State
+from splitlab.settings import stored_setting
 
 
 def _first_line(error: BaseException) -> str:
@@ -82,7 +83,7 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
     stored = rundir.stored_config(path, "evaluate", "point evaluate at the directory of a finished run")
-    assert stored.get("setting") != "vertical", "a vertical run is read by splitlab.settings.vertical.load_final"
+    assert stored_setting(stored).whole_samples, "a vertical run is read by splitlab.settings.vertical.load_final"
     experiment = build({**stored, "device": device, "out": str(path), "backend": "local"})  # in this process
     algorithm = experiment.algorithm
     weights = path / "weights.safetensors"
@@ -109,3 +110,14 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
             }
             _restore(proxy, models, clients_path)
     return experiment
+
+
+def check_columns_in_one_process(stored: dict[str, Any], path: Path, command: str, beside: str, so: str) -> None:
+    """Refuse `command` on a vertical data=own run: it needs every party's columns of the test
+    samples in one process (`beside` what else), and each party's stayed in its own files (`so`:
+    what follows from that)."""
+    if stored.get("data") == "own":
+        raise UserError(
+            f"{command} on a vertical run needs every party's columns of the test samples in one process{beside}; "
+            f"{str(path)!r} is a data=own run: each party's columns stayed in its own files{so}"
+        )

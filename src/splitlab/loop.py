@@ -31,7 +31,8 @@ from splitlab.models import HeadAndTail
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.random_streams import register_stream
 from splitlab.roles import random_stream
-from splitlab.runmodel import export_hf
+from splitlab.run_weights import export_hf
+from splitlab.settings import setting_of
 from splitlab.transport import ClientDropped
 from splitlab.units import GIB, to_target
 
@@ -340,7 +341,7 @@ def _finish(experiment: Experiment, state: dict, checkpoints: Checkpointer) -> d
         "stopped_by": state["stopped_by"],
         "target_accuracy": cfg.target_accuracy,
         **dict(zip(("rounds_to_target", "gib_to_target"), to_target(rows, cfg.target_accuracy))),
-        **privacy_summary(cfg),
+        **privacy_summary(cfg, setting_of(experiment.config).releasers(cfg)),
     }
     if "test_accuracy_deployed" in rows[-1]:
         summary["final_accuracy_deployed"] = rows[-1]["test_accuracy_deployed"]

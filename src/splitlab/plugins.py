@@ -10,19 +10,22 @@ clients, Ray actors): the `plugins=MODULE[,MODULE]` key, and the entry-point gro
 
 from __future__ import annotations
 
+import collections
 import functools
 import importlib
 import os
 import sys
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from splitlab.errors import UserError
 
 ENTRY_POINT_GROUP = "splitlab.plugins"
+
+Named = TypeVar("Named")
 
 
 class ListingSettings(BaseModel):
@@ -90,3 +93,29 @@ def _import(name: str, where: str) -> None:
                 f"start from its folder or add that folder to PYTHONPATH"
             ) from None
         raise
+
+
+def named_subclasses(base: type[Named], kind: str) -> dict[str, type[Named]]:
+    """name -> class, for every subclass of `base` that sets its own `name` (splitlab's and the
+    plugins'), in the order they were defined. Two classes claiming one name is an error, unless
+    one is a redefinition of the other (a module run again): then the later one counts. `kind`
+    names what they are in that error (algorithm, attack)."""
+    found: dict[str, type[Named]] = {}
+    pending = collections.deque(base.__subclasses__())
+    while pending:
+        cls = pending.popleft()
+        pending.extend(cls.__subclasses__())
+        if "name" not in vars(cls):
+            continue
+        name = vars(cls)["name"]
+        earlier = found.get(name)
+        if earlier is not None and _qualified(earlier) != _qualified(cls):
+            raise UserError(
+                f"{kind} name {name!r} is taken twice: by {_qualified(earlier)} and by {_qualified(cls)}; rename one"
+            )
+        found[name] = cls
+    return found
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"

@@ -19,6 +19,7 @@ from splitlab.config import (
     check_no_booleans,
     from_text,
 )
+from splitlab.data import parse_partition_scheme
 from splitlab.errors import UserError, one_line, unknown_key
 from splitlab.models import MODEL_INPUTS, MODEL_PARAMS, NoModelParams, model_params
 from splitlab.plugins import load_plugins
@@ -54,6 +55,8 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
         raise UserError(one_line(err)) from None
     for settings in (run, params, model_settings):
         check_finite(settings)
+    parse_partition_scheme(run.partition)  # the named schemes and defenses live above the schema
+    parse_defense(run.defense)
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
     check_fp16(run)
@@ -112,8 +115,6 @@ def check_fp16(run: RunConfig) -> None:
     why = ""
     if not algorithm.supports_fp16:
         why = f"algorithm={run.algorithm} does not declare it (supports_fp16, docs/extending.md)"
-    elif run.setting == "vertical":
-        why = "setting=vertical: its parties and top model step through verbs of their own, not built for it"
     elif parse_defense(run.defense).noises_gradients:
         why = f"defense={run.defense}: noise on cut gradients is drawn for unscaled float32 values"
     elif run.model == "lstm" and run.device != "cuda":

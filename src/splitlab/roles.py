@@ -112,7 +112,7 @@ class Blueprint:
     recorder: Recorder | None = None
     #: this process's parties' noise secret (splitlab.privacy.keys); set by whoever builds the roles
     noise_secret: bytes | None = None
-    #: `init=RUN_DIR`: the finished run's weights every model starts from (splitlab.runmodel.init_state),
+    #: `init=RUN_DIR`: the finished run's weights every model starts from (splitlab.run_weights.init_state),
     #: loaded by whoever builds the blueprint
     init_state: Mapping[str, torch.Tensor] | None = None
     #: called as a client of this process draws a mini-batch: progress within a round (splitlab.callbacks)

@@ -1,159 +1,20 @@
-"""A finished run's model: starting another run from it (`init=RUN_DIR`, or `init=PEFT_DIR`: LoRA
-adapters in peft's format), writing it as a Hugging Face folder (`out/hf`) and its adapters in
-peft's format (`out/peft`), and generating text with it (`splitlab generate`).
-
-A run's `weights.safetensors` holds its whole model under the stage names, adapters (LoRA) beside
-the frozen base; the model itself is rebuilt from the run's `config.yaml`.
+"""`splitlab generate`: a finished language run's model continuing a prompt, through the client
+stages, then the server stages at the run's cut (the model read by splitlab.run_weights).
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import Field
-from torch import nn
 
-from splitlab.assembly import load_data
-from splitlab.config import DecodingSettings, ResolvedConfig, RunConfig, parse_lora
+from splitlab.config import DecodingSettings
 from splitlab.data.language import characters
 from splitlab.errors import UserError
 from splitlab.generation import decode
-from splitlab.models import StagedModel, build_model, split
-from splitlab.models.lora import ADAPTERS, adapter_state, merge_lora
-from splitlab.resolve import resolve_config
-from splitlab.rundir import stored_config
-
-
-def run_model(run_dir: str | Path) -> tuple[RunConfig, StagedModel, Any, int]:
-    """The run's config, its trained model (adapters in place, eval mode, CPU), its data's
-    tokenizer (a Hugging Face tokenizer, model=hf, or a character vocabulary, a str) and its
-    sequence length."""
-    path = Path(run_dir)
-    resolved = resolve_config(stored_config(path, "load the model of", "give a finished run's directory"))
-    config = resolved.run
-    weights = _weights_file(path)
-    data = load_data(resolved)
-    if data.task != "language":
-        raise UserError(f"{str(path)!r} trained on {config.dataset}, not a language dataset")
-    settings = resolved.model_settings()
-    model = build_model(config.model, data.input_shape, data.num_classes, config.seed, **settings)
-    from safetensors.torch import load_file
-
-    model.load_state_dict(load_file(weights))
-    if config.model == "hf":
-        from splitlab.models.hf import load_tokenizer
-
-        return config, model.eval(), load_tokenizer(str(settings["model_dir"])), data.input_shape[0]
-    return config, model.eval(), data.vocabulary, data.input_shape[0]
-
-
-def _weights_file(run_dir: Path) -> Path:
-    weights = run_dir / "weights.safetensors"
-    if not weights.is_file():
-        raise UserError(f"{str(run_dir)!r} holds no weights.safetensors: the run is unfinished or has no global model")
-    return weights
-
-
-@functools.cache
-def base_state(run_dir: str) -> dict[str, torch.Tensor]:
-    """The plain weights of a finished run's model (adapters merged), for `init=RUN_DIR`."""
-    return merge_lora(run_model(run_dir)[1])
-
-
-def init_state(config: ResolvedConfig) -> dict[str, torch.Tensor] | None:
-    """The weights every model of a run with `init=` starts from (None without `init`): a finished
-    run's, adapters merged, or a peft folder's adapters (`peft_adapters`). Whoever builds the run's
-    `Blueprint` hands them to it."""
-    init = config.run.init
-    if init is None:
-        return None
-    return peft_adapters(config) if is_peft_folder(init) else base_state(init)
-
-
-def init_shapes(config: ResolvedConfig) -> dict[str, torch.Tensor] | None:
-    """`init_state`'s names and shapes as meta tensors, read without any data (from the finished
-    run's weights file's header; a peft folder's adapters), to check that they fit before the data
-    is read and tokenised."""
-    run = config.run
-    if run.init is None:
-        return None
-    if is_peft_folder(run.init):
-        return {name: t.to("meta") for name, t in peft_adapters(config).items()}
-    from safetensors import safe_open
-
-    path = Path(run.init)
-    stored_config(path, "load the model of", "give a finished run's directory")
-    with safe_open(_weights_file(path), "pt") as weights:
-        names = [name for name in weights.keys() if not name.endswith(ADAPTERS)]  # noqa: SIM118 (not a dict)
-        return {name: torch.empty(weights.get_slice(name).get_shape(), device="meta") for name in names}
-
-
-def is_peft_folder(path: str | Path) -> bool:
-    from splitlab.models.hf import ADAPTER_CONFIG
-
-    return (Path(path) / ADAPTER_CONFIG).is_file()
-
-
-def peft_adapters(config: ResolvedConfig) -> dict[str, torch.Tensor]:
-    """`init=PEFT_DIR`: its LoRA adapters under stage names, for a model=hf run with the same rank
-    and alpha (`lora=`), on the checkpoint they adapt (`model_dir=`)."""
-    from splitlab.models import hf
-
-    run = config.run
-    if run.model != "hf":
-        raise UserError(f"init={run.init} holds peft adapters, which start a model=hf run (model_dir=their base)")
-    theirs, adapters = hf.read_peft(str(run.init), str(config.model_dir))
-    trained = f"{theirs.get('r')}:{theirs.get('lora_alpha')}"
-    if run.lora is None or parse_lora(run.lora) != parse_lora(trained):
-        raise UserError(
-            f"init={run.init} holds LoRA adapters of r={theirs.get('r')}, lora_alpha="
-            f"{theirs.get('lora_alpha')}: give lora={trained}, the rank and alpha they were trained with"
-        )
-    return adapters
-
-
-def export_hf(resolved: ResolvedConfig, parts: list[nn.Module], vocabulary: str | None, out: Path) -> dict[str, str]:
-    """Write the model (client and server parts, adapters merged) to `out/hf`, a folder
-    `transformers.AutoModelForCausalLM.from_pretrained` loads, with its tokenizer; with LoRA, its
-    adapters to `out/peft`, a folder `peft.PeftModel.from_pretrained` loads on the model they adapt
-    (`peft_base`). Returns the folders written, for summary.json (none for a model with no Hugging
-    Face form)."""
-    config = resolved.run
-    if config.model not in ("gpt", "hf"):
-        return {}
-    from splitlab.models import hf
-
-    state = {name: t for part in parts for name, t in merge_lora(part).items()}
-    if config.model == "hf":
-        model_dir = str(resolved.model_dir)
-        hf.save_hf(state, model_dir, out / "hf")
-        tokenizer = hf.export_tokenizer(model_dir)
-        layout = hf.LAYOUTS[hf.read_config(model_dir)["model_type"]]
-    else:
-        sizes = resolved.model_params.model_dump()
-        vocab = state["head.lm_head.weight"].shape[0]
-        tokenizer = hf.char_tokenizer(vocabulary, sizes["context"]) if vocabulary is not None else None
-        hf.save_gpt2(state, hf.gpt2_config(**sizes, vocab=vocab), out / "hf", tokenizer)
-        layout = hf.GPT2
-    written = {"hf_export": str(out / "hf")}
-    if config.lora is not None:
-        adapters = {name: t for part in parts for name, t in adapter_state(part).items()}
-        lora = parse_lora(config.lora)
-        hf.save_peft(adapters, layout, lora, config.lora_dropout, peft_base(resolved), tokenizer, out / "peft")
-        written["peft_export"] = str(out / "peft")
-    return written
-
-
-def peft_base(config: ResolvedConfig) -> str:
-    """The folder of the model a LoRA run's adapters apply to: the export of the finished run it
-    started from (`init=RUN_DIR`: RUN_DIR/hf), else model=hf's `model_dir`."""
-    init = config.run.init
-    if init is not None and not is_peft_folder(init):
-        return str((Path(init) / "hf").resolve())
-    return str(Path(str(config.model_dir)).resolve())
+from splitlab.models import split
+from splitlab.run_weights import run_model
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:

@@ -44,11 +44,12 @@ from splitlab.config import parse_settings, parse_test_split
 from splitlab.data import load_dataset
 from splitlab.data.datasets import Prepared
 from splitlab.errors import UserError
-from splitlab.finished_run import final_states, global_states, load_run
+from splitlab.finished_run import check_columns_in_one_process, final_states, global_states, load_run
 from splitlab.io import write_json
 from splitlab.models import joined, split
 from splitlab.random_streams import register_stream
 from splitlab.roles import ClientNode, State
+from splitlab.settings import stored_setting
 from splitlab.settings.horizontal import client_indices, hold_out
 
 __all__ = [
@@ -340,7 +341,7 @@ def evaluate_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     settings = parse_settings(EvaluationSettings, raw)
     path = Path(run_dir)
     stored = rundir.stored_config(path, "evaluate", "point evaluate at the directory of a finished run")
-    if stored.get("setting") == "vertical":
+    if not stored_setting(stored).whole_samples:  # the setting reads its own (vertical: every party's columns)
         return _evaluate_vertical(path, stored, settings)
     experiment = load_run(run_dir, settings.device)
     data, rhos, train = experiment.data, settings.rho, training_set(experiment)
@@ -431,12 +432,14 @@ def _evaluate_vertical(path: Path, stored: dict[str, Any], settings: EvaluationS
         )
     if not (path / "summary.json").is_file():
         raise UserError(f"{str(path)!r} holds no finished run (no summary.json); finish it with resume=true")
-    if stored.get("data") == "own":
-        raise UserError(
-            f"evaluate on a vertical run needs every party's columns of the test samples in one process; "
-            f"{str(path)!r} is a data=own run: each party's columns stayed in its own files, so no process here "
-            f"holds them; its final test metrics, which the parties computed together, are in its summary.json"
-        )
+    check_columns_in_one_process(
+        stored,
+        path,
+        "evaluate",
+        beside="",
+        so=", so no process here holds them; its final test metrics, which the parties computed together, are in "
+        "its summary.json",
+    )
     result = {
         "run": str(path),
         "algorithm": stored.get("algorithm", "sl"),

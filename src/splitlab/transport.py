@@ -170,8 +170,10 @@ class Transport:
         """The class counts every remote client reported, once all have (data=own)."""
         raise NotImplementedError(f"the {self.name} transport reaches only roles in this process")
 
-    def reported_parties(self, parties: int) -> dict[int, dict[str, Any]]:
-        """What every party of a vertical run reported of its own files, once all have (data=own)."""
+    def reports_to_plan(self, nodes: int) -> dict[int, dict[str, Any]]:
+        """What each of a run's `nodes` nodes reports of its own files (data=own), once all have,
+        before any role is built: for a setting whose plan depends on them (the vertical parties'
+        columns)."""
         raise NotImplementedError(f"the {self.name} transport reaches only roles in this process")
 
     def drop(self, client_id: int, reason: str) -> None:

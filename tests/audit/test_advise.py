@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from splitlab.audit.advise import cut_costs, pareto_front, recommend
+from splitlab.audit.advise import cut_costs, recommend, trade_offs
+from splitlab.audit.probes import pareto_front
 from splitlab.audit.settings import AdviseSettings
 from splitlab.cli import main
 
@@ -56,7 +57,7 @@ def row(cut, accuracy, ssim, auc, up):
 
 def test_the_pick_is_the_most_accurate_front_cut_within_the_budgets():
     rows = [row(1, 0.9, 0.8, 0.9, 100), row(2, 0.8, 0.5, 0.8, 50), row(3, 0.7, 0.6, 0.95, 200)]
-    assert pareto_front(rows) == [1, 2]  # cut 3 is worse than cut 2 on everything
+    assert pareto_front(rows, trade_offs) == [1, 2]  # cut 3 is worse than cut 2 on everything
     assert recommend(AdviseSettings(), rows) == {"pareto_front": [1, 2], "pick": 1}
     assert recommend(AdviseSettings(max_ssim=0.6), rows)["pick"] == 2
     assert recommend(AdviseSettings(max_ssim=0.6, max_auc=0.7), rows)["pick"] is None

@@ -17,7 +17,7 @@ from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.generation import DecodingSettings, beam_search, decode, filtered, text_scores
 from splitlab.models import split
-from splitlab.runmodel import run_model
+from splitlab.run_weights import run_model
 
 pytestmark = pytest.mark.xdist_group("generation-run")  # one worker runs the module's shared runs once
 

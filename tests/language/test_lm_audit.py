@@ -11,6 +11,7 @@ from helpers import TINY_GPT
 from splitlab.audit.embedding_inversion import embedding_inversion, nearest_tokens, token_embeddings
 from splitlab.audit.gradient_matching import match_sequence
 from splitlab.audit.run import attack_run
+from splitlab.audit.token_inversion import Observed
 from splitlab.cli import main
 from splitlab.engine import run
 from splitlab.models import build_model, split
@@ -28,7 +29,7 @@ def test_nearest_token_search_is_exact_on_the_embedding_output():
     tokens = torch.randint(0, 30, (8, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hidden = embed(tokens)
-    result = embedding_inversion(embed, Defense(), tokens, hidden, tokens, 30, seed=0)
+    result = embedding_inversion(Observed(embed, Defense(), tokens, hidden, tokens, 30), seed=0)
     assert result["nearest"] == 1.0 and result["accuracy"] == 1.0 and result["baseline"] < 0.2
 
 

@@ -17,8 +17,8 @@ from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
 from splitlab.resolve import resolve_config
+from splitlab.run_weights import run_model
 from splitlab.rundir import stored_config
-from splitlab.runmodel import run_model
 
 
 @pytest.fixture(scope="module")

@@ -19,12 +19,13 @@ import grpc
 
 from splitlab import codec
 from splitlab.build import client_node
+from splitlab.engine import serve
 from splitlab.net import protocol
 from splitlab.net.certs import client_name
 from splitlab.net.checks import data_report
 from splitlab.net.client import ClientSettings, _answer, _heartbeats, run_client
 from splitlab.net.launch import _free_port
-from splitlab.net.server import ServerSettings, serve
+from splitlab.net.server import ServerSettings
 
 SPLITLAB = [sys.executable, "-m", "splitlab"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}

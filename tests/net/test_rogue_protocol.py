@@ -34,13 +34,14 @@ from safetensors.torch import save
 from helpers import quick
 from splitlab import codec
 from splitlab.build import client_node
+from splitlab.engine import serve
 from splitlab.errors import RoundFailed
 from splitlab.net import protocol
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import tensors
 from splitlab.net.client import ClientSettings, run_client
 from splitlab.net.launch import _free_port
-from splitlab.net.server import MIB, ServerSettings, serve
+from splitlab.net.server import MIB, ServerSettings
 
 SPLIT = ("begin_round", "load", "forward", "backward", "upload", "end_round", "state_dict")
 PERSONAL = ("begin_round", "forward", "backward", "end_round", "rejoin", "state_dict", "snapshot")

@@ -7,13 +7,13 @@ a first run is known to the next one.
 
 from __future__ import annotations
 
-import collections
 import functools
 import importlib
 import pkgutil
 from typing import TYPE_CHECKING
 
 from splitlab.errors import UserError
+from splitlab.plugins import named_subclasses
 
 if TYPE_CHECKING:
     from splitlab.algorithms.base import Algorithm
@@ -27,31 +27,12 @@ def _import_builtin() -> None:
 
 
 def algorithms() -> dict[str, type[Algorithm]]:
-    """name -> class, for every subclass of `Algorithm` that sets its own `name`. Two classes
-    claiming one name is an error, unless one is a redefinition of the other (a module run again):
-    then the later one counts."""
+    """name -> class, for every subclass of `Algorithm` that sets its own `name`
+    (splitlab.plugins.named_subclasses)."""
     from splitlab.algorithms.base import Algorithm
 
     _import_builtin()
-    found: dict[str, type[Algorithm]] = {}
-    pending = collections.deque(Algorithm.__subclasses__())  # in the order they were defined
-    while pending:
-        cls = pending.popleft()
-        pending.extend(cls.__subclasses__())
-        if "name" not in vars(cls):
-            continue
-        earlier = found.get(cls.name)
-        if earlier is not None and _qualified(earlier) != _qualified(cls):
-            raise UserError(
-                f"algorithm name {cls.name!r} is taken twice: by {_qualified(earlier)} and by {_qualified(cls)}; "
-                f"rename one"
-            )
-        found[cls.name] = cls
-    return found
-
-
-def _qualified(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+    return named_subclasses(Algorithm, "algorithm")
 
 
 def algorithm_names() -> list[str]:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import ConfigDict, Field
 from torch import nn
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
@@ -47,26 +47,21 @@ STREAM_ALIGNMENT = register_stream("fsl_sage.alignment", 5)
 
 
 class FSLSAGEParams(CSEFSLParams):
-    align_interval: int = Field(
-        10, ge=1, le=1_000_000, description="l: align the auxiliary models every l rounds (authors: 10)"
-    )
-    lazy_until: int | None = Field(
-        None,
-        ge=0,
-        le=10_000_000,
-        description="T' of lazy FSL-SAGE: align only in rounds t < T' (default: every l-th round)",
-    )
-    align_buffer_size: int = Field(
-        1000,
-        ge=1,
-        le=10_000_000,
-        description="(smashed, label) pairs the server keeps per client; the oldest go first (authors: 1000)",
-    )
-    align_epochs: int = Field(
-        5, ge=1, le=100_000, description="passes over a client's buffer per alignment (authors: 5)"
-    )
-    align_batch_size: int = Field(100, ge=1, le=1_000_000, description="mini-batch of the alignment (authors: 100)")
-    align_lr: float = Field(1e-3, gt=0, le=1e6, description="Adam learning rate of the alignment, without weight decay")
+    """CSE-FSL's keys and FSL-SAGE's own; under each, its description."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+    align_interval: int = Field(10, ge=1, le=1_000_000)
+    """l: align the auxiliary models every l rounds (authors: 10)"""
+    lazy_until: int | None = Field(None, ge=0, le=10_000_000)
+    """T' of lazy FSL-SAGE: align only in rounds t < T' (default: every l-th round)"""
+    align_buffer_size: int = Field(1000, ge=1, le=10_000_000)
+    """(smashed, label) pairs the server keeps per client; the oldest go first (authors: 1000)"""
+    align_epochs: int = Field(5, ge=1, le=100_000)
+    """passes over a client's buffer per alignment (authors: 5)"""
+    align_batch_size: int = Field(100, ge=1, le=1_000_000)
+    """mini-batch of the alignment (authors: 100)"""
+    align_lr: float = Field(1e-3, gt=0, le=1e6)
+    """Adam learning rate of the alignment, without weight decay"""
 
 
 def cut_gradient(

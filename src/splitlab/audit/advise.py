@@ -16,15 +16,16 @@ import torch
 from torch import nn
 
 from splitlab import rundir
+from splitlab.audit.probes import front_and_pick, heading, probe_sizes, table, written
 from splitlab.audit.settings import AdviseSettings
 from splitlab.errors import UserError
-from splitlab.io import write_json, write_text
 from splitlab.ledger import payload_bytes
 from splitlab.models import build_model, output_shape, split
 from splitlab.resolve import resolve_config
 
-#: the probe's sizes when not given: these, or the whole split where it is smaller (the table says which)
-DEFAULT_TRAIN, DEFAULT_TEST, DEFAULT_AUX, DEFAULT_TARGETS = 2000, 1500, 1000, 300
+#: the probe's sizes when not given (train, test, aux, targets): these, or what the split holds where
+#: it is smaller (the table says which)
+DEFAULTS = (2000, 1500, 1000, 300)
 
 
 def client_flops(client: nn.Module, input_shape: tuple[int, ...]) -> int:
@@ -84,7 +85,6 @@ def advise(raw: dict) -> dict[str, Any]:
     """Probe every cut; write OUT/advise.md, advise.json, advise.png; return the rows. Every setting
     is checked, and the sizes fixed, before the first probe trains."""
     from splitlab.algorithms import get_algorithm
-    from splitlab.audit.records import attack_sizes
     from splitlab.audit.run import attack_run
     from splitlab.config import parse_settings
     from splitlab.data import SEQUENCE_DATASETS, load_dataset
@@ -106,19 +106,12 @@ def advise(raw: dict) -> dict[str, Any]:
             raise UserError(f"{key}= applies to language datasets; dataset={settings.dataset} probes every cut")
     out = _out(settings)
     data = load_dataset(settings.dataset, settings.data_dir, settings.seed)
-    sizes = {
-        "train_subset": settings.train_subset or min(DEFAULT_TRAIN, len(data.train_y)),
-        "test_subset": settings.test_subset or min(DEFAULT_TEST, len(data.test_y)),
-    }
-    targets, aux = attack_sizes(
-        sizes["test_subset"], settings.aux, settings.targets, held_out=True, defaults=(DEFAULT_AUX, DEFAULT_TARGETS)
-    )
-    sizes.update(targets=targets, aux=aux)
+    sizes = probe_sizes(settings, len(data.train_y), len(data.test_y), DEFAULTS)
     rows = cut_costs(settings, data.input_shape, data.num_classes)
     probe = _probe(settings) | {"train_subset": sizes["train_subset"], "test_subset": sizes["test_subset"]}
     for row in rows:
         resolve_config({**probe, "cut": row["cut"]})  # every probe's settings valid before any trains
-    attack = {"aux": aux, "targets": targets, "epochs": settings.epochs, "seed": settings.seed}
+    attack = {"aux": sizes["aux"], "targets": sizes["targets"], "epochs": settings.epochs, "seed": settings.seed}
     for row in rows:
         run_dir = out / f"cut{row['cut']}"
         summary = run({**probe, "cut": row["cut"], "out": str(run_dir), "overwrite": True}, progress=False)
@@ -134,11 +127,9 @@ def advise(raw: dict) -> dict[str, Any]:
             norm_auc=leak["norm_auc"],
         )
     result = {"settings": settings.model_dump(), "sizes": sizes, "rows": rows, **recommend(settings, rows)}
-    table = markdown(settings, sizes, rows, result)
-    write_json(out / "advise.json", result)
-    write_text(out / "advise.md", table)
+    answer = written(out, result, markdown(settings, sizes, rows, result), "advise.png")
     _plot(out / "advise.png", settings, rows)
-    return {**result, "out": str(out), "markdown": table, "files": ["advise.md", "advise.json", "advise.png"]}
+    return answer
 
 
 def _out(settings: AdviseSettings) -> Path:
@@ -157,31 +148,22 @@ def _probe(settings: AdviseSettings) -> dict[str, Any]:
     return probe | {key: getattr(settings, key) for key in given if getattr(settings, key) is not None}
 
 
-def pareto_front(rows: list[dict[str, Any]]) -> list[int]:
-    """Cuts no other cut beats on all of accuracy (higher), inversion SSIM, label-leak AUC and bytes up (lower)."""
-
-    def costs(row: dict[str, Any]) -> tuple[float, ...]:
-        return (-row["accuracy"], row["ssim"], max(row["norm_auc"], row["direction_auc"]), row["up_bytes"])
-
-    def dominates(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-        return all(x <= y for x, y in zip(a, b)) and a != b
-
-    return [row["cut"] for row in rows if not any(dominates(costs(other), costs(row)) for other in rows)]
+def trade_offs(row: dict[str, Any]) -> tuple[float, ...]:
+    """What the Pareto front weighs, each lower is better: accuracy (negated), inversion SSIM,
+    label-leak AUC, bytes up."""
+    return (-row["accuracy"], row["ssim"], max(row["norm_auc"], row["direction_auc"]), row["up_bytes"])
 
 
 def recommend(settings: AdviseSettings, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The Pareto front and the pick: among the front's cuts within the `max_ssim` / `max_auc`
     budgets, the most accurate (then the least leaking); None if no cut meets the budgets."""
-    front = pareto_front(rows)
-    within = [
-        row
-        for row in rows
-        if row["cut"] in front
-        and (settings.max_ssim is None or row["ssim"] <= settings.max_ssim)
-        and (settings.max_auc is None or max(row["norm_auc"], row["direction_auc"]) <= settings.max_auc)
-    ]
-    best = max(within, key=lambda row: (row["accuracy"], -row["ssim"]), default=None)
-    return {"pareto_front": front, "pick": None if best is None else best["cut"]}
+
+    def within(row: dict[str, Any]) -> bool:
+        return (settings.max_ssim is None or row["ssim"] <= settings.max_ssim) and (
+            settings.max_auc is None or max(row["norm_auc"], row["direction_auc"]) <= settings.max_auc
+        )
+
+    return front_and_pick(rows, trade_offs, within, lambda row: (-row["accuracy"], row["ssim"]))
 
 
 COLUMNS = (
@@ -204,18 +186,13 @@ COLUMNS = (
 def markdown(
     settings: AdviseSettings, sizes: dict[str, int], rows: list[dict[str, Any]], advice: dict[str, Any]
 ) -> str:
-    head = (
-        f"# Cuts of {settings.model} on {settings.dataset}\n\n"
-        f"Probe: {settings.algorithm}, {settings.rounds} rounds, {settings.clients} clients, "
-        f"train_subset={sizes['train_subset']}, test_subset={sizes['test_subset']}, defense={settings.defense}, "
-        f"seed={settings.seed}. Attacker: aux={sizes['aux']} samples, targets={sizes['targets']}, "
-        f"decoder epochs={settings.epochs}; SSIM is the better of the decoder and the floor. "
+    head = heading(settings, sizes) + (
+        "SSIM is the better of the decoder and the floor. "
         f"Latency: SplitGP's model (Table I) with P_C={settings.client_power:g}, P_S={settings.server_power:g}, "
         f"R={settings.rate:g}, beta={settings.beta:g}. Attacks against the final model "
         f"(docs/privacy.md): lower SSIM/PSNR and AUC nearer 0.5 leak less.\n\n"
     )
-    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(fmt, row[key]) for key, _, fmt in COLUMNS) + " |" for row in rows]
+    lines = table(COLUMNS, rows, _cell)
     budgets = ", ".join(
         f"{name}={value:g}"
         for name, value in (("max_ssim", settings.max_ssim), ("max_auc", settings.max_auc))

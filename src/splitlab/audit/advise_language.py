@@ -19,13 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from splitlab.audit.probes import front_and_pick, heading, probe_sizes, table, written
 from splitlab.audit.settings import AdviseSettings
 from splitlab.errors import UserError
-from splitlab.io import write_json, write_text
 from splitlab.models.staged import UShaped
 
-#: language probes' sizes when not given (sequences): small, so that a CPU probes every cut in minutes
-DEFAULT_TRAIN, DEFAULT_TEST, DEFAULT_AUX, DEFAULT_TARGETS = 400, 300, 200, 100
+#: language probes' sizes when not given (train, test, aux, targets; sequences): small, so that a CPU
+#: probes every cut in minutes
+DEFAULTS = (400, 300, 200, 100)
 
 
 def linear_flops(client: nn.Module, server: nn.Module, tokens: torch.Tensor) -> tuple[float, float]:
@@ -75,7 +76,6 @@ def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) 
     OUT/advise.md, advise.json and advise.png; return the rows."""
     from splitlab.assembly import load_data
     from splitlab.audit.attack import attacks
-    from splitlab.audit.records import attack_sizes
     from splitlab.audit.run import attack_run
     from splitlab.engine import run
     from splitlab.finished_run import final_states, load_run
@@ -84,14 +84,7 @@ def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) 
 
     resolved = resolve_config(probe)
     data = load_data(resolved)
-    sizes = {
-        "train_subset": settings.train_subset or min(DEFAULT_TRAIN, len(data.train_y)),
-        "test_subset": settings.test_subset or min(DEFAULT_TEST, len(data.test_y)),
-    }
-    targets, aux = attack_sizes(
-        sizes["test_subset"], settings.aux, settings.targets, held_out=True, defaults=(DEFAULT_AUX, DEFAULT_TARGETS)
-    )
-    sizes.update(targets=targets, aux=aux)
+    sizes = probe_sizes(settings, len(data.train_y), len(data.test_y), DEFAULTS)
     model = build_model(settings.model, data.input_shape, data.num_classes, **resolved.model_settings())
     cuts = candidates(settings, model.valid_cuts)
     probe = {**probe, "train_subset": sizes["train_subset"], "test_subset": sizes["test_subset"]}
@@ -99,8 +92,8 @@ def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) 
         resolve_config({**probe, "cut": label(cut, tail)})  # every probe valid before any trains
     token_attacks = [name for name, cls in attacks().items() if "tokens" in cls.inputs and cls.advised]
     attack = {
-        "aux": aux,
-        "targets": targets,
+        "aux": sizes["aux"],
+        "targets": sizes["targets"],
         "epochs": settings.epochs,
         "seed": settings.seed,
         "device": settings.device,
@@ -136,11 +129,9 @@ def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) 
             }
         )
     result = {"settings": settings.model_dump(), "sizes": sizes, "rows": rows, **recommend(settings, rows)}
-    table = markdown(settings, sizes, rows, result)
-    write_json(out / "advise.json", result)
-    write_text(out / "advise.md", table)
+    answer = written(out, result, markdown(settings, sizes, rows, result), "advise.png")
     _plot(out / "advise.png", settings, rows)
-    return {**result, "out": str(out), "markdown": table, "files": ["advise.md", "advise.json", "advise.png"]}
+    return answer
 
 
 def _plot(file: Path, settings: AdviseSettings, rows: list[dict[str, Any]]) -> None:
@@ -171,29 +162,18 @@ def bytes_up(row: dict[str, Any]) -> float:
     return sum(v for kind, v in row["bytes_per_token"].items() if KINDS[kind] == "up")
 
 
-def pareto_front(rows: list[dict[str, Any]]) -> list[str]:
-    """Candidates no other beats on all of loss, text recovered, targets at the server and bytes up per token."""
-
-    def costs(row: dict[str, Any]) -> tuple[float, ...]:
-        return (row["loss"], row["recovery"], float(row["targets_at_server"]), bytes_up(row))
-
-    def dominates(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-        return all(x <= y for x, y in zip(a, b)) and a != b
-
-    return [row["cut"] for row in rows if not any(dominates(costs(other), costs(row)) for other in rows)]
+def trade_offs(row: dict[str, Any]) -> tuple[float, ...]:
+    """What the Pareto front weighs, each lower is better: loss, text recovered, targets at the
+    server, bytes up per token."""
+    return (row["loss"], row["recovery"], float(row["targets_at_server"]), bytes_up(row))
 
 
 def recommend(settings: AdviseSettings, rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The Pareto front and the pick: among the front's candidates within `max_recovery`, the lowest
     loss (then the least recovered); None if none meets the budget."""
-    front = pareto_front(rows)
-    within = [
-        row
-        for row in rows
-        if row["cut"] in front and (settings.max_recovery is None or row["recovery"] <= settings.max_recovery)
-    ]
-    best = min(within, key=lambda row: (row["loss"], row["recovery"]), default=None)
-    return {"pareto_front": front, "pick": None if best is None else best["cut"]}
+    budget = settings.max_recovery
+    within = lambda row: budget is None or row["recovery"] <= budget  # noqa: E731
+    return front_and_pick(rows, trade_offs, within, lambda row: (row["loss"], row["recovery"]))
 
 
 COLUMNS = (
@@ -222,19 +202,14 @@ def _by_kind(row: dict[str, Any], direction: str) -> str:
 def markdown(
     settings: AdviseSettings, sizes: dict[str, int], rows: list[dict[str, Any]], advice: dict[str, Any]
 ) -> str:
-    head = (
-        f"# Cuts of {settings.model} on {settings.dataset}\n\n"
-        f"Probe: {settings.algorithm}, {settings.rounds} rounds, {settings.clients} clients, "
-        f"train_subset={sizes['train_subset']}, test_subset={sizes['test_subset']} sequences, "
-        f"defense={settings.defense}, seed={settings.seed}. Attacker: aux={sizes['aux']} sequences, "
-        f"targets={sizes['targets']}, decoder epochs={settings.epochs}; *text recovered* is the fraction of the "
-        f"targets' tokens the strongest token attack rebuilds from the final model's hidden states at the cut, "
-        f"*floor* what always answering the most frequent token gets (docs/privacy.md). Bytes per training "
-        f"token per round, by kind; cut A,B is U-shaped (the client keeps the stages from B on and the targets).\n\n"
+    head = heading(settings, sizes, sequences=True) + (
+        "*text recovered* is the fraction of the "
+        "targets' tokens the strongest token attack rebuilds from the final model's hidden states at the cut, "
+        "*floor* what always answering the most frequent token gets (docs/privacy.md). Bytes per training "
+        "token per round, by kind; cut A,B is U-shaped (the client keeps the stages from B on and the targets).\n\n"
     )
     cells = [{**row, "up": _by_kind(row, "up"), "down": _by_kind(row, "down")} for row in rows]
-    lines = ["| " + " | ".join(title for _, title, _ in COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(_cell(fmt, cell[key]) for key, _, fmt in COLUMNS) + " |" for cell in cells]
+    lines = table(COLUMNS, cells, _cell)
     examples = ["", "Reconstructions by the strongest attack, first targets:"]
     for row in rows:
         examples += [

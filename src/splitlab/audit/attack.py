@@ -1,7 +1,8 @@
 """The attack registry: one module per attack, each a subclass of `Attack` declaring what it
 needs, so that `splitlab attack` looks the attack up, checks the run against the declarations
 (a refusal says what the attack needs and what the run has) and hands it a `Target` built once
-for all (splitlab.audit.run). A new attack is one module here, imported in `ATTACK_MODULES`."""
+for all (splitlab.audit.run). A new attack is one module here, imported in `ATTACK_MODULES`, or a
+subclass of `Attack` in a module of your own that `plugins=` imports (docs/extending.md)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from splitlab.errors import UserError
+from splitlab.plugins import named_subclasses
 from splitlab.privacy.defenses import received
 
 if TYPE_CHECKING:
@@ -128,18 +130,23 @@ class Attack:
 
 
 def attacks() -> dict[str, type[Attack]]:
-    """Name -> attack class, the built-in ones in their listed order (each module is named after its attack)."""
+    """Name -> attack class for every subclass of `Attack` that sets its own `name`: the built-in
+    ones in their listed order (each module is named after its attack), then those plugins define
+    (`plugins=`), in the order they were defined (splitlab.plugins.named_subclasses)."""
     for module in ATTACK_MODULES:
         importlib.import_module(f"splitlab.audit.{module}")
-    found = {cls.name: cls for cls in _subclasses(Attack)}
-    return dict(sorted(found.items(), key=lambda item: ATTACK_MODULES.index(item[0])))
+    found = named_subclasses(Attack, "attack")
+    builtin = {name: found[name] for name in ATTACK_MODULES}
+    return {**builtin, **{name: cls for name, cls in found.items() if name not in builtin}}
 
 
-def _subclasses(cls: type[Attack]) -> list[type[Attack]]:
-    found = []
-    for sub in cls.__subclasses__():
-        found += [sub, *_subclasses(sub)]
-    return found
+def attack_named(name: str) -> type[Attack]:
+    """The attack `attack=` names, built-in or a plugin's; one line listing them otherwise."""
+    found = attacks()
+    if name not in found:
+        quoted = [repr(known) for known in found]
+        raise UserError(f"invalid value {name!r} for attack: Input should be {', '.join(quoted[:-1])} or {quoted[-1]}")
+    return found[name]
 
 
 def offered_vertical() -> str:

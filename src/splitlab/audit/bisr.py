@@ -36,7 +36,7 @@ from splitlab.audit.attack import Attack, Target
 from splitlab.audit.embedding_inversion import token_embeddings
 from splitlab.audit.gradient_matching import soft_loss
 from splitlab.audit.label_leak import tail_gradients
-from splitlab.audit.token_inversion import decoded_logits, example_rows, examples, token_floor
+from splitlab.audit.token_inversion import decoded_logits, scored, token_rows
 from splitlab.models import HeadAndTail
 from splitlab.privacy.defenses import Defense
 
@@ -99,26 +99,10 @@ def bisr(
     logits = decoded_logits(pretrained, defense, aux_tokens, target_hidden, vocabulary, epochs, seed)
     optimised = optimised_tokens(pretrained, logits, target_hidden, steps, tail)
     found = {"learned": logits.argmax(-1), "optimised": optimised}
-    scores = {name: float((tokens == target_tokens).float().mean()) for name, tokens in found.items()}
-    most_frequent, floor = token_floor(aux_tokens, target_tokens, vocabulary)
-    best = max(scores, key=lambda name: scores[name])
-    attacker = best if scores[best] >= floor else "most frequent token"
-    result: dict[str, Any] = {
-        "accuracy": max(scores[best], floor),
-        "attacker": attacker,  # the strongest: a failed optimisation never reads as privacy
-        **scores,
-        "gradients": tail is not None,
-        "baseline": floor,
-        "baseline_token": most_frequent,
-        "samples": len(target_tokens),
-        "positions": target_tokens.numel(),
-        "aux_samples": len(aux_tokens),
-        "steps": steps,
-    }
-    if characters is not None:
-        shown = found.get(attacker, torch.full_like(target_tokens, most_frequent))
-        result["examples"] = examples(target_tokens, shown, characters)
-    return result
+    how = {"gradients": tail is not None}
+    return scored(
+        found, aux_tokens, target_tokens, vocabulary, characters, how=how, aux_samples=len(aux_tokens), steps=steps
+    )
 
 
 class BiSR(Attack):
@@ -166,10 +150,8 @@ class BiSR(Attack):
     @staticmethod
     def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         matched = "hidden states and tail gradients" if result["gradients"] else "hidden states"
-        return [
-            (f"token accuracy ({result['attacker']})", f"{result['accuracy']:.2%}"),
+        return token_rows(
+            result,
             ("(a) decoder on the pretrained client part", f"{result['learned']:.2%}"),
             (f"(b) optimised against the {matched} ({result['steps']} steps)", f"{result['optimised']:.2%}"),
-            (f"floor: always token {result['baseline_token']}", f"{result['baseline']:.2%}"),
-            *example_rows(result),
-        ]
+        )

@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from splitlab.audit.attack import Attack, Target
-from splitlab.audit.token_inversion import example_rows, examples, token_floor
-from splitlab.privacy.defenses import Defense, received
+from splitlab.audit.token_inversion import Observed, scored, token_rows
+from splitlab.privacy.defenses import received
 
 
 def token_embeddings(client: nn.Sequential, vocabulary: int, length: int) -> torch.Tensor:
@@ -53,44 +53,18 @@ def embedding_map(hidden: torch.Tensor, tokens: torch.Tensor, candidates: torch.
     return torch.linalg.lstsq(inputs.double(), wanted.double()).solution.to(hidden.dtype)
 
 
-def embedding_inversion(
-    client: nn.Sequential,
-    defense: Defense,
-    aux_tokens: torch.Tensor,
-    target_hidden: torch.Tensor,
-    target_tokens: torch.Tensor,
-    vocabulary: int,
-    seed: int,
-    characters: str | None = None,
-) -> dict[str, Any]:
-    """Nearest-token search on the target hidden states (M, T, D), raw and through the map fitted on
-    the auxiliary text (N, T); scored by the fraction of target tokens recovered."""
-    candidates = token_embeddings(client, vocabulary, target_tokens.shape[1])
+def embedding_inversion(seen: Observed, seed: int, characters: str | None = None) -> dict[str, Any]:
+    """Nearest-token search on the target hidden states, raw and through the map fitted on the
+    auxiliary text; scored by the fraction of target tokens recovered."""
+    client, defense, aux_tokens, target_hidden, target_tokens, vocabulary = seen
+    candidates = token_embeddings(typing.cast(nn.Sequential, client), vocabulary, target_tokens.shape[1])
     raw = nearest_tokens(target_hidden, candidates)
     aux_hidden = received(client, aux_tokens, defense, seed + 1)
     mapping = embedding_map(aux_hidden, aux_tokens, candidates)
     mapped_hidden = torch.cat([target_hidden, torch.ones_like(target_hidden[..., :1])], -1) @ mapping
     mapped = nearest_tokens(mapped_hidden, candidates)
-    scores = {
-        name: float((found == target_tokens).float().mean()) for name, found in (("nearest", raw), ("mapped", mapped))
-    }
-    most_frequent, floor = token_floor(aux_tokens, target_tokens, vocabulary)
-    best = max(scores, key=lambda name: scores[name])
-    attacker = best if scores[best] >= floor else "most frequent token"
-    result: dict[str, Any] = {
-        "accuracy": max(scores[best], floor),
-        "attacker": attacker,  # the strongest of the three: a failed search never reads as privacy
-        **scores,
-        "baseline": floor,
-        "baseline_token": most_frequent,
-        "samples": len(target_tokens),
-        "positions": target_tokens.numel(),
-        "aux_samples": len(aux_tokens),
-    }
-    if characters is not None:
-        shown = {"nearest": raw, "mapped": mapped}.get(attacker, torch.full_like(raw, most_frequent))
-        result["examples"] = examples(target_tokens, shown, characters)
-    return result
+    found = {"nearest": raw, "mapped": mapped}
+    return scored(found, aux_tokens, target_tokens, vocabulary, characters, aux_samples=len(aux_tokens))
 
 
 class EmbeddingInversion(Attack):
@@ -99,25 +73,12 @@ class EmbeddingInversion(Attack):
     why = "it searches the vocabulary's embeddings for the tokens of a language run; use attack=inversion"
 
     def run(self, target: Target) -> dict[str, Any]:
-        settings, experiment = target.settings, target.experiment
-        x, smashed = target.observed()
-        return embedding_inversion(
-            typing.cast(nn.Sequential, target.client),
-            target.defense,
-            target.aux_x.long(),
-            smashed,
-            x.long(),
-            experiment.blueprint.num_classes,
-            settings.seed,
-            experiment.data.vocabulary,
-        )
+        return embedding_inversion(Observed.of(target), target.settings.seed, target.experiment.data.vocabulary)
 
     @staticmethod
     def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-        return [
-            (f"token accuracy ({result['attacker']})", f"{result['accuracy']:.2%}"),
+        return token_rows(
+            result,
             ("nearest embedding", f"{result['nearest']:.2%}"),
             ("nearest after the fitted map", f"{result['mapped']:.2%}"),
-            (f"floor: always token {result['baseline_token']}", f"{result['baseline']:.2%}"),
-            *example_rows(result),
-        ]
+        )

@@ -29,7 +29,7 @@ from torch import nn
 
 from splitlab.audit.attack import Attack, Target
 from splitlab.audit.embedding_inversion import token_embeddings
-from splitlab.audit.token_inversion import example_rows, examples, token_floor
+from splitlab.audit.token_inversion import scored, token_rows
 from splitlab.data.datasets import IGNORED
 
 SEQUENCES = 8  # target sequences attacked (one optimisation each)
@@ -111,28 +111,19 @@ class GradientMatching(Attack):
                 for i, (x, y) in enumerate(zip(tokens, labels))
             ]
         )
-        most_frequent, floor = token_floor(target.aux_x.long(), tokens, vocabulary)
-        matched = float((found == tokens).float().mean())
-        attacker = "gradient matching" if matched >= floor else "most frequent token"
-        shown = found if matched >= floor else torch.full_like(found, most_frequent)
-        characters = experiment.data.vocabulary
-        return {
-            "accuracy": max(matched, floor),
-            "attacker": attacker,
-            "matched": matched,
-            "baseline": floor,
-            "baseline_token": most_frequent,
-            "samples": len(tokens),
-            "positions": tokens.numel(),
-            "steps": settings.steps,
-            **({"examples": examples(tokens, shown, characters)} if characters is not None else {}),
-        }
+        return scored(
+            {"matched": found},
+            target.aux_x.long(),
+            tokens,
+            vocabulary,
+            experiment.data.vocabulary,
+            named="gradient matching",
+            steps=settings.steps,
+        )
 
     @staticmethod
     def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-        return [
-            (f"token accuracy ({result['attacker']})", f"{result['accuracy']:.2%}"),
+        return token_rows(
+            result,
             (f"gradient matching ({result['samples']} sequences, {result['steps']} steps)", f"{result['matched']:.2%}"),
-            (f"floor: always token {result['baseline_token']}", f"{result['baseline']:.2%}"),
-            *example_rows(result),
-        ]
+        )

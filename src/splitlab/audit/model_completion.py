@@ -94,23 +94,6 @@ class _Standardise(nn.Module):
         return (x - self.mean) / self.scale
 
 
-def completed_accuracy(
-    client: nn.Module,
-    aux_x: torch.Tensor,
-    aux_y: torch.Tensor,
-    target_x: torch.Tensor,
-    target_y: torch.Tensor,
-    num_classes: int,
-    epochs: int,
-    seed: int,
-) -> float:
-    """Accuracy on the targets of `client` completed with a head fitted on (aux_x, aux_y)."""
-    head = fit_head(features(client, aux_x), aux_y, num_classes, epochs, seed)
-    with torch.no_grad():
-        predicted = head(features(client, target_x)).argmax(1)
-    return float((predicted == target_y).float().mean())
-
-
 def model_completion(
     client: nn.Module,
     untrained_client: nn.Module,
@@ -124,12 +107,18 @@ def model_completion(
 ) -> dict[str, Any]:
     """Label-inference accuracy of the completed trained client part on the targets, with the
     floor (best constant guess) and the untrained client part completed the same way."""
+
+    def completed_accuracy(part: nn.Module) -> float:
+        """Accuracy on the targets of `part` completed with a head fitted on (aux_x, aux_y)."""
+        head = fit_head(features(part, aux_x), aux_y, num_classes, epochs, seed)
+        with torch.no_grad():
+            predicted = head(features(part, target_x)).argmax(1)
+        return float((predicted == target_y).float().mean())
+
     counts = torch.bincount(target_y, minlength=num_classes)
     return {
-        "accuracy": completed_accuracy(client, aux_x, aux_y, target_x, target_y, num_classes, epochs, seed),
-        "untrained_accuracy": completed_accuracy(
-            untrained_client, aux_x, aux_y, target_x, target_y, num_classes, epochs, seed
-        ),
+        "accuracy": completed_accuracy(client),
+        "untrained_accuracy": completed_accuracy(untrained_client),
         "floor": float(counts.max()) / len(target_y),
         "floor_class": int(counts.argmax()),
         "labelled": len(aux_y),

@@ -27,13 +27,15 @@ from torch import nn
 
 from splitlab import rundir
 from splitlab.algorithms import get_algorithm
-from splitlab.audit.attack import Attack, Target, attacks, check_inputs, check_vertical, inputs_of
+from splitlab.audit.attack import Attack, Target, attack_named, check_inputs, check_vertical, inputs_of
 from splitlab.audit.records import attack_sizes, chosen_round, load_record, record_files
 from splitlab.audit.settings import AttackSettings
 from splitlab.config import UNSPLIT_ALGORITHMS, RunConfig
 from splitlab.errors import UserError
 from splitlab.io import write_json
 from splitlab.models import HeadAndTail, output_shape
+from splitlab.plugins import load_plugins
+from splitlab.settings import stored_setting
 
 RESULTS = "attack.json"
 
@@ -43,10 +45,11 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
     from splitlab.config import parse_settings
 
     settings = parse_settings(AttackSettings, raw)
+    load_plugins(settings.plugins)
+    attack = attack_named(settings.attack)
     path = Path(run_dir)
     stored = rundir.stored_config(path, "attack", "point attack at a finished run's directory")
-    attack = attacks()[settings.attack]
-    if stored.get("setting") == "vertical":  # parties holding features: played per party
+    if not stored_setting(stored).whole_samples:  # parties holding features: played per party
         from splitlab.audit.vertical import vertical_target
 
         vertical = vertical_target(path, stored, settings, check_vertical(settings.attack))

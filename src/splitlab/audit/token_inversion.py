@@ -18,7 +18,8 @@ frequent token everywhere; the reported accuracy is the stronger of the two, as 
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -65,36 +66,66 @@ def decoded_logits(
         return torch.cat([decoder(h) for h in target_hidden.split(256)])
 
 
-def token_inversion(
-    client: nn.Module,
-    defense: Defense,
+class Observed(NamedTuple):
+    """What a token attack on a finished run works from."""
+
+    client: nn.Module  # the client part
+    defense: Defense  # the run's defense, which the attacker applies to its auxiliary hidden states
+    aux_tokens: torch.Tensor  # (N, T): the server's auxiliary text
+    hidden: torch.Tensor  # (M, T, D): the hidden states the server received for the targets
+    tokens: torch.Tensor  # (M, T): the targets' tokens
+    vocabulary: int
+
+    @classmethod
+    def of(cls, target: Target) -> Observed:
+        x, smashed = target.observed()
+        vocabulary = target.experiment.blueprint.num_classes
+        return cls(target.client, target.defense, target.aux_x.long(), smashed, x.long(), vocabulary)
+
+
+def token_inversion(seen: Observed, epochs: int, seed: int, characters: str | None = None) -> dict[str, Any]:
+    """Train the per-position decoder on the server's auxiliary text and reconstruct the target
+    tokens from the hidden states the server received. With `characters` (token i is
+    characters[i]) the result shows the first target sequences and their reconstructions."""
+    client, defense, aux_tokens, target_hidden, target_tokens, vocabulary = seen
+    logits = decoded_logits(client, defense, aux_tokens, target_hidden, vocabulary, epochs, seed)
+    found = {"decoder": logits.argmax(-1)}
+    return scored(found, aux_tokens, target_tokens, vocabulary, characters, aux_samples=len(aux_tokens))
+
+
+def scored(
+    found: dict[str, torch.Tensor],
     aux_tokens: torch.Tensor,
-    target_hidden: torch.Tensor,
     target_tokens: torch.Tensor,
     vocabulary: int,
-    epochs: int,
-    seed: int,
-    characters: str | None = None,
+    characters: str | None,
+    named: str | None = None,
+    how: Mapping[str, Any] | None = None,
+    **counts: int,
 ) -> dict[str, Any]:
-    """Train the per-position decoder on the server's auxiliary text (N, T) and reconstruct the
-    target tokens (M, T) from the hidden states the server received (M, T, D). With `characters`
-    (token i is characters[i]) the result shows the first target sequence and its reconstruction."""
-    reconstructed = decoded_logits(client, defense, aux_tokens, target_hidden, vocabulary, epochs, seed).argmax(-1)
+    """The result of a token attack, the same for every one: the fraction of target tokens each of
+    its attackers (`found`: name -> reconstructed tokens) recovered, the strongest of them or the
+    floor (a failed attack never reads as privacy), the targets' counts, then `counts`; with
+    `characters` (token i is characters[i]) the strongest's first reconstructions beside the true
+    text. `named`: the result's name for the attacker where it beats the floor (default: its key);
+    `how`: what the attack matched or used, after the scores."""
     most_frequent, floor = token_floor(aux_tokens, target_tokens, vocabulary)
-    learned = float((reconstructed == target_tokens).float().mean())
-    best = "decoder" if learned >= floor else "most frequent token"
+    scores = {name: float((tokens == target_tokens).float().mean()) for name, tokens in found.items()}
+    best = max(scores, key=lambda name: scores[name])
+    beaten = scores[best] < floor
     result: dict[str, Any] = {
-        "accuracy": max(learned, floor),
-        "attacker": best,  # the stronger of the two: a failed decoder never reads as privacy
-        "decoder": learned,
+        "accuracy": max(scores[best], floor),
+        "attacker": "most frequent token" if beaten else named or best,
+        **scores,
+        **(how or {}),
         "baseline": floor,
         "baseline_token": most_frequent,
         "samples": len(target_tokens),
         "positions": target_tokens.numel(),
-        "aux_samples": len(aux_tokens),
+        **counts,
     }
     if characters is not None:
-        shown = reconstructed if best == "decoder" else torch.full_like(reconstructed, most_frequent)
+        shown = torch.full_like(found[best], most_frequent) if beaten else found[best]
         result["examples"] = examples(target_tokens, shown, characters)
     return result
 
@@ -121,34 +152,24 @@ class TokenInversion(Attack):
     why = "it reconstructs the tokens of a language run; use attack=inversion"
 
     def run(self, target: Target) -> dict[str, Any]:
-        settings, experiment = target.settings, target.experiment
-        x, smashed = target.observed()
-        return token_inversion(
-            target.client,
-            target.defense,
-            target.aux_x,
-            smashed,
-            x.long(),
-            experiment.blueprint.num_classes,
-            settings.epochs,
-            settings.seed,
-            experiment.data.vocabulary,
-        )
+        settings, characters = target.settings, target.experiment.data.vocabulary
+        return token_inversion(Observed.of(target), settings.epochs, settings.seed, characters)
 
     @staticmethod
     def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-        return [
-            (f"token accuracy ({result['attacker']})", f"{result['accuracy']:.2%}"),
-            ("decoder", f"{result['decoder']:.2%}"),
-            (f"floor: always token {result['baseline_token']}", f"{result['baseline']:.2%}"),
-            *example_rows(result),
-        ]
+        return token_rows(result, ("decoder", f"{result['decoder']:.2%}"))
 
 
-def example_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
-    """A token attack's example reconstructions as `splitlab attack` prints them: true text, then recovered."""
+def token_rows(result: dict[str, Any], *scores: tuple[str, str]) -> list[tuple[str, str]]:
+    """A token attack's result as `splitlab attack` prints it: the accuracy, its attackers' `scores`,
+    the floor, then the example reconstructions (true text, then recovered)."""
     return [
-        row
-        for example in result.get("examples", [])
-        for row in (("original", repr(example["original"])), ("reconstructed", repr(example["reconstructed"])))
+        (f"token accuracy ({result['attacker']})", f"{result['accuracy']:.2%}"),
+        *scores,
+        (f"floor: always token {result['baseline_token']}", f"{result['baseline']:.2%}"),
+        *(
+            row
+            for example in result.get("examples", [])
+            for row in (("original", repr(example["original"])), ("reconstructed", repr(example["reconstructed"])))
+        ),
     ]

@@ -43,16 +43,18 @@ def vertical_target(
     """The target of `attack` on the vertical run in `path`; refused in one line where the run
     cannot give what the attack needs."""
     from splitlab.assembly import test_set
+    from splitlab.finished_run import check_columns_in_one_process
     from splitlab.settings.vertical import load_final
 
     if settings.client:
         raise UserError(f"client={settings.client} does not apply to a vertical run: every party is attacked")
-    if stored.get("data") == "own":
-        raise UserError(
-            f"attack={attack.name} on a vertical run needs every party's columns of the test samples in one "
-            f"process, beside the final model (or a round recorded there); {str(path)!r} is a data=own run: each "
-            f"party's columns stayed in its own files and no round could be recorded, so nothing here can be attacked"
-        )
+    check_columns_in_one_process(
+        stored,
+        path,
+        f"attack={attack.name}",
+        beside=", beside the final model (or a round recorded there)",
+        so=" and no round could be recorded, so nothing here can be attacked",
+    )
     files = record_files(path)  # stray or misnamed files refused before any work
     config, vertical, model = load_final(path, stored, settings.device)
     plan, blueprint = vertical.plan, vertical.blueprint

@@ -482,9 +482,6 @@ DATASETS: dict[str, Callable[[Path | None, int], Dataset]] = {
     "synthetic": _load_synthetic,
 }
 
-#: Datasets that read no files (bundled or generated): `data_dir` does not apply to them.
-WITHOUT_FILES = frozenset({"digits", "synthetic", "breast_cancer"})
-
 #: name -> loader(data_dir, "train" | "test") of one split alone, the other left empty: for datasets
 #: whose files keep the splits apart, so that a client can hold only its own training samples
 #: (data=own) and a server only the test set.

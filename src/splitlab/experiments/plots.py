@@ -72,7 +72,8 @@ def _same_curve(a: tuple[list, list], b: tuple[list, list]) -> bool:
     )
 
 
-def _save(fig, path: Path) -> Path:
+def save_png(fig, path: Path) -> Path:
+    """Write a figure to `path` whole (through a temporary file beside it)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.png")
     fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
@@ -145,19 +146,6 @@ def _legend(fig, axes) -> None:
         )
 
 
-def plot_curves(
-    an: Analysis,
-    path: Path,
-    x_of: Callable[[dict], float | None],
-    xlabel: str,
-    title: str,
-    logx: bool = False,
-    integer_x: bool = False,
-    metric: Metric = ACCURACY,
-) -> Path:
-    return _save(curves_figure(an, x_of, xlabel, title, logx, integer_x, metric), path)
-
-
 def curves_figure(
     an: Analysis,
     x_of: Callable[[dict], float | None],
@@ -194,25 +182,14 @@ def curves_figure(
                     xs,
                     ys,
                     label=f"{label} (= {twin}, identical)",
-                    color=st["color"],
-                    linestyle=(0, (2, 2)),
-                    marker=st["marker"],
+                    **{**st, "linestyle": (0, (2, 2))},
                     markersize=5,
                     markerfacecolor="none",
                     linewidth=2.2,
                     zorder=3,
                 )
             else:
-                ax.plot(
-                    xs,
-                    ys,
-                    label=label,
-                    color=st["color"],
-                    linestyle=st["linestyle"],
-                    marker=st["marker"],
-                    markersize=3,
-                    linewidth=1.4,
-                )
+                ax.plot(xs, ys, label=label, **st, markersize=3, linewidth=1.4)
             if any(ss):
                 ax.fill_between(
                     xs,
@@ -269,7 +246,7 @@ def plot_run(rows: list[dict], path: Path, title: str) -> Path:
     for ax in (by_round, by_gib):
         ax.grid(True, alpha=0.3, which="both")
     fig.suptitle(title, fontsize=11)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_per_cut(
@@ -286,7 +263,7 @@ def plot_per_cut(
     ax.set(xlabel="cut", ylim=(0, 1.05), title=title)
     ax.legend(fontsize=7)
     ax.grid(True, alpha=0.3)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def plot_vs_cut(an: Analysis, path: Path) -> Path:
@@ -319,9 +296,7 @@ def plot_vs_cut(an: Analysis, path: Path) -> Path:
                     [p[1] for p in numeric],
                     yerr=[p[2] for p in numeric],
                     label=label,
-                    color=st["color"],
-                    linestyle=st["linestyle"],
-                    marker=st["marker"],
+                    **st,
                     capsize=3,
                     linewidth=1.4,
                     markersize=4,
@@ -342,7 +317,7 @@ def plot_vs_cut(an: Analysis, path: Path) -> Path:
         ax.grid(True, alpha=0.3)
     fig.suptitle("Final test accuracy vs cut layer" + _over_seeds(an), fontsize=11)
     _legend(fig, axes)
-    return _save(fig, path)
+    return save_png(fig, path)
 
 
 def _line_label(an: Analysis, key: tuple, cut_i: int) -> str:
@@ -430,4 +405,4 @@ def plot_partitions(an: Analysis, path: Path) -> Path | None:
         ax.set_xlim(-0.6, k - 0.4)
     fig.suptitle("Label distribution per client", fontsize=11)
     _legend(fig, axes[:1])
-    return _save(fig, path)
+    return save_png(fig, path)

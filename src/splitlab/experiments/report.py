@@ -22,7 +22,15 @@ from typing import Any
 
 from splitlab.errors import UserError
 from splitlab.experiments.analysis import Analysis
-from splitlab.experiments.plots import LOSS, PERPLEXITY, plot_curves, plot_partitions, plot_vs_cut
+from splitlab.experiments.plots import (
+    ACCURACY,
+    LOSS,
+    PERPLEXITY,
+    curves_figure,
+    plot_partitions,
+    plot_vs_cut,
+    save_png,
+)
 from splitlab.experiments.runs import num
 from splitlab.experiments.sweep import SNAPSHOT
 from splitlab.experiments.tables import PLOTS, REPORT, RESULTS, markdown
@@ -30,6 +38,13 @@ from splitlab.io import write_text
 from splitlab.units import row_gib
 
 log = logging.getLogger(__name__)
+
+
+#: The x axes of the curves in results.md: (file suffix, x of a metrics row, x label, caption's end, title's end).
+CURVE_AXES = (
+    ("round", lambda m: num(m.get("round")), "round", "round", "round"),
+    ("gib", row_gib, "communication (GiB, cumulative, log scale)", "communication", "GiB communicated"),
+)
 
 
 def _csv_value(value: Any) -> Any:
@@ -96,63 +111,15 @@ def write_report(
     plots: list[tuple[str, Path]] = []
     if an.finished:
         plot_dir = path / PLOTS
-        plots.append(
-            (
-                "Test accuracy vs round",
-                plot_curves(
-                    an,
-                    plot_dir / "accuracy_vs_round.png",
-                    lambda m: num(m.get("round")),
-                    "round",
-                    "Test accuracy vs round",
-                    integer_x=True,
-                ),
-            )
-        )
-        plots.append(
-            (
-                "Test accuracy vs communication",
-                plot_curves(
-                    an,
-                    plot_dir / "accuracy_vs_gib.png",
-                    row_gib,
-                    "communication (GiB, cumulative, log scale)",
-                    "Test accuracy vs GiB communicated",
-                    logx=True,
-                ),
-            )
-        )
+        metrics = [(ACCURACY, "accuracy")]
         if any(num(m.get(PERPLEXITY.key)) is not None for r in an.finished for m in r.metrics):  # language runs
-            for metric, name in ((LOSS, "loss"), (PERPLEXITY, "perplexity")):
-                title = f"Test {name} vs"
-                plots.append(
-                    (
-                        f"{title} round",
-                        plot_curves(
-                            an,
-                            plot_dir / f"{name}_vs_round.png",
-                            lambda m: num(m.get("round")),
-                            "round",
-                            f"{title} round",
-                            integer_x=True,
-                            metric=metric,
-                        ),
-                    )
+            metrics += [(LOSS, "loss"), (PERPLEXITY, "perplexity")]
+        for metric, name in metrics:
+            for axis, x_of, xlabel, caption, title in CURVE_AXES:
+                figure = curves_figure(
+                    an, x_of, xlabel, f"Test {name} vs {title}", axis == "gib", axis == "round", metric
                 )
-                plots.append(
-                    (
-                        f"{title} communication",
-                        plot_curves(
-                            an,
-                            plot_dir / f"{name}_vs_gib.png",
-                            row_gib,
-                            "communication (GiB, cumulative, log scale)",
-                            f"{title} GiB communicated",
-                            logx=True,
-                            metric=metric,
-                        ),
-                    )
-                )
+                plots.append((f"Test {name} vs {caption}", save_png(figure, plot_dir / f"{name}_vs_{axis}.png")))
         if any("cut" in r.config for r in an.finished):
             plots.append(("Final test accuracy vs cut layer", plot_vs_cut(an, plot_dir / "accuracy_vs_cut.png")))
         part = plot_partitions(an, plot_dir / "label_distribution.png")

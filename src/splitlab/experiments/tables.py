@@ -179,32 +179,24 @@ def markdown(an: Analysis, path: Path, plots: list[tuple[str, Path]]) -> str:
     if fixed:
         out += ["Common settings: " + ", ".join(f"`{f}`" for f in fixed) + ".", ""]
 
-    out += [
-        "## Final test accuracy (%)",
-        "",
+    out += _section(
+        "Final test accuracy (%)",
         "Test accuracy after the last round.",
-        "",
         _metric_table(an, "final_accuracy", "final accuracy (%)", scale=100.0),
-        "",
-    ]
-    out += [
-        "## Best test accuracy (%)",
-        "",
+    )
+    out += _section(
+        "Best test accuracy (%)",
         "Highest test accuracy over the evaluated rounds.",
-        "",
         _metric_table(an, "best_accuracy", "best accuracy (%)", scale=100.0),
-        "",
-    ]
+    )
     if an.target is not None:
         t = f"{100 * an.target:.4g}%"
-        out += [
-            f"## Communication to reach {t} test accuracy",
-            "",
+        out += _section(
+            f"Communication to reach {t} test accuracy",
             f"Target {t} ({an.target_source}). Cumulative bytes (all message kinds; KiB/MiB/GiB are "
             f"2^10/2^20/2^30) at the "
             f"first evaluated round whose test accuracy is >= the target; lower is better. "
             f'"k/n reached": only k of the n seeds got there (mean over those; not ranked).',
-            "",
             _metric_table(
                 an,
                 "gib_to_target",
@@ -214,39 +206,28 @@ def markdown(an: Analysis, path: Path, plots: list[tuple[str, Path]]) -> str:
                 partial_ok=True,
                 as_bytes=True,
             ),
-            "",
-        ]
-        out += [
-            f"## Rounds to reach {t} test accuracy",
-            "",
+        )
+        out += _section(
+            f"Rounds to reach {t} test accuracy",
             "First evaluated round whose test accuracy is >= the target; lower is better.",
-            "",
             _metric_table(
                 an, "rounds_to_target", "rounds to target", decimals=1, higher_is_better=False, partial_ok=True
             ),
-            "",
-        ]
+        )
     if any(r.get("bleu") is not None for r in an.rows):
-        out += [
-            "## Generation: BLEU and ROUGE-L",
-            "",
+        out += _section(
+            "Generation: BLEU and ROUGE-L",
             "The final model's greedy continuations of the test prompts (`eval_generate`), scored against "
             "all references of each: corpus BLEU (sacrebleu, 0-100) and the mean ROUGE-L F-measure "
             "(rouge-score, 0-1).",
-            "",
             _metric_table(an, "bleu", "BLEU"),
-            "",
             _metric_table(an, "rouge_l", "ROUGE-L", decimals=3),
-            "",
-        ]
-    out += [
-        "## Total communication",
-        "",
+        )
+    out += _section(
+        "Total communication",
         "Cumulative bytes communicated over the whole run.",
-        "",
         _metric_table(an, "total_gib", "total communication", scale=GIB, higher_is_better=False, as_bytes=True),
-        "",
-    ]
+    )
     if plots:
         out += ["## Plots", ""]
         for caption, p in plots:
@@ -255,6 +236,11 @@ def markdown(an: Analysis, path: Path, plots: list[tuple[str, Path]]) -> str:
     out += _at_chance(an)
     out += _unfinished(an)
     return "\n".join(out).rstrip() + "\n"
+
+
+def _section(title: str, text: str, *tables: str) -> list[str]:
+    """A section of results.md: its heading, what it shows, then its tables."""
+    return [f"## {title}", "", text, "", *(line for table in tables for line in (table, ""))]
 
 
 CHANCE_MARGIN = 1.2

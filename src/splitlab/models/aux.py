@@ -32,7 +32,7 @@ from torch import nn
 from splitlab.errors import UserError
 from splitlab.models.staged import StagedModel, output_shape, split
 from splitlab.models.trainable import share_frozen_copy
-from splitlab.models.zoo import BasicBlock, Bottleneck
+from splitlab.models.zoo import Residual
 
 AUX_KINDS: tuple[str, ...] = ("linear", "half", "stage", "full")  # and blocks:N
 
@@ -92,7 +92,7 @@ def _halved(stages: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     residual = [
         (name, stage)
         for name, stage in stages
-        if isinstance(stage, nn.Sequential) and all(isinstance(b, (BasicBlock, Bottleneck)) for b in stage)
+        if isinstance(stage, nn.Sequential) and all(isinstance(b, Residual) for b in stage)
     ]
     if residual and len(residual) == len(stages):  # every stage is a run of residual blocks
         return [(name, stage[: math.ceil(len(stage) / 2)]) for name, stage in residual]

@@ -103,41 +103,24 @@ def vgg11(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
     return StagedModel(stages)
 
 
-class BasicBlock(nn.Module):
-    expansion = 1
+class Residual(nn.Module):
+    """A ResNet block (He et al. 2016): convolutions of the given kernel sizes, each followed by
+    batch norm and all but the last by ReLU, the first 3x3 one strided; the last gives `expansion` x
+    `width` channels, added to the shortcut. The basic block is kernels (3, 3) and expansion 1,
+    the bottleneck (1, 3, 1) and 4."""
 
-    def __init__(self, c_in: int, width: int, stride: int):
+    def __init__(self, c_in: int, width: int, stride: int, kernels: tuple[int, ...], expansion: int):
         super().__init__()
-        c_out = width * self.expansion
-        self.body = nn.Sequential(
-            nn.Conv2d(c_in, width, 3, stride, 1, bias=False),
-            nn.BatchNorm2d(width),
-            nn.ReLU(),
-            nn.Conv2d(width, c_out, 3, 1, 1, bias=False),
-            nn.BatchNorm2d(c_out),
-        )
-        self.shortcut = _shortcut(c_in, c_out, stride)
-
-    def forward(self, x):
-        return (self.body(x) + self.shortcut(x)).relu()
-
-
-class Bottleneck(nn.Module):
-    expansion = 4
-
-    def __init__(self, c_in: int, width: int, stride: int):
-        super().__init__()
-        c_out = width * self.expansion
-        self.body = nn.Sequential(
-            nn.Conv2d(c_in, width, 1, bias=False),
-            nn.BatchNorm2d(width),
-            nn.ReLU(),
-            nn.Conv2d(width, width, 3, stride, 1, bias=False),
-            nn.BatchNorm2d(width),
-            nn.ReLU(),
-            nn.Conv2d(width, c_out, 1, bias=False),
-            nn.BatchNorm2d(c_out),
-        )
+        c_out = width * expansion
+        channels = [c_in, *[width] * (len(kernels) - 1), c_out]
+        strided = kernels.index(3)
+        layers: list[nn.Module] = []
+        for i, kernel in enumerate(kernels):
+            conv = nn.Conv2d(
+                channels[i], channels[i + 1], kernel, stride if i == strided else 1, kernel // 2, bias=False
+            )
+            layers += [*([nn.ReLU()] if i else []), conv, nn.BatchNorm2d(channels[i + 1])]
+        self.body = nn.Sequential(*layers)
         self.shortcut = _shortcut(c_in, c_out, stride)
 
     def forward(self, x):
@@ -151,9 +134,9 @@ def _shortcut(c_in: int, c_out: int, stride: int) -> nn.Module:
 
 
 def _resnet(
-    block: type[BasicBlock] | type[Bottleneck], depths: list[int], input_shape: tuple[int, ...], num_classes: int
+    kernels: tuple[int, ...], expansion: int, depths: list[int], input_shape: tuple[int, ...], num_classes: int
 ) -> StagedModel:
-    """CIFAR-form ResNet (3x3 stem, no max-pool). Cut i = after residual stage i, i = 1..4."""
+    """CIFAR-form ResNet (3x3 stem, no max-pool) of Residual blocks. Cut i = after residual stage i, i = 1..4."""
     stages: OrderedDict[str, nn.Module] = OrderedDict(
         stem=nn.Sequential(nn.Conv2d(input_shape[0], 64, 3, 1, 1, bias=False), nn.BatchNorm2d(64), nn.ReLU())
     )
@@ -161,19 +144,19 @@ def _resnet(
     for i, (width, depth) in enumerate(zip([64, 128, 256, 512], depths), start=1):
         blocks = []
         for j in range(depth):
-            blocks.append(block(c_in, width, stride=2 if (i > 1 and j == 0) else 1))
-            c_in = width * block.expansion
+            blocks.append(Residual(c_in, width, 2 if (i > 1 and j == 0) else 1, kernels, expansion))
+            c_in = width * expansion
         stages[f"layer{i}"] = nn.Sequential(*blocks)
     stages["head"] = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c_in, num_classes))
     return StagedModel(stages, cut_stages={i: i + 1 for i in range(1, 5)})
 
 
 def resnet18(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
-    return _resnet(BasicBlock, [2, 2, 2, 2], input_shape, num_classes)
+    return _resnet((3, 3), 1, [2, 2, 2, 2], input_shape, num_classes)
 
 
 def resnet50(input_shape: tuple[int, ...], num_classes: int) -> StagedModel:
-    return _resnet(Bottleneck, [3, 4, 6, 3], input_shape, num_classes)
+    return _resnet((1, 3, 1), 4, [3, 4, 6, 3], input_shape, num_classes)
 
 
 MODELS: dict[str, ModelBuilder] = {

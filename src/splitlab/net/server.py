@@ -1,4 +1,5 @@
-"""`splitlab server`: the engine, with the client nodes in other processes, reached over gRPC.
+"""`splitlab server`'s transport (splitlab.engine.serve): the engine, with the client nodes in
+other processes, reached over gRPC.
 
 The server runs exactly what `splitlab run` runs (orchestration, training and sync servers,
 evaluation, checkpoints, metrics); only the calls to client nodes go through `NetworkTransport`:
@@ -54,7 +55,6 @@ from splitlab.net.certs import SERVER, client_name, read_pair
 from splitlab.net.checks import Checks, OwnPartyReports, Refused, held
 from splitlab.resolve import resolve_config
 from splitlab.roles import Blueprint
-from splitlab.rundir import check_out_dir
 from splitlab.transport import KEYED, ClientDropped, Proxy, Transport, VerbSpec, as_message
 
 logger = logging.getLogger(__name__)
@@ -655,10 +655,10 @@ class NetworkTransport(Transport):
     def reported_counts(self) -> list[list[int]]:
         return self.hub.reported_counts()
 
-    def reported_parties(self, parties: int) -> dict[int, dict[str, Any]]:
-        """What every party of a vertical run with its own files (data=own) reports of them, once
-        all have: the server plans the run from these (splitlab.settings.vertical)."""
-        self.hub.expect(dict.fromkeys(range(parties)), self.ledger, OwnPartyReports())
+    def reports_to_plan(self, nodes: int) -> dict[int, dict[str, Any]]:
+        """What every node of a run with its own files (data=own) reports of them, once all have,
+        checked as the reports a plan is made from (a vertical party's columns, rows and test ids)."""
+        self.hub.expect(dict.fromkeys(range(nodes)), self.ledger, OwnPartyReports())
         return self.hub.reported()
 
     def drop(self, client_id: int, reason: str) -> None:
@@ -686,20 +686,3 @@ class NetworkTransport(Transport):
 def client_config(raw: Mapping[str, Any]) -> dict[str, Any]:
     """What a client needs of the run's config to build its node: everything but how the server runs."""
     return {k: v for k, v in resolve_config(raw).as_dict().items() if k not in RUN_CONTROL_KEYS}
-
-
-def serve(raw: Mapping[str, Any], settings: ServerSettings, progress: bool = True) -> dict[str, Any]:
-    """Run the experiment `raw` configures with its clients connecting over the network."""
-    from splitlab import engine
-
-    raw = {"checkpoint_every": 0, **raw}  # a networked server checkpoints every round unless told otherwise
-    out = resolve_config(raw).out_dir
-    check_out_dir(out)
-    hub = Hub(settings, client_config(raw), AuditLog(out / "connections.jsonl"))
-    hub.start()
-    try:
-        return engine.run(
-            raw, progress=progress, transport=lambda ledger, device: NetworkTransport(ledger, device, hub)
-        )
-    finally:
-        hub.close()

@@ -50,8 +50,8 @@ NOT_COVERED = (
     "gradients make of the client part, and so other samples' later activations; client-level privacy; "
     "evaluation traffic"
 )
-VERTICAL_SCOPE = (
-    "setting=vertical: epsilon is each party's, for its own features of one sample (its embedding is "
+PARTIES_SCOPE = (
+    "epsilon is each party's, for its own features of one sample (its embedding is "
     "released once per step, noised with its own key); epsilon_all_parties covers a sample's whole row, "
     "every party's release composed"
 )
@@ -106,9 +106,11 @@ def run_defense(config: RunConfig) -> Defense:
     return dataclasses.replace(defense, noise=2 * calibrated_multiplier(target_epsilon, delta, releases(config)))
 
 
-def privacy_summary(config: RunConfig) -> dict[str, Any]:
+def privacy_summary(config: RunConfig, releasers: int = 1) -> dict[str, Any]:
     """The summary's `privacy` entry for a run with a defense: (epsilon, delta) where clip + noise
-    apply, else a note that no guarantee does; and whose secret the noise is."""
+    apply, else a note that no guarantee does; and whose secret the noise is. `releasers`: how many
+    parties release their own part of one sample, each a mechanism of its own (the run's setting
+    says: splitlab.settings.Setting.releasers)."""
     if config.defense == "none":
         return {}
     defense = run_defense(config)
@@ -138,16 +140,13 @@ def privacy_summary(config: RunConfig) -> dict[str, Any]:
     count = releases(config)
     multiplier = defense.noise / 2  # sensitivity 2C under replacement of one sample's input, noise std S * C
     delta = defense.dp[1] if defense.dp is not None else DELTA
-    vertical = {}
-    if config.setting == "vertical":  # each party releases its own embedding of a sample: P mechanisms
-        vertical = {
-            "per_party": VERTICAL_SCOPE,
-            "epsilon_all_parties": epsilon(multiplier, count * config.parties, delta),
-        }
+    parties = {}
+    if releasers > 1:  # each party releases its own embedding of a sample: one mechanism each
+        parties = {"per_party": PARTIES_SCOPE, "epsilon_all_parties": epsilon(multiplier, count * releasers, delta)}
     return {
         "privacy": {
             "epsilon": epsilon(multiplier, count, delta),
-            **vertical,
+            **parties,
             "delta": delta,
             "noise_multiplier": multiplier,
             "noise": defense.noise,

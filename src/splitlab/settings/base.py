@@ -11,15 +11,15 @@ from __future__ import annotations
 import abc
 import dataclasses
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.assembly import Assembler
-from splitlab.config import ResolvedConfig
+from splitlab.config import ResolvedConfig, RunConfig
 from splitlab.data import Dataset
 from splitlab.roles import Blueprint, ClientNode, Role
 from splitlab.transport import Proxy, Transport
@@ -119,7 +119,17 @@ class Hosted:
 
 
 class Setting(abc.ABC):
-    """A way of holding a run's samples: how it is planned and where its roles are built."""
+    """A way of holding a run's samples: how it is planned and where its roles are built, and the
+    keys of RunConfig it alone takes or cannot use (refused, given other than their default, by
+    `check_keys`)."""
+
+    #: each node holds whole samples, and a finished run is rebuilt whole (splitlab.finished_run);
+    #: False: nodes hold parts of each sample, and the setting reads a finished run (vertical: load_final)
+    whole_samples: ClassVar[bool] = True
+    #: keys that only this setting takes -> why, said where another setting is given one
+    own_keys: ClassVar[Mapping[str, str]] = {}
+    #: keys of every run that this setting cannot use -> why
+    refused_keys: ClassVar[Mapping[str, str]] = {}
 
     @abc.abstractmethod
     def check(self, config: ResolvedConfig) -> None:
@@ -130,6 +140,11 @@ class Setting(abc.ABC):
         """Validate the run and derive its plan; UserError on bad input. `elsewhere`: the nodes
         are processes of their own that report their data (`splitlab server`); `reports(n)`: the
         n nodes' reports, once all have reported (with data=own the plan may come from them)."""
+
+    def releasers(self, run: RunConfig) -> int:
+        """How many parties release their own part of one sample each time it is used, each a
+        mechanism of its own in the privacy accounting: one, the client holding the sample."""
+        return 1
 
     @abc.abstractmethod
     def node_count(self, config: ResolvedConfig) -> int:

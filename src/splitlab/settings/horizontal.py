@@ -16,12 +16,12 @@ from splitlab.assembly import client_nodes, load_data, make_blueprint, resolve_d
 from splitlab.config import ResolvedConfig, RunConfig, parse_lora, parse_test_split, parse_train_range
 from splitlab.data import Dataset, counts_report, load_split, partition, partition_report
 from splitlab.data.datasets import data_summary
-from splitlab.errors import UserError
+from splitlab.errors import UserError, refuse
 from splitlab.models import StagedModel, build_model, split
 from splitlab.models.lora import apply_lora, linear_layer_names, load_init
 from splitlab.privacy.defenses import check_task, parse_defense
 from splitlab.roles import Blueprint, ClientNode, Role
-from splitlab.runmodel import init_shapes, init_state
+from splitlab.run_weights import init_shapes, init_state
 from splitlab.settings.base import SERVER, DataShape, Hosted, Plan, Reports, Setting, as_arrays, as_tensors
 from splitlab.transport import Transport
 
@@ -336,9 +336,7 @@ def _own_data_plan(config: ResolvedConfig, device: torch.device) -> HorizontalPl
         "train_range": (run.train_range is not None, "data=own: each client uses every sample in its data_dir"),
         "test_split": (run.test_split != "global", "data=own: the server evaluates on the dataset's test set"),
     }
-    for key, (refused, why) in refusals.items():
-        if refused:
-            raise UserError(f"{key}={getattr(run, key)} cannot be used with data=own; {why}")
+    refuse(run, refusals, "data=own;")
     algorithm_class = config.algorithm_class
     if len(algorithm_class.data_owners([np.arange(0)] * int(run.clients))) != run.clients:
         raise UserError(f"algorithm={run.algorithm} pools the clients' samples in one node; data=own keeps them apart")

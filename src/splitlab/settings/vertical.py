@@ -34,18 +34,20 @@ from splitlab.algorithms.vertical_sl import (
     vertical_models,
 )
 from splitlab.assembly import blueprint_of, load_data, resolve_device, seeded_subset, test_set
-from splitlab.config import ResolvedConfig, RunConfig
+from splitlab.config import EVAL_GENERATE_WHY, U_SHAPE_WHY, ResolvedConfig, RunConfig
 from splitlab.data import Dataset
 from splitlab.data.partition import counts_report
 from splitlab.data.tables import csv_training_set, own_csv_table, table_ids
-from splitlab.errors import UserError
+from splitlab.errors import UserError, refuse
 from splitlab.privacy.defenses import check_task, parse_defense
 from splitlab.privacy.record import PartyRecorder
 from splitlab.roles import Blueprint, ClientNode, Role
-from splitlab.runmodel import init_state
+from splitlab.run_weights import init_state
 from splitlab.settings.base import SERVER, DataShape, Hosted, Plan, Reports, Setting, as_arrays, as_tensors
 from splitlab.transport import Proxy, Transport
 
+#: the keys of RunConfig that only a vertical run takes
+PARTY_KEYS = ("parties", "features", "labels_at", "combine")
 #: algorithm -> its meaning in the vertical setting (the others have none here yet)
 VERTICAL_ALGORITHMS = {"sl": VerticalSplitNN}
 
@@ -179,6 +181,11 @@ class VerticalPlan(Parties):
 
 
 def _refusals(run: RunConfig) -> None:
+    if run.precision == "fp16":
+        raise UserError(
+            "precision=fp16 does not apply here: setting=vertical: its parties and top model step through verbs of "
+            "their own, not built for it; precision=bf16 needs no loss scaling"
+        )
     if parse_defense(run.defense).label_dp is not None:  # marvell is built: the server noises every party's gradient
         raise UserError(
             f"defense={run.defense}: label_dp is not implemented for setting=vertical: with labels_at=server the "
@@ -198,9 +205,7 @@ def _refusals(run: RunConfig) -> None:
             "their bottom and top models from scratch",
         ),
     }
-    for key, (refused, why) in checks.items():
-        if refused:
-            raise UserError(f"{key}={getattr(run, key)} cannot be used with setting=vertical: {why}")
+    refuse(run, checks, "setting=vertical:")
     if run.data == "own":
         _own_data_refusals(run)
 
@@ -213,9 +218,7 @@ def _own_data_refusals(run: RunConfig) -> None:
         "train_subset": (run.train_subset is not None, "each party uses every row of its own file"),
         "backend": (run.backend != "local", "the parties are `splitlab client` processes with their own files"),
     }
-    for key, (refused, why) in checks.items():
-        if refused:
-            raise UserError(f"{key}={getattr(run, key)} cannot be used with setting=vertical data=own: {why}")
+    refuse(run, checks, "setting=vertical data=own:")
 
 
 def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
@@ -237,9 +240,8 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
     if run.labels_at != LABELS_AT_SERVER and not 0 <= int(run.labels_at) < run.parties:
         raise UserError(f"labels_at={run.labels_at} is not a party; allowed: server or 0 to {run.parties - 1}")
     dtype = data.inputs(data.train_x[:1]).dtype
-    plan, blueprint = vertical_blueprint(
-        config, resolve_device(run.device), data.input_shape, data.num_classes, dtype, data.task
-    )
+    shape = (data.input_shape, data.num_classes, dtype, data.task)
+    plan, blueprint = vertical_blueprint(config, resolve_device(run.device), shape)
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model: one line
     top_model(blueprint, plan)  # embeddings the combination cannot join: one line
     ids, labelled, missing = table_ids(run.dataset, data_dir, data)
@@ -251,15 +253,16 @@ def plan_vertical(config: ResolvedConfig) -> VerticalPlan:
 def vertical_blueprint(
     config: ResolvedConfig,
     device: torch.device,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    input_dtype: torch.dtype,
-    task: str,
+    shape: DataShape,
+    groups: tuple[tuple[int, ...], ...] | None = None,
 ) -> tuple[FeaturePlan, Blueprint]:
-    """The run's feature groups and blueprint from what they need of the data: a Ray actor holding
-    parties or the top model gets these from the driver (splitlab.ray_backend)."""
+    """The run's feature groups (`features=`'s, unless given) and blueprint from what they need of
+    the data (`shape`): a Ray actor holding parties or the top model gets these from the driver
+    (splitlab.ray_backend)."""
     run = config.run
-    groups = parse_features(run.features, input_shape[-1], run.parties)
+    input_shape, num_classes, input_dtype, task = shape
+    if groups is None:
+        groups = parse_features(run.features, input_shape[-1], run.parties)
     plan = FeaturePlan(input_shape, groups, run.combine, run.labels_at)
     recorder = PartyRecorder(run.record) if run.record else None
     blueprint = blueprint_of(
@@ -360,21 +363,10 @@ def _own_party(config: ResolvedConfig, party: int) -> FeatureParty:
     columns = data.input_shape[-1]
     # the other parties' columns are theirs: this party's plan knows its own alone
     groups = tuple(tuple(range(columns)) if j == party else () for j in range(run.parties))
-    plan = FeaturePlan((columns,), groups, run.combine, run.labels_at)
     # a party without labels does not know the classes; the stages before the cut never see them
     classes = data.num_classes if holds_labels else 1
-    recorder = PartyRecorder(run.record) if run.record else None
-    blueprint = blueprint_of(
-        config,
-        resolve_device(run.device),
-        (columns,),
-        classes,
-        data.train_x.dtype,
-        data.task,
-        init_state(config),
-        vertical_models(plan),
-        recorder,
-    )
+    device = resolve_device(run.device)
+    plan, blueprint = vertical_blueprint(config, device, ((columns,), classes, data.train_x.dtype, data.task), groups)
     missing = torch.isnan(data.train_x).numpy()
     test = seeded_subset(len(test_ids), run.test_subset, run.seed, "test_subset")
     vertical = VerticalPlan(config, data, plan, blueprint, ids, labelled, missing, np.arange(len(ids)), test)
@@ -479,9 +471,8 @@ def plan_own_server(config: ResolvedConfig, reports: dict[int, dict[str, Any]]) 
             )
     test = seeded_subset(samples, run.test_subset, run.seed, "test_subset")
     planned = dataclasses.replace(config, run=run.model_copy(update={"features": features}))
-    plan, blueprint = vertical_blueprint(
-        planned, resolve_device(run.device), (ends[-1],), classes, torch.float32, "classification"
-    )
+    shape = ((ends[-1],), classes, torch.float32, "classification")
+    plan, blueprint = vertical_blueprint(planned, resolve_device(run.device), shape)
     blueprint.new_model().client_stage_count(run.cut)  # a cut outside the model: one line
     top_model(blueprint, plan)  # embeddings the combination cannot join: one line
     if mine is None:
@@ -505,6 +496,15 @@ def own_report(columns: int, test_ids: np.ndarray, classes: int) -> dict[str, An
 class Vertical(Setting):
     """Parties holding different features of shared samples."""
 
+    whole_samples = False
+    own_keys = {key: f"{key} is for parties; it needs setting=vertical" for key in PARTY_KEYS}
+    refused_keys = {
+        "eval_generate": EVAL_GENERATE_WHY,
+        "tail_cut": U_SHAPE_WHY,
+        "grad_accum": "a vertical run's parties step on every batch of shared samples; grad_accum needs "
+        "setting=vanilla",
+    }
+
     def check(self, config: ResolvedConfig) -> None:
         plan_vertical(config)
 
@@ -523,6 +523,10 @@ class Vertical(Setting):
     def node_count(self, config: ResolvedConfig) -> int:
         return config.run.parties
 
+    def releasers(self, run: RunConfig) -> int:
+        """Every party releases its own embedding of a sample."""
+        return run.parties
+
     def node_here(self, config: ResolvedConfig, k: int) -> ClientNode:
         """Party `k`'s node, built in its own process: the same rows and initial weights as in
         this process; it aligns them when the server asks."""
@@ -537,14 +541,14 @@ class Vertical(Setting):
     ) -> Hosted:
         """The parties placed on a Ray actor, each from what it holds, as in the driver's process:
         a party stays on its worker (every party takes part in every step, one after another)."""
-        plan, blueprint = vertical_blueprint(config, device, *shape)
+        plan, blueprint = vertical_blueprint(config, device, shape)
         roles: dict[int | str, Role] = {
             j: feature_party(blueprint, plan, j, _holding_of(load["roles"][j]), load["prepare"]) for j in placed
         }
         return Hosted(blueprint, roles)
 
     def host_server(self, config: ResolvedConfig, device: torch.device, load: Any, shape: DataShape) -> Hosted:
-        plan, blueprint = vertical_blueprint(config, device, *shape)
+        plan, blueprint = vertical_blueprint(config, device, shape)
         return Hosted(blueprint, {SERVER: vertical_server(blueprint, plan, _holding_of(load))})
 
 
