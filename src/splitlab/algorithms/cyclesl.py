@@ -43,6 +43,7 @@ are ignored), so there the shares add up to the vanilla loss only where no targe
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -120,7 +121,7 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
         losses = self.train_pooled(rnd, features, labels, sizes, first_client)
         with self.blueprint.timed("server"):
             grads = [self.frozen_cut_grad(z, y) for z, y in zip(features, labels)]
-        cut_grads = average_cut_grads(grads, sizes, set(averaged))
+        cut_grads = self.crossing(average_cut_grads(grads, sizes, set(averaged)))
         return {"cut_grads": [self.send_gradient(g, y) for g, y in zip(cut_grads, labels)], "losses": losses}
 
     def server_batches(self, rnd: int, samples: int, first_client: int, device: torch.device) -> list[torch.Tensor]:
@@ -145,14 +146,16 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
         with self.blueprint.timed("server"):
             for idx in self.server_batches(rnd, len(y), first_client, x.device):
                 value = self.blueprint.loss.weighted(model(x[idx]), y[idx], weight[idx])
-                self.step("server_model", value.backward)
+                self.step("server_model", functools.partial(self.backward_pass, (value, None)))
                 losses.append(value.detach())
         return losses
 
     def frozen_cut_grad(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """d loss / d features through the server, computing no gradient for its weights."""
+        """d loss / d features through the server, computing no gradient for its weights (of the
+        loss times `seed_scale`: under fp16 it crosses scaled, as a step's, through `crossing`)."""
         features = features.detach().requires_grad_()
-        return torch.autograd.grad(self.blueprint.loss(self.model("server_model")(features), labels), features)[0]
+        value = self.blueprint.loss(self.model("server_model")(features), labels) * self.seed_scale
+        return torch.autograd.grad(value, features)[0]
 
     # --- U-shaped: the server holds the middle, the clients' tails take the loss -------------
     @verb()
@@ -292,6 +295,8 @@ class CycleSL(Algorithm):
 
     Server = CycleServer
     supports_u_shape = True
+    supports_fp16 = True
+    fp16_u_shaped = False
 
     def round_batches(self, clients: list[ClientInfo]) -> int | None:
         return len(clients)  # ONE mini-batch each

@@ -18,6 +18,7 @@ back its gradient there, and the server steps on sum_k alpha_k loss_k through th
 
 from __future__ import annotations
 
+import functools
 import typing
 
 import torch
@@ -59,10 +60,11 @@ def averaged_clients(ctx: Context, rnd: int, clients: list[ClientInfo], fraction
 
 def average_cut_grads(grads: list[torch.Tensor], sizes: list[int], averaged: set[int]) -> list[torch.Tensor]:
     """The cut gradients as the clients receive them: clients in `averaged` get one vector (shape
-    (1, ...)), the mean over all samples of those clients with sample weights |D_k|."""
+    (1, ...)), the mean over all samples of those clients with sample weights |D_k|, in float32
+    (a sum of half-precision, scaled gradients would overflow; `Role.crossing` casts back)."""
     if not averaged:
         return grads
-    total = torch.stack([sizes[k] * grads[k].sum(0, keepdim=True) for k in sorted(averaged)]).sum(0)
+    total = torch.stack([sizes[k] * grads[k].float().sum(0, keepdim=True) for k in sorted(averaged)]).sum(0)
     mean = total / sum(sizes[k] * len(grads[k]) for k in averaged)
     return [mean if k in averaged else g for k, g in enumerate(grads)]
 
@@ -94,9 +96,10 @@ class SGLRServer(ServerWithOwnLR[SGLRParams]):
             total = torch.stack(
                 [alpha * self.blueprint.loss(model(z), y) for alpha, z, y in zip(alphas, smashed, labels)]
             ).sum()
-            self.step("server_model", total.backward)
-            grads = [typing.cast(torch.Tensor, z.grad) / alpha for z, alpha in zip(smashed, alphas)]  # d(own loss)/dz
-        cut_grads = average_cut_grads(grads, sizes, set(averaged))
+            self.step("server_model", functools.partial(self.backward_pass, (total, None)))
+            # d(own loss)/dz, in float32 (a half-precision scaled one over a small alpha may overflow)
+            grads = [typing.cast(torch.Tensor, z.grad).float() / alpha for z, alpha in zip(smashed, alphas)]
+        cut_grads = self.crossing(average_cut_grads(grads, sizes, set(averaged)))
         return {"cut_grads": [self.send_gradient(g, y) for g, y in zip(cut_grads, labels)], "loss": total.detach()}
 
     @verb()
@@ -137,6 +140,8 @@ class SGLR(PersonalClients, Algorithm[SGLRParams]):
     name = "sglr"
     supports_u_shape = True
     Server = SGLRServer
+    supports_fp16 = True
+    fp16_u_shaped = False
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         averaged = averaged_clients(self.ctx, rnd, clients, self.params.average_fraction)
