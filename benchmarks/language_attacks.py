@@ -9,10 +9,13 @@ SplitFed-v2 run (`dataset=shakespeare_lm`, 64 tokens per sequence, 4 IID clients
 training and 300 test sequences, seed 0: the language advisor's probe), then `token_inversion`,
 `embedding_inversion` and `bisr` on 100 held-out sequences through the final model (auxiliary
 text 200 sequences, decoder 20 epochs, `bisr` `--steps` optimisation steps); `--gradient-matching`
-adds `gradient_matching` (8 sequences, 100 steps). One torch thread; prints a Markdown table.
+adds `gradient_matching` (8 sequences, 100 steps); `--lora R:ALPHA` fine-tunes the Llama's
+adapters only (`lora=`: BiSR's setting, the client part's base weights the pretrained ones). One
+torch thread; prints a Markdown table.
 
     .venv/bin/python benchmarks/language_attacks.py [--models gpt,llama] [--cuts 1,2,4]
-        [--defenses none,dchi:1000,dchi:100] [--steps 100] [--gradient-matching] [--data-dir data]
+        [--defenses none,dchi:1000,dchi:100] [--steps 100] [--gradient-matching] [--lora R:ALPHA]
+        [--data-dir data]
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ def main() -> None:
     parser.add_argument("--defenses", default="none,dchi:1000,dchi:100")
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--gradient-matching", action="store_true")
+    parser.add_argument("--lora", default=None, help="R:ALPHA, the Llama's adapters only")
     parser.add_argument("--data-dir", default="data")
     parser.add_argument("--json", default=None, help="also write the rows here")
     args = parser.parse_args()
@@ -97,7 +101,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         models = {"gpt": {"model": "gpt"}}
         if "llama" in args.models.split(","):
-            models["llama"] = {"model": "hf", "model_dir": str(save_llama(Path(scratch) / "llama"))}
+            llama = {"model": "hf", "model_dir": str(save_llama(Path(scratch) / "llama"))}
+            models["llama"] = {**llama, **({"lora": args.lora} if args.lora else {})}
         for name in args.models.split(","):
             for cut in map(int, args.cuts.split(",")):
                 for defense in args.defenses.split(","):

@@ -212,7 +212,11 @@ def test_flags_anywhere_among_pairs_and_one_line_per_round_without_terminal(tmp_
     assert "round 1/2" not in capfd.readouterr().err  # --no-progress honoured after the first pair
     done = _splitlab("run", *cli(rounds=2, out=tmp_path / "lines"))
     assert done.returncode == 0, done.stderr
-    assert [line.split("  ")[0] for line in done.stderr.splitlines()] == ["round 1/2", "round 2/2"]
+    lines = [line.split("  ")[0] for line in done.stderr.splitlines()]
+    # one line per round; "round 1/2: 17% (2 of 12 client batches)" lines too where a round outlasts
+    # logs.LINE_SECONDS (seen on a loaded machine)
+    assert [line for line in lines if ":" not in line] == ["round 1/2", "round 2/2"]
+    assert all(line.startswith(("round 1/2", "round 2/2")) for line in lines)
 
 
 def test_algorithms_table_shows_whole_first_sentences_and_yaml_defaults(capsys):
