@@ -38,7 +38,7 @@ def every_weight(experiment) -> dict[str, torch.Tensor]:
 SAGE = dict(FP16, algorithm="fsl_sage", align_interval=1)
 
 
-@pytest.mark.parametrize("algorithm", ["sfl_v2", "cse_fsl", "fedavg", "fsl_sage", "sglr", "cycle_sfl"])
+@pytest.mark.parametrize("algorithm", ["sfl_v2", "cse_fsl", "fedavg", "fsl_sage", "sglr", "cycle_sfl", "splitgp"])
 def test_fp16_trains_as_fp32_does_with_float32_weights(algorithm):
     config = dict(FP16, algorithm=algorithm, **({"align_interval": 1} if algorithm == "fsl_sage" else {}))
     before = evaluate(train(0, **config))["loss"]
@@ -145,6 +145,26 @@ def test_cut_gradients_averaged_or_from_the_frozen_server_cross_scaled_and_check
     assert all(torch.isfinite(t).all() for t in every_weight(direct).values())
 
 
+def test_splitgp_clients_skip_with_the_server_and_step_their_exit_under_their_own_scale(monkeypatch):
+    """SplitGP's client step back-propagates gamma x its exit's loss and the server's cut gradient
+    through `backward_pass` under its own scale: at 2^40 the server's steps (on its per-client
+    copies, one scale) overflow, zeros cross with scale 0 and the clients skip; in process and
+    serialized alike, bit for bit."""
+    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**40)
+    config = dict(FP16, algorithm="splitgp", cut=1, partition="shards:2", optimizer="adam")
+    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
+    assert max_abs_difference(every_weight(direct), every_weight(serialized)) == 0
+    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+    roles = [direct.roles.server, *direct.roles.clients]
+    for a, b in zip(roles, [serialized.roles.server, *serialized.roles.clients]):
+        assert torch.equal(a.loss_scale.state(), b.loss_scale.state())
+    # 24 server steps (3 clients x 4 a round, 2 rounds): 22 overflow, halving to 2^18, where the last
+    # two pass, both the third client's: it overflows at its own 2^40 and 2^39; the others only
+    # received skipped steps, which leave their scales as they were
+    assert [role.loss_scale.scale for role in roles] == [2.0**18, 2.0**40, 2.0**40, 2.0**38]
+    assert all(torch.isfinite(t).all() for t in every_weight(direct).values())
+
+
 @pytest.mark.parametrize("initial", [2.0**16, 2.0**40], ids=["fitting", "overflowing"])
 def test_u_shaped_fp16_sends_the_second_cuts_gradient_scaled_and_transports_agree(monkeypatch, initial):
     """cut=1,2: the client's tail scales its loss; the gradient at the second cut goes up scaled,
@@ -204,7 +224,6 @@ def test_a_scaled_cut_gradient_is_checked_and_a_skipped_one_reads_as_none():
 @pytest.mark.parametrize(
     ("settings", "why"),
     [
-        ({"algorithm": "splitgp"}, "algorithm=splitgp does not declare it"),
         ({"algorithm": "cycle_sfl", "cut": "1,2"}, "algorithm=cycle_sfl with cut=A,B"),
         ({"setting": "vertical", "algorithm": "sl", "dataset": "breast_cancer"}, "setting=vertical"),
         ({"algorithm": "sfl_v2", "defense": "gradnoise:0.1"}, "noise on cut gradients"),
