@@ -166,6 +166,25 @@ def test_splitgp_clients_skip_with_the_server_and_step_their_exit_under_their_ow
 
 
 @pytest.mark.parametrize("initial", [2.0**16, 2.0**40], ids=["fitting", "overflowing"])
+def test_u_shaped_sglr_in_fp16_skips_the_lockstep_when_a_tail_overflowed(monkeypatch, initial):
+    """cut=1,2: each client's tail sends its gradient at the second cut scaled with its scale; the
+    server unscales them, seeds its one step with its own scale and sends the averaged cut
+    gradients scaled. At 2^40 every tail overflows (each client halves, 4 lockstep steps a
+    round), the server skips them all (its scale unchanged) and zeros cross with scale 0."""
+    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", initial)
+    config = dict(FP16, algorithm="sglr", cut="1,2", average_fraction=1.0)
+    before = evaluate(train(0, **config))["loss"]
+    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
+    assert max_abs_difference(every_weight(direct), every_weight(serialized)) == 0
+    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+    scales = [role.loss_scale.scale for role in (direct.roles.server, *direct.roles.clients)]
+    if initial == 2.0**16:
+        assert evaluate(direct)["loss"] < before - 0.1 and set(scales) == {2.0**16}
+    else:
+        assert scales == [2.0**40, *[2.0**32] * 3] and "server_model" not in direct.roles.server.optimizers
+
+
+@pytest.mark.parametrize("initial", [2.0**16, 2.0**40], ids=["fitting", "overflowing"])
 def test_u_shaped_fp16_sends_the_second_cuts_gradient_scaled_and_transports_agree(monkeypatch, initial):
     """cut=1,2: the client's tail scales its loss; the gradient at the second cut goes up scaled,
     with the client's scale (an overflow there: zeros and scale 0, and the server skips as well);

@@ -448,6 +448,18 @@ class Role(Generic[ParamsT]):
         is taken of its loss times this and divided by it in float32, so that fp16 keeps it."""
         return 1.0 if self.loss_scale is None else self.loss_scale.scale
 
+    def incoming(self, message: Any) -> torch.Tensor | None:
+        """A gradient received from another role (fp16: unscaled, float32); None when the sender
+        skipped its step (fp16: scale 0, an overflow), and so this role's step is to be skipped
+        (`skip`)."""
+        return decode(message) if self.loss_scale is None else unscaled(message)
+
+    def skip(self) -> None:
+        """This step is not taken (a gradient it needed was skipped): under fp16 what it would
+        send crosses as zeros with scale 0, and the scale stays (nothing was computed here)."""
+        if self.loss_scale is not None:
+            self.loss_scale.skip()
+
     def crossing(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
         """Cut gradients computed after the role's last step, beside its check (under fp16 of a
         loss times `seed_scale`: SGLR's averages and CycleSL's ServerGrad, averaged in float32), as

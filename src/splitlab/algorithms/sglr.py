@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import typing
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -117,22 +118,30 @@ class SGLRServer(ServerWithOwnLR[SGLRParams]):
     def lockstep_tails(
         self,
         replied: list[int],
-        tail_grads: list[torch.Tensor],
+        tail_grads: list[Any],
         alphas: list[float],
         sizes: list[int],
         averaged: list[int],
     ) -> State:
         """U-shaped, the second half: one server step on sum_k alpha_k loss_k over the clients that
         replied (positions `replied` in the first half), through their gradients at the second cut;
-        each one's cut gradient (averaged over a subset), as `lockstep`."""
+        each one's cut gradient (averaged over a subset), as `lockstep`. fp16: a tail that skipped
+        (scale 0) skips the whole step, and zeros with scale 0 go down to every client."""
         inputs, outputs = self._lockstep
         del self._lockstep
         inputs, outputs = [inputs[i] for i in replied], [outputs[i] for i in replied]
-        weighted = [alpha * g for alpha, g in zip(alphas, tail_grads)]
-        with self.blueprint.timed("server"):
-            self.step("server_model", lambda: torch.autograd.backward(outputs, weighted), tuple(inputs))
-            grads = [typing.cast(torch.Tensor, z.grad) / alpha for z, alpha in zip(inputs, alphas)]
-        cut_grads = average_cut_grads(grads, sizes, set(averaged))
+        received = [self.incoming(g) for g in tail_grads]
+        if any(g is None for g in received):  # a tail skipped its step (fp16: it overflowed): all skip
+            self.skip()
+            grads = [torch.zeros_like(z, dtype=torch.float32) for z in inputs]
+        else:
+            weighted = [
+                (output, alpha * typing.cast(torch.Tensor, g)) for output, alpha, g in zip(outputs, alphas, received)
+            ]
+            with self.blueprint.timed("server"):
+                self.step("server_model", functools.partial(self.backward_pass, *weighted), tuple(inputs))
+                grads = [typing.cast(torch.Tensor, z.grad).float() / alpha for z, alpha in zip(inputs, alphas)]
+        cut_grads = self.crossing(average_cut_grads(grads, sizes, set(averaged)))
         return {"cut_grads": [self.send_gradient(g) for g in cut_grads]}
 
 
@@ -141,7 +150,6 @@ class SGLR(PersonalClients, Algorithm[SGLRParams]):
     supports_u_shape = True
     Server = SGLRServer
     supports_fp16 = True
-    fp16_u_shaped = False
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         averaged = averaged_clients(self.ctx, rnd, clients, self.params.average_fraction)
