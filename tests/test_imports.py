@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import sys
 from pathlib import Path
 
 import splitlab
@@ -129,3 +130,19 @@ def test_no_import_runs_back_up_the_layers():
     layers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(layers)
     assert layers.upward_imports(layers.import_graph()) == []
+
+
+def test_following_the_config_from_engine_run_enters_no_file_more_than_three_times(monkeypatch):
+    """benchmarks/config_walk.py on tiny one-round runs (sfl_v2 in process, vertical, serialized):
+    each call of a splitlab function given the run's config is a step; no file is entered more than
+    3 times (issue 34 allowed 4), and no lower layer calls up into a higher one with the config."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "config_walk.py"
+    spec = importlib.util.spec_from_file_location("config_walk", path)
+    assert spec is not None and spec.loader is not None
+    config_walk = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "config_walk", config_walk)  # its dataclass looks its module up
+    spec.loader.exec_module(config_walk)
+    walks = {name: config_walk.follow(config) for name, config in config_walk.RUNS.items()}
+    assert {name: walk.steps[0] for name, walk in walks.items()} == dict.fromkeys(walks, ("splitlab.engine", "run"))
+    assert {name: max(walk.entered().values()) for name, walk in walks.items()} == dict.fromkeys(walks, 3)
+    assert {name: walk.calls_up for name, walk in walks.items()} == dict.fromkeys(walks, [])
