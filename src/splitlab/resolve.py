@@ -115,8 +115,6 @@ def check_fp16(run: RunConfig) -> None:
     why = ""
     if not algorithm.supports_fp16:
         why = f"algorithm={run.algorithm} does not declare it (supports_fp16, docs/extending.md)"
-    elif run.tail_cut is not None and not algorithm.fp16_u_shaped:
-        why = f"algorithm={run.algorithm} with cut=A,B: its own round trip through the tails carries no loss scales"
     elif parse_defense(run.defense).noises_gradients:
         why = f"defense={run.defense}: noise on cut gradients is drawn for unscaled float32 values"
     elif run.model == "lstm" and run.device != "cuda":

@@ -460,17 +460,24 @@ class Role(Generic[ParamsT]):
         if self.loss_scale is not None:
             self.loss_scale.skip()
 
-    def crossing(self, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Cut gradients computed after the role's last step, beside its check (under fp16 of a
-        loss times `seed_scale`: SGLR's averages and CycleSL's ServerGrad, averaged in float32), as
-        they will cross: in the cut's dtype and, under fp16, checked. If that step was skipped, or
-        one of them is not finite (the scale then halves), none crosses: `send_gradient` sends
-        zeros with scale 0, and every client skips."""
+    def crossing(self, grads: list[torch.Tensor], fresh: bool = False) -> list[torch.Tensor]:
+        """Gradients computed beside a step's check (under fp16 of a loss times `seed_scale`: SGLR's
+        averages and CycleSL's ServerGrad, averaged in float32), as they will cross: in the cut's
+        dtype and, under fp16, checked. If one of them is not finite (the scale then halves), or,
+        unless `fresh` (a computation of its own, not the last step's), the role's last step was
+        skipped, none crosses: `sent` gives zeros with scale 0, and the receivers skip."""
         dtype = self.blueprint.cut_dtype
         grads = grads if dtype is None else [g.to(dtype) for g in grads]
-        if self.loss_scale is not None and self.loss_scale.used:
+        if self.loss_scale is not None and (fresh or self.loss_scale.used):
             self.loss_scale.crossing(grads)
         return grads
+
+    def sent(self, grad: torch.Tensor) -> Any:
+        """A gradient as this role sends it (not through a defense): under fp16 scaled, with the
+        scale it was computed under (zeros with scale 0 if that step was skipped)."""
+        if self.loss_scale is None:
+            return grad
+        return scaled(outgoing(grad, self.loss_scale), self.loss_scale.used, grad.device)
 
     def unscale_for_step(self, slots: tuple[str, ...], sent: tuple[torch.Tensor, ...] = ()) -> bool:
         """Whether the step may go on: without fp16, always; with it, the gradients of `slots` are

@@ -132,9 +132,6 @@ class Algorithm(Generic[ParamsT]):
     #: step, and every cut gradient it sends comes from that step (`TrainingServer.send_gradient`),
     #: so that each role's loss scale applies (splitlab.loss_scale); fp16 is refused for any other
     supports_fp16: ClassVar[bool] = False
-    #: with supports_fp16 and supports_u_shape: whether fp16 also runs U-shaped (False where its own
-    #: round trip through the tails does not carry the scales: CycleSL; refused in one line)
-    fp16_u_shaped: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -210,11 +210,15 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
         pooled.pending = None
         if not clients:
             return
-        grad = torch.zeros_like(output)
-        for k, tail_grad in zip(clients, tail_grads):
-            grad[positions[k]] = tail_grad
+        received = [self.incoming(g) for g in tail_grads]
+        if any(g is None for g in received):  # a tail skipped its step (fp16: it overflowed): so does the middle
+            self.skip()
+            return
+        grad = torch.zeros_like(output, dtype=torch.float32)
+        for k, tail_grad in zip(clients, received):
+            grad[positions[k]] = cast(torch.Tensor, tail_grad)
         with self.blueprint.timed("server"):
-            self.step("server_model", lambda: output.backward(grad))
+            self.step("server_model", functools.partial(self.backward_pass, (output, grad)))
 
     @verb()
     def frozen_outputs(self, clients: list[int]) -> list[torch.Tensor]:
@@ -233,13 +237,22 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
         """Each client's (positions) cut gradient from its gradient at the second cut, computing no
         gradient for the middle's weights (averaged over the clients in `averaged`, as SGLR)."""
         pooled = cast(PooledFeatures, self._pooled)
-        with self.blueprint.timed("server"):
-            grads = [
-                torch.autograd.grad(pooled.frozen[k][1], pooled.frozen[k][0], g)[0] for k, g in zip(clients, tail_grads)
-            ]
         self._pooled = None
+        received = [self.incoming(g) for g in tail_grads]
+        features = [pooled.frozen[k][0] for k in clients]
+        skipped = any(g is None for g in received)
+        if skipped:  # a tail overflowed (fp16): no cut gradient this cycle (zeros with scale 0)
+            self.skip()
+            grads = [torch.zeros_like(z, dtype=torch.float32) for z in features]
+        else:
+            with self.blueprint.timed("server"):
+                grads = [
+                    torch.autograd.grad(output, z, (cast(torch.Tensor, g) * self.seed_scale).to(output.dtype))[0]
+                    for (z, output), g in ((pooled.frozen[k], g) for k, g in zip(clients, received))
+                ]
         chosen = {i for i, k in enumerate(clients) if k in averaged}
-        cut_grads = average_cut_grads(grads, [pooled.sizes[k] for k in clients], chosen)
+        averages = average_cut_grads(grads, [pooled.sizes[k] for k in clients], chosen)
+        cut_grads = self.crossing(averages, fresh=not skipped)
         return {"cut_grads": [self.send_gradient(g) for g in cut_grads]}
 
     @verb()
@@ -265,8 +278,9 @@ class CycleClient(UShapedClient):
         with self.blueprint.timed("client"):
             weights = torch.full((len(rows),), float(weight), device=output.device)
             value = self.blueprint.loss.weighted(model.tail(output), targets, weights, total)
-            self.step("client_model", value.backward)
-        return {"tail_grad": output.grad, "loss": value.detach()}
+            self.step("client_model", functools.partial(self.backward_pass, (value, None)))
+        (grad,) = self.crossing([cast(torch.Tensor, output.grad)])
+        return {"tail_grad": self.sent(grad), "loss": value.detach()}
 
     @verb(down="server_output", up=KEYED, keys=("tail_grad",))
     def frozen_tail(self, step: int, output: torch.Tensor) -> State:
@@ -276,10 +290,14 @@ class CycleClient(UShapedClient):
         output = self.server_output(output, len(labels), f"for step {step} is not a batch of {len(labels)} samples")
         model = cast(HeadAndTail, self.model("client_model"))
         with self.blueprint.timed("client"):
-            grad = torch.autograd.grad(self.blueprint.loss(model.tail(output), labels), output)[0]
-        if self.blueprint.recorder is not None:
-            self.blueprint.recorder.received_tail(self.id, step, grad)
-        return {"tail_grad": grad}
+            value = self.blueprint.loss(model.tail(output), labels) * self.seed_scale
+            (grad,) = self.crossing([torch.autograd.grad(value, output)[0]], fresh=True)
+        tail_grad = self.sent(grad)
+        if self.blueprint.recorder is not None:  # the gradient as the server reads it (fp16: unscaled)
+            received = self.incoming(tail_grad)
+            if received is not None:
+                self.blueprint.recorder.received_tail(self.id, step, received)
+        return {"tail_grad": tail_grad}
 
 
 class CyclePersonalClient(CycleClient, PersonalClient):
@@ -296,7 +314,6 @@ class CycleSL(Algorithm):
     Server = CycleServer
     supports_u_shape = True
     supports_fp16 = True
-    fp16_u_shaped = False
 
     def round_batches(self, clients: list[ClientInfo]) -> int | None:
         return len(clients)  # ONE mini-batch each
