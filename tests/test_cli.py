@@ -68,7 +68,7 @@ BAD_INPUT = [
     (["train_subset=99999"], "train_subset=99999 is more than the 1200 samples"),
     (["device=cuda"], "device 'cuda'"),
     (["lr"], "expected KEY=VALUE, got 'lr'"),
-    (["precision=fp16", "algorithm=fsl_sage"], "precision=fp16 does not apply here: algorithm=fsl_sage does not"),
+    (["precision=fp16", "defense=gradnoise:0.1"], "precision=fp16 does not apply here: defense=gradnoise:0.1"),
 ]
 
 

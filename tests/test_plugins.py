@@ -270,8 +270,8 @@ def test_run_takes_a_typed_run_config_and_params_as_a_dict(deep_plugin, tmp_path
 
 
 def test_a_plugin_split_algorithm_written_the_natural_way_runs_and_is_refused_u_shaped_in_one_line():
-    """forward, the server's train_step, backward: sfl_v2 bit for bit at one cut; `cut=1,2` is
-    refused in one line, as the algorithm does not declare U-shape support."""
+    """forward, the server's train_step, backward: sfl_v2 bit for bit at one cut; `cut=1,2` and
+    `precision=fp16` are refused in one line, as the algorithm does not declare their support."""
     from helpers import global_weights, train
     from splitlab.algorithms.base import Algorithm, ClientInfo
     from splitlab.config import NoParams
@@ -296,6 +296,8 @@ def test_a_plugin_split_algorithm_written_the_natural_way_runs_and_is_refused_u_
     message = str(error.value)
     assert "cut=1,2" in message and "algorithm=natural_split" in message and "supports_u_shape" in message
     assert "\n" not in message
+    with pytest.raises(UserError, match="algorithm=natural_split does not declare it .supports_fp16"):
+        resolve_config(quick(algorithm="natural_split", precision="fp16"))  # every built-in declares it
     del NaturalSplit
     import gc
 

@@ -8,6 +8,7 @@ import torch
 
 from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
 from splitlab import loss_scale
+from splitlab.algorithms.fsl_sage import cut_gradient
 from splitlab.build import check
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
@@ -18,14 +19,33 @@ FP16 = quick(precision="fp16")
 STEPS_PER_ROUND = 3 * 4
 
 
-@pytest.mark.parametrize("algorithm", ["sfl_v2", "cse_fsl", "fedavg"])
+def every_weight(experiment) -> dict[str, torch.Tensor]:
+    """The global model's weights, if the algorithm has one, and every role's own (personal
+    client parts too), by role, slot and name."""
+    roles = [role for role in (experiment.roles.server, *experiment.roles.clients) if role is not None]
+    states = experiment.algorithm.global_model() or []
+    return {
+        **{f"global.{name}": t for state in states for name, t in state.items()},
+        **{
+            f"{i}.{slot}.{name}": t
+            for i, role in enumerate(roles)
+            for slot, model in role.models.items()
+            for name, t in model.state_dict().items()
+        },
+    }
+
+
+SAGE = dict(FP16, algorithm="fsl_sage", align_interval=1)
+
+
+@pytest.mark.parametrize("algorithm", ["sfl_v2", "cse_fsl", "fedavg", "fsl_sage", "sglr", "cycle_sfl", "splitgp"])
 def test_fp16_trains_as_fp32_does_with_float32_weights(algorithm):
-    config = dict(FP16, algorithm=algorithm)
+    config = dict(FP16, algorithm=algorithm, **({"align_interval": 1} if algorithm == "fsl_sage" else {}))
     before = evaluate(train(0, **config))["loss"]
     experiment = train(2, **config)
     after, fp32 = evaluate(experiment)["loss"], evaluate(train(2, **dict(config, precision="fp32")))["loss"]
     assert after < before - 0.1 and after == pytest.approx(fp32, abs=0.02)
-    assert {t.dtype for t in global_weights(experiment).values()} == {torch.float32}
+    assert {t.dtype for t in every_weight(experiment).values()} == {torch.float32}
     roles = [experiment.roles.server, *experiment.roles.clients]
     assert {role.loss_scale.scale for role in roles if role is not None} == {loss_scale.INITIAL_SCALE}  # no overflow
 
@@ -61,6 +81,118 @@ def test_an_overflow_skips_the_step_backs_off_and_never_crosses(monkeypatch):
     # only one server step passed (at 2^17); its client then overflowed at its own 2^40 and halved
     # it; the other clients only received skipped steps, which leave their scales as they were
     assert taken == 1 and sorted(node.loss_scale.scale for node in direct.roles.clients) == [2.0**39, 2.0**40, 2.0**40]
+
+
+def test_fsl_sage_in_fp16_scales_each_sides_steps_and_aligns_in_float32(monkeypatch):
+    """FSL-SAGE sends no cut gradient: at 2^40 the server's steps overflow and skip, and so do the
+    clients' (their estimate of the cut gradient is taken of the scaled aux loss), each halving its
+    own scale; the alignment (its own Adam, outside a role step) runs in float32 and its aux models
+    come down finite. In process and serialized alike, bit for bit."""
+    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**40)
+    direct, serialized = train(2, **SAGE), train(2, **dict(SAGE, transport="serialized"))
+    assert max_abs_difference(global_weights(direct), global_weights(serialized)) == 0
+    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+    roles = [direct.roles.server, *direct.roles.clients]
+    for a, b in zip(roles, [serialized.roles.server, *serialized.roles.clients]):
+        assert torch.equal(a.loss_scale.state(), b.loss_scale.state())
+    # q=5 of 4 steps a round: each client sends once a round, 6 server steps in all, each skipped,
+    # as are the 8 steps of each client: each side halves its own scale on each of its own
+    assert [role.loss_scale.scale for role in roles] == [2.0**34, *[2.0**32] * 3]
+    assert not direct.roles.server.optimizers["server_model"].state
+    for node in direct.roles.clients:
+        assert {t.dtype for t in node.model("aux_model").state_dict().values()} == {torch.float32}
+        assert all(torch.isfinite(t).all() for t in node.model("aux_model").state_dict().values())
+    assert all(torch.isfinite(t).all() for t in global_weights(direct).values())
+
+
+def test_fsl_sage_clients_estimate_the_cut_gradient_under_their_scale():
+    """The estimate is taken of the aux loss times the client's scale and divided by it: in float32,
+    equal to the unscaled estimate where nothing flushes, and it keeps values that float16 flushes."""
+    client = train(0, **SAGE).roles.clients[0]
+    aux, loss = client.model("aux_model"), client.blueprint.loss
+    smashed, labels = torch.randn(4, 200), torch.tensor([0, 1, 2, 3])
+    plain = cut_gradient(loss, aux, smashed, labels)
+    assert torch.equal(cut_gradient(loss, aux, smashed, labels, scale=2.0**16), plain)
+    with torch.autocast("cpu", dtype=torch.float16):
+        flushed = cut_gradient(lambda z, y: loss(z, y) * 2.0**-24, aux, smashed.half(), labels)
+        kept = cut_gradient(lambda z, y: loss(z, y) * 2.0**-24, aux, smashed.half(), labels, scale=2.0**16)
+    assert kept.dtype == torch.float32 and (flushed == 0).float().mean() > (kept == 0).float().mean()
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "server_steps"),
+    [("sglr", 8), ("cycle_psl", 6), ("cycle_sglr", 6), ("cycle_sfl", 6), ("cycle_ssl", 6)],
+)
+def test_cut_gradients_averaged_or_from_the_frozen_server_cross_scaled_and_checked(
+    monkeypatch, algorithm, server_steps
+):
+    """SGLR's averaged cut gradients and CycleSL's ServerGrad are computed after the server's step
+    (of its loss times its scale, averaged in float32) and checked as they cross: at 2^40 every
+    server step overflows (SGLR: 4 lockstep steps a round; CycleSL: 96 pooled samples in batches of
+    32 a round), the server halves its scale once a step, zeros cross with scale 0 and the clients
+    skip every step, their scales unchanged. In process and serialized alike, bit for bit."""
+    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**40)
+    averaging = {"average_fraction": 1.0} if "sglr" in algorithm else {}
+    config = dict(FP16, algorithm=algorithm, optimizer="adam", **averaging)
+    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
+    assert max_abs_difference(every_weight(direct), every_weight(serialized)) == 0
+    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+    roles = [direct.roles.server, *direct.roles.clients]
+    for a, b in zip(roles, [serialized.roles.server, *serialized.roles.clients]):
+        assert torch.equal(a.loss_scale.state(), b.loss_scale.state())
+    assert [role.loss_scale.scale for role in roles] == [2.0 ** (40 - server_steps), *[2.0**40] * 3]
+    assert not any(optimizer.state for role in roles for optimizer in role.optimizers.values())  # Adam: no step
+    assert all(torch.isfinite(t).all() for t in every_weight(direct).values())
+
+
+def test_splitgp_clients_skip_with_the_server_and_step_their_exit_under_their_own_scale(monkeypatch):
+    """SplitGP's client step back-propagates gamma x its exit's loss and the server's cut gradient
+    through `backward_pass` under its own scale: at 2^40 the server's steps (on its per-client
+    copies, one scale) overflow, zeros cross with scale 0 and the clients skip; in process and
+    serialized alike, bit for bit."""
+    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**40)
+    config = dict(FP16, algorithm="splitgp", cut=1, partition="shards:2", optimizer="adam")
+    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
+    assert max_abs_difference(every_weight(direct), every_weight(serialized)) == 0
+    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+    roles = [direct.roles.server, *direct.roles.clients]
+    for a, b in zip(roles, [serialized.roles.server, *serialized.roles.clients]):
+        assert torch.equal(a.loss_scale.state(), b.loss_scale.state())
+    # 24 server steps (3 clients x 4 a round, 2 rounds): 22 overflow, halving to 2^18, where the last
+    # two pass, both the third client's: it overflows at its own 2^40 and 2^39; the others only
+    # received skipped steps, which leave their scales as they were
+    assert [role.loss_scale.scale for role in roles] == [2.0**18, 2.0**40, 2.0**40, 2.0**38]
+    assert all(torch.isfinite(t).all() for t in every_weight(direct).values())
+
+
+@pytest.mark.parametrize("initial", [2.0**16, 2.0**40], ids=["fitting", "overflowing"])
+@pytest.mark.parametrize(
+    ("algorithm", "tail_passes"),
+    [("sglr", 8), ("cycle_psl", 8), ("cycle_sglr", 8), ("cycle_sfl", 8), ("cycle_ssl", 4)],
+)
+def test_u_shaped_sglr_and_cyclesl_in_fp16_skip_the_server_step_when_a_tail_overflowed(
+    monkeypatch, initial, algorithm, tail_passes
+):
+    """cut=1,2: each client's tail sends its gradient at the second cut scaled with its scale; the
+    server unscales them, seeds its step with its own scale and sends the (averaged) cut gradients
+    scaled. At 2^40 every tail pass overflows (SGLR: 4 lockstep steps a round; CycleSL: 3 pooled
+    batches and ServerGrad, cycle_ssl's one batch and ServerGrad per client cycle), each client
+    halving its scale each time; the server skips every step (its scale unchanged) and zeros
+    cross with scale 0, so no one steps. In process and serialized alike, bit for bit."""
+    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", initial)
+    averaging = {"average_fraction": 1.0} if "sglr" in algorithm else {}
+    config = dict(FP16, algorithm=algorithm, cut="1,2", optimizer="adam", **averaging)
+    before = evaluate(train(0, **config))["loss"]
+    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
+    assert max_abs_difference(every_weight(direct), every_weight(serialized)) == 0
+    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+    scales = [role.loss_scale.scale for role in (direct.roles.server, *direct.roles.clients)]
+    if initial == 2.0**16:
+        assert evaluate(direct)["loss"] < before - 0.1 and set(scales) == {2.0**16}
+    else:
+        assert scales == [2.0**40, *[2.0 ** (40 - tail_passes)] * 3]
+        roles = (direct.roles.server, *direct.roles.clients)
+        assert not any(optimizer.state for role in roles for optimizer in role.optimizers.values())
 
 
 @pytest.mark.parametrize("initial", [2.0**16, 2.0**40], ids=["fitting", "overflowing"])
@@ -122,7 +254,6 @@ def test_a_scaled_cut_gradient_is_checked_and_a_skipped_one_reads_as_none():
 @pytest.mark.parametrize(
     ("settings", "why"),
     [
-        ({"algorithm": "fsl_sage"}, "algorithm=fsl_sage does not declare it"),
         ({"setting": "vertical", "algorithm": "sl", "dataset": "breast_cancer"}, "setting=vertical"),
         ({"algorithm": "sfl_v2", "defense": "gradnoise:0.1"}, "noise on cut gradients"),
         ({"dataset": "shakespeare", "model": "lstm"}, "no float16 LSTM kernel on the CPU"),

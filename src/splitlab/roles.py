@@ -235,10 +235,12 @@ class Blueprint:
         """The dtype hidden states and their gradients cross a cut in (`precision=`; None: as computed)."""
         return HALF.get(self.config.precision)
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def autocast(self, scaled: bool = True) -> contextlib.AbstractContextManager[Any]:
         """The run's precision for the block: bf16 and fp16, torch's autocast in that dtype (weights
-        and their gradients stay float32); fp32, nothing."""
-        if self.cut_dtype is None:
+        and their gradients stay float32); fp32, nothing. `scaled=False`: a computation that no loss
+        scale covers (its own optimizer, outside a role's step: FSL-SAGE's alignment), which fp16
+        would flush to zero, runs in float32 there; bf16, float32's range, keeps its autocast."""
+        if self.cut_dtype is None or (not scaled and self.cut_dtype == torch.float16):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.cut_dtype)
 
@@ -258,14 +260,14 @@ class Blueprint:
         self._pools.setdefault(slot, []).append(module)
 
     @contextlib.contextmanager
-    def timed(self, phase: str) -> Iterator[None]:
+    def timed(self, phase: str, scaled: bool = True) -> Iterator[None]:
         """A role's computation: its wall time added to `phase` ("client", "server", "alignment",
-        ...), and run in the run's precision (`autocast`), which every role's forward and loss
-        thus share. On a GPU the time is that to launch the work; the figures are meant for CPU
-        runs and proportions."""
+        ...), and run in the run's precision (`autocast`, `scaled` as there), which every role's
+        forward and loss thus share. On a GPU the time is that to launch the work; the figures are
+        meant for CPU runs and proportions."""
         started = time.perf_counter()
         try:
-            with self.autocast():
+            with self.autocast(scaled):
                 yield
         finally:
             self.seconds[phase] += time.perf_counter() - started
@@ -438,6 +440,44 @@ class Role(Generic[ParamsT]):
             pairs = tuple(scale.seed(tensor, grad) for tensor, grad in pairs if tensor is not None)
             self._seeded = True
         defenses.backward(*pairs)
+
+    @property
+    def seed_scale(self) -> float:
+        """What `backward_pass` multiplies its seeds by: the loss scale under fp16, else 1. A
+        gradient a role computes outside it to seed it (FSL-SAGE's estimate of the cut gradient)
+        is taken of its loss times this and divided by it in float32, so that fp16 keeps it."""
+        return 1.0 if self.loss_scale is None else self.loss_scale.scale
+
+    def incoming(self, message: Any) -> torch.Tensor | None:
+        """A gradient received from another role (fp16: unscaled, float32); None when the sender
+        skipped its step (fp16: scale 0, an overflow), and so this role's step is to be skipped
+        (`skip`)."""
+        return decode(message) if self.loss_scale is None else unscaled(message)
+
+    def skip(self) -> None:
+        """This step is not taken (a gradient it needed was skipped): under fp16 what it would
+        send crosses as zeros with scale 0, and the scale stays (nothing was computed here)."""
+        if self.loss_scale is not None:
+            self.loss_scale.skip()
+
+    def crossing(self, grads: list[torch.Tensor], fresh: bool = False) -> list[torch.Tensor]:
+        """Gradients computed beside a step's check (under fp16 of a loss times `seed_scale`: SGLR's
+        averages and CycleSL's ServerGrad, averaged in float32), as they will cross: in the cut's
+        dtype and, under fp16, checked. If one of them is not finite (the scale then halves), or,
+        unless `fresh` (a computation of its own, not the last step's), the role's last step was
+        skipped, none crosses: `sent` gives zeros with scale 0, and the receivers skip."""
+        dtype = self.blueprint.cut_dtype
+        grads = grads if dtype is None else [g.to(dtype) for g in grads]
+        if self.loss_scale is not None and (fresh or self.loss_scale.used):
+            self.loss_scale.crossing(grads)
+        return grads
+
+    def sent(self, grad: torch.Tensor) -> Any:
+        """A gradient as this role sends it (not through a defense): under fp16 scaled, with the
+        scale it was computed under (zeros with scale 0 if that step was skipped)."""
+        if self.loss_scale is None:
+            return grad
+        return scaled(outgoing(grad, self.loss_scale), self.loss_scale.used, grad.device)
 
     def unscale_for_step(self, slots: tuple[str, ...], sent: tuple[torch.Tensor, ...] = ()) -> bool:
         """Whether the step may go on: without fp16, always; with it, the gradients of `slots` are

@@ -119,6 +119,21 @@ def test_fp16_trains_a_gpt_on_the_cpu_sending_2_bytes_a_value_and_a_4_byte_scale
     assert max_abs_difference(global_weights(experiment), global_weights(serialized)) == 0
 
 
+@pytest.mark.parametrize(
+    "settings", [{"algorithm": "fsl_sage", "aux": "blocks:1", "align_interval": 1}, {"algorithm": "cycle_sfl"}]
+)
+def test_fp16_trains_a_gpt_with_fsl_sage_and_cyclesl(lm, settings):
+    """FSL-SAGE's estimates under each client's scale and its float32 alignment, CycleSL's ServerGrad
+    crossing scaled: the loss falls, the weights stay float32, serialized gives the same bits."""
+    config = dict(lm, cut=1, precision="fp16", **settings)
+    before = evaluate(train(0, **config))
+    experiment = train(2, **config)
+    assert evaluate(experiment)["loss"] < before["loss"]
+    assert {t.dtype for t in global_weights(experiment).values()} == {torch.float32}
+    serialized = train(2, **dict(config, transport="serialized"))
+    assert max_abs_difference(global_weights(experiment), global_weights(serialized)) == 0
+
+
 def test_bf16_runs_every_role_under_autocast():
     """An MLP's server part in bfloat16 gives another loss than in float32, and resumes exactly."""
     config = quick(algorithm="sfl_v2", precision="bf16")

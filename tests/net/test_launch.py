@@ -40,14 +40,14 @@ def test_launch_is_bit_identical_to_run(tmp_path, algorithm, defense, server_key
     assert_launch_equals_run(tmp_path, config, server_keys)
 
 
-@pytest.mark.parametrize(("algorithm", "precision"), [("psl", "fp16"), ("cycle_sfl", "fp32")])
+@pytest.mark.parametrize(("algorithm", "precision"), [("psl", "fp16"), ("cycle_sfl", "fp16")])
 def test_u_shaped_launch_is_bit_identical_to_run(tmp_path, algorithm, precision):
     """The two extra messages of a U-shaped step (the server's output down, the gradient at the
     second cut up; CycleSL: its tails' shares of the server task and ServerGrad) pass the
     server's checks; no labels cross. (U-shaped cycle_sfl stands for vanilla cycle_sfl too: the
-    same client verbs and more, at the cost of one launch.) PSL in fp16: float16 hidden states
-    both ways, both gradients scaled with their scales, each role's loss scale, over gRPC as in
-    process."""
+    same client verbs and more, at the cost of one launch.) In fp16: float16 hidden states both
+    ways, both gradients scaled with their scales (CycleSL's tails' too), each role's loss scale,
+    over gRPC as in process."""
     config = quick(algorithm=algorithm, cut="1,2", clients=2, train_subset=160, test_subset=100, precision=precision)
     kinds = assert_launch_equals_run(tmp_path, config)
     models = {"client_model_down", "client_model_up"} if algorithm == "cycle_sfl" else set()

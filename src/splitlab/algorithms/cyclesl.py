@@ -43,6 +43,7 @@ are ignored), so there the shares add up to the vanilla loss only where no targe
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -120,7 +121,7 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
         losses = self.train_pooled(rnd, features, labels, sizes, first_client)
         with self.blueprint.timed("server"):
             grads = [self.frozen_cut_grad(z, y) for z, y in zip(features, labels)]
-        cut_grads = average_cut_grads(grads, sizes, set(averaged))
+        cut_grads = self.crossing(average_cut_grads(grads, sizes, set(averaged)))
         return {"cut_grads": [self.send_gradient(g, y) for g, y in zip(cut_grads, labels)], "losses": losses}
 
     def server_batches(self, rnd: int, samples: int, first_client: int, device: torch.device) -> list[torch.Tensor]:
@@ -145,14 +146,16 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
         with self.blueprint.timed("server"):
             for idx in self.server_batches(rnd, len(y), first_client, x.device):
                 value = self.blueprint.loss.weighted(model(x[idx]), y[idx], weight[idx])
-                self.step("server_model", value.backward)
+                self.step("server_model", functools.partial(self.backward_pass, (value, None)))
                 losses.append(value.detach())
         return losses
 
     def frozen_cut_grad(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """d loss / d features through the server, computing no gradient for its weights."""
+        """d loss / d features through the server, computing no gradient for its weights (of the
+        loss times `seed_scale`: under fp16 it crosses scaled, as a step's, through `crossing`)."""
         features = features.detach().requires_grad_()
-        return torch.autograd.grad(self.blueprint.loss(self.model("server_model")(features), labels), features)[0]
+        value = self.blueprint.loss(self.model("server_model")(features), labels) * self.seed_scale
+        return torch.autograd.grad(value, features)[0]
 
     # --- U-shaped: the server holds the middle, the clients' tails take the loss -------------
     @verb()
@@ -207,11 +210,15 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
         pooled.pending = None
         if not clients:
             return
-        grad = torch.zeros_like(output)
-        for k, tail_grad in zip(clients, tail_grads):
-            grad[positions[k]] = tail_grad
+        received = [self.incoming(g) for g in tail_grads]
+        if any(g is None for g in received):  # a tail skipped its step (fp16: it overflowed): so does the middle
+            self.skip()
+            return
+        grad = torch.zeros_like(output, dtype=torch.float32)
+        for k, tail_grad in zip(clients, received):
+            grad[positions[k]] = cast(torch.Tensor, tail_grad)
         with self.blueprint.timed("server"):
-            self.step("server_model", lambda: output.backward(grad))
+            self.step("server_model", functools.partial(self.backward_pass, (output, grad)))
 
     @verb()
     def frozen_outputs(self, clients: list[int]) -> list[torch.Tensor]:
@@ -230,13 +237,22 @@ class CycleServer(ServerWithOwnLR[CycleParams]):
         """Each client's (positions) cut gradient from its gradient at the second cut, computing no
         gradient for the middle's weights (averaged over the clients in `averaged`, as SGLR)."""
         pooled = cast(PooledFeatures, self._pooled)
-        with self.blueprint.timed("server"):
-            grads = [
-                torch.autograd.grad(pooled.frozen[k][1], pooled.frozen[k][0], g)[0] for k, g in zip(clients, tail_grads)
-            ]
         self._pooled = None
+        received = [self.incoming(g) for g in tail_grads]
+        features = [pooled.frozen[k][0] for k in clients]
+        skipped = any(g is None for g in received)
+        if skipped:  # a tail overflowed (fp16): no cut gradient this cycle (zeros with scale 0)
+            self.skip()
+            grads = [torch.zeros_like(z, dtype=torch.float32) for z in features]
+        else:
+            with self.blueprint.timed("server"):
+                grads = [
+                    torch.autograd.grad(output, z, (cast(torch.Tensor, g) * self.seed_scale).to(output.dtype))[0]
+                    for (z, output), g in ((pooled.frozen[k], g) for k, g in zip(clients, received))
+                ]
         chosen = {i for i, k in enumerate(clients) if k in averaged}
-        cut_grads = average_cut_grads(grads, [pooled.sizes[k] for k in clients], chosen)
+        averages = average_cut_grads(grads, [pooled.sizes[k] for k in clients], chosen)
+        cut_grads = self.crossing(averages, fresh=not skipped)
         return {"cut_grads": [self.send_gradient(g) for g in cut_grads]}
 
     @verb()
@@ -262,8 +278,9 @@ class CycleClient(UShapedClient):
         with self.blueprint.timed("client"):
             weights = torch.full((len(rows),), float(weight), device=output.device)
             value = self.blueprint.loss.weighted(model.tail(output), targets, weights, total)
-            self.step("client_model", value.backward)
-        return {"tail_grad": output.grad, "loss": value.detach()}
+            self.step("client_model", functools.partial(self.backward_pass, (value, None)))
+        (grad,) = self.crossing([cast(torch.Tensor, output.grad)])
+        return {"tail_grad": self.sent(grad), "loss": value.detach()}
 
     @verb(down="server_output", up=KEYED, keys=("tail_grad",))
     def frozen_tail(self, step: int, output: torch.Tensor) -> State:
@@ -273,10 +290,14 @@ class CycleClient(UShapedClient):
         output = self.server_output(output, len(labels), f"for step {step} is not a batch of {len(labels)} samples")
         model = cast(HeadAndTail, self.model("client_model"))
         with self.blueprint.timed("client"):
-            grad = torch.autograd.grad(self.blueprint.loss(model.tail(output), labels), output)[0]
-        if self.blueprint.recorder is not None:
-            self.blueprint.recorder.received_tail(self.id, step, grad)
-        return {"tail_grad": grad}
+            value = self.blueprint.loss(model.tail(output), labels) * self.seed_scale
+            (grad,) = self.crossing([torch.autograd.grad(value, output)[0]], fresh=True)
+        tail_grad = self.sent(grad)
+        if self.blueprint.recorder is not None:  # the gradient as the server reads it (fp16: unscaled)
+            received = self.incoming(tail_grad)
+            if received is not None:
+                self.blueprint.recorder.received_tail(self.id, step, received)
+        return {"tail_grad": tail_grad}
 
 
 class CyclePersonalClient(CycleClient, PersonalClient):
@@ -292,6 +313,7 @@ class CycleSL(Algorithm):
 
     Server = CycleServer
     supports_u_shape = True
+    supports_fp16 = True
 
     def round_batches(self, clients: list[ClientInfo]) -> int | None:
         return len(clients)  # ONE mini-batch each

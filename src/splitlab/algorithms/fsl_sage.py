@@ -37,7 +37,6 @@ from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.algorithms.cse_fsl import AuxiliaryFSL, CSEFSLParams
 from splitlab.losses import Loss
 from splitlab.models import load_shared, shared_state
-from splitlab.privacy import defenses
 from splitlab.privacy.defenses import decode
 from splitlab.random_streams import register_stream
 from splitlab.roles import ClientNode, State, TrainingServer, sent_if
@@ -65,15 +64,22 @@ class FSLSAGEParams(CSEFSLParams):
 
 
 def cut_gradient(
-    loss: Loss, model: nn.Module, smashed: torch.Tensor, labels: torch.Tensor, create_graph: bool = False
+    loss: Loss,
+    model: nn.Module,
+    smashed: torch.Tensor,
+    labels: torch.Tensor,
+    create_graph: bool = False,
+    scale: float = 1.0,
 ) -> torch.Tensor:
     """d loss(model(z), y) / dz of the batch-mean loss, as a SplitFed server sends it back,
-    leaving the model's buffers (BatchNorm statistics) as they are."""
+    leaving the model's buffers (BatchNorm statistics) as they are. Taken of the loss times
+    `scale` (a client's `Role.seed_scale`: under fp16 its loss scale, so that small values are not
+    flushed) and divided by it in float32 (a power of two: exact)."""
     smashed = smashed.detach().requires_grad_()
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     logits = torch.func.functional_call(model, buffers, (smashed,))
-    (grad,) = torch.autograd.grad(loss(logits, labels), smashed, create_graph=create_graph)
-    return grad
+    (grad,) = torch.autograd.grad(loss(logits, labels) * scale, smashed, create_graph=create_graph)
+    return grad.float() / scale
 
 
 class AlignmentBuffer:
@@ -133,9 +139,9 @@ class SageClient(ClientNode[FSLSAGEParams]):
         x, y = self.next_batch()
         with self.blueprint.timed("client"):
             smashed = self.client_output(x)
-            estimate = cut_gradient(self.blueprint.loss, self.model("aux_model"), smashed, y)
+            estimate = cut_gradient(self.blueprint.loss, self.model("aux_model"), smashed, y, scale=self.seed_scale)
             penalty = self.blueprint.defense.penalty(x, smashed)
-            self.step("client_model", lambda: defenses.backward((smashed, estimate), (penalty, None)))
+            self.step("client_model", lambda: self.backward_pass((smashed, estimate), (penalty, None)))
         return self.release(x, y, smashed.detach())[1] if send else {}
 
 
@@ -168,8 +174,8 @@ class SageServer(TrainingServer[FSLSAGEParams]):
         if client_id not in self.buffers:
             return None
         params, buffer = self.params, self.buffers[client_id]
-        smashed, labels = buffer.smashed, buffer.labels
-        with self.blueprint.timed("alignment"):
+        smashed, labels = buffer.smashed.float(), buffer.labels  # as received (bf16/fp16: half)
+        with self.blueprint.timed("alignment", scaled=False):  # its own Adam: fp16 aligns in float32
             target = self.buffer_gradients(self.model("server_model"), smashed, labels)
             aux = self.aux_model(client_id)
             trainable = [p for p in aux.parameters() if p.requires_grad]
@@ -202,8 +208,9 @@ class SageServer(TrainingServer[FSLSAGEParams]):
         """sum ||z_b_hat - z_b||^2 / sum ||z_b||^2 of the client's aux model on its buffer, with the
         current server part: the epsilon^t of the paper's Theorem 4.3, relative."""
         buffer = self.buffers[client_id]
-        target = self.buffer_gradients(self.model("server_model"), buffer.smashed, buffer.labels)
-        estimate = self.buffer_gradients(self.aux_model(client_id), buffer.smashed, buffer.labels)
+        smashed = buffer.smashed.float()
+        target = self.buffer_gradients(self.model("server_model"), smashed, buffer.labels)
+        estimate = self.buffer_gradients(self.aux_model(client_id), smashed, buffer.labels)
         return float(((estimate - target) ** 2).sum() / (target**2).sum())
 
     @verb(up="checkpoint")
@@ -228,6 +235,7 @@ class SageServer(TrainingServer[FSLSAGEParams]):
 
 class FSLSAGE(AuxiliaryFSL, Algorithm[FSLSAGEParams]):
     name = "fsl_sage"
+    supports_fp16 = True
     Client = SageClient
     Server = SageServer
 

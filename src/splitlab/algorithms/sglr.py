@@ -18,7 +18,9 @@ back its gradient there, and the server steps on sum_k alpha_k loss_k through th
 
 from __future__ import annotations
 
+import functools
 import typing
+from typing import Any
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -59,10 +61,11 @@ def averaged_clients(ctx: Context, rnd: int, clients: list[ClientInfo], fraction
 
 def average_cut_grads(grads: list[torch.Tensor], sizes: list[int], averaged: set[int]) -> list[torch.Tensor]:
     """The cut gradients as the clients receive them: clients in `averaged` get one vector (shape
-    (1, ...)), the mean over all samples of those clients with sample weights |D_k|."""
+    (1, ...)), the mean over all samples of those clients with sample weights |D_k|, in float32
+    (a sum of half-precision, scaled gradients would overflow; `Role.crossing` casts back)."""
     if not averaged:
         return grads
-    total = torch.stack([sizes[k] * grads[k].sum(0, keepdim=True) for k in sorted(averaged)]).sum(0)
+    total = torch.stack([sizes[k] * grads[k].float().sum(0, keepdim=True) for k in sorted(averaged)]).sum(0)
     mean = total / sum(sizes[k] * len(grads[k]) for k in averaged)
     return [mean if k in averaged else g for k, g in enumerate(grads)]
 
@@ -94,9 +97,10 @@ class SGLRServer(ServerWithOwnLR[SGLRParams]):
             total = torch.stack(
                 [alpha * self.blueprint.loss(model(z), y) for alpha, z, y in zip(alphas, smashed, labels)]
             ).sum()
-            self.step("server_model", total.backward)
-            grads = [typing.cast(torch.Tensor, z.grad) / alpha for z, alpha in zip(smashed, alphas)]  # d(own loss)/dz
-        cut_grads = average_cut_grads(grads, sizes, set(averaged))
+            self.step("server_model", functools.partial(self.backward_pass, (total, None)))
+            # d(own loss)/dz, in float32 (a half-precision scaled one over a small alpha may overflow)
+            grads = [typing.cast(torch.Tensor, z.grad).float() / alpha for z, alpha in zip(smashed, alphas)]
+        cut_grads = self.crossing(average_cut_grads(grads, sizes, set(averaged)))
         return {"cut_grads": [self.send_gradient(g, y) for g, y in zip(cut_grads, labels)], "loss": total.detach()}
 
     @verb()
@@ -114,22 +118,30 @@ class SGLRServer(ServerWithOwnLR[SGLRParams]):
     def lockstep_tails(
         self,
         replied: list[int],
-        tail_grads: list[torch.Tensor],
+        tail_grads: list[Any],
         alphas: list[float],
         sizes: list[int],
         averaged: list[int],
     ) -> State:
         """U-shaped, the second half: one server step on sum_k alpha_k loss_k over the clients that
         replied (positions `replied` in the first half), through their gradients at the second cut;
-        each one's cut gradient (averaged over a subset), as `lockstep`."""
+        each one's cut gradient (averaged over a subset), as `lockstep`. fp16: a tail that skipped
+        (scale 0) skips the whole step, and zeros with scale 0 go down to every client."""
         inputs, outputs = self._lockstep
         del self._lockstep
         inputs, outputs = [inputs[i] for i in replied], [outputs[i] for i in replied]
-        weighted = [alpha * g for alpha, g in zip(alphas, tail_grads)]
-        with self.blueprint.timed("server"):
-            self.step("server_model", lambda: torch.autograd.backward(outputs, weighted), tuple(inputs))
-            grads = [typing.cast(torch.Tensor, z.grad) / alpha for z, alpha in zip(inputs, alphas)]
-        cut_grads = average_cut_grads(grads, sizes, set(averaged))
+        received = [self.incoming(g) for g in tail_grads]
+        if any(g is None for g in received):  # a tail skipped its step (fp16: it overflowed): all skip
+            self.skip()
+            grads = [torch.zeros_like(z, dtype=torch.float32) for z in inputs]
+        else:
+            weighted = [
+                (output, alpha * typing.cast(torch.Tensor, g)) for output, alpha, g in zip(outputs, alphas, received)
+            ]
+            with self.blueprint.timed("server"):
+                self.step("server_model", functools.partial(self.backward_pass, *weighted), tuple(inputs))
+                grads = [typing.cast(torch.Tensor, z.grad).float() / alpha for z, alpha in zip(inputs, alphas)]
+        cut_grads = self.crossing(average_cut_grads(grads, sizes, set(averaged)))
         return {"cut_grads": [self.send_gradient(g) for g in cut_grads]}
 
 
@@ -137,6 +149,7 @@ class SGLR(PersonalClients, Algorithm[SGLRParams]):
     name = "sglr"
     supports_u_shape = True
     Server = SGLRServer
+    supports_fp16 = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         averaged = averaged_clients(self.ctx, rnd, clients, self.params.average_fraction)

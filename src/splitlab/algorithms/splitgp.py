@@ -32,7 +32,6 @@ from torch import nn
 
 from splitlab.algorithms.base import Algorithm, ClientInfo, Context
 from splitlab.models import inference, output_shape
-from splitlab.privacy import defenses
 from splitlab.roles import (
     SENT,
     SPLIT_MODELS,
@@ -116,14 +115,17 @@ class SplitGPClient(ClientNode[SplitGPParams]):
 
     @verb(down="cut_grad")
     def backward(self, step: int, cut_grad: Any) -> None:
-        """A step on gamma * l_C plus the server's (already (1 - gamma)-scaled) cut gradient."""
+        """A step on gamma * l_C plus the server's (already (1 - gamma)-scaled) cut gradient; none
+        if the server skipped its step (fp16: its backward pass overflowed)."""
         smashed, client_loss, penalty = self.stash.pop(step)
         cut_grad = self.receive(step, cut_grad)
+        if cut_grad is None:
+            return
         gamma = self.params.gamma
         with self.blueprint.timed("client"):
             self.steps(
                 ("client_model", "aux_model"),
-                lambda: defenses.backward((gamma * client_loss, None), (smashed, cut_grad), (penalty, None)),
+                lambda: self.backward_pass((gamma * client_loss, None), (smashed, cut_grad), (penalty, None)),
             )
 
     @verb(down="{0}_down")
@@ -175,6 +177,7 @@ class SplitGP(Algorithm[SplitGPParams]):
     }
     Client = SplitGPClient
     Server = SplitGPServer
+    supports_fp16 = True
     models = {**SPLIT_MODELS, "aux_model": initial_exit}
     not_u_shaped = "its server part is the main model's last layers, trained on the labels the clients send"
 
