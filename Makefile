@@ -33,10 +33,10 @@ demo: setup
 		partition=dirichlet:0.5 rounds=5 train_subset=6000 seed=0 out=runs/demo overwrite=true
 
 # Two workers (pytest-xdist), one per core of the 2-core machines the suite is timed on (TEST_WORKERS=N
-# for more); the tests that start Ray share one worker (xdist_group "ray", tests/conftest.py). The 25
+# for more); a module runs on one worker, the Ray modules all on one (tests/conftest.py). The 25
 # slowest tests are listed at the end: the suite has to stay under 10 minutes on 2 cores.
 test: setup
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=25
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --durations=25
 
 # Lint, formatting and types (ruff, mypy; configured in pyproject.toml).
 check: setup

@@ -1,8 +1,8 @@
 """Tests mirror the package (tests/algorithms, tests/data, ...); `helpers` is shared by all.
 
-`make test` runs them in parallel workers (pytest-xdist, `-n 2 --dist loadgroup`): every test keeps
-its files under tmp_path, picks free ports, and the tests that start Ray share one worker (their
-modules are marked `xdist_group("ray")`); docs/architecture.md, "Tests"."""
+`make test` runs them in parallel workers (pytest-xdist, `-n 2`): every test keeps its files under
+tmp_path and picks free ports; a module runs whole on one worker and the modules that start Ray
+(tests/**/test_ray*.py) all on one (`pytest_xdist_make_scheduler` below); docs/architecture.md, "Tests"."""
 
 import atexit
 import os
@@ -27,3 +27,18 @@ atexit.register(shutil.rmtree, TOKEN_CACHE, ignore_errors=True)
 #: on the loaded 2-core machine), and two workers never run more threads than there are cores.
 os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Each test module whole on one worker, so its module-scoped fixtures (trained runs, launched
+    servers) are built once, not once per worker; the Ray modules together on one worker, so two Ray
+    clusters never share the cores. (`--dist loadgroup` would do this by marks, but with pytest 9
+    xdist's group suffix no longer reaches the node ids, so it splits groups silently.)"""
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModulesRayTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "ray" if Path(module).name.startswith("test_ray") else module
+
+    return ModulesRayTogether(config, log)

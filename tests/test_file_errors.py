@@ -70,7 +70,7 @@ def test_a_failure_in_the_background_checkpoint_writer(tmp_path, monkeypatch, ca
 
 
 def test_a_failure_in_sweep_report_attack_advise_and_certs(tmp_path, monkeypatch, capsys):
-    from splitlab.audit import advise
+    from splitlab.audit import probes
     from splitlab.audit import run as audit
     from splitlab.experiments import report, sweep
 
@@ -92,7 +92,7 @@ def test_a_failure_in_sweep_report_attack_advise_and_certs(tmp_path, monkeypatch
         failing(patch, audit, "write_json", errno.EACCES)
         one_line_exit_1(capsys, ["attack", str(run_dir), "attack=label_leak"], "attack.json", "Permission denied")
     with monkeypatch.context() as patch:
-        failing(patch, advise, "write_json", errno.ENOSPC)
+        failing(patch, probes, "write_json", errno.ENOSPC)
         probe = ["dataset=digits", "model=mlp", "rounds=1", "clients=2", "train_subset=200", "test_subset=200"]
         one_line_exit_1(
             capsys, ["advise", *probe, "aux=60", "targets=40", "epochs=1", f"out={tmp_path / 'adv'}"], "advise.json"

@@ -27,8 +27,6 @@ from splitlab.ledger import Ledger
 from splitlab.loop import STREAM_SAMPLING, sample_clients
 from splitlab.roles import random_stream
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time, on one worker
-
 TIMING = (
     "wall_seconds",
     "round_compute_seconds",

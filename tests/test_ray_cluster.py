@@ -21,8 +21,6 @@ from helpers import crash_before_round
 from splitlab.engine import run
 from test_ray_backend import always_elsewhere, config, kill_an_actor_mid_round, results, rows_of
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time, on one worker
-
 
 def started_head() -> Cluster:
     """Ray's head, started again if its raylet does not register within Ray's fixed 30 s: seen once

@@ -13,8 +13,6 @@ import ray
 
 from splitlab.cli import main
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time, on one worker
-
 NOBODY = "127.0.0.1:1"  # a port nothing listens on
 
 

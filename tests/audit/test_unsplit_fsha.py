@@ -16,8 +16,6 @@ from splitlab.audit.unsplit import surrogate_of, total_variation
 from splitlab.cli import main
 from splitlab.engine import run
 
-pytestmark = pytest.mark.xdist_group("unsplit-digits-run")  # one worker runs the module's shared runs once
-
 
 @pytest.fixture(scope="module")
 def digits_run(tmp_path_factory):

@@ -19,8 +19,6 @@ from splitlab.errors import UserError
 from splitlab.experiments import run_sweep, sweep, write_report
 from splitlab.rundir import CHECKPOINT
 
-pytestmark = pytest.mark.xdist_group("ray")  # one Ray at a time, on one worker
-
 SPEC = {"base": {**BASE, "rounds": 8}, "axes": {"algorithm": ["sfl_v1", "sfl_v2"], "seed": [0, 1]}}
 
 

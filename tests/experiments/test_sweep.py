@@ -16,8 +16,6 @@ from splitlab.experiments import SweepFailed, collect_results, expand_sweep, run
 from splitlab.experiments.tables import mean_std
 from splitlab.rundir import CHECKPOINT
 
-pytestmark = pytest.mark.xdist_group("tiny-sweep")  # one worker runs the module's shared runs once
-
 # --------------------------------------------------------------------------- sweep files
 
 BASE = {

@@ -19,8 +19,6 @@ from splitlab.generation import DecodingSettings, beam_search, decode, filtered,
 from splitlab.models import split
 from splitlab.run_weights import run_model
 
-pytestmark = pytest.mark.xdist_group("generation-run")  # one worker runs the module's shared runs once
-
 COMMON = dict(model="gpt", layers=2, heads=2, width=16, context=32, seq_len=16, batch_size=8, device="cpu")
 
 

@@ -40,8 +40,6 @@ from splitlab.splitgp_latency import (
     table_one,
 )
 
-pytestmark = pytest.mark.xdist_group("splitgp-runs")  # one worker runs the module's shared runs once
-
 GP = dict(algorithm="splitgp", cut=1, partition="shards:2")
 
 
