@@ -35,6 +35,17 @@ def every_weight(experiment) -> dict[str, torch.Tensor]:
     }
 
 
+def trained_alike_on_both_transports(rounds: int, /, **config):
+    """Trained in process and through the serialized transport: every weight, byte count and loss
+    scale alike, bit for bit. Returns the run in process."""
+    direct, serialized = train(rounds, **config), train(rounds, **dict(config, transport="serialized"))
+    assert max_abs_difference(every_weight(direct), every_weight(serialized)) == 0
+    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+    for a, b in zip([direct.roles.server, *direct.roles.clients], [serialized.roles.server, *serialized.roles.clients]):
+        assert torch.equal(a.loss_scale.state(), b.loss_scale.state())
+    return direct
+
+
 SAGE = dict(FP16, algorithm="fsl_sage", align_interval=1)
 
 
@@ -66,11 +77,7 @@ def test_an_overflow_skips_the_step_backs_off_and_never_crosses(monkeypatch):
     through the serialized transport alike, bit for bit."""
     monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**40)
     config = dict(FP16, algorithm="sfl_v2")
-    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
-    assert max_abs_difference(global_weights(direct), global_weights(serialized)) == 0
-    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
-    for a, b in zip([direct.roles.server, *direct.roles.clients], [serialized.roles.server, *serialized.roles.clients]):
-        assert torch.equal(a.loss_scale.state(), b.loss_scale.state())
+    direct = trained_alike_on_both_transports(2, **config)
     server = direct.roles.server
     optimizer = server.optimizers["server_model"]
     taken = int(next(iter(optimizer.state.values()))["step"])
@@ -89,12 +96,8 @@ def test_fsl_sage_in_fp16_scales_each_sides_steps_and_aligns_in_float32(monkeypa
     own scale; the alignment (its own Adam, outside a role step) runs in float32 and its aux models
     come down finite. In process and serialized alike, bit for bit."""
     monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**40)
-    direct, serialized = train(2, **SAGE), train(2, **dict(SAGE, transport="serialized"))
-    assert max_abs_difference(global_weights(direct), global_weights(serialized)) == 0
-    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+    direct = trained_alike_on_both_transports(2, **SAGE)
     roles = [direct.roles.server, *direct.roles.clients]
-    for a, b in zip(roles, [serialized.roles.server, *serialized.roles.clients]):
-        assert torch.equal(a.loss_scale.state(), b.loss_scale.state())
     # q=5 of 4 steps a round: each client sends once a round, 6 server steps in all, each skipped,
     # as are the 8 steps of each client: each side halves its own scale on each of its own
     assert [role.loss_scale.scale for role in roles] == [2.0**34, *[2.0**32] * 3]
@@ -134,12 +137,8 @@ def test_cut_gradients_averaged_or_from_the_frozen_server_cross_scaled_and_check
     monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**40)
     averaging = {"average_fraction": 1.0} if "sglr" in algorithm else {}
     config = dict(FP16, algorithm=algorithm, optimizer="adam", **averaging)
-    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
-    assert max_abs_difference(every_weight(direct), every_weight(serialized)) == 0
-    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+    direct = trained_alike_on_both_transports(2, **config)
     roles = [direct.roles.server, *direct.roles.clients]
-    for a, b in zip(roles, [serialized.roles.server, *serialized.roles.clients]):
-        assert torch.equal(a.loss_scale.state(), b.loss_scale.state())
     assert [role.loss_scale.scale for role in roles] == [2.0 ** (40 - server_steps), *[2.0**40] * 3]
     assert not any(optimizer.state for role in roles for optimizer in role.optimizers.values())  # Adam: no step
     assert all(torch.isfinite(t).all() for t in every_weight(direct).values())
@@ -152,12 +151,8 @@ def test_splitgp_clients_skip_with_the_server_and_step_their_exit_under_their_ow
     serialized alike, bit for bit."""
     monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**40)
     config = dict(FP16, algorithm="splitgp", cut=1, partition="shards:2", optimizer="adam")
-    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
-    assert max_abs_difference(every_weight(direct), every_weight(serialized)) == 0
-    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+    direct = trained_alike_on_both_transports(2, **config)
     roles = [direct.roles.server, *direct.roles.clients]
-    for a, b in zip(roles, [serialized.roles.server, *serialized.roles.clients]):
-        assert torch.equal(a.loss_scale.state(), b.loss_scale.state())
     # 24 server steps (3 clients x 4 a round, 2 rounds): 22 overflow, halving to 2^18, where the last
     # two pass, both the third client's: it overflows at its own 2^40 and 2^39; the others only
     # received skipped steps, which leave their scales as they were
@@ -183,9 +178,7 @@ def test_u_shaped_sglr_and_cyclesl_in_fp16_skip_the_server_step_when_a_tail_over
     averaging = {"average_fraction": 1.0} if "sglr" in algorithm else {}
     config = dict(FP16, algorithm=algorithm, cut="1,2", optimizer="adam", **averaging)
     before = evaluate(train(0, **config))["loss"]
-    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
-    assert max_abs_difference(every_weight(direct), every_weight(serialized)) == 0
-    assert direct.ledger.state_dict() == serialized.ledger.state_dict()
+    direct = trained_alike_on_both_transports(2, **config)
     scales = [role.loss_scale.scale for role in (direct.roles.server, *direct.roles.clients)]
     if initial == 2.0**16:
         assert evaluate(direct)["loss"] < before - 0.1 and set(scales) == {2.0**16}
@@ -203,10 +196,9 @@ def test_u_shaped_fp16_sends_the_second_cuts_gradient_scaled_and_transports_agre
     monkeypatch.setattr(loss_scale, "INITIAL_SCALE", initial)
     config = dict(FP16, algorithm="sfl_v2", cut="1,2")
     before = evaluate(train(0, **config))["loss"]
-    direct, serialized = train(2, **config), train(2, **dict(config, transport="serialized"))
-    assert max_abs_difference(global_weights(direct), global_weights(serialized)) == 0
+    direct = trained_alike_on_both_transports(2, **config)
     ledger = direct.ledger.state_dict()
-    assert ledger == serialized.ledger.state_dict() and "labels" not in ledger
+    assert "labels" not in ledger
     assert ledger["server_output"] == 2 * 300 * 200 * 2  # the server's output at the second cut, fp16
     assert ledger["tail_grad"] == ledger["cut_grad"] == 2 * (300 * 200 * 2 + STEPS_PER_ROUND * 4)
     scales = [role.loss_scale.scale for role in (direct.roles.server, *direct.roles.clients)]
