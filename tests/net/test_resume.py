@@ -1,6 +1,8 @@
 """A server killed with SIGKILL and started again with resume=true continues from its last
 checkpoint (every round over a network); its clients reconnect; the weights are those of `run`,
-also for a vertical run (one process per party, aligned anew on resume)."""
+also for a vertical run (one node per party, aligned anew on resume). The servers are `splitlab
+server` processes (killed); of their clients, one `splitlab client` process reconnects, the others
+run `splitlab client`'s code in threads of this process (`ClientThread`), which reconnects alike."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-from processes import Node
+from processes import ClientThread, Node
 from safetensors.torch import load_file
 from test_vertical_own import CONFIG as OWN
 from test_vertical_own import run_joined, write_tables
@@ -29,7 +31,7 @@ def test_a_killed_server_resumes_and_its_clients_reconnect(tmp_path, servers):
     make_certs(tmp_path / "certs", 2, [])
     out = tmp_path / "net"
     first = servers({**config, "out": str(out)})
-    clients = [first.client(0), first.client(1)]
+    clients = [first.client(0), ClientThread(first, 1)]
     while not (out / "metrics.jsonl").exists() or len((out / "metrics.jsonl").read_text().splitlines()) < 2:
         assert first.process.poll() is None
         time.sleep(0.05)
@@ -70,12 +72,12 @@ def test_a_vertical_run_resumes_over_the_network_as_run(tmp_path, servers):
     out = tmp_path / "net"
     first = servers({**config, "out": str(out)}, join_timeout=60)
     party = Node(first.address, tmp_path / "certs", 0)
-    labels = first.client(1)
+    labels = ClientThread(first, 1)
     party.answer_until("begin_round", round=1)
     before = killed_after_round_one(first, out)
     party.leave()
     second = servers({**config, "out": str(out)}, address=first.address, resume=True, join_timeout=60)
-    party_again = second.client(0)
+    party_again = ClientThread(second, 0)
     assert second.process.wait() == 0 and party_again.wait() == 0 and labels.wait() == 0
     after = (out / "metrics.jsonl").read_text().splitlines()
     assert len(before) == 1 and len(after) == 3 and after[0] == before[0]  # round 1 was not run again
@@ -99,12 +101,12 @@ def test_a_vertical_run_of_own_files_resumes_over_the_network_as_run(tmp_path, s
     out = tmp_path / "net"
     first = servers({**config, "data": "own", "out": str(out)}, join_timeout=60)
     party = Node(first.address, tmp_path / "certs", 0, data="own", data_dir=str(tables["party0"]))
-    other = first.client(1, data="own", data_dir=tables["party1"])
+    other = ClientThread(first, 1, data="own", data_dir=str(tables["party1"]))
     party.answer_until("begin_round", round=1)
     before = killed_after_round_one(first, out)
     party.leave()
     second = servers({**config, "data": "own", "out": str(out)}, address=first.address, resume=True, join_timeout=60)
-    party_again = second.client(0, data="own", data_dir=tables["party0"])
+    party_again = ClientThread(second, 0, data="own", data_dir=str(tables["party0"]))
     assert second.process.wait() == 0, second.log.read_text()
     assert party_again.wait() == 0 and other.wait() == 0
 
