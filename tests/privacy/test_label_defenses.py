@@ -182,6 +182,19 @@ def test_marvell_brings_li_et_al_attacks_to_chance_on_a_binary_task(tmp_path):
     assert marvell_summary["final_accuracy"] > plain_summary["final_accuracy"] - 0.05
 
 
+def test_marvell_at_the_reference_codes_kl_bound_reaches_chance_in_direction_not_in_norm(tmp_path):
+    """`marvell:kl=0.25`, the reference code's default bound on the symmetrised KL: the direction
+    attack falls from reading every label to 0.538 with this key, but the norm attack reverses
+    (0.353: the class with the smaller gradient variance gets the larger noise, docs/privacy.md),
+    so the issue's "both within 0.1 of chance" does not hold at this bound here (5 of 9 benchmark
+    runs held; `marvell:16`, the default, held in all 9)."""
+    plain_summary, plain = recorded_leak(tmp_path, "none")
+    bounded_summary, bounded = recorded_leak(tmp_path, "marvell:kl=0.25")
+    assert plain["direction_auc"] > 0.95 and abs(bounded["direction_auc"] - 0.5) < 0.1
+    assert bounded["norm_auc"] < 0.4 < 0.5 < plain["norm_auc"]
+    assert bounded_summary["final_accuracy"] > plain_summary["final_accuracy"] - 0.05
+
+
 def test_marvell_on_a_vertical_run_protects_the_labels_from_every_passive_party(tmp_path):
     """Li et al.'s own setting: the party without labels receives the cut gradients. The server
     holds the labels (labels_at=server) and noises each party's gradient with Marvell."""
