@@ -129,7 +129,7 @@ def sum_kl_at(scale: float, u: float, v: float, d: int, g: float, p: float) -> f
 @pytest.mark.parametrize(
     ("u", "v", "d", "g", "p", "bound"),
     [
-        (2.9e-8, 1.4e-7, 200, 1e-5, 0.6, 0.25),  # a breast_cancer batch's figures (docs/privacy.md)
+        (2.9e-8, 1.4e-7, 200, 1e-5, 0.6, 0.25),  # u, v, d of a breast_cancer batch (docs/privacy.md)
         (2.9e-8, 1.4e-7, 200, 1e-5, 0.6, 4.0),
         (1.0, 2.0, 32, 5.0, 0.3, 0.1),
         (2.0, 0.5, 16, 1.0, 0.1, 1.0),
