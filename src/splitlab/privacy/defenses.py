@@ -434,7 +434,7 @@ def marvell_objective(variances: tuple[Any, ...], u: float, v: float, d: int, g:
 def marvell_sum_kl(variances: tuple[float, ...], u: float, v: float, d: int, g: float) -> float:
     """KL(N_1 || N_0) + KL(N_0 || N_1) of the two noised class Gaussians: (objective - 2d) / 2 (each
     KL is half of trace + mean term - d + log-determinant ratio; the two log-determinants cancel).
-    The paper bounds any attacker's detection error below by 1/2 - sqrt(sumKL)/4."""
+    The reference code bounds any attacker's detection error below by 1/2 - sqrt(sumKL)/4."""
     return (float(marvell_objective(variances, u, v, d, g)) - 2 * d) / 2
 
 
