@@ -18,7 +18,7 @@ import grpc
 import pytest
 from processes import ClientThread, ServerThread, credentials
 
-from helpers import quick
+from helpers import held_plugin, quick
 from splitlab.errors import UserError
 from splitlab.net import protocol
 from splitlab.net.audit import AuditLog
@@ -93,10 +93,13 @@ def test_a_stopped_client_is_replaced_by_a_new_connection_with_its_key(tmp_path,
     assert not any("already connected" in line for line in lines)
 
 
-def test_a_revoked_client_is_dropped_and_refused_and_every_event_audited(tmp_path, servers):
-    # rounds enough (~30 ms each) to outlast the revocation (re-read every second), the revoked
-    # process's exit and the refusal of its key when it comes back
-    config = quick(clients=2, rounds=200, train_subset=100, test_subset=50, eval_every=200)
+def test_a_revoked_client_is_dropped_and_refused_and_every_event_audited(tmp_path, servers, monkeypatch):
+    # the run waits before round 1 (a plugin's copy of sfl_v2) until the revocation (re-read every
+    # second), the revoked process's exit and the refusal of its key when it comes back are seen
+    held, hold = held_plugin(tmp_path, "sfl_v2")
+    monkeypatch.chdir(tmp_path)  # the plugin, for the processes started here
+    monkeypatch.syspath_prepend(str(tmp_path))  # and for the client in this process
+    config = quick(clients=2, rounds=2, train_subset=100, test_subset=50, **held)
     revoked = tmp_path / "revoked.txt"
     revoked.write_text("# nobody yet\n")
     make_certs(tmp_path / "certs", 2, [])
@@ -109,6 +112,7 @@ def test_a_revoked_client_is_dropped_and_refused_and_every_event_audited(tmp_pat
     assert "the server refused client 1: client 1 is revoked" in leaving.stderr.read()  # type: ignore[union-attr]
     with pytest.raises(UserError, match=r"the server refused client 1: the certificate of client-1 .* is revoked"):
         server.client_in_process(1)
+    hold.unlink()  # round 1 and on, without client 1
     assert server.process.wait() == 0 and staying.wait() == 0
     audit = [json.loads(line) for line in (tmp_path / "run" / "connections.jsonl").read_text().splitlines()]
     events = [(row["event"], row["client"]) for row in audit]
