@@ -80,7 +80,7 @@ def test_driver_actor_bytes_per_round_do_not_grow_with_k(local_ray, tmp_path: Pa
     for k in (10, 60):
         out = tmp_path / f"k{k}"
         one_step = {"participation": 5 / k, "train_subset": 600, "batch_size": 8, "local_steps": 1}
-        run(config("psl", out, clients=k, backend="ray", workers=1, **one_step), progress=False)
+        run(config("psl", out, clients=k, backend="ray", workers=2, **one_step), progress=False)
         rows = rows_of(out)
         assert all(row["round_compute_seconds"]["client"] > 0 for row in rows)
         assert [("ray_startup_seconds" in row) for row in rows] == [True, False]
