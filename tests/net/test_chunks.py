@@ -124,3 +124,4 @@ def test_a_client_whose_chunks_do_not_add_up_is_dropped_with_one_line(tmp_path):
         assert len(drops) == 1 and text in drops[0], drops
     for rogue in rogues:
         rogue.close()
+    assert "round 1: only 0 of 3 clients finished (dropped: 0, 1, 2)" in str(server.wait())  # it ends at once
