@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import struct
 import tarfile
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +111,36 @@ def crash_before_round(crash_round: int, config: dict, monkeypatch) -> None:
         patch.setattr(Algorithm, "run_round", crash)
         with pytest.raises(KeyboardInterrupt):
             run(config, progress=False)
+
+
+HELD_PLUGIN = """
+import time
+from pathlib import Path
+
+from splitlab.algorithms import get_algorithm
+
+
+class Held(get_algorithm({algorithm!r})):
+    name = {name!r}
+
+    def run_round(self, rnd, clients):
+        while rnd == 1 and Path({hold!r}).exists():
+            time.sleep(0.02)
+        return super().run_round(rnd, clients)
+"""
+
+
+def held_plugin(folder: Path, algorithm: str) -> tuple[dict[str, str], Path]:
+    """A plugin module in `folder` (on sys.path of the processes started there) whose algorithm is
+    `algorithm` waiting before round 1 while the returned file exists: a run started in another
+    process has checkpointed round 0 and is still running, however loaded the machine, until the
+    test removes the file. The plugin keys to add to the run's, and that file. (Module and
+    algorithm names are new each call: a test process keeps what it imported.)"""
+    name = f"held_{algorithm}_{uuid.uuid4().hex[:8]}"
+    hold = folder / f"{name}.hold"
+    hold.touch()
+    (folder / f"{name}.py").write_text(HELD_PLUGIN.format(algorithm=algorithm, name=name, hold=str(hold)))
+    return {"plugins": name, "algorithm": name}, hold
 
 
 class DropsOut(SerializedTransport):

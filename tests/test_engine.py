@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import crash_before_round, global_weights, quick, train
+from helpers import crash_before_round, global_weights, held_plugin, quick, train
 from splitlab import codec
 from splitlab.algorithms.sfl_v2 import SFLV2
 from splitlab.checkpoints import Checkpointer
@@ -104,13 +104,17 @@ def assert_same_run(a: Path, b: Path) -> None:
     assert not (b / CHECKPOINT).exists()
 
 
-def test_sigkilled_cli_run_resumes_to_the_uninterrupted_result(tmp_path):
+def test_sigkilled_cli_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
+    """SFL-V1 (a plugin's copy that waits before round 1 while a file exists) SIGKILLed after its
+    first checkpoint: the same command line resumes it to the uninterrupted run's end."""
+    held, hold = held_plugin(tmp_path, "sfl_v1")
+    monkeypatch.syspath_prepend(str(tmp_path))  # for the runs in this process
     args = [
-        "algorithm=sfl_v1",
+        *(f"{k}={v}" for k, v in held.items()),
         "dataset=digits",
         "model=mlp",
         "clients=4",
-        "rounds=30",
+        "rounds=3",
         "device=cpu",
         "train_subset=400",
         "partition=dirichlet:1",
@@ -120,14 +124,17 @@ def test_sigkilled_cli_run_resumes_to_the_uninterrupted_result(tmp_path):
     process = subprocess.Popen(
         [sys.executable, "-m", "splitlab", "run", "--no-progress", *args, f"out={killed}"],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
     )
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300
     while not (killed / CHECKPOINT).exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
+        assert process.poll() is None, process.communicate()[1]
+        time.sleep(0.05)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    assert not (killed / "summary.json").exists(), "the run finished before it could be killed"
+    assert not (killed / "summary.json").exists()
+    hold.unlink()
     # the same command line resumes it, and runs it whole, in this process (a process's start-up saved)
     assert main(["run", "--no-progress", *args, f"out={killed}", "resume=true"]) == 0
     assert main(["run", "--no-progress", *args, f"out={tmp_path / 'whole'}"]) == 0

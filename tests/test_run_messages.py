@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+from helpers import held_plugin
 from splitlab.algorithms.base import Algorithm
 from splitlab.cli import main
 from splitlab.rundir import CHECKPOINT, CURVES
@@ -80,12 +81,16 @@ def test_a_finished_run_with_a_damaged_summary_is_refused_in_one_line(tmp_path, 
 
 
 def test_sigterm_ends_a_run_as_ctrl_c_does(tmp_path):
+    """A run waiting before round 1 (a plugin's copy of its algorithm) after its first checkpoint."""
     out = tmp_path / "run"
-    cli = [sys.executable, "-m", "splitlab", "run", *ARGS, "rounds=200", "checkpoint_every=0", f"out={out}"]
-    process = subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
+    held, _ = held_plugin(tmp_path, "sfl_v2")
+    keys = [*ARGS, *(f"{k}={v}" for k, v in held.items()), "rounds=3", "checkpoint_every=0", f"out={out}"]
+    cli = [sys.executable, "-m", "splitlab", "run", *keys]
+    process = subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    deadline = time.monotonic() + 300
     while not (out / CHECKPOINT).exists() and time.monotonic() < deadline:
-        time.sleep(0.01)
+        assert process.poll() is None, process.communicate()[1]
+        time.sleep(0.05)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate()
     assert process.returncode == 130, err

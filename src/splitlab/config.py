@@ -233,8 +233,8 @@ class RunConfig(BaseModel):
     resumed run replays from the last one"""
     defense: str = Field("none", json_schema_extra=PRIVACY)
     """defenses at the cut, +-joined: clip:<C> noise:<sigma> dp:epsilon=<E> gradnoise:<scale> nopeek:<alpha>
-    quantize:int8|fp16 topk:<fraction> marvell[:<scale>] label_dp:<epsilon> dchi:<epsilon>; none = no defense
-    (docs/privacy.md)"""
+    quantize:int8|fp16 topk:<fraction> marvell[:<scale>] marvell:kl=<sumKL bound> label_dp:<epsilon> dchi:<epsilon>;
+    none = no defense (docs/privacy.md)"""
     record: int = Field(0, ge=0, le=10**7, json_schema_extra=PRIVACY)
     """record what the server saw at the cut, up to N samples per round, for attacks"""
     noise_key: str | None = Field(None, min_length=1, json_schema_extra=PRIVACY)

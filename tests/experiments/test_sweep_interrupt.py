@@ -15,19 +15,19 @@ from pathlib import Path
 
 import yaml
 
+from helpers import held_plugin
 from splitlab.algorithms.base import Algorithm
 from splitlab.cli import main
 from splitlab.rundir import CHECKPOINT
 
 BASE = {"dataset": "digits", "model": "mlp", "clients": 2, "train_subset": 200, "device": "cpu"}
-# rounds of ~0.3 s: a run is still training when the test sees its first checkpoint and interrupts
-BASE |= {"checkpoint_every": 0, "rounds": 10, "eval_every": 5, "local_epochs": 20}
+BASE |= {"checkpoint_every": 0, "rounds": 3, "eval_every": 5}
 RUNS = ("seed=0", "seed=1")
 
 
-def sweep_file(tmp_path: Path) -> Path:
+def sweep_file(tmp_path: Path, **base) -> Path:
     path = tmp_path / "long.yaml"
-    path.write_text(yaml.safe_dump({"base": BASE, "axes": {"seed": [0, 1]}}))
+    path.write_text(yaml.safe_dump({"base": BASE | base, "axes": {"seed": [0, 1]}}))
     return path
 
 
@@ -68,11 +68,17 @@ def test_ctrl_c_in_a_sweep_run_in_process(tmp_path, monkeypatch, capsys):
     check_clean(tmp_path / "sweep")
 
 
-def test_ctrl_c_stops_the_worker_processes_cleanly(tmp_path):
+def test_ctrl_c_stops_the_worker_processes_cleanly(tmp_path, monkeypatch):
+    """Both runs checkpointed round 0 and wait before round 1 (a plugin algorithm, imported by
+    each worker process from the folder the command starts in) when Ctrl-C comes."""
+    held, hold = held_plugin(tmp_path, "fedavg")
+    monkeypatch.syspath_prepend(str(tmp_path))  # for the run again in this process
     sweep = tmp_path / "sweep"
-    cli = [sys.executable, "-m", "splitlab", "sweep", str(sweep_file(tmp_path)), "--out", str(sweep), "--no-progress"]
+    spec = sweep_file(tmp_path, **held)
+    cli = [sys.executable, "-m", "splitlab", "sweep", str(spec), "--out", str(sweep), "--no-progress"]
     process = subprocess.Popen(
         [*cli, "--jobs", "2"],
+        cwd=tmp_path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -81,14 +87,16 @@ def test_ctrl_c_stops_the_worker_processes_cleanly(tmp_path):
         # script) ignores SIGINT, and a child inherits that, so Ctrl-C would never reach the sweep
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    deadline = time.monotonic() + 120
-    while not list(sweep.glob(f"*/{CHECKPOINT}")) and time.monotonic() < deadline:
-        time.sleep(0.01)
+    deadline = time.monotonic() + 300
+    while len(list(sweep.glob(f"*/{CHECKPOINT}"))) < 2 and time.monotonic() < deadline:
+        assert process.poll() is None, process.communicate()[1]
+        time.sleep(0.05)
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: to every process of the group
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130, err
     check_one_line(err, finished=0)
     check_clean(sweep)
+    hold.unlink()
     assert main(cli[3:]) == 0  # again (here, in this process)
     assert all((sweep / name / "summary.json").is_file() for name in RUNS)
     check_clean(sweep)

@@ -18,7 +18,15 @@ from splitlab.cli import main
 from splitlab.config import RunConfig
 from splitlab.engine import run
 from splitlab.errors import UserError
-from splitlab.privacy.defenses import Defense, keep_probability, marvell_variances
+from splitlab.privacy.defenses import (
+    KL_SCALE_TOLERANCE,
+    Defense,
+    MarvellLevel,
+    keep_probability,
+    marvell_kl_scale,
+    marvell_sum_kl,
+    marvell_variances,
+)
 
 
 def sum_kl(variances: np.ndarray, u: float, v: float, d: int, g: float) -> float:
@@ -64,7 +72,7 @@ def test_marvell_noise_has_the_class_covariances_it_chose():
     torch.manual_seed(0)
     labels = (torch.arange(4000) % 4 == 0).long()  # p = 1/4
     grad = torch.randn(4000, 6) * 0.1 + labels[:, None] * torch.tensor([1.0, 0, 0, 0, 0, 0])
-    noised = Defense(marvell=2.0).send_gradient(grad, torch.Generator().manual_seed(1), labels)
+    noised = Defense(marvell=MarvellLevel(2.0)).send_gradient(grad, torch.Generator().manual_seed(1), labels)
     noise = noised - grad
     flat = grad.double()
     g = float((flat[labels == 1].mean(0) - flat[labels == 0].mean(0)).square().sum())
@@ -80,6 +88,78 @@ def test_marvell_noise_has_the_class_covariances_it_chose():
         measured_across = (n - (n @ unit)[:, None] * unit).square().sum(1).mean() / 5
         assert measured_along == pytest.approx(along, rel=0.1, abs=1e-3)
         assert measured_across == pytest.approx(across, rel=0.1, abs=1e-3)
+
+
+def gaussian_kl(mean_p: np.ndarray, cov_p: np.ndarray, mean_q: np.ndarray, cov_q: np.ndarray) -> float:
+    """KL(N(mean_p, cov_p) || N(mean_q, cov_q)), the closed form for full covariances."""
+    inverse_q, diff = np.linalg.inv(cov_q), mean_q - mean_p
+    log_det_ratio = np.linalg.slogdet(cov_q)[1] - np.linalg.slogdet(cov_p)[1]
+    return 0.5 * (np.trace(inverse_q @ cov_p) + diff @ inverse_q @ diff - len(mean_p) + log_det_ratio)
+
+
+@pytest.mark.parametrize(
+    ("variances", "u", "v", "g"),
+    [
+        ((0.0, 0.0, 0.0, 0.0), 1.0, 1.0, 1.0),  # N(m, I) against N(0, I), |m|^2 = 1: each KL 1/2, the sum 1
+        ((0.3, 0.0, 2.0, 0.5), 0.2, 1.5, 0.7),
+        ((4.0, 1.0, 0.1, 0.0), 2.0, 0.5, 3.0),
+    ],
+)
+def test_marvell_sum_kl_is_the_symmetrised_kl_of_the_two_noised_gaussians(variances, u, v, g):
+    """The classes as Marvell models them, in 4 dimensions along a rotated direction: positives
+    N(sqrt(g) e, v I + Sigma_1), negatives N(0, u I + Sigma_0), Sigma_k = along_k ee^T + across_k (I - ee^T)."""
+    d = 4
+    e = np.array([1.0, -2.0, 0.5, 2.0])
+    e /= np.linalg.norm(e)
+    along = np.outer(e, e)
+    neg_dir, neg_iso, pos_dir, pos_iso = variances
+    cov_pos = v * np.eye(d) + pos_dir * along + pos_iso * (np.eye(d) - along)
+    cov_neg = u * np.eye(d) + neg_dir * along + neg_iso * (np.eye(d) - along)
+    mean_pos, mean_neg = math.sqrt(g) * e, np.zeros(d)
+    direct = gaussian_kl(mean_pos, cov_pos, mean_neg, cov_neg) + gaussian_kl(mean_neg, cov_neg, mean_pos, cov_pos)
+    assert marvell_sum_kl(variances, u, v, d, g) == pytest.approx(direct, rel=1e-12)
+    if variances == (0.0, 0.0, 0.0, 0.0):
+        assert direct == pytest.approx(1.0, rel=1e-12)
+
+
+def sum_kl_at(scale: float, u: float, v: float, d: int, g: float, p: float) -> float:
+    return marvell_sum_kl(marvell_variances(u, v, d, g, p, scale * g), u, v, d, g)
+
+
+@pytest.mark.parametrize(
+    ("u", "v", "d", "g", "p", "bound"),
+    [
+        (2.9e-8, 1.4e-7, 200, 1e-5, 0.6, 0.25),  # u, v, d of a breast_cancer batch (docs/privacy.md)
+        (2.9e-8, 1.4e-7, 200, 1e-5, 0.6, 4.0),
+        (1.0, 2.0, 32, 5.0, 0.3, 0.1),
+        (2.0, 0.5, 16, 1.0, 0.1, 1.0),
+    ],
+)
+def test_marvell_kl_scale_is_the_smallest_whose_optimum_meets_the_bound(u, v, d, g, p, bound):
+    scale = marvell_kl_scale(u, v, d, g, p, bound)
+    assert sum_kl_at(scale, u, v, d, g, p) <= bound < sum_kl_at(scale / (1 + KL_SCALE_TOLERANCE), u, v, d, g, p)
+
+
+def test_marvell_kl_scale_by_hand():
+    """Equal class variances w, p = 1/2: the optimum adds the same variance s g along g to both
+    classes (none across), so sumKL = g / (w + s g) and the bound K needs s = 1/K - w/g; gradients
+    whose sumKL already meets K get no noise."""
+    scale = marvell_kl_scale(0.5, 0.5, 8, 2.0, 0.5, 0.25)
+    assert 3.75 <= scale <= 3.75 * (1 + KL_SCALE_TOLERANCE)
+    assert marvell_kl_scale(1.0, 1.0, 8, 0.1, 0.5, 0.25) == 0.0  # sumKL 0.1 unperturbed
+
+
+def test_marvell_with_a_kl_bound_is_marvell_at_the_scale_it_finds():
+    torch.manual_seed(0)
+    labels = (torch.arange(64) % 3 == 0).long()
+    grad = torch.randn(64, 10) * 0.1 + labels[:, None] * 0.3
+    flat, positive = grad.double(), labels == 1
+    u, v = float(flat[~positive].var(0, unbiased=False).mean()), float(flat[positive].var(0, unbiased=False).mean())
+    g = float((flat[positive].mean(0) - flat[~positive].mean(0)).square().sum())
+    scale = marvell_kl_scale(u, v, 10, g, float(positive.double().mean()), 0.25)
+    bounded = Defense(marvell=MarvellLevel(0.25, kl=True)).send_gradient(grad, torch.Generator().manual_seed(1), labels)
+    fixed = Defense(marvell=MarvellLevel(scale)).send_gradient(grad, torch.Generator().manual_seed(1), labels)
+    assert scale > 1 and torch.equal(bounded, fixed)
 
 
 BINARY = dict(dataset="breast_cancer", model="mlp", algorithm="sl", clients=2, rounds=5, record=200, device="cpu")
@@ -100,6 +180,19 @@ def test_marvell_brings_li_et_al_attacks_to_chance_on_a_binary_task(tmp_path):
     assert plain["direction_auc"] > 0.95  # the leak is there undefended
     assert abs(marvell["norm_auc"] - 0.5) < 0.1 and abs(marvell["direction_auc"] - 0.5) < 0.1
     assert marvell_summary["final_accuracy"] > plain_summary["final_accuracy"] - 0.05
+
+
+def test_marvell_at_the_reference_codes_kl_bound_reaches_chance_in_direction_not_in_norm(tmp_path):
+    """`marvell:kl=0.25`, the reference code's default bound on the symmetrised KL: the direction
+    attack falls from reading every label to 0.538 with this key, but the norm attack reverses
+    (0.353: the class with the smaller gradient variance gets the larger noise, docs/privacy.md),
+    so the issue's "both within 0.1 of chance" does not hold at this bound here (5 of 9 benchmark
+    runs held; `marvell:16`, the default, held in all 9)."""
+    plain_summary, plain = recorded_leak(tmp_path, "none")
+    bounded_summary, bounded = recorded_leak(tmp_path, "marvell:kl=0.25")
+    assert plain["direction_auc"] > 0.95 and abs(bounded["direction_auc"] - 0.5) < 0.1
+    assert bounded["norm_auc"] < 0.4 < 0.5 < plain["norm_auc"]
+    assert bounded_summary["final_accuracy"] > plain_summary["final_accuracy"] - 0.05
 
 
 def test_marvell_on_a_vertical_run_protects_the_labels_from_every_passive_party(tmp_path):
@@ -191,6 +284,12 @@ def test_a_label_defended_run_resumes_bit_for_bit(defense):
         (["dataset=synthetic", "defense=label_dp:0"], "label_dp:<epsilon > 0>"),
         (["dataset=synthetic", "defense=label_dp:-1"], "label_dp:<epsilon > 0>"),
         (["dataset=synthetic", "defense=marvell:0"], "marvell[:<power scale > 0>]"),
+        (
+            ["dataset=breast_cancer", "defense=marvell:kl=0"],
+            "invalid defense 'marvell:kl=0': expected marvell[:<power scale > 0>] or marvell:kl=<sumKL bound > 0>",
+        ),
+        (["dataset=breast_cancer", "defense=marvell:kl=x"], "invalid defense 'marvell:kl=x': expected marvell["),
+        (["dataset=breast_cancer", "defense=marvell:kl=inf"], "marvell:kl=<sumKL bound > 0>"),
         (
             ["dataset=synthetic", "defense=marvell"],
             "marvell needs a binary classification task; synthetic has 10 classes",

@@ -17,6 +17,8 @@ layer's tensors are compressed on the wire.
   adds to each cut gradient Gaussian noise whose covariance depends on the sample's class, chosen
   to minimise the symmetrised KL divergence between the two classes' gradient distributions
   under a power budget S x ||mean positive gradient - mean negative gradient||^2 (`marvell_variances`);
+  `marvell:kl=K`: per batch, the smallest such budget whose optimum's symmetrised KL is at most K
+  (the reference code's dynamic mode, `marvell_kl_scale`);
 - `dchi:E`: d_chi-privacy (metric DP) of each token's embedding (Feyisetan et al. 2020): on a
   language model the client adds to the embedding stage's output, per token, noise of density
   proportional to exp(-E ||z||), which the client's later stages only post-process;
@@ -59,7 +61,7 @@ ITEMS = {
     "nopeek": "nopeek:<alpha >= 0>",
     "quantize": "quantize:int8|fp16",
     "topk": "topk:<fraction in (0, 1]>",
-    "marvell": "marvell[:<power scale > 0>]",
+    "marvell": "marvell[:<power scale > 0>] or marvell:kl=<sumKL bound > 0>",
     "label_dp": "label_dp:<epsilon > 0>",
     "dchi": "dchi:<epsilon > 0>",
 }
@@ -67,11 +69,25 @@ ITEMS = {
 #: it, its reference code defaults to 1; on breast_cancer s = 0.1 to 4 left an attack more than 0.1 from chance in
 #: most of 9 runs (3 seeds x 3 noise keys; the norm AUC reversed, down to 0.32), 16 held in all 9 (docs/privacy.md)
 MARVELL_SCALE = 16.0
+#: `marvell:kl=K`: the scale found is within this relative distance above the smallest that meets K ...
+KL_SCALE_TOLERANCE = 1e-3
+#: ... and at most this (reached only by a batch no budget brings to K: both classes' gradients without spread)
+KL_SCALE_LIMIT = 2.0**40
 FP16_MAX = torch.finfo(torch.float16).max
 #: relative error of fp16 for normal values (10 stored mantissa bits, round to nearest) ...
 FP16_RELATIVE_ERROR = 2.0**-11
 #: ... and the absolute error below its normal range (half the smallest subnormal step)
 FP16_ABSOLUTE_ERROR = 2.0**-25
+
+
+@dataclass(frozen=True)
+class MarvellLevel:
+    """Marvell's noise level: `value` is the power scale S (P = S x ||g||^2, `marvell:S`) or, with
+    `kl`, a bound K on the optimum's symmetrised KL divergence, the scale then found per batch
+    (`marvell:kl=K`, the reference code's dynamic mode; `marvell_kl_scale`)."""
+
+    value: float
+    kl: bool = False
 
 
 @dataclass(frozen=True)
@@ -86,8 +102,8 @@ class Defense:
     topk: float | None = None
     #: `dp:epsilon=E,delta=D`: the target the noise is calibrated to (splitlab.privacy.accounting)
     dp: tuple[float, float] | None = None
-    #: `marvell:S`: the power budget's scale (the server's cut gradients, binary labels)
-    marvell: float | None = None
+    #: `marvell:S` or `marvell:kl=K`: the noise level (the server's cut gradients, binary labels)
+    marvell: MarvellLevel | None = None
     #: `label_dp:E`: the epsilon of randomised response on the labels clients send
     label_dp: float | None = None
     #: `dchi:E`: the epsilon of d_chi-privacy on each token's embedding (language models)
@@ -325,24 +341,26 @@ def keep_probability(epsilon: float, classes: int) -> float:
 
 
 def marvell_noise(
-    grad: torch.Tensor, labels: torch.Tensor, scale: float, generator: torch.Generator | None
+    grad: torch.Tensor, labels: torch.Tensor, level: MarvellLevel, generator: torch.Generator | None
 ) -> torch.Tensor:
     """Marvell's noise for a batch of cut gradients with binary labels (1 positive, 0 negative).
 
     As the paper's reference code: the two classes' gradients are modelled as N(mean_k, var_k I)
     with var_k the batch's mean per-coordinate variance of class k, p is the batch's fraction of
-    positives and the budget P = scale x ||g||^2, g the difference of the class means. Each class
+    positives and the budget P = scale x ||g||^2, g the difference of the class means, the scale
+    fixed (`marvell:S`) or the smallest whose optimum's sumKL meets the bound (`marvell:kl=K`). Each class
     gets noise N(0, Sigma_k) with Sigma_k = dir_k gg^T/||g||^2 + iso_k (I - gg^T/||g||^2), the
     form of the optimum (the paper's Theorem 2), the four variances from `marvell_variances`.
     A batch of one class has no class difference to shape the noise by: it gets isotropic noise
-    of power scale x ||batch mean gradient||^2 (a simplification; the paper does not say)."""
+    of power scale x ||batch mean gradient||^2, scale 1 with `kl=K` (no KL between classes to
+    bound; 1 is where the reference's dynamic mode starts): a simplification, the paper does not say."""
     flat = grad.flatten(1).double()
     positive = labels.reshape(-1) == 1
     z = torch.randn(flat.shape, generator=generator, device=flat.device, dtype=flat.dtype)
     w = torch.randn(flat.shape[:1], generator=generator, device=flat.device, dtype=flat.dtype)
     d = flat.shape[1]
     if bool(positive.all()) or not bool(positive.any()):
-        power = scale * float(flat.mean(0).square().sum())
+        power = (1.0 if level.kl else level.value) * float(flat.mean(0).square().sum())
         return (z * math.sqrt(power / d)).view(grad.shape).to(grad.dtype)
     pos, neg = flat[positive], flat[~positive]
     diff = pos.mean(0) - neg.mean(0)
@@ -351,6 +369,7 @@ def marvell_noise(
         return torch.zeros_like(grad)
     u, v = float(neg.var(0, unbiased=False).mean()), float(pos.var(0, unbiased=False).mean())
     p = float(positive.double().mean())
+    scale = marvell_kl_scale(u, v, d, distance2, p, level.value) if level.kl else level.value
     neg_dir, neg_iso, pos_dir, pos_iso = marvell_variances(u, v, d, distance2, p, scale * distance2)
     unit = diff / math.sqrt(distance2)
     along = z @ unit
@@ -389,9 +408,7 @@ def marvell_variances(u: float, v: float, d: int, g: float, p: float, power: flo
         return (neg_dir, across, pos_dir, 0 * across) if u < v else (neg_dir, 0 * across, pos_dir, across)
 
     def objective(share: Any, split: Any) -> Any:
-        neg_dir, neg_iso, pos_dir, pos_iso = variances(share, split)
-        a1, b1, a2, b2 = v + pos_dir, u + neg_dir, v + pos_iso, u + neg_iso
-        value = orthogonal * (a2 / b2 + b2 / a2) + (b1 + g) / a1 + (a1 + g) / b1
+        value = marvell_objective(variances(share, split), u, v, d, g)
         return np.where(np.isfinite(value), value, np.inf)
 
     low, high = np.array([0.0, 0.0]), np.array([min(power, equalise), 1.0])
@@ -403,6 +420,44 @@ def marvell_variances(u: float, v: float, d: int, g: float, p: float, power: flo
             best, step = np.array([shares[i], splits[i]]), (high - low) / 64
             low, high = np.maximum(best - 2 * step, 0), np.minimum(best + 2 * step, bounds)
     return tuple(float(x) for x in variances(best[0], best[1]))
+
+
+def marvell_objective(variances: tuple[Any, ...], u: float, v: float, d: int, g: float) -> Any:
+    """Marvell's objective for the variances (negatives along g, negatives across, positives along
+    g, positives across): (d-1) (a2/b2 + b2/a2) + (b1 + g)/a1 + (a1 + g)/b1 (`marvell_variances`);
+    numpy arrays of variances give an array."""
+    neg_dir, neg_iso, pos_dir, pos_iso = variances
+    a1, b1, a2, b2 = v + pos_dir, u + neg_dir, v + pos_iso, u + neg_iso
+    return (d - 1) * (a2 / b2 + b2 / a2) + (b1 + g) / a1 + (a1 + g) / b1
+
+
+def marvell_sum_kl(variances: tuple[float, ...], u: float, v: float, d: int, g: float) -> float:
+    """KL(N_1 || N_0) + KL(N_0 || N_1) of the two noised class Gaussians: (objective - 2d) / 2 (each
+    KL is half of trace + mean term - d + log-determinant ratio; the two log-determinants cancel).
+    The reference code bounds any attacker's detection error below by 1/2 - sqrt(sumKL)/4."""
+    return (float(marvell_objective(variances, u, v, d, g)) - 2 * d) / 2
+
+
+def marvell_kl_scale(u: float, v: float, d: int, g: float, p: float, bound: float) -> float:
+    """The smallest power scale s (P = s g) whose Marvell optimum has sumKL at most `bound`
+    (`marvell:kl=K`), to a relative KL_SCALE_TOLERANCE above it. The optimum's sumKL does not grow
+    with the budget (more power can go equally to both classes along g, which lowers the mean term),
+    so: 0 where the gradients already meet the bound, else doubling from 1 until the bound holds
+    (up to KL_SCALE_LIMIT), then bisection. The paper's reference code (dynamic=True) starts at
+    s = 1 and multiplies by 1.5 until it holds: never below 1, and up to 1.5 x the smallest above."""
+
+    def meets(scale: float) -> bool:
+        return marvell_sum_kl(marvell_variances(u, v, d, g, p, scale * g), u, v, d, g) <= bound
+
+    if meets(0.0):
+        return 0.0
+    low, high = 0.0, 1.0
+    while high < KL_SCALE_LIMIT and not meets(high):
+        low, high = high, 2 * high
+    while high - low > KL_SCALE_TOLERANCE * high:
+        middle = (low + high) / 2
+        low, high = (low, middle) if meets(middle) else (middle, high)
+    return high
 
 
 def check_applies(config: Any, splits: bool) -> None:
@@ -443,7 +498,7 @@ def check_task(defense: Defense, value: str, dataset: str, task: str, classes: i
 
 def parse_defense(value: str) -> Defense:
     """`none` or `+`-joined items (clip:C, noise:S, dp:epsilon=E, gradnoise:S, nopeek:A, quantize:int8|fp16,
-    topk:F, marvell[:S], label_dp:E, dchi:E)."""
+    topk:F, marvell[:S], marvell:kl=K, label_dp:E, dchi:E)."""
     if value == "none":
         return Defense()
     settings: dict[str, Any] = {}
@@ -471,11 +526,24 @@ def _dp_target(arg: str, value: str) -> tuple[float, float]:
     return target
 
 
-def _argument(name: str, arg: str, value: str) -> float | str | tuple[float, float]:
+def _marvell_level(arg: str, value: str) -> MarvellLevel:
+    """`` (the default scale), `S` or `kl=K`."""
+    if arg == "":
+        return MarvellLevel(MARVELL_SCALE)
+    try:
+        number = float(arg.removeprefix("kl="))
+    except ValueError:
+        number = math.nan
+    if not 0 < number < math.inf:
+        raise UserError(f"invalid defense {value!r}: expected {ITEMS['marvell']}")
+    return MarvellLevel(number, kl=arg.startswith("kl="))
+
+
+def _argument(name: str, arg: str, value: str) -> float | str | tuple[float, float] | MarvellLevel:
     if name == "dp":
         return _dp_target(arg, value)
-    if name == "marvell" and arg == "":
-        return MARVELL_SCALE
+    if name == "marvell":
+        return _marvell_level(arg, value)
     if name == "quantize":
         if arg not in ("int8", "fp16"):
             raise UserError(f"invalid defense {value!r}: expected {ITEMS[name]}")
@@ -490,7 +558,6 @@ def _argument(name: str, arg: str, value: str) -> float | str | tuple[float, flo
         "gradnoise": 0 <= number < math.inf,
         "nopeek": 0 <= number < math.inf,
         "topk": 0 < number <= 1,
-        "marvell": 0 < number < math.inf,
         "label_dp": 0 < number < math.inf,
         "dchi": 0 < number < math.inf,
     }[name]
