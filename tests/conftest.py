@@ -35,13 +35,25 @@ def pytest_xdist_make_scheduler(config, log):
     """Each test module whole on one worker, so its module-scoped fixtures (trained runs, launched
     servers) are built once, not once per worker; the Ray modules together on one worker, so two Ray
     clusters never share the cores. (`--dist loadgroup` would do this by marks, but with pytest 9
-    xdist's group suffix no longer reaches the node ids, so it splits groups silently.)"""
+    xdist's group suffix no longer reaches the node ids, so it splits groups silently.) The longest
+    units go first, so that no worker is left with one at the end while the other idles: the Ray
+    modules, then the modules that start servers and clients (tests/net), then the rest, most tests
+    first."""
     from xdist.scheduler import LoadFileScheduling
+
+    def first(scope: str) -> int:
+        return 0 if scope == "ray" else 1 if Path(scope).parent.name == "net" else 2
 
     class ModulesRayTogether(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = super()._split_scope(nodeid)
             return "ray" if Path(module).name.startswith("test_ray") else module
+
+        def _assign_work_unit(self, node) -> None:
+            ordered = sorted(self.workqueue.items(), key=lambda unit: (first(unit[0]), -len(unit[1])))
+            self.workqueue.clear()
+            self.workqueue.update(ordered)
+            super()._assign_work_unit(node)
 
     return ModulesRayTogether(config, log)
 

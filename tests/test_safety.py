@@ -198,21 +198,13 @@ def test_out_in_proc_is_refused():
 # --- first use -------------------------------------------------------------------------------
 
 
-def _splitlab(*args: str) -> subprocess.CompletedProcess:
-    """The CLI as a user runs it, stderr a pipe (not a terminal)."""
-    return subprocess.run(
-        [sys.executable, "-m", "splitlab", *args], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": SRC}
-    )
-
-
 def test_flags_anywhere_among_pairs_and_one_line_per_round_without_terminal(tmp_path, capfd):
     pairs = cli(rounds=2, out=tmp_path / "quiet")
     assert main(["run", *pairs[:2], "--no-progress", *pairs[2:]]) == 0  # in process: stderr is not a terminal
     assert json.loads((tmp_path / "quiet" / "summary.json").read_text())["rounds_completed"] == 2
     assert "round 1/2" not in capfd.readouterr().err  # --no-progress honoured after the first pair
-    done = _splitlab("run", *cli(rounds=2, out=tmp_path / "lines"))
-    assert done.returncode == 0, done.stderr
-    lines = [line.split("  ")[0] for line in done.stderr.splitlines()]
+    assert main(["run", *cli(rounds=2, out=tmp_path / "lines")]) == 0
+    lines = [line.split("  ")[0] for line in capfd.readouterr().err.splitlines()]
     # one line per round; "round 1/2: 17% (2 of 12 client batches)" lines too where a round outlasts
     # logs.LINE_SECONDS (seen on a loaded machine)
     assert [line for line in lines if ":" not in line] == ["round 1/2", "round 2/2"]
@@ -238,10 +230,11 @@ def test_a_run_is_repeated_from_its_config_yaml_into_a_new_out(tmp_path):
     assert first["final_accuracy"] == second["final_accuracy"]
 
 
-@pytest.mark.parametrize("command", ["datasets", "models", "algorithms"])
-def test_listing_tables_do_not_import_torch(command):
+def test_listing_tables_do_not_import_torch():
+    """The three listings, one after another in one fresh interpreter."""
     probe = (
-        f"import sys; from splitlab.cli import main; main(['{command}']); "
+        "import sys; from splitlab.cli import main\n"
+        "for command in ('datasets', 'models', 'algorithms'): main([command])\n"
         "print('torch' in sys.modules, 'sklearn' in sys.modules)"
     )
     done = subprocess.run(
