@@ -2,7 +2,8 @@
 
 `make test` runs them in parallel workers (pytest-xdist, `-n 2`): every test keeps its files under
 tmp_path and picks free ports; a module runs whole on one worker and the modules that start Ray
-(tests/**/test_ray*.py) all on one (`pytest_xdist_make_scheduler` below); docs/architecture.md, "Tests"."""
+(tests/**/test_ray*.py) all on one (`pytest_xdist_make_scheduler` below), where they share one
+local Ray (`local_ray`); docs/architecture.md, "Tests"."""
 
 import atexit
 import os
@@ -11,6 +12,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -54,3 +56,30 @@ def pytest_xdist_make_scheduler(config, log):
             super()._assign_work_unit(node)
 
     return ModulesRayTogether(config, log)
+
+
+#: The local Ray the Ray tests share: room for 3 client workers and the training server, and 2 GPUs
+#: it is told of (this machine may have none: device=auto then computes on the CPU).
+LOCAL_RAY = {"num_cpus": 4, "num_gpus": 2}
+
+
+@pytest.fixture(scope="session")
+def _local_ray_stopped_at_the_end():
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+@pytest.fixture
+def local_ray(_local_ray_stopped_at_the_end):
+    """One local Ray for all the Ray tests of this worker (`LOCAL_RAY`), started by the first that asks
+    and kept (a start costs 4-17 s of the loaded machine's time). A test that needs another Ray (a
+    multi-node cluster) or none (the pre-flight checks) shuts it down; the next one that asks starts
+    it again. address="local": a Ray of its own, even where another one runs on this machine
+    (ray.init would join that one, and refuse num_cpus there)."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address="local", **LOCAL_RAY, include_dashboard=False, log_to_driver=False)
+    yield ray

@@ -1,5 +1,7 @@
-"""backend=ray on a real local Ray (one per module): client nodes on worker actors, the training
-server on its own, every message as codec bytes; bit for bit the in-process run."""
+"""backend=ray on a real local Ray (the Ray tests' `local_ray`, tests/conftest.py: 4 CPUs and 2 GPUs
+it is told of): client nodes on worker actors, the training server on its own, every message as
+codec bytes; bit for bit the in-process run (one torch thread here, as each actor computes:
+tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -36,19 +38,6 @@ TIMING = (
     "ray_worker_seconds",
     "ray_client_moves",
 )
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    """Ray with room for 3 client workers + the server, and 2 GPUs it is told of (this machine has
-    none); the in-process runs with one torch thread, as each actor computes (torch's CPU kernels
-    may split sums differently with more threads)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    ray.init(address="local", num_cpus=4, num_gpus=2, include_dashboard=False, log_to_driver=False)  # GPUs: told of
-    yield
-    ray.shutdown()
-    torch.set_num_threads(threads)
 
 
 def results(out: Path) -> tuple[list[dict], bytes | None]:
@@ -211,7 +200,7 @@ def test_workers_on_nodes_without_the_data_files_run_from_the_object_store(local
     fashion = {"dataset": "fashion_mnist", "data_dir": str(data), "train_subset": 200, "test_subset": 100}
     run(config("sfl_v1", tmp_path / "local", **fashion), progress=False)
     monkeypatch.setattr(ray_backend, "start_roles", without_files)
-    run(config("sfl_v1", tmp_path / "ray", backend="ray", workers=2, **fashion), progress=False)
+    run(config("sfl_v1", tmp_path / "ray", backend="ray", workers=1, **fashion), progress=False)
     assert not data.exists()
     assert results(tmp_path / "local") == results(tmp_path / "ray")
 
@@ -226,13 +215,38 @@ def test_more_workers_than_free_cpus_are_refused(local_ray, tmp_path: Path):
     assert not (tmp_path / "o").exists()
 
 
-def test_ray_backend_is_bit_identical_to_in_process_with_half_a_gpu_per_client(local_ray, tmp_path: Path, monkeypatch):
-    """FedAvg, gpus_per_client=0.5 and 3 client workers: the 4 actors (the server's too) take the 2
-    GPUs Ray was told of, two on each. Torch sees no CUDA here, so device=auto computes on the CPU:
-    the same metrics every round (losses, accuracy, per-kind bytes) and the same weights file as in
-    process; the checkpoints taken every round fetch every role's state from the actors. (On a real
-    GPU node the actors would compute on theirs: that needs one. Every family, with an actor killed
-    mid-round: tests/test_ray_cluster.py.)"""
+@pytest.mark.parametrize("algorithm", ["sglr", "cycle_sfl"])
+def test_a_family_whose_clients_go_one_after_another_is_bit_identical_on_ray(local_ray, algorithm, tmp_path: Path):
+    """One client worker (a second would have nothing to do) and the server: every number (losses,
+    accuracy, per-kind bytes, by client too) and the weights as in process. (With an actor killed
+    mid-round: the same replay as the families of tests/test_ray_cluster.py; resumed from a
+    checkpoint in process: tests/algorithms.)"""
+    local = run(config(algorithm, tmp_path / "local"), progress=False)
+    remote = run(config(algorithm, tmp_path / "ray", backend="ray", workers=1), progress=False)
+    assert results(tmp_path / "local") == results(tmp_path / "ray")
+    assert remote.pop("envelope_bytes") > remote["total_bytes"] and "envelope_bytes" not in local
+    assert remote["comm_bytes_by_client"] == local["comm_bytes_by_client"]
+    rows = rows_of(tmp_path / "ray")
+    assert all(row["driver_actor_bytes"] > 0 and row["round_compute_seconds"]["client"] > 0 for row in rows)
+
+
+def test_a_plugin_s_run_with_half_a_gpu_per_client_is_bit_identical_to_in_process(
+    local_ray, tmp_path: Path, monkeypatch
+):
+    """A plugin's FedAvg (the builtin's code under another name, in a folder made after Ray started:
+    the folder travels with the run, splitlab.plugins.ray_options), gpus_per_client=0.5 and 3 client
+    workers: the 4 actors (the server's too) take the 2 GPUs Ray was told of, two on each. Torch sees
+    no CUDA here, so device=auto computes on the CPU: the same metrics every round (losses,
+    accuracy, per-kind bytes) and the same weights file as the builtin in process; the checkpoints
+    taken every round fetch every role's state from the actors. (On a real GPU node the actors
+    would compute on theirs: that needs one. Every family, with an actor killed mid-round:
+    tests/test_ray_cluster.py.)"""
+    from test_plugins import write_plugin
+
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    write_plugin(folder, "ray_plugin", "ray_fedavg")
+    monkeypatch.syspath_prepend(str(folder))
     start_roles, placed = ray_backend.start_roles, []
 
     def looking(*args):
@@ -243,8 +257,8 @@ def test_ray_backend_is_bit_identical_to_in_process_with_half_a_gpu_per_client(l
 
     monkeypatch.setattr(ray_backend, "start_roles", looking)
     local = run(config("fedavg", tmp_path / "local"), progress=False)
-    auto = {"backend": "ray", "workers": 3, "gpus_per_client": 0.5, "device": "auto"}
-    remote = run(config("fedavg", tmp_path / "ray", **auto), progress=False)
+    auto = {"backend": "ray", "workers": 3, "gpus_per_client": 0.5, "device": "auto", "plugins": "ray_plugin"}
+    remote = run(config("ray_fedavg", tmp_path / "ray", **auto), progress=False)
     assert sorted(gpus for gpus, _ in placed) == [("0",), ("0",), ("1",), ("1",)]
     assert {device for _, device in placed} == {"cpu"}
     assert results(tmp_path / "local") == results(tmp_path / "ray")
@@ -278,7 +292,7 @@ def test_an_actor_lost_where_the_roles_cannot_be_built_again_stops_and_resumes_b
     local_ray, tmp_path, monkeypatch
 ):
     """PSL, an actor killed in round 2, and what is left cannot hold the roles again (here the rebuild
-    asks for 5 workers of the 3 CPUs, as after losing nodes): one line with the resume hint (exit 4);
+    asks for 5 workers of the 4 CPUs, as after losing nodes): one line with the resume hint (exit 4);
     resumed from round 1's checkpoint (here in process), every number and the weights as in a run
     never interrupted. (An actor rebuilt and its round replayed within the run:
     tests/test_ray_cluster.py.)"""
@@ -297,7 +311,7 @@ def test_an_actor_lost_where_the_roles_cannot_be_built_again_stops_and_resumes_b
 
     monkeypatch.setattr(ray_backend, "start_roles", too_few_cpus_the_second_time)
     with pytest.raises(RoundFailed, match=r"lost during .* could not be built again: .* needs 6 CPUs") as stopped:
-        run(config("psl", tmp_path / "ray", backend="ray", workers=2), progress=False)
+        run(config("psl", tmp_path / "ray", backend="ray", workers=1), progress=False)
     assert killed[-1].startswith("killed client") and len(starts) == 2
     assert "\n" not in str(stopped.value) and str(stopped.value).endswith(
         "resume=true to go on from its last checkpoint"
@@ -312,27 +326,13 @@ def test_past_max_restarts_the_run_stops_with_a_resume_hint(local_ray, tmp_path,
     # lost in round 1, before the first checkpoint: the run leaves nothing, and says so
     said = r"Ray actor was lost .* max_restarts=0 .* \(no checkpoint was kept\)"
     with pytest.raises(RoundFailed, match=said) as stopped:
-        run(config("sfl_v1", tmp_path / "o", backend="ray", workers=2, max_restarts=0), progress=False)
+        run(config("sfl_v1", tmp_path / "o", backend="ray", workers=1, max_restarts=0), progress=False)
     assert "\n" not in str(stopped.value) and not (tmp_path / "o").exists()
 
 
 def test_max_restarts_is_refused_without_ray(tmp_path):
     with pytest.raises(UserError, match=r"max_restarts=1 does not apply here: .* it needs backend=ray"):
         run(config("fedavg", tmp_path / "o", max_restarts=1), progress=False)
-
-
-def test_ray_workers_import_the_plugins_of_the_run(local_ray, tmp_path: Path, monkeypatch):
-    """The actors were started before the plugin existed, in another folder: the plugin's folder
-    travels with the run (splitlab.plugins.ray_options), and the result is bit for bit."""
-    from test_plugins import write_plugin
-
-    folder = tmp_path / "mine"
-    folder.mkdir()
-    write_plugin(folder, "ray_plugin", "ray_fedavg")
-    monkeypatch.syspath_prepend(str(folder))
-    run(config("fedavg", tmp_path / "builtin"), progress=False)
-    run(config("ray_fedavg", tmp_path / "ray", plugins="ray_plugin", backend="ray", workers=2), progress=False)
-    assert results(tmp_path / "builtin") == results(tmp_path / "ray")
 
 
 #: a plugin whose client nodes cannot be built outside the driver's process, as on a node whose
@@ -367,7 +367,7 @@ def test_an_actor_that_cannot_build_its_roles_is_named_in_one_line(local_ray, tm
         UserError, match=r"building the roles failed: RuntimeError: CUDA error: no kernel image"
     ) as error:
         run(
-            config("broken_on_actors", tmp_path / "o", plugins="broken_plugin", backend="ray", workers=2),
+            config("broken_on_actors", tmp_path / "o", plugins="broken_plugin", backend="ray", workers=1),
             progress=False,
         )
     assert "\n" not in str(error.value) and "more" not in str(error.value)
@@ -393,7 +393,7 @@ def test_a_run_from_init_on_ray_is_bit_identical_to_in_process(local_ray, tmp_pa
         precision="fp16",
     )  # fmt: skip
     run(dict(fine, out=str(tmp_path / "local")), progress=False)
-    run(dict(fine, backend="ray", workers=2, out=str(tmp_path / "ray")), progress=False)
+    run(dict(fine, backend="ray", workers=1, out=str(tmp_path / "ray")), progress=False)
     assert results(tmp_path / "local") == results(tmp_path / "ray")
 
 

@@ -1,5 +1,6 @@
-"""Sweeps on a real local Ray (one per module, 2 CPUs): same numbers as `--jobs 2`, a killed worker's
-run is retried from its checkpoint, and run directories must be on storage every node sees."""
+"""Sweeps on a real local Ray (the Ray tests' `local_ray`, tests/conftest.py: 4 CPUs): the numbers of
+a sweep in process, a killed worker's run is retried from its checkpoint, and run directories must
+be on storage every node sees."""
 
 from __future__ import annotations
 
@@ -23,23 +24,13 @@ SPEC = {"base": {**BASE, "rounds": 8}, "axes": {"algorithm": ["sfl_v1", "sfl_v2"
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    # address="local": a Ray of its own, even where another one runs on this machine (ray.init would
-    # join that one, and refuse num_cpus there)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def jobs_reference(tmp_path_factory) -> tuple[Path, Path]:
-    """The sweep with --jobs 2, each run with one torch thread as the Ray tasks (--cpus-per-run 1),
-    on any machine: torch's CPU kernels may split sums differently with more threads."""
+    """The sweep in this process (jobs=1), with one torch thread (tests/conftest.py) as each Ray task
+    (--cpus-per-run 1): torch's CPU kernels may split sums differently with more threads. (--jobs 2
+    gives these numbers too: tests/experiments/test_sweep.py.)"""
     tmp = tmp_path_factory.mktemp("ray_sweep")
     path = write_sweep(tmp, SPEC)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sweep, "available_cpus", lambda: 2)
-        out = run_sweep(path, out=tmp / "jobs", jobs=2, progress=False)
+    out = run_sweep(path, out=tmp / "jobs", jobs=1, progress=False)
     write_report(out)
     return path, out
 
@@ -96,10 +87,10 @@ def test_storage_a_node_does_not_see_is_refused(local_ray, tmp_path: Path, monke
 
 
 def test_a_run_bigger_than_every_node_is_refused(local_ray, tmp_path: Path):
-    """Ray would wait for ever for a node with 3 CPUs; the sweep says so in one line instead."""
+    """Ray would wait for ever for a node with 5 CPUs; the sweep says so in one line instead."""
     path = write_sweep(tmp_path, SPEC)
-    with pytest.raises(UserError, match=r"--cpus-per-run 3 --gpus-per-run 0 fits no Ray node \(the largest has 2 CPUs"):
-        run_sweep(path, out=tmp_path / "o", ray="auto", cpus_per_run=3)
+    with pytest.raises(UserError, match=r"--cpus-per-run 5 --gpus-per-run 0 fits no Ray node \(the largest has 4 CPUs"):
+        run_sweep(path, out=tmp_path / "o", ray="auto", cpus_per_run=5)
 
 
 def test_bad_resources_are_refused(tmp_path: Path):

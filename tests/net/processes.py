@@ -3,6 +3,7 @@ a real client node answering by hand until a chosen call."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -16,16 +17,19 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from splitlab import codec
-from splitlab.build import client_node
+from splitlab.build import client_count, client_node
+from splitlab.config import parse_overrides
 from splitlab.engine import serve
 from splitlab.net import protocol
-from splitlab.net.certs import client_name
+from splitlab.net.certs import client_name, make_certs
 from splitlab.net.checks import data_report
 from splitlab.net.client import ClientSettings, _answer, _heartbeats, run_client
-from splitlab.net.launch import _free_port
-from splitlab.net.server import ServerSettings
+from splitlab.net.launch import LaunchSettings, _free_port, _own_folders
+from splitlab.net.server import ServerSettings, split_settings
+from splitlab.resolve import resolve_config
 
 SPLITLAB = [sys.executable, "-m", "splitlab"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -117,6 +121,55 @@ class ServerThread(logging.Handler):
             thread.join()
         logging.getLogger("splitlab").removeHandler(self)
         return self.ended[0]
+
+
+@contextlib.contextmanager
+def seeded_one_at_a_time() -> Iterator[None]:
+    """torch's seeded initialisations (`fork_rng`, then `manual_seed`, then draws) one thread at a
+    time: as in separate processes, where each has its own generator, a server and its clients in
+    threads of one process then draw the same initial weights (else one's seed may reset the
+    generator in the middle of another's draws)."""
+    fork_rng, lock = torch.random.fork_rng, threading.RLock()
+
+    @contextlib.contextmanager
+    def one_at_a_time(*args: Any, **kwargs: Any) -> Iterator[None]:
+        with lock, fork_rng(*args, **kwargs):
+            yield
+
+    torch.random.fork_rng = one_at_a_time
+    try:
+        yield
+    finally:
+        torch.random.fork_rng = fork_rng
+
+
+def launch_in_threads(
+    raw: dict, server_keys: dict | None = None, settings: LaunchSettings | None = None
+) -> ServerThread:
+    """What `splitlab launch` runs, in threads of this process (real gRPC and mutual TLS over
+    loopback, without processes' start-up): the run's certificates made in OUT/certs, the server
+    given the run's and `server_keys` as KEY=VALUE text, one `run_client` per client with the keys
+    launch gives it (data=own: `data_dirs`, its own folder each). The ServerThread, ended: `ended[0]`
+    the run's summary or the exception it ended with (a UserError: exit code 2), `lines` what the
+    server and the clients said; after a summary, every client has ended with 0 (told BYE)."""
+    settings = settings or LaunchSettings()
+    config = resolve_config(raw)
+    own = _own_folders(config.run.data, settings.data_dirs)
+    clients = client_count(raw)
+    certs = config.out_dir / "certs"
+    make_certs(certs, clients, [], overwrite=True)
+    typed = parse_overrides([f"{k}={v}" for k, v in {**raw, **(server_keys or {})}.items() if v is not None])
+    keys, run_config = split_settings(typed, ServerSettings)
+    mine = [{"data": "own", "data_dir": str(folder)} for folder in own] or [
+        {"data_dir": config.run.data_dir} if config.run.data_dir else {} for _ in range(clients)
+    ]
+    with seeded_one_at_a_time():
+        server = ServerThread(run_config, certs, **keys.model_dump(exclude_defaults=True))
+        nodes = [server.client(k, threads=settings.threads, **mine[k]) for k in range(clients)]
+        ended = server.wait()
+    if isinstance(ended, dict):
+        assert all(node == [0] for node in nodes), nodes
+    return server
 
 
 def credentials(certs: Path, name: str | None, own: Path | None = None) -> grpc.ChannelCredentials:

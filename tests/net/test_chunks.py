@@ -5,7 +5,7 @@ dropped with one line saying why."""
 from __future__ import annotations
 
 import pytest
-from processes import Rogue, credentials
+from processes import Rogue, ServerThread, credentials
 
 from helpers import quick
 from splitlab import codec
@@ -91,10 +91,10 @@ def _join(address: str, creds, client_id: int) -> tuple[Rogue, object]:
     raise AssertionError("the server ended the stream before calling")
 
 
-def test_a_client_whose_chunks_do_not_add_up_is_dropped_with_one_line(tmp_path, servers):
+def test_a_client_whose_chunks_do_not_add_up_is_dropped_with_one_line(tmp_path):
     config = quick(clients=3, rounds=1, train_subset=120, test_subset=50, out=str(tmp_path / "run"))
     make_certs(tmp_path / "certs", 3, [])
-    server = servers(config, chunk_kib=1, join_timeout=60, rejoin_wait=60)
+    server = ServerThread(config, tmp_path / "certs", chunk_kib=1, join_timeout=60, rejoin_wait=60)
     answer = codec.encode({"result": bytes(3000).hex()})  # any payload over a chunk
 
     def pieces(call) -> list:
@@ -120,7 +120,8 @@ def test_a_client_whose_chunks_do_not_add_up_is_dropped_with_one_line(tmp_path, 
         server.wait_for_log(f"dropped client {client_id}: ")
         rogues.append(rogue)
     for client_id, text in expected.items():
-        drops = [line for line in server.lines() if f"dropped client {client_id}: " in line]
+        drops = [line for line in server.lines if f"dropped client {client_id}: " in line]
         assert len(drops) == 1 and text in drops[0], drops
     for rogue in rogues:
         rogue.close()
+    assert "round 1: only 0 of 3 clients finished (dropped: 0, 1, 2)" in str(server.wait())  # it ends at once

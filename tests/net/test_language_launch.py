@@ -1,6 +1,7 @@
-"""Language runs over the network: `splitlab launch` of a GPT on the plays gives bit for bit what
-`splitlab run` gives, and the server checks a language client's messages and data report as
-strictly as a classifier's: targets (B, T) in [0, vocabulary) or -100, hidden states (B, T, D)."""
+"""Language runs over the network: what `splitlab launch` of a GPT on the plays runs (here in
+threads of this process; test_launch launches processes) gives bit for bit what `splitlab run`
+gives, and the server checks a language client's messages and data report as strictly as a
+classifier's: targets (B, T) in [0, vocabulary) or -100, hidden states (B, T, D)."""
 
 from __future__ import annotations
 
@@ -10,14 +11,13 @@ import threading
 
 import pytest
 import torch
-from processes import NONE, Rogue, credentials
+from processes import NONE, Rogue, ServerThread, credentials, launch_in_threads
 from safetensors.torch import load_file
 
 from splitlab import codec
 from splitlab.engine import build, run
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import Checks, Refused, data_report
-from splitlab.net.launch import LaunchSettings, launch
 from splitlab.roles import ClientNode
 from splitlab.targets import IGNORED
 
@@ -37,7 +37,7 @@ def rows(out) -> list[dict]:
 
 def test_language_launch_is_bit_identical_to_run(tmp_path, lm, one_thread):
     run({**lm, "out": str(tmp_path / "run")}, progress=False)
-    assert launch({**lm, "out": str(tmp_path / "net")}, {}, LaunchSettings(), progress=False) == 0
+    assert isinstance(launch_in_threads({**lm, "out": str(tmp_path / "net")}).ended[0], dict)
     here, there = (
         load_file(tmp_path / "run" / "weights.safetensors"),
         load_file(tmp_path / "net" / "weights.safetensors"),
@@ -53,9 +53,9 @@ def test_language_launch_is_bit_identical_to_run(tmp_path, lm, one_thread):
     assert launched[0]["comm_bytes_by_kind"]["smashed"] > 0 and launched[0]["comm_bytes_by_kind"]["labels"] > 0
 
 
-def test_the_server_refuses_a_language_result_with_a_target_out_of_range_in_one_line(tmp_path, lm, servers):
+def test_the_server_refuses_a_language_result_with_a_target_out_of_range_in_one_line(tmp_path, lm):
     make_certs(tmp_path / "certs", 2, [])
-    server = servers({**lm, "out": str(tmp_path / "run")}, rejoin_wait=60, join_timeout=60)
+    server = ServerThread({**lm, "out": str(tmp_path / "run")}, tmp_path / "certs", rejoin_wait=60, join_timeout=60)
     rogue = Rogue(server.address, credentials(tmp_path / "certs", "client-0"), 0)
     assert rogue.first_reply().kind == 2  # WELCOME; it reports its true data
     bad = codec.encode({"smashed": torch.zeros(8, 16, 16), "labels": torch.full((8, 16), 80)})
@@ -65,9 +65,9 @@ def test_the_server_refuses_a_language_result_with_a_target_out_of_range_in_one_
     server.wait_for_log("refused the result of forward")
     answering.join()
     rogue.close()
-    assert server.client_in_process(0) == 0  # the real client 0 joins in round 2
-    assert server.process.wait() == 0 and honest.wait() == 0
-    refusals = [line for line in server.lines() if "refused" in line]
+    back = server.client(0)  # the real client 0 joins in round 2
+    assert isinstance(server.wait(), dict) and honest == back == [0]
+    refusals = [line for line in server.lines if "refused" in line]
     assert len(refusals) == 1 and refusals[0].endswith(
         "refused the result of forward from client 0: labels outside [0, 80) or -100"
     ), refusals

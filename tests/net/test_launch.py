@@ -1,11 +1,14 @@
-"""`splitlab launch`: a real server and client processes over loopback gRPC with mutual TLS give
-bit for bit what `splitlab run` gives, and the wire figures sit beside the ledger's."""
+"""`splitlab launch`: a server and its clients over loopback gRPC with mutual TLS give bit for bit
+what `splitlab run` gives, and the wire figures sit beside the ledger's. One case launches real
+processes (`launch`); the others run what it runs in threads of this process (`launch_in_threads`:
+the same server, clients, certificates and checks, without three processes' start-up each)."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from processes import launch_in_threads
 from safetensors.torch import load_file
 
 from helpers import quick
@@ -37,7 +40,8 @@ def test_launch_is_bit_identical_to_run(tmp_path, algorithm, defense, server_key
         config["noise_key"] = "fixed"
     if algorithm == "fsl_sage":
         config["align_interval"] = 1
-    assert_launch_equals_run(tmp_path, config, server_keys)
+    # SFL-V1 in chunks in real processes: `splitlab server` and `splitlab client` as launch starts them
+    assert_launch_equals_run(tmp_path, config, server_keys, processes=algorithm == "sfl_v1")
 
 
 @pytest.mark.parametrize(("algorithm", "precision"), [("psl", "fp16"), ("cycle_sfl", "fp16")])
@@ -54,10 +58,17 @@ def test_u_shaped_launch_is_bit_identical_to_run(tmp_path, algorithm, precision)
     assert set(kinds) == {"smashed", "server_output", "tail_grad", "cut_grad", *models}
 
 
-def assert_launch_equals_run(tmp_path, config: dict, server_keys: dict | None = None) -> dict[str, int]:
-    """`launch` (its server with `server_keys`) and `run` of `config` agree bit for bit; the ledger's bytes by kind."""
+def assert_launch_equals_run(
+    tmp_path, config: dict, server_keys: dict | None = None, processes: bool = False
+) -> dict[str, int]:
+    """`launch` (its server with `server_keys`; in processes, or in threads of this one) and `run`
+    of `config` agree bit for bit; the ledger's bytes by kind."""
     run({**config, "out": str(tmp_path / "run")}, progress=False)
-    assert launch({**config, "out": str(tmp_path / "net")}, server_keys or {}, LaunchSettings(), progress=False) == 0
+    net = {**config, "out": str(tmp_path / "net")}
+    if processes:
+        assert launch(net, server_keys or {}, LaunchSettings(), progress=False) == 0
+    else:
+        assert isinstance(launch_in_threads(net, server_keys).ended[0], dict)
     here, there = (
         load_file(tmp_path / "run" / "weights.safetensors"),
         load_file(tmp_path / "net" / "weights.safetensors"),

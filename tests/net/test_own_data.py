@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import re
 import signal
+import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from processes import ServerThread, launch_in_threads, seeded_one_at_a_time
 from safetensors.torch import load_file
 
 from helpers import idx_bytes, quick
@@ -22,6 +24,7 @@ from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import Checks, Refused
+from splitlab.net.launch import LaunchSettings
 from splitlab.rundir import CHECKPOINT
 
 CONFIG = dict(dataset="fashion_mnist", model="mlp", clients=2, rounds=2, batch_size=32, device="cpu", seed=0)
@@ -76,25 +79,25 @@ def identical_runs(one: Path, other: Path) -> bool:
     )
 
 
-def test_own_data_gives_what_run_gives_and_data_unlike_the_run_is_refused(tmp_path, dataset, servers):
+def test_own_data_gives_what_run_gives_and_data_unlike_the_run_is_refused(tmp_path, dataset):
     """A client whose data is refused stops the server at once (one line naming it): the run
-    cannot be planned without it. With the clients' true data, the run is `splitlab run`'s."""
+    cannot be planned without it. With the clients' true data, the run is `splitlab run`'s. (The
+    server, the clients and `splitlab launch` in threads of this process; the next test's are
+    processes.)"""
     make_certs(tmp_path / "certs", 2, [])
-    own = {**CONFIG, "data": "own", "data_dir": dataset["server"]}
-    refusing = servers({**own, "out": tmp_path / "refused"}, join_timeout=120)
+    own = {**CONFIG, "data": "own", "data_dir": str(dataset["server"])}
+    refusing = ServerThread({**own, "out": str(tmp_path / "refused")}, tmp_path / "certs", join_timeout=120)
     small = write_fashion(tmp_path / "small", "train", np.zeros((20, 8, 8)), np.arange(20) % 10)
-    with pytest.raises(UserError) as refusal:
-        refusing.client_in_process(1, data="own", data_dir=str(small))
+    refused = refusing.client(1, data="own", data_dir=str(small))
+    ended = refusing.wait()
     why = "its data: its samples have shape [1, 8, 8]; fashion_mnist samples have [1, 28, 28]"
-    assert str(refusal.value) == f"the server refused client 1: {why}"
-    assert refusing.process.wait() == 2
-    assert refusing.lines()[-1] == (
-        f"error: client 1 was refused ({why}); with data=own the server needs every client's data before round 1"
+    assert isinstance(refused[0], UserError) and str(refused[0]) == f"the server refused client 1: {why}"
+    assert isinstance(ended, UserError) and str(ended) == (
+        f"client 1 was refused ({why}); with data=own the server needs every client's data before round 1"
     )
     out = tmp_path / "net"
-    server = servers({**own, "out": out})
-    clients = [server.client(k, data="own", data_dir=dataset[f"client{k}"]) for k in range(2)]
-    assert server.process.wait() == 0 and all(client.wait() == 0 for client in clients)
+    folders = LaunchSettings(data_dirs=f"{dataset['client0']},{dataset['client1']}")
+    assert isinstance(launch_in_threads({**own, "out": str(out)}, {}, folders).ended[0], dict)
     run_in_one_thread({**CONFIG, **SKEWED, "data_dir": str(dataset["whole"]), "out": str(tmp_path / "run")})
     assert identical_runs(tmp_path / "run", out)
     sizes = json.loads((out / "partition.json").read_text())["sizes"]
@@ -102,31 +105,46 @@ def test_own_data_gives_what_run_gives_and_data_unlike_the_run_is_refused(tmp_pa
 
 
 def test_a_resumed_own_data_run_refuses_a_client_with_other_samples(tmp_path, dataset, servers):
+    """A `splitlab server` process killed after its first checkpoint (its clients, in threads, give
+    up on it at once: retry_seconds=0), resumed: a client with other samples is refused, and the
+    run stops in one line; resumed again by what `splitlab launch` runs, in threads of this process,
+    with the clients' true data: bit for bit `splitlab run`."""
     config = {**CONFIG, "rounds": 4}
     make_certs(tmp_path / "certs", 2, [])
     out = tmp_path / "net"
-    own = {**config, "data": "own", "data_dir": dataset["server"], "out": out}
+    own = {**config, "data": "own", "data_dir": str(dataset["server"]), "out": str(out)}
     first = servers(own)
-    clients = [first.client(k, data="own", data_dir=dataset[f"client{k}"]) for k in range(2)]
-    while not (out / CHECKPOINT).exists():
-        assert first.process.poll() is None
-        time.sleep(0.05)
-    for process in (first.process, *clients):
-        process.send_signal(signal.SIGKILL)
-        assert process.wait() == -signal.SIGKILL
-    second = servers(own, address=first.address, resume=True)
+    with seeded_one_at_a_time():
+        clients = [
+            threading.Thread(
+                target=first.client_in_process,
+                args=(k,),
+                kwargs={"data": "own", "data_dir": str(dataset[f"client{k}"]), "retry_seconds": 0},
+            )
+            for k in range(2)
+        ]
+        for client in clients:
+            client.start()
+        while not (out / CHECKPOINT).exists():
+            assert first.process.poll() is None
+            time.sleep(0.05)
+        first.process.send_signal(signal.SIGKILL)
+        assert first.process.wait() == -signal.SIGKILL
+        for client in clients:
+            client.join()
+    second = ServerThread({**own, "resume": True}, tmp_path / "certs")
     node = client_node({**CONFIG, **SKEWED, "data_dir": str(dataset["whole"])}, 1)
     fewer = write_fashion(tmp_path / "fewer", "train", node.x[1:, 0].numpy(), node.y[1:].numpy())
-    with pytest.raises(UserError) as refusal:
-        second.client_in_process(1, data="own", data_dir=str(fewer))
-    assert str(refusal.value).startswith(
+    refused = second.client(1, data="own", data_dir=str(fewer))
+    ended = second.wait()  # at once, one line: the run cannot go on without client 1's data
+    assert isinstance(refused[0], UserError) and str(refused[0]).startswith(
         f"the server refused client 1: its data: it holds {node.num_samples - 1} samples"
     )
-    assert second.process.wait() == 2  # at once, one line: the run cannot go on without client 1's data
-    assert second.lines()[-1].startswith(f"error: client 1 was refused (its data: it holds {node.num_samples - 1}")
-    third = servers(own, address=first.address, resume=True)
-    back = [third.client(k, data="own", data_dir=dataset[f"client{k}"]) for k in range(2)]
-    assert third.process.wait() == 0 and all(client.wait() == 0 for client in back)
+    assert isinstance(ended, UserError) and str(ended).startswith(
+        f"client 1 was refused (its data: it holds {node.num_samples - 1}"
+    )
+    folders = LaunchSettings(data_dirs=f"{dataset['client0']},{dataset['client1']}")
+    assert isinstance(launch_in_threads({**own, "resume": True}, {}, folders).ended[0], dict)
     run_in_one_thread({**config, **SKEWED, "data_dir": str(dataset["whole"]), "out": str(tmp_path / "run")})
     assert identical_runs(tmp_path / "run", out)
 

@@ -9,10 +9,11 @@ import threading
 
 import pytest
 import torch
-from processes import NONE, Rogue, credentials
+from processes import NONE, Rogue, ServerThread, credentials
 
 from splitlab import codec, psi
 from splitlab.algorithms.vertical_sl import FeatureParty, LabelParty
+from splitlab.errors import UserError
 from splitlab.net.certs import make_certs
 from splitlab.net.checks import Checks, Refused
 from splitlab.resolve import resolve_config
@@ -157,21 +158,21 @@ BYTES = torch.zeros(40, dtype=torch.uint8)  # of the form the checks allow, but 
         ),
     ],
 )
-def test_a_rogue_party_s_malformed_psi_answer_stops_the_run_in_one_line(tmp_path, servers, answer, refusal, error):
-    """Labels at the server: the server asks party 0 (a rogue) which of its ids it holds too."""
+def test_a_rogue_party_s_malformed_psi_answer_stops_the_run_in_one_line(tmp_path, answer, refusal, error):
+    """Labels at the server: the server asks party 0 (a rogue) which of its ids it holds too. The
+    run ends with a UserError, which `splitlab server` prints as `error: ...` in one line, exit code
+    2 (test_own_data's processes)."""
     make_certs(tmp_path / "certs", 2, [])
-    server = servers({**TABLE, "out": str(tmp_path / "run")}, join_timeout=60)
+    server = ServerThread({**TABLE, "out": str(tmp_path / "run")}, tmp_path / "certs", join_timeout=60)
     rogue = Rogue(server.address, credentials(tmp_path / "certs", "client-0"), 0)
     assert rogue.first_reply().kind == 2  # WELCOME; it reports its true data
     bad = codec.encode(answer)
     answering = threading.Thread(target=rogue.serve, args=(lambda call: bad if call.verb == "psi_answer" else NONE,))
     answering.start()
-    assert server.process.wait() == 2
+    ended = server.wait()
     answering.join()
     rogue.close()
-    lines = server.lines()
-    refusals = [line for line in lines if "refused the result" in line]
+    refusals = [line for line in server.lines if "refused the result" in line]
     said = "splitlab server: refused the result of psi_answer from client 0: "
     assert refusals == ([said + refusal] if refusal else [])
-    assert lines[-1] == f"error: {error}", lines
-    assert not any("Traceback" in line for line in lines)
+    assert isinstance(ended, UserError) and str(ended) == error, (ended, server.lines)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from processes import launch_in_threads
 from safetensors.torch import load_file
 from sklearn.datasets import load_breast_cancer
 
@@ -19,7 +20,6 @@ from splitlab.build import build, client_node
 from splitlab.cli import main
 from splitlab.engine import run
 from splitlab.errors import UserError
-from splitlab.net.certs import make_certs
 from splitlab.net.launch import LaunchSettings, launch
 from splitlab.resolve import resolve_config
 from splitlab.settings.vertical import _as_when_begun, own_report, plan_own_server
@@ -80,16 +80,16 @@ def tables(tmp_path) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize("labels_at", [0, "server"])
-def test_own_files_give_what_run_gives_on_the_joined_table(tmp_path, servers, labels_at):
+def test_own_files_give_what_run_gives_on_the_joined_table(tmp_path, labels_at):
+    """What `splitlab launch data=own data_dirs=P0,P1` runs, in threads of this process (the last
+    test launches processes)."""
     tables = write_tables(tmp_path, labels_at)
     config = {**CONFIG, "labels_at": labels_at}
     run_joined(tables, config, tmp_path / "run")
-    make_certs(tmp_path / "certs", 2, [])
     mine = {"data_dir": str(tables["server"])} if labels_at == "server" else {}  # ids and labels, no feature
-    server = servers({**config, "data": "own", "out": str(tmp_path / "net"), **mine})
-    parties = [server.client(j, data="own", data_dir=tables[f"party{j}"]) for j in range(2)]
-    assert server.process.wait(timeout=120) == 0, server.log.read_text()
-    assert all(party.wait(timeout=30) == 0 for party in parties)
+    folders = LaunchSettings(data_dirs=f"{tables['party0']},{tables['party1']}")
+    server = launch_in_threads({**config, "data": "own", "out": str(tmp_path / "net"), **mine}, {}, folders)
+    assert isinstance(server.ended[0], dict), server.ended
     here, there = (
         load_file(tmp_path / "run" / "weights.safetensors"),
         load_file(tmp_path / "net" / "weights.safetensors"),
@@ -108,7 +108,7 @@ def test_own_files_give_what_run_gives_on_the_joined_table(tmp_path, servers, la
         "held_before_alignment": [375 if labels_at == 0 else 380, 380],
         "aligned": 355,
     }
-    assert any("client 1 holds 380 samples" in line for line in server.lines())
+    assert any("client 1 holds 380 samples" in line for line in server.lines)
 
 
 @pytest.mark.parametrize(
