@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from processes import NONE, ClientThread, Node, Rogue, ServerThread, credentials
+from processes import NONE, ClientThread, Node, Rogue, ServerThread, credentials, seeded_one_at_a_time
 from safetensors.torch import load_file
 
 from helpers import DropsOut, quick
@@ -24,6 +24,7 @@ from splitlab.net.certs import make_certs
 from splitlab.roles import ModelAverage
 
 
+@seeded_one_at_a_time()  # the nodes' seeded initialisations as in processes of their own
 def test_a_silent_client_is_dropped_the_round_completes_and_it_rejoins(tmp_path):
     config = quick(clients=3, rounds=2, train_subset=150, test_subset=50)
     make_certs(tmp_path / "certs", 3, [])
@@ -57,6 +58,7 @@ def test_a_silent_client_is_dropped_the_round_completes_and_it_rejoins(tmp_path)
     assert [r["comm_bytes_by_kind"] for r in rows] == [r["comm_bytes_by_kind"] for r in local_rows]
 
 
+@seeded_one_at_a_time()  # the nodes' seeded initialisations as in processes of their own
 def a_rogue_among_honest_clients(tmp_path, smashed: Callable[[torch.Tensor], torch.Tensor]) -> list[str]:
     """A one-round run of 3 clients over the network where certified client 2 answers every
     `forward` with `smashed(its smashed data)`: the honest clients must finish it (exit 0) with the
@@ -146,6 +148,7 @@ def test_an_average_missing_a_contribution_is_renormalised_over_the_others():
     assert torch.allclose(average.result(a)["w"], torch.tensor([2.5, 5.0]))
 
 
+@seeded_one_at_a_time()  # the nodes' seeded initialisations as in processes of their own
 def test_a_psl_client_that_leaves_mid_round_rejoins_with_its_own_client_part(tmp_path):
     """PSL over the network: client 2 (a real node, answering by hand) leaves at its second
     forward of round 2, and a fresh `splitlab client` takes its place. The round completes without
@@ -172,6 +175,7 @@ def test_a_psl_client_that_leaves_mid_round_rejoins_with_its_own_client_part(tmp
     assert net[-1]["comm_bytes_by_kind"]["kept_state_down"] > 0
 
 
+@seeded_one_at_a_time()  # the nodes' seeded initialisations as in processes of their own
 def test_a_vertical_party_that_leaves_mid_round_rejoins_aligned_again(tmp_path):
     """A vertical run, one node per party: party 0 (a real node, answering by hand) leaves at its
     second embedding of round 2, and a fresh `splitlab client` takes its place. The server

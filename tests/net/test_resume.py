@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import torch
-from processes import ClientThread, Node
+from processes import ClientThread, Node, seeded_one_at_a_time
 from safetensors.torch import load_file
 from test_vertical_own import CONFIG as OWN
 from test_vertical_own import run_joined, write_tables
@@ -61,6 +61,7 @@ def killed_after_round_one(server, out: Path) -> list[str]:
     return (out / "metrics.jsonl").read_text().splitlines()
 
 
+@seeded_one_at_a_time()  # the nodes' seeded initialisations as in processes of their own
 def test_a_vertical_run_resumes_over_the_network_as_run(tmp_path, servers):
     """One process per party: the server is killed while party 0 (answering by hand) holds up round
     2, after round 1's checkpoint; resumed, it aligns the parties anew (party 1 reconnected by
@@ -89,6 +90,7 @@ def test_a_vertical_run_resumes_over_the_network_as_run(tmp_path, servers):
     assert net.keys() == local.keys() and all(torch.equal(net[k], local[k]) for k in local)
 
 
+@seeded_one_at_a_time()  # the nodes' seeded initialisations as in processes of their own
 def test_a_vertical_run_of_own_files_resumes_over_the_network_as_run(tmp_path, servers):
     """As above with data=own: the resumed server plans the run again from the parties' reports
     (party 1 reconnected by itself, party 0, the label holder, a fresh `splitlab client` reading
