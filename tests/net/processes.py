@@ -285,3 +285,24 @@ class Node:
 
 
 NONE = codec.encode(None)
+
+
+class ClientThread(threading.Thread):
+    """What `splitlab client` runs, in a thread of this process, for a server anywhere (a
+    `Server` process that may be killed and started again: it reconnects as the command does);
+    `wait()` as a process's: what it ended with, 0, 1 or the UserError the command prints."""
+
+    def __init__(self, server: Server, client_id: int, **keys: Any) -> None:
+        super().__init__(daemon=True)
+        self.settings = ClientSettings(connect=server.address, client_id=client_id, certs=server.certs, **keys)
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.ended: Any = run_client(self.settings)
+        except Exception as error:  # noqa: BLE001 (the test looks at it)
+            self.ended = error
+
+    def wait(self) -> Any:
+        self.join()
+        return self.ended

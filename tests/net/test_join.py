@@ -23,10 +23,13 @@ from splitlab import codec
 from splitlab.build import client_node
 from splitlab.engine import run
 from splitlab.errors import UserError
+from splitlab.ledger import Ledger
 from splitlab.net import protocol
+from splitlab.net.audit import AuditLog
 from splitlab.net.certs import make_certs
-from splitlab.net.checks import data_report
-from splitlab.net.server import Hub
+from splitlab.net.checks import OwnPartyReports, data_report
+from splitlab.net.launch import _free_port
+from splitlab.net.server import Hub, ServerSettings, client_config
 
 #: the join phase as long as it is by default in spirit: a test would take this long if a missing
 #: client held the others until its end
@@ -165,3 +168,47 @@ def test_a_client_that_never_reports_is_left_out_after_the_wait_saying_so(tmp_pa
     assert left_out  # a line each time the run needs it (each round)
     said = r"connected [\d.]+ s ago but has not reported its data, call_timeout=2 s"
     assert all(re.search(said, line) for line in left_out)
+
+
+class Entered(threading.Event):
+    """A session's `heard`, saying when a newer connection starts waiting on it (Hub._admit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waited.set()
+        return super().wait(timeout)
+
+
+def test_a_connection_that_waits_to_be_admitted_while_the_server_closes_is_refused(tmp_path, certs):
+    """A second connection with client 0's certificate waits to see whether the first is heard
+    from; the server closes meanwhile (its run is over): it is refused, as every connection once
+    the server is shutting down, not admitted as a session nobody ever tells BYE (its client would
+    then wait on an open stream until gRPC aborted it, and retry for retry_seconds)."""
+    settings = ServerSettings(listen=f"127.0.0.1:{_free_port()}", certs=certs, heartbeat=30)
+    raw = {**quick(clients=2), "out": str(tmp_path / "run")}
+    hub = Hub(settings, client_config(raw), AuditLog(tmp_path / "connections.jsonl"))
+    hub.start()
+    hub.expect({0: None, 1: None}, Ledger(), OwnPartyReports())
+    first = Rogue(settings.listen, credentials(certs, "client-0"), 0)
+    assert next(first.replies).kind == protocol.WELCOME
+    heard = hub._sessions[0].heard = Entered()
+    replies: list[Any] = []
+
+    def second() -> None:
+        rogue = Rogue(settings.listen, credentials(certs, "client-0"), 0)
+        replies.append(rogue.first_reply())
+        rogue.close()
+
+    waiting = threading.Thread(target=second)
+    waiting.start()
+    heard.waited.wait()
+    hub.close()
+    waiting.join()
+    assert next(first.replies).kind == protocol.BYE
+    first.close()
+    (refused,) = replies
+    assert isinstance(refused, grpc.RpcError) and refused.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert refused.details() == "the server is shutting down"

@@ -1,4 +1,5 @@
-"""What the server refuses, and that it stays up: each refusal is one log line, and the run goes on."""
+"""What the server refuses, and that it stays up: each refusal is one log line, and the run goes on
+(the server and its honest clients in threads of this process: real gRPC, mutual TLS)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import threading
 import grpc
 import pytest
 import torch
-from processes import NONE, Rogue, credentials
+from processes import NONE, Rogue, ServerThread, credentials
 
 from helpers import quick
 from splitlab import codec
@@ -22,12 +23,12 @@ from splitlab.roles import ClientNode
 from splitlab.transport import VerbSpec
 
 
-def test_server_refuses_bad_peers_and_messages_and_goes_on(tmp_path, servers):
+def test_server_refuses_bad_peers_and_messages_and_goes_on(tmp_path):
     config = quick(clients=2, rounds=2, train_subset=100, test_subset=50, out=str(tmp_path / "run"))
-    make_certs(tmp_path / "certs", 2, [])
-    make_certs(tmp_path / "other", 1, [])  # another CA, with its own client-0
-    server = servers(config, max_message_mib=1, rejoin_wait=60, join_timeout=60)
     certs = tmp_path / "certs"
+    make_certs(certs, 2, [])
+    make_certs(tmp_path / "other", 1, [])  # another CA, with its own client-0
+    server = ServerThread(config, certs, max_message_mib=1, rejoin_wait=60, join_timeout=60)
 
     with socket.create_connection(server.address.split(":")) as raw:  # not TLS at all
         raw.sendall(os.urandom(512))
@@ -52,11 +53,10 @@ def test_server_refuses_bad_peers_and_messages_and_goes_on(tmp_path, servers):
     server.wait_for_log("refused the result of forward")
     answering.join()
     rogue.close()
-    assert server.client_in_process(0) == 0  # the real client 0 joins in round 2
-    assert server.process.wait() == 0 and honest.wait() == 0
+    back = server.client(0)  # the real client 0 joins in round 2
+    assert isinstance(server.wait(), dict) and honest == [0] and back == [0], (server.ended, server.lines)
 
-    lines = server.lines()
-    refusals = [line for line in lines if "refused" in line]
+    refusals = [line for line in server.lines if line.startswith("splitlab server:") and "refused" in line]
     expected = [
         "client_id=0, but its certificate is 'client-1''s",
         "over max_message_mib=1",

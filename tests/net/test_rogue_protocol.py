@@ -286,7 +286,8 @@ def test_a_rogue_with_a_valid_certificate_is_dropped_at_every_malformed_reply(
     over.set()
     for thread in threads[1:]:
         thread.join(timeout=60)
-    assert not any(thread.is_alive() for thread in threads), "the server or a client hangs"
+    said = [r.getMessage() for r in records.records[-20:]]  # what happened last, to tell why
+    assert not any(thread.is_alive() for thread in threads), ("the server or a client hangs", plan.sent, died, said)
     assert died == [] and honest == [0], (died, honest)
     assert [r.getMessage() for r in records.records if r.exc_info or r.levelno >= logging.ERROR] == []
 

@@ -40,7 +40,7 @@ class AdmitsAfterEachRegistration(Hub):
 def test_a_client_saying_hello_before_the_run_registers_its_clients_is_admitted(tmp_path, config):
     make_certs(tmp_path / "certs", 2, [])
     raw = {**config, "out": str(tmp_path / "run")}
-    settings = ServerSettings(listen=f"127.0.0.1:{_free_port()}", certs=tmp_path / "certs", join_timeout=5)
+    settings = ServerSettings(listen=f"127.0.0.1:{_free_port()}", certs=tmp_path / "certs", join_timeout=60)
     hub = AdmitsAfterEachRegistration(settings, client_config(raw), AuditLog(tmp_path / "connections.jsonl"))
     hub.start()
     first_replies: dict[int, Any] = {}

@@ -398,6 +398,8 @@ class Hub:
             current.heard.clear()
             current.heard.wait(2 * self.settings.heartbeat)
         with self._changed:
+            if self._closing:  # closed while it waited: `close` told the sessions it knew, not this one
+                raise Refused("the server is shutting down")
             current = self._sessions.get(client_id)
             if current is not None and current.alive and current.last_seen >= arrived:
                 raise Refused(
