@@ -1,20 +1,23 @@
 """Sweeps on a real local Ray (the Ray tests' `local_ray`, tests/conftest.py: 4 CPUs): the numbers of
-a sweep in process, a killed worker's run is retried from its checkpoint, and run directories must
-be on storage every node sees."""
+a sweep in process, with a killed worker's run retried from its checkpoint, and run directories
+must be on storage every node sees."""
 
 from __future__ import annotations
 
 import os
 import signal
 import socket
+import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import ray
 from test_sweep import BASE, numbers, write_sweep
 
+from helpers import held_plugin
 from splitlab import cluster
 from splitlab.errors import UserError
 from splitlab.experiments import run_sweep, sweep, write_report
@@ -24,29 +27,33 @@ SPEC = {"base": {**BASE, "rounds": 8}, "axes": {"algorithm": ["sfl_v1", "sfl_v2"
 
 
 @pytest.fixture(scope="module")
-def jobs_reference(tmp_path_factory) -> tuple[Path, Path]:
-    """The sweep in this process (jobs=1), with one torch thread (tests/conftest.py) as each Ray task
-    (--cpus-per-run 1): torch's CPU kernels may split sums differently with more threads. (--jobs 2
-    gives these numbers too: tests/experiments/test_sweep.py.)"""
-    tmp = tmp_path_factory.mktemp("ray_sweep")
-    path = write_sweep(tmp, SPEC)
-    out = run_sweep(path, out=tmp / "jobs", jobs=1, progress=False)
-    write_report(out)
-    return path, out
+def held(tmp_path_factory) -> Iterator[tuple[Path, list[Path]]]:
+    """SPEC's sweep, 3 rounds, of two plugins' copies of SFL-V1 and SFL-V2 that wait before round 1
+    while their files exist (`held_plugin`): a run on Ray has checkpointed and is still running when
+    the test kills it, however loaded the machine. The sweep file and those files (removed)."""
+    folder = tmp_path_factory.mktemp("held")
+    plugins = [held_plugin(folder, algorithm) for algorithm in ("sfl_v1", "sfl_v2")]
+    sys.path.insert(0, str(folder))
+    holds = [hold for _, hold in plugins]
+    for hold in holds:
+        hold.unlink()
+    names = [keys["algorithm"] for keys, _ in plugins]
+    base = {**BASE, "rounds": 3, "plugins": ",".join(names)}
+    yield write_sweep(folder, {"base": base, "axes": {"algorithm": names, "seed": [0, 1]}}), holds
+    sys.path.remove(str(folder))
 
 
-def test_sweep_on_ray_gives_the_numbers_of_jobs(local_ray, jobs_reference, tmp_path: Path):
-    path, reference = jobs_reference
-    out = run_sweep(path, out=tmp_path / "ray", ray="auto", progress=False)
-    write_report(out)
-    assert numbers(out) == numbers(reference)
-
-
-def test_a_killed_worker_s_run_is_retried_from_its_checkpoint(local_ray, jobs_reference, tmp_path: Path):
+def test_a_sweep_on_ray_with_a_worker_killed_gives_the_numbers_of_jobs(local_ray, held, tmp_path: Path):
     """SIGKILL the Ray worker process of a run that has checkpointed but not finished (its PID is in
     the run directory's lock file): Ray starts the task again, the run resumes, and every number
-    ends as in the uninterrupted sweep."""
-    path, reference = jobs_reference
+    ends as in the sweep in this process (jobs=1, one torch thread as each Ray task: torch's CPU
+    kernels may split sums differently with more threads; --jobs 2 gives these numbers too:
+    tests/experiments/test_sweep.py)."""
+    path, holds = held
+    reference = run_sweep(path, out=tmp_path / "jobs", jobs=1, progress=False)
+    write_report(reference)
+    for hold in holds:
+        hold.touch()
     out = tmp_path / "killed"
     sweep = threading.Thread(target=run_sweep, args=(path,), kwargs={"out": out, "ray": "auto", "progress": False})
     sweep.start()
@@ -60,7 +67,9 @@ def test_a_killed_worker_s_run_is_retried_from_its_checkpoint(local_ray, jobs_re
                     os.kill(int(holder[1]), signal.SIGKILL)
                     killed = run.name
                     break
-        time.sleep(0.005)
+        time.sleep(0.05)
+    for hold in holds:
+        hold.unlink()
     sweep.join()
     assert killed is not None, "no run was caught between its first checkpoint and its end"
     assert all((run / "summary.json").exists() for run in out.glob("*=*"))
