@@ -6,6 +6,7 @@ tmp_path and picks free ports; a module runs whole on one worker and the modules
 local Ray (`local_ray`); docs/architecture.md, "Tests"."""
 
 import atexit
+import gc
 import os
 import shutil
 import sys
@@ -61,6 +62,26 @@ def pytest_xdist_make_scheduler(config, log):
 #: The local Ray the Ray tests share: room for 3 client workers and the training server, and 2 GPUs
 #: it is told of (this machine may have none: device=auto then computes on the CPU).
 LOCAL_RAY = {"num_cpus": 4, "num_gpus": 2}
+
+
+@pytest.fixture(autouse=True)
+def _plugins_forgotten_after_the_test(tmp_path_factory):
+    """Modules a test imported from its temporary folders (plugins: algorithms, models, datasets of
+    its own) are dropped when it ends, and collected, so their classes leave the registries: a
+    plugin's subclass of SFL-V2 would otherwise show in a later test's "applies to algorithm ..."."""
+    before = set(sys.modules)
+    yield
+    base = tmp_path_factory.getbasetemp()
+    added = [name for name in set(sys.modules) - before if _under(sys.modules[name], base)]
+    for name in added:
+        del sys.modules[name]
+    if added:
+        gc.collect()
+
+
+def _under(module, folder: Path) -> bool:
+    file = getattr(module, "__file__", None)
+    return file is not None and Path(file).is_relative_to(folder)
 
 
 @pytest.fixture(scope="session")
