@@ -44,10 +44,12 @@ def test_a_client_saying_hello_before_the_run_registers_its_clients_is_admitted(
     hub = AdmitsAfterEachRegistration(settings, client_config(raw), AuditLog(tmp_path / "connections.jsonl"))
     hub.start()
     first_replies: dict[int, Any] = {}
+    answered = threading.Semaphore(0)
 
     def client(client_id: int) -> None:
         rogue = Rogue(settings.listen, credentials(tmp_path / "certs", f"client-{client_id}"), client_id)
         first_replies[client_id] = rogue.first_reply()
+        answered.release()
         if client_id == 1:
             hub.decided.set()
         if first_replies[client_id].kind == protocol.WELCOME:
@@ -59,6 +61,9 @@ def test_a_client_saying_hello_before_the_run_registers_its_clients_is_admitted(
         thread.start()
     try:
         build(raw, lambda ledger, device: NetworkTransport(ledger, device, hub))
+        # a vanilla run is built without its clients: wait for both HELLOs to be decided before closing
+        # (a HELLO still waiting when the server closes is refused, rightly)
+        assert all(answered.acquire(timeout=120) for _ in range(2)), first_replies
     finally:
         hub.close()
         for thread in clients:
