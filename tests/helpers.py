@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import io
 import struct
+import subprocess
 import tarfile
+import time
 import uuid
 from pathlib import Path
 
@@ -141,6 +143,16 @@ def held_plugin(folder: Path, algorithm: str) -> tuple[dict[str, str], Path]:
     hold.touch()
     (folder / f"{name}.py").write_text(HELD_PLUGIN.format(algorithm=algorithm, name=name, hold=str(hold)))
     return {"plugins": name, "algorithm": name}, hold
+
+
+def wait_for(process: subprocess.Popen, root: Path, pattern: str, count: int = 1) -> None:
+    """Until `count` files under `root` match `pattern` (a held run's checkpoint), while `process`
+    runs: its stderr (piped) is the failure's message if it ends first."""
+    deadline = time.monotonic() + 300
+    while len(list(root.glob(pattern))) < count:
+        assert process.poll() is None, process.communicate()[1]
+        assert time.monotonic() < deadline, f"no {count} of {pattern} under {root} in 300 s"
+        time.sleep(0.05)
 
 
 class DropsOut(SerializedTransport):

@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import crash_before_round, global_weights, held_plugin, quick, train
+from helpers import crash_before_round, global_weights, held_plugin, quick, train, wait_for
 from splitlab import codec
 from splitlab.algorithms.sfl_v2 import SFLV2
 from splitlab.checkpoints import Checkpointer
@@ -127,10 +126,7 @@ def test_sigkilled_cli_run_resumes_to_the_uninterrupted_result(tmp_path, monkeyp
         stderr=subprocess.PIPE,
         cwd=tmp_path,
     )
-    deadline = time.monotonic() + 300
-    while not (killed / CHECKPOINT).exists() and time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()[1]
-        time.sleep(0.05)
+    wait_for(process, killed, CHECKPOINT)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     assert not (killed / "summary.json").exists()

@@ -6,9 +6,8 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
-from helpers import held_plugin
+from helpers import held_plugin, wait_for
 from splitlab.algorithms.base import Algorithm
 from splitlab.cli import main
 from splitlab.rundir import CHECKPOINT, CURVES
@@ -87,10 +86,7 @@ def test_sigterm_ends_a_run_as_ctrl_c_does(tmp_path):
     keys = [*ARGS, *(f"{k}={v}" for k, v in held.items()), "rounds=3", "checkpoint_every=0", f"out={out}"]
     cli = [sys.executable, "-m", "splitlab", "run", *keys]
     process = subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    deadline = time.monotonic() + 300
-    while not (out / CHECKPOINT).exists() and time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()[1]
-        time.sleep(0.05)
+    wait_for(process, out, CHECKPOINT)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate()
     assert process.returncode == 130, err

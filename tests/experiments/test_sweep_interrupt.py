@@ -10,12 +10,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import yaml
 
-from helpers import held_plugin
+from helpers import held_plugin, wait_for
 from splitlab.algorithms.base import Algorithm
 from splitlab.cli import main
 from splitlab.rundir import CHECKPOINT
@@ -87,10 +86,7 @@ def test_ctrl_c_stops_the_worker_processes_cleanly(tmp_path, monkeypatch):
         # script) ignores SIGINT, and a child inherits that, so Ctrl-C would never reach the sweep
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    deadline = time.monotonic() + 300
-    while len(list(sweep.glob(f"*/{CHECKPOINT}"))) < 2 and time.monotonic() < deadline:
-        assert process.poll() is None, process.communicate()[1]
-        time.sleep(0.05)
+    wait_for(process, sweep, f"*/{CHECKPOINT}", count=2)
     os.killpg(process.pid, signal.SIGINT)  # Ctrl-C: to every process of the group
     _, err = process.communicate(timeout=120)
     assert process.returncode == 130, err

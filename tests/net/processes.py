@@ -75,6 +75,20 @@ class Server:
         return run_client(ClientSettings(connect=self.address, client_id=client_id, certs=self.certs, **keys))
 
 
+def started(work: Callable[[], Any], result: list[Any]) -> threading.Thread:
+    """`work` in a started daemon thread, what it returns or raises appended to `result`."""
+
+    def target() -> None:
+        try:
+            result.append(work())
+        except Exception as error:  # noqa: BLE001 (the test looks at it)
+            result.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread
+
+
 class ServerThread(logging.Handler):
     """`splitlab server` in a thread of this process, its clients in threads too (`client`), its
     lines recorded: a run without processes' start-up, for tests that also patch the server."""
@@ -94,14 +108,7 @@ class ServerThread(logging.Handler):
         self.lines.append(record.getMessage())
 
     def _start(self, work: Callable[[], Any], result: list[Any]) -> None:
-        def target() -> None:
-            try:
-                result.append(work())
-            except Exception as error:  # noqa: BLE001 (the test looks at it)
-                result.append(error)
-
-        self.threads.append(threading.Thread(target=target, daemon=True))
-        self.threads[-1].start()
+        self.threads.append(started(work, result))
 
     def wait_for_log(self, pattern: str) -> None:
         while not any(re.search(pattern, line) for line in self.lines):
@@ -287,22 +294,16 @@ class Node:
 NONE = codec.encode(None)
 
 
-class ClientThread(threading.Thread):
+class ClientThread:
     """What `splitlab client` runs, in a thread of this process, for a server anywhere (a
     `Server` process that may be killed and started again: it reconnects as the command does);
     `wait()` as a process's: what it ended with, 0, 1 or the UserError the command prints."""
 
     def __init__(self, server: Server, client_id: int, **keys: Any) -> None:
-        super().__init__(daemon=True)
-        self.settings = ClientSettings(connect=server.address, client_id=client_id, certs=server.certs, **keys)
-        self.start()
-
-    def run(self) -> None:
-        try:
-            self.ended: Any = run_client(self.settings)
-        except Exception as error:  # noqa: BLE001 (the test looks at it)
-            self.ended = error
+        settings = ClientSettings(connect=server.address, client_id=client_id, certs=server.certs, **keys)
+        self.ended: list[Any] = []
+        self.thread = started(lambda: run_client(settings), self.ended)
 
     def wait(self) -> Any:
-        self.join()
-        return self.ended
+        self.thread.join()
+        return self.ended[0]
