@@ -25,8 +25,11 @@ def weights(experiment) -> list[torch.Tensor]:
     return [t for state in experiment.algorithm.global_model() for t in state.values()]
 
 
-def test_each_partys_defense_changes_what_crosses_bit_identically_through_either_transport_and_resume():
-    config = dict(TABLE, batch_size=32, local_steps=3, train_subset=100, defense=DEFENDED, noise_key="k")
+@pytest.mark.parametrize(
+    "labels", [{}, {"labels_at": 0, "defense": DEFENDED + "+label_dp:1"}], ids=["labels_at_server", "label_dp"]
+)
+def test_each_partys_defense_changes_what_crosses_bit_identically_through_either_transport_and_resume(labels):
+    config = {**dict(TABLE, batch_size=32, local_steps=3, train_subset=100, defense=DEFENDED, noise_key="k"), **labels}
     direct, serialized = train(2, **config), train(2, **config, transport="serialized")
     assert all(torch.equal(a, b) for a, b in zip(weights(direct), weights(serialized), strict=True))
     assert direct.ledger.state_dict() == serialized.ledger.state_dict()

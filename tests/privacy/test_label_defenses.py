@@ -209,6 +209,40 @@ def test_marvell_on_a_vertical_run_protects_the_labels_from_every_passive_party(
     assert all(abs(party["direction_auc"] - 0.5) < 0.1 for party in found["marvell"].values()), found
 
 
+def test_label_dp_at_a_labelled_vertical_party_flips_at_its_rate_and_records_the_truth(tmp_path, monkeypatch):
+    """labels_at=0: the label holder randomises the labels it sends with each step's embedding. The
+    server trains on them, flipped at randomised response's rate; the record keeps the truth (the
+    attacks are scored on it): the same labels as an undefended run's on the same rows."""
+    from safetensors.torch import load_file
+
+    from splitlab.algorithms.vertical_sl import LabelParty
+    from splitlab.privacy.record import round_file
+
+    vertical = {**BINARY, "setting": "vertical", "parties": 2, "labels_at": 0, "rounds": 2, "record": 100}
+    vertical["clients"] = RunConfig.model_fields["clients"].default
+    sent, true = [], []
+    released = LabelParty._released
+
+    def observed(self, step):
+        message = released(self, step)
+        sent.append(message["labels"])
+        true.append(self.batch_labels(self.rows(step)))
+        return message
+
+    monkeypatch.setattr(LabelParty, "_released", observed)
+    summary = run({**vertical, "defense": "label_dp:1", "noise_key": "k", "out": str(tmp_path / "dp")}, progress=False)
+    monkeypatch.undo()
+    sent_labels, true_labels = torch.cat(sent), torch.cat(true)
+    flip = 1 - math.exp(1) / (math.exp(1) + 1)
+    tolerance = 4 * math.sqrt(flip * (1 - flip) / len(true_labels))
+    assert len(true_labels) > 800 and abs(float((sent_labels != true_labels).double().mean()) - flip) < tolerance
+    assert summary["privacy"]["labels"]["epsilon_per_label"] == 2.0  # 2 rounds, composed
+    run({**vertical, "out": str(tmp_path / "plain")}, progress=False)
+    defended, plain = (load_file(round_file(tmp_path / name, 2)) for name in ("dp", "plain"))  # the last round's
+    assert torch.equal(defended["labels@0"], plain["labels@0"]) and torch.equal(defended["labels@1"], plain["labels@0"])
+    assert not torch.equal(defended["smashed@0"], plain["smashed@0"])  # the same rows, through other weights
+
+
 def test_marvell_is_refused_on_a_client_whose_own_data_is_not_binary(tmp_path):
     """data=own: the task is known once the client reads its files, and checked there."""
     folder = tmp_path / "own"
@@ -296,7 +330,10 @@ def test_a_label_defended_run_resumes_bit_for_bit(defense):
         ),
         (["dataset=breast_cancer", "defense=marvell", "cut=1,2"], "in a U-shaped split"),
         (["dataset=synthetic", "defense=label_dp:1", "cut=1,2"], "in a U-shaped split"),
-        (["dataset=breast_cancer", "defense=label_dp:1", "setting=vertical"], "not implemented for setting=vertical"),
+        (
+            ["dataset=breast_cancer", "defense=label_dp:1", "setting=vertical"],
+            "with labels_at=server they never leave the server: give labels_at=<the party holding them>",
+        ),
         (
             ["dataset=digits", "defense=marvell", "setting=vertical", "algorithm=sl"],
             "marvell needs a binary classification task",

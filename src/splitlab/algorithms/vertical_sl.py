@@ -303,12 +303,22 @@ class FeatureParty(IdHolder, ClientNode[NoParams]):
     @verb(up=KEYED, keys=("smashed",))
     def forward(self, step: int) -> State:
         """Bottom model on this party's columns of batch `step`; the embedding waits for its gradient."""
-        x = self.inputs(self.x[self.rows(step)])
+        return {"smashed": self._released(step)["smashed"]}
+
+    def _released(self, step: int) -> State:
+        """Batch `step`'s message as it leaves (splitlab.roles.ClientNode.release): the embedding with
+        the party's defenses, and its labels (`label_dp`: randomised) where it holds them."""
+        rows = self.rows(step)
+        x = self.inputs(self.x[rows])
         with self.blueprint.timed("client"):
             smashed = self.model("client_model")(x)
-            defended, message = self.release(x, torch.zeros(0), smashed, step)
+            defended, message = self.release(x, self.batch_labels(rows), smashed, step)
             self.stash[step] = defended, self.blueprint.defense.penalty(x, smashed)
-        return {"smashed": message["smashed"]}
+        return message
+
+    def batch_labels(self, rows: torch.Tensor) -> torch.Tensor:
+        """The labels of `rows` this party holds: none."""
+        return torch.zeros(0, dtype=torch.long)
 
     @verb(up="evaluation")
     def test_embeddings(self, start: int, stop: int) -> torch.Tensor:
@@ -326,9 +336,13 @@ class LabelParty(FeatureParty):
         super().keep_rows(rows)
         self.y = self.y[torch.as_tensor(rows, dtype=torch.long, device=self.y.device)]
 
+    def batch_labels(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.y[rows]
+
     @verb(up=KEYED, keys=("smashed", "labels"))
     def forward(self, step: int) -> State:
-        return {**super().forward(step), "labels": self.y[self.rows(step)]}
+        message = self._released(step)
+        return {"smashed": message["smashed"], "labels": message["labels"]}
 
     @verb(up="evaluation")
     def test_labels(self, start: int, stop: int) -> torch.Tensor:
@@ -364,8 +378,8 @@ class VerticalServer(IdHolder, TrainingServer[NoParams]):
         received = [None if e is None else decode(e).requires_grad_() for e in embeddings]
         if labels is None:
             labels = self.labels[batch_rows(self.blueprint, self.round, len(self.ids), step).to(self.labels.device)]
-        if isinstance(self.blueprint.recorder, PartyRecorder):  # record=N: the parties' recorded rows get their labels
-            self.blueprint.recorder.labelled(step, labels)
+            if isinstance(self.blueprint.recorder, PartyRecorder):  # record=N: the recorded rows get their labels
+                self.blueprint.recorder.labelled(step, labels)
         with self.blueprint.timed("server"):
             value = self.blueprint.loss(self.model("server_model")(self.plan.join(received, self.shapes)), labels)
             self.step("server_model", value.backward, tuple(r for r in received if r is not None), value)

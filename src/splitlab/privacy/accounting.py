@@ -28,7 +28,7 @@ so each party's releases are the mechanism above for its own features of a sampl
 epsilon, per party, the same for every party). A sample's whole row (every party's features at once)
 is released P times per step, so its guarantee composes P times as many mechanisms
 (`epsilon_all_parties`). With `labels_at=server` the labels never cross; with a labelled party they
-go to the server in the clear, as in vanilla runs.
+go to the server in the clear, as in vanilla runs, unless `label_dp` randomises them there.
 """
 
 from __future__ import annotations
@@ -173,7 +173,8 @@ def label_privacy(epsilon_per_release: float, count: int) -> dict[str, Any]:
             "releases_per_label": count,
             "mechanism": "randomised response over the K classes: the true label with probability "
             "e^E / (e^E + K - 1), else a uniformly drawn other class",
-            "covers": "each sample's label as sent to the server, against the server and any observer "
-            "(not the smashed data, nor what the cut gradients and the client part reveal of it)",
+            "covers": "each training sample's label as sent to the server, against the server and any observer "
+            "(not the smashed data, nor what the cut gradients and the client part reveal of it; nor, in a "
+            "vertical run, the test samples' labels the label holder sends for evaluation)",
         }
     }

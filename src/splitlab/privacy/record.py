@@ -82,22 +82,29 @@ class PartyRecorder(Recorder):
     def __init__(self, limit: int) -> None:
         super().__init__(limit)
         self._counts: dict[int, int] = {}
+        self._labels: dict[int, torch.Tensor] = {}  # by step, this round
 
     def sent(self, client_id: int, key: int, inputs: torch.Tensor, smashed: torch.Tensor, labels: torch.Tensor) -> None:
-        """A party's embedding of a batch (`labels` is empty at a party: they come with `labelled`)."""
+        """A party's embedding of a batch; `labels` are empty except at the label holder, whose
+        labels (as it holds them, before `label_dp`: the truth the attacks are scored on) label
+        every party's batch of that step."""
         take = min(len(inputs), self.limit - self._counts.get(client_id, 0))
-        if take <= 0:
-            return
-        self._counts[client_id] = self._counts.get(client_id, 0) + take
-        self._awaiting[client_id, key] = {
-            "inputs": inputs[:take].detach().float(),
-            "smashed": smashed[:take].detach(),
-            "clients": torch.full((take,), client_id, dtype=torch.int64),
-        }
-        self._batches.append(self._awaiting[client_id, key])
+        if take > 0:
+            self._counts[client_id] = self._counts.get(client_id, 0) + take
+            self._awaiting[client_id, key] = {
+                "inputs": inputs[:take].detach().float(),
+                "smashed": smashed[:take].detach(),
+                "clients": torch.full((take,), client_id, dtype=torch.int64),
+            }
+            self._batches.append(self._awaiting[client_id, key])
+        if len(labels):
+            self.labelled(key, labels)
+        elif key in self._labels and take > 0:
+            self._awaiting[client_id, key]["labels"] = self._labels[key][:take].detach()
 
     def labelled(self, key: int, labels: torch.Tensor) -> None:
-        """The labels of step `key`'s batch, as the server trains on them."""
+        """The labels of step `key`'s batch: the server's own (labels_at=server) or the label holder's."""
+        self._labels[key] = labels
         for (_, step), batch in self._awaiting.items():
             if step == key:
                 batch["labels"] = labels[: len(batch["inputs"])].detach()
@@ -110,7 +117,7 @@ class PartyRecorder(Recorder):
     def flush(self, run_dir: Path, rnd: int) -> None:
         """Write the round's record, every party's tensors named `<name>@<party>` (a batch no step
         took, its label holder gone, is left out); nothing if nothing was recorded."""
-        batches, self._batches, self._awaiting, self._counts = self._batches, [], {}, {}
+        batches, self._batches, self._awaiting, self._counts, self._labels = self._batches, [], {}, {}, {}
         tensors: dict[str, torch.Tensor] = {}
         for party in sorted({int(b["clients"][0]) for b in batches}):
             kept = [b for b in batches if int(b["clients"][0]) == party and "labels" in b]

@@ -186,10 +186,10 @@ def _refusals(run: RunConfig) -> None:
             "precision=fp16 does not apply here: setting=vertical: its parties and top model step through verbs of "
             "their own, not built for it; precision=bf16 needs no loss scaling"
         )
-    if parse_defense(run.defense).label_dp is not None:  # marvell is built: the server noises every party's gradient
+    if parse_defense(run.defense).label_dp is not None and run.labels_at == LABELS_AT_SERVER:
         raise UserError(
-            f"defense={run.defense}: label_dp is not implemented for setting=vertical: with labels_at=server the "
-            "labels never leave the server, and randomised response at a labelled party is not built"
+            f"defense={run.defense}: label_dp randomises the labels a party sends; with labels_at=server they never "
+            "leave the server: give labels_at=<the party holding them>, or leave label_dp out"
         )
     checks = {
         "algorithm": (
