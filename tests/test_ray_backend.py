@@ -35,6 +35,7 @@ TIMING = (
     "envelope_bytes",
     "driver_actor_bytes",
     "ray_startup_seconds",
+    "ray_actors_started",
     "ray_worker_seconds",
     "ray_client_moves",
 )

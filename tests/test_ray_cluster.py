@@ -75,10 +75,11 @@ def test_a_family_ends_bit_for_bit_after_an_actor_is_killed_mid_round(
 ):
     """The client workers and the server on the local Ray. In round 2 the process of the actor
     holding the first client to get its cut gradient (or to take a step of its own) is SIGKILLed:
-    the actors are built again and the round is replayed from round 1's checkpoint, which goes into
-    the new actors. Every number (losses, accuracy, per-kind bytes) and the weights are the
+    a new actor takes its place, the roles are built again in it and in the actors still alive (not
+    started again), and the round is replayed from round 1's checkpoint, which goes into all of them.
+    Every number (losses, accuracy, per-kind bytes) and the weights are the
     in-process run's. `moved`: every client that trains goes to another worker (its state with it).
-    The families whose state takes a path of its own through the checkpoint into the new actors; the
+    The families whose state takes a path of its own through the checkpoint into the actors; the
     others' replay is the same code (engine.run), and they are bit for bit on Ray
     (tests/test_ray_backend.py: fedavg, sglr, cycle_sfl) and when resumed in process
     (tests/test_loggers.py: fedavg; tests/algorithms: sglr, cycle_sfl). psl, and sfl_v2 with a
@@ -96,6 +97,8 @@ def test_a_family_ends_bit_for_bit_after_an_actor_is_killed_mid_round(
     rows = rows_of(tmp_path / "ray")
     assert all(row["driver_actor_bytes"] > 0 and row["round_compute_seconds"]["client"] > 0 for row in rows)
     assert not moved or all(row["ray_client_moves"] > 0 for row in rows)
+    # each attempt's first row: every actor started, then only the one lost (the others rebuilt)
+    assert [row["ray_actors_started"] for row in rows if "ray_actors_started" in row] == [workers + 1, 1]
 
 
 def test_a_defended_run_resumed_on_ray_and_killed_mid_round_keeps_its_private_noise_key(
@@ -103,8 +106,8 @@ def test_a_defended_run_resumed_on_ray_and_killed_mid_round_keeps_its_private_no
 ):
     """SFL-V2 with noise at the cut and no noise_key: the key drawn at the start is in the
     checkpoint. Stopped before round 2 in process, resumed on Ray (the actors get the key from the
-    driver), an actor SIGKILLed mid-round (the new actors get it again): bit for bit the run resumed
-    in process."""
+    driver), an actor SIGKILLed mid-round (the new actor and the rebuilt ones get it again): bit for
+    bit the run resumed in process."""
     defended = {"defense": "clip:5+noise:0.3+gradnoise:0.5"}
     crash_before_round(1, config("sfl_v2", tmp_path / "local", **defended), monkeypatch)
     shutil.copytree(tmp_path / "local", tmp_path / "ray")
@@ -117,10 +120,11 @@ def test_a_defended_run_resumed_on_ray_and_killed_mid_round_keeps_its_private_no
 
 def test_an_actor_process_killed_then_a_node_lost_mid_round(cluster, tmp_path, monkeypatch, capsys):
     """On the cluster: PSL, 2 client workers and the server on one-CPU nodes, one node to spare. In round 1 an
-    actor's process is SIGKILLed: its CPU comes back and the actors are built again over the nodes.
-    In round 2 the node of the client worker about to take a backward step is removed (its raylet,
-    object store and actor processes all stop): the actors are built again on the three nodes
-    left. Each time the round is replayed, and every number is the undisturbed run's."""
+    actor's process is SIGKILLed: its CPU comes back and a new actor takes its place. In round 2 the
+    node of the client worker about to take a backward step is removed (its raylet, object store and
+    actor processes all stop): a new actor starts on a node left. Each time the roles are built again
+    in the new actor and the two still alive, the round is replayed, and every number is the
+    undisturbed run's."""
     run(config("psl", tmp_path / "undisturbed"), progress=False)
     removed: list[str] = []
 
@@ -139,3 +143,6 @@ def test_an_actor_process_killed_then_a_node_lost_mid_round(cluster, tmp_path, m
     assert "replaying from the last checkpoint (restart 1 of at most 3)" in err
     assert "replaying from the last checkpoint (restart 2 of at most 3)" in err
     assert results(tmp_path / "undisturbed") == results(tmp_path / "disturbed")
+    # the first attempt (3 actors), lost in round 1, wrote no row; each later attempt started one
+    started = [row["ray_actors_started"] for row in rows_of(tmp_path / "disturbed") if "ray_actors_started" in row]
+    assert started == [1, 1]

@@ -9,7 +9,7 @@ its own node with `client_node`, from the same plan as the server's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,11 +60,16 @@ def check(raw: Mapping[str, Any]) -> None:
     setting.check(config)
 
 
-def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Transport] | None = None) -> Experiment:
+def build(
+    raw: Mapping[str, Any],
+    transport: Callable[[Ledger, torch.device], Transport] | None = None,
+    spare: Sequence[Any] = (),
+) -> Experiment:
     """Validate the config, plan the run by its setting and place the plan: its nodes here, in
     Ray actors (backend=ray) or in other processes (`transport` with `remote` nodes: a network,
     whose nodes report what they hold); then the algorithm, and the nodes aligned if the setting
-    aligns them. UserError on bad input."""
+    aligns them. `spare`: the actors of the run's previous attempt still alive (Transport.hand_over),
+    rebuilt and used before new ones are started; stopped if the build fails. UserError on bad input."""
     config, setting = resolved(raw)
     run = config.run
     rundir.check_out_dir(config.out_dir)
@@ -80,13 +85,15 @@ def build(raw: Mapping[str, Any], transport: Callable[[Ledger, torch.device], Tr
         if not made:
             make = transport or TRANSPORTS[run.transport]
             ray = run.backend == "ray"
-            made.append(ray_backend.RayTransport(ledger, device, run.workers) if ray else make(ledger, device))
+            made.append(ray_backend.RayTransport(ledger, device, run.workers, spare) if ray else make(ledger, device))
         return made[0]
 
     def reports(nodes: int) -> dict[int, dict[str, Any]]:
         return transport_().reports_to_plan(nodes)
 
     try:
+        if spare:  # held by the transport from now on: stopped with it if the build fails
+            transport_()
         plan = setting.plan(config, transport is not None, reports)
         return _placed(config, plan, transport_())
     except BaseException:  # the actors stopped, the networked nodes told the run is over

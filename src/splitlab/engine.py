@@ -45,7 +45,8 @@ def run(
     `callbacks`: hooks of your own into the loop, called after splitlab's (splitlab.callbacks).
 
     When a process holding roles is lost (backend=ray: an actor or its node died), the roles are
-    built again and the run replays from its last checkpoint (from the start if it has none yet),
+    built again (in the actors still alive, and in new ones in place of those lost) and the run
+    replays from its last checkpoint (from the start if it has none yet),
     as a resumed run would: bit for bit the same results. After `max_restarts` such losses, or when
     the roles cannot be built again (the nodes left lack the CPUs), the run stops with one line
     and the resume hint."""
@@ -53,11 +54,16 @@ def run(
     config = flat_settings(config, *params)
     experiment = build(config, transport)
     limit = experiment.config.run.max_restarts
-    restarts = 0
+    restarts, spare = 0, []
     while True:
         try:
             with contextlib.closing(experiment.transport):
-                return _run(experiment, resume, progress, callbacks)
+                try:
+                    return _run(experiment, resume, progress, callbacks)
+                except RoleLost:
+                    # the actors still alive are rebuilt in place of starting them again (backend=ray)
+                    spare = experiment.transport.hand_over() if restarts < limit else []
+                    raise
         except RoleLost as lost:
             restarts += 1
             resume = bool(RunDirectory(experiment.config).existing())  # lost before its first checkpoint: nothing kept
@@ -70,7 +76,8 @@ def run(
                 f"(restart {restarts} of at most {limit})"
             )
             try:
-                experiment = build({**config, "resume": True, "overwrite": False} if resume else config, transport)
+                again_config = {**config, "resume": True, "overwrite": False} if resume else config
+                experiment = build(again_config, transport, spare=spare)
             except UserError as refused:  # what is left of the cluster cannot hold the roles (fewer CPUs)
                 raise RoundFailed(
                     f"{lost}; the roles could not be built again: {refused}; then run it again with resume=true "

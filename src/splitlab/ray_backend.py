@@ -9,7 +9,9 @@ indices of their samples; a client that trains goes to whichever worker is free
 actor to actor through the object store, never through the driver. The sync server and the
 algorithm stay in the driver, with the assembly. Personal models are evaluated on the actors that
 hold them (only metrics come back), and a lost actor raises `RoleLost`, on which the engine
-builds the actors again and replays from the last checkpoint. Every verb call and its result
+builds the roles again and replays from the last checkpoint: in new actors in place of the lost
+ones, and in the actors still alive (`RayTransport.hand_over`, `RoleHost.rebuild`), which are not
+started again. Every verb call and its result
 travel as `splitlab.codec` bytes (safetensors + JSON), as through the serialized transport, so
 results are bit for bit those of an in-process run. Ray itself pickles what it carries (here:
 those bytes, client ids, verb names and the dataset's arrays), between processes of a cluster
@@ -28,7 +30,7 @@ import importlib
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 import torch
@@ -48,6 +50,10 @@ from splitlab.settings import Plan, setting_of
 from splitlab.settings.base import SERVER
 from splitlab.transport import Proxy, SerializedTransport, VerbSpec
 
+#: after an actor was lost, how long another has to answer to be rebuilt for the replay (one on a
+#: node going away may not answer at all)
+HAND_OVER_SECONDS = 10.0
+
 
 class RoleHost:
     """A Ray actor's roles: the nodes `placed` here (a client worker, built from its `load`), or
@@ -57,6 +63,12 @@ class RoleHost:
     report with the node's id and hostname."""
 
     def __init__(self, config_json: str, load: Any, placed: list[int] | None, data_shape: str) -> None:
+        self.rebuild(config_json, load, placed, data_shape)
+
+    def rebuild(self, config_json: str, load: Any, placed: list[int] | None, data_shape: str) -> str | None:
+        """The roles built afresh from these arguments, as a new actor builds them: also how an actor
+        that outlived another's loss takes its part in the run's replay, without a new process.
+        Returns what `ready` returns."""
         config = resolve_config(json.loads(config_json))
         set_worker_threads(config.run.cpus_per_client)
         # torch's first optimizer step imports torch._dynamo (1.5 s): here, while the actors start, not
@@ -71,6 +83,7 @@ class RoleHost:
             LOGGER.exception("building the roles failed")  # the traceback, in the actor's log
             reason = (str(error).strip().splitlines() or [""])[0][:200]
             self.failure = f"{cluster.this_node()}: building the roles failed: {type(error).__name__}: {reason}"
+        return self.failure
 
     def _build(self, config: ResolvedConfig, load: Any, placed: list[int] | None, data_shape: str) -> None:
         """The roles, built by the run's setting."""
@@ -247,11 +260,13 @@ class RayTransport(SerializedTransport):
 
     name = "ray"
 
-    def __init__(self, ledger: Ledger, device: torch.device, workers: int) -> None:
+    def __init__(self, ledger: Ledger, device: torch.device, workers: int, spare: Sequence[Any] = ()) -> None:
         super().__init__(ledger, device)
         self.concurrency = workers  # clients on different actors train at once
         self._lock = threading.Lock()  # the ledger's counts, when clients run concurrently
         self.hosts: list[Any] = []  # the actors, stopped by close(): the client workers, then the server's
+        self.spare = list(spare)  # the previous attempt's live actors, rebuilt before new ones start
+        self.started = 0  # new actors this attempt started (the rest: spare ones rebuilt)
         self.clients: dict[int, RemoteRole] = {}  # every client, on the worker that holds it now
         self.remote_bytes = 0  # request and reply bytes between the driver and the actors, since the last row
         self.startup_seconds: float | None = None  # building the roles on the actors, waiting for CPUs included
@@ -307,9 +322,23 @@ class RayTransport(SerializedTransport):
     def close(self) -> None:
         """Stop the actors now (not when Ray notices the run let go of them): their CPUs are free for the next run."""
         ray = cluster.ray_module()
-        for host in self.hosts:
+        for host in [*self.hosts, *self.spare]:
             ray.kill(host)
-        self.hosts = []
+        self.hosts, self.spare = [], []
+
+    def hand_over(self) -> list[Any]:
+        """After an actor was lost: the actors that still answer (within HAND_OVER_SECONDS), taken
+        out of this transport for the run's next attempt to rebuild; close() stops the others."""
+        ray = cluster.ray_module()
+        probes = [host.ready.remote() for host in self.hosts]
+        answered, _ = ray.wait(probes, num_returns=len(probes), timeout=HAND_OVER_SECONDS)
+        alive = []
+        for host, probe in zip(self.hosts, probes):
+            with contextlib.suppress(ray.exceptions.RayError):
+                if probe in answered and ray.get(probe) is None:
+                    alive.append(host)
+        self.hosts = [host for host in self.hosts if all(host is not kept for kept in alive)]
+        return alive
 
     def pop_seconds(self) -> dict[str, float]:
         seconds: dict[str, float] = {}
@@ -324,8 +353,9 @@ class RayTransport(SerializedTransport):
             "ray_worker_seconds": [round(seconds, 4) for seconds in self._load],
             "ray_client_moves": self.moves,
         }
-        if self.startup_seconds is not None:  # in the first row only
+        if self.startup_seconds is not None:  # in the attempt's first row only
             figures["ray_startup_seconds"], self.startup_seconds = self.startup_seconds, None
+            figures["ray_actors_started"] = self.started
         self.remote_bytes, self.moves, self._load = 0, 0, [0.0] * len(self._load)
         return figures
 
@@ -437,21 +467,30 @@ def _start_actors(
     transport: RayTransport,
 ) -> tuple[list[Any], Any]:
     """The client workers (worker w: `loads[w]`, what it gets and the roles it holds) and the
-    training server's actor (`server_load`; None: the data's shape alone), started and built, in
-    `transport.hosts`; a failure to build, one line per node, after the actors are stopped."""
+    training server's actor (`server_load`; None: the data's shape alone), built, in
+    `transport.hosts`: the spare actors of the run's previous attempt first (every actor of a run
+    asks for the same resources), then new ones; a failure to build, one line per node, after the
+    actors are stopped."""
     ray = cluster.ray_module()
     run = config.run
     Host = ray.remote(num_cpus=run.cpus_per_client, num_gpus=run.gpus_per_client, **ray_options(run.plugins))(RoleHost)
     config_json, data_shape = json.dumps(config.as_dict()), data_shape_of(blueprint)
-    hosts = [Host.remote(config_json, shared, placed, data_shape) for shared, placed in loads]
-    server_host = Host.remote(config_json, server_load, None, data_shape)
-    transport.hosts = [*hosts, server_host]
+
+    def built(load: Any, placed: list[int] | None) -> tuple[Any, Any]:
+        """An actor holding these roles, and the call that answers once they are built (None, or why not)."""
+        if transport.spare:
+            actor = transport.spare.pop()
+            return actor, actor.rebuild.remote(config_json, load, placed, data_shape)
+        transport.started += 1
+        actor = Host.remote(config_json, load, placed, data_shape)
+        return actor, actor.ready.remote()
+
+    placed = [built(load, roles) for load, roles in [*loads, (server_load, None)]]
+    transport.hosts = [actor for actor, _ in placed]
     started = time.perf_counter()
-    failures = sorted(
-        {failure for failure in wait_for([h.ready.remote() for h in transport.hosts], "start") if failure}
-    )
+    failures = sorted({failure for failure in wait_for([ready for _, ready in placed], "start") if failure})
     if failures:  # one line per node, the first failure of each
         transport.close()
         raise UserError("; ".join(failures))
     transport.startup_seconds = time.perf_counter() - started
-    return hosts, server_host
+    return transport.hosts[:-1], transport.hosts[-1]

@@ -184,6 +184,12 @@ class Transport:
     def close(self) -> None:
         """Let go of what the transport started (nothing, in process)."""
 
+    def hand_over(self) -> list[Any]:
+        """After a lost role, what the run's rebuild may take over instead of starting it again; it
+        leaves this transport, whose close() lets go of the rest (backend=ray: the actors still
+        alive; nothing here)."""
+        return []
+
     def pop_seconds(self) -> dict[str, float]:
         """Compute seconds by phase spent since the last call by roles in other processes (Ray actors)."""
         return {}
