@@ -11,11 +11,10 @@ algorithm stay in the driver, with the assembly. Personal models are evaluated o
 hold them (only metrics come back), and a lost actor raises `RoleLost`, on which the engine
 builds the roles again and replays from the last checkpoint: in new actors in place of the lost
 ones, and in the actors still alive (`RayTransport.hand_over`, `RoleHost.rebuild`), which are not
-started again. Every verb call and its result
-travel as `splitlab.codec` bytes (safetensors + JSON), as through the serialized transport, so
-results are bit for bit those of an in-process run. Ray itself pickles what it carries (here:
-those bytes, client ids, verb names and the dataset's arrays), between processes of a cluster
-the user started and trusts.
+started again. Every verb call and its result travel as `splitlab.codec` bytes (safetensors +
+JSON), as through the serialized transport, so results are bit for bit those of an in-process
+run. Ray itself pickles what it carries (here: those bytes, client ids, verb names and the
+dataset's arrays), between processes of a cluster the user started and trusts.
 
 What each actor gets and how it builds its roles is the run's setting's (splitlab.settings): a
 vertical run puts its parties on the client workers (party j on worker j mod workers, for the
