@@ -31,6 +31,12 @@ atexit.register(shutil.rmtree, TOKEN_CACHE, ignore_errors=True)
 os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 
+#: Ray starts its worker processes (actors, tasks) at niceness 15, below the other test worker's
+#: processes: on 2 busy cores its actors got a fraction of a core, and a Ray test waited on them
+#: (the killed-worker sweep: 9 s alone, 47-57 s in a full run, 440 s beside two busy loops). The
+#: tests' Ray processes compete as equals (Ray reads RAY_<setting> from the environment it starts in).
+os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112 - Ray reads this exact name
+
 
 def pytest_xdist_make_scheduler(config, log):
     """Each test module whole on one worker, so its module-scoped fixtures (trained runs, launched
