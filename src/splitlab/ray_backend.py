@@ -331,12 +331,17 @@ class RayTransport(SerializedTransport):
         ray = cluster.ray_module()
         probes = [host.ready.remote() for host in self.hosts]
         answered, _ = ray.wait(probes, num_returns=len(probes), timeout=HAND_OVER_SECONDS)
-        alive = []
-        for host, probe in zip(self.hosts, probes):
-            with contextlib.suppress(ray.exceptions.RayError):
-                if probe in answered and ray.get(probe) is None:
-                    alive.append(host)
-        self.hosts = [host for host in self.hosts if all(host is not kept for kept in alive)]
+
+        def answers(probe: Any) -> bool:
+            try:
+                return probe in answered and ray.get(probe) is None
+            except ray.exceptions.RayError:
+                return False
+
+        hosts, self.hosts = self.hosts, []
+        alive: list[Any] = []
+        for host, probe in zip(hosts, probes):
+            (alive if answers(probe) else self.hosts).append(host)
         return alive
 
     def pop_seconds(self) -> dict[str, float]:
