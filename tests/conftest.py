@@ -74,9 +74,22 @@ LOCAL_RAY = {"num_cpus": 4, "num_gpus": 2}
 def _plugins_forgotten_after_the_test(tmp_path_factory):
     """Modules a test imported from its temporary folders (plugins: algorithms, models, datasets of
     its own) are dropped when it ends, and collected, so their classes leave the registries: a
-    plugin's subclass of SFL-V2 would otherwise show in a later test's "applies to algorithm ..."."""
+    plugin's subclass of SFL-V2 would otherwise show in a later test's "applies to algorithm ...".
+    The models and datasets a plugin registered are gone too, whichever test ran it (the Ray
+    plugin test's dataset once showed in a later test's list of datasets on the same worker)."""
+    from splitlab.data import datasets
+    from splitlab.models import MODEL_INPUTS, MODEL_PARAMS, MODELS
+
+    tables = [MODELS, MODEL_PARAMS, MODEL_INPUTS, datasets.DATASETS, datasets.LOCATORS, datasets.SPLIT_LOADERS]
+    tables.append(datasets.SAMPLES)
+    saved = [dict(table) for table in tables]
     before = set(sys.modules)
     yield
+    if any(table != kept for table, kept in zip(tables, saved)):
+        for table, kept in zip(tables, saved):
+            table.clear()
+            table.update(kept)
+        datasets._load_cached.cache_clear()
     base = tmp_path_factory.getbasetemp()
     added = [name for name in set(sys.modules) - before if _under(sys.modules[name], base)]
     for name in added:

@@ -39,23 +39,6 @@ splitlab.register_dataset("{name}_data", DATASETS["synthetic"])
 '''
 
 
-@pytest.fixture(autouse=True)
-def registries_as_they_were():
-    """A plugin's models and datasets are registered for the rest of the process: gone after each
-    test, so that later tests (dataset lists, the catalog) see splitlab's own alone."""
-    from splitlab.data import datasets
-    from splitlab.models import MODEL_INPUTS, MODEL_PARAMS, MODELS
-
-    tables = [MODELS, MODEL_PARAMS, MODEL_INPUTS, datasets.DATASETS, datasets.LOCATORS, datasets.SPLIT_LOADERS]
-    tables.append(datasets.SAMPLES)
-    saved = [dict(table) for table in tables]
-    yield
-    for table, before in zip(tables, saved):
-        table.clear()
-        table.update(before)
-    datasets._load_cached.cache_clear()
-
-
 def write_plugin(folder: Path, module: str, name: str) -> None:
     cls = "".join(part.title() for part in name.split("_"))
     (folder / f"{module}.py").write_text(PLUGIN.format(cls=cls, name=name))
