@@ -210,14 +210,20 @@ class Rogue:
         while (message := self.outgoing.get()) is not None:
             yield message
 
-    def first_reply(self, report: dict | None = None, **own: Any) -> Any:
-        """The server's first message (WELCOME), or the RpcError that refused this client. After a
-        WELCOME it REPORTs its data: `report`, or that of `node`, the node a client of the run builds
-        (with `own` keys of its own, as `splitlab client data=own data_dir=...`)."""
+    def first_reply(self, report: dict | None = None, within: float = 60.0, **own: Any) -> Any:
+        """The server's first message (WELCOME), or the RpcError that refused this client (or
+        cancelled the call: none came `within` seconds, as `splitlab client`'s welcome_seconds; gRPC
+        may never complete a call begun as the server shut down). After a WELCOME it REPORTs its
+        data: `report`, or that of `node`, the node a client of the run builds (with `own` keys of
+        its own, as `splitlab client data=own data_dir=...`)."""
+        late = threading.Timer(within, self.replies.cancel)
+        late.start()
         try:
             reply = next(self.replies)
         except grpc.RpcError as error:
             return error
+        finally:
+            late.cancel()
         if reply.kind == protocol.WELCOME:
             self.config = codec.decode(bytes(reply.payload))["config"]
             if report is None:

@@ -17,8 +17,10 @@ import logging
 import random
 import re
 import socket
+import sys
 import threading
 import time
+import traceback
 import uuid
 from pathlib import Path
 from typing import Any
@@ -169,7 +171,7 @@ def _rogue(address: str, creds: grpc.ChannelCredentials, plan: Plan, over: threa
     """Client 0, honest but for one malformed reply per connection, until the run is over."""
     while not over.is_set():
         rogue = Rogue(address, creds, 0)
-        if not isinstance(rogue.first_reply(), protocol.Envelope):  # the server is starting or stopping
+        if not isinstance(rogue.first_reply(within=10), protocol.Envelope):  # the server is starting or stopping
             rogue.close()
             time.sleep(0.05)
         elif _connection(rogue, plan):
@@ -273,21 +275,28 @@ def test_a_rogue_with_a_valid_certificate_is_dropped_at_every_malformed_reply(
         except RoundFailed as stopped:
             ended.append(stopped)
 
-    threads = [threading.Thread(target=server, daemon=True)]
+    threads = [threading.Thread(target=server, name="server", daemon=True)]
     threads[0].start()
     _listening(address)
     over, honest = threading.Event(), []
     honest_settings = ClientSettings(connect=address, client_id=1, certs=certs, retry_seconds=30)
-    threads.append(threading.Thread(target=lambda: honest.append(run_client(honest_settings)), daemon=True))
-    threads.append(threading.Thread(target=_rogue, args=(address, credentials(certs, "client-0"), plan, over)))
+    threads.append(
+        threading.Thread(target=lambda: honest.append(run_client(honest_settings)), name="honest client", daemon=True)
+    )
+    rogue_args = (address, credentials(certs, "client-0"), plan, over)
+    threads.append(threading.Thread(target=_rogue, args=rogue_args, name="rogue"))
     for thread in threads[1:]:
         thread.start()
     threads[0].join(timeout=300)
     over.set()
     for thread in threads[1:]:
         thread.join(timeout=60)
-    said = [r.getMessage() for r in records.records[-20:]]  # what happened last, to tell why
-    assert not any(thread.is_alive() for thread in threads), ("the server or a client hangs", plan.sent, died, said)
+    hung = [thread for thread in threads if thread.is_alive()]
+    if hung:  # what happened last and where each hung thread waits, whole (an assert's message is cut short)
+        frames = sys._current_frames()
+        stacks = [f"{t.name}:\n{''.join(traceback.format_stack(frames[t.ident])[-8:])}" for t in hung if t.ident]
+        said = [f"{r.relativeCreated / 1000:.1f} s {r.getMessage()}" for r in records.records[-30:]]
+        pytest.fail("\n".join(["the server or a client hangs", f"sent {plan.sent}", f"died {died}", *said, *stacks]))
     assert died == [] and honest == [0], (died, honest)
     assert [r.getMessage() for r in records.records if r.exc_info or r.levelno >= logging.ERROR] == []
 

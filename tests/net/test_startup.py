@@ -5,7 +5,9 @@ refused as not belonging to the run, and the run then waited out join_timeout fo
 
 from __future__ import annotations
 
+import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -16,7 +18,8 @@ from helpers import quick
 from splitlab.engine import build
 from splitlab.net import protocol
 from splitlab.net.audit import AuditLog
-from splitlab.net.certs import make_certs
+from splitlab.net.certs import SERVER, make_certs, read_pair
+from splitlab.net.client import ClientSettings, run_client
 from splitlab.net.launch import _free_port
 from splitlab.net.server import Hub, NetworkTransport, ServerSettings, client_config
 
@@ -72,3 +75,40 @@ def test_a_client_saying_hello_before_the_run_registers_its_clients_is_admitted(
         k: reply.details() if isinstance(reply, grpc.RpcError) else reply.kind for k, reply in first_replies.items()
     }
     assert said == {0: protocol.WELCOME, 1: protocol.WELCOME}
+
+
+def test_a_client_whose_server_never_welcomes_it_retries_and_gives_up(tmp_path, caplog):
+    """A real TLS gRPC server that takes every stream and never answers (a hung server, or a call
+    gRPC never completes): each connection waits welcome_seconds, then the client tries again, and
+    it gives up (exit 1) once retry_seconds have passed without a WELCOME; it never waits for ever."""
+    make_certs(tmp_path / "certs", 1, [])
+    ca, cert, key = read_pair(tmp_path / "certs", SERVER)
+    streams, over = [], threading.Event()
+
+    def silent(requests: Any, context: grpc.ServicerContext) -> Any:
+        streams.append(next(requests).kind)  # the HELLO, then nothing
+        over.wait(30)
+        return iter(())
+
+    service, method = protocol.METHOD.split("/")[1:]
+    handler = grpc.method_handlers_generic_handler(
+        service,
+        {method: grpc.stream_stream_rpc_method_handler(silent, request_deserializer=protocol.Envelope.FromString)},
+    )
+    server = grpc.server(ThreadPoolExecutor(max_workers=8), handlers=[handler])
+    address = f"127.0.0.1:{_free_port()}"
+    server.add_secure_port(address, grpc.ssl_server_credentials([(key, cert)], root_certificates=ca))
+    server.start()
+    try:
+        with caplog.at_level(logging.INFO, logger="splitlab"):
+            settings = ClientSettings(
+                connect=address, client_id=0, certs=tmp_path / "certs", retry_seconds=1, welcome_seconds=0.5
+            )
+            assert run_client(settings) == 1
+    finally:
+        over.set()
+        server.stop(grace=None)
+    assert streams[:2] == [protocol.HELLO, protocol.HELLO]  # it said HELLO, waited, and tried again
+    lines = [record.getMessage() for record in caplog.records]
+    assert f"splitlab client 0: cannot reach {address} (no WELCOME within welcome_seconds=0.5 s); retrying" in lines
+    assert lines[-1] == f"splitlab client 0: no server at {address} for 1 s; giving up"

@@ -6,8 +6,9 @@ node from the config the server sends back and its own data: every training samp
 partition (data=partition). It reports what it holds (REPORT: samples per class, their shape),
 then answers every CALL with the verb's result and sends a heartbeat every few seconds. When
 the stream breaks (the server restarts, the network fails, the server dropped it), it connects
-again and builds a fresh node, backing off while the server is unreachable or busy
-(RESOURCE_EXHAUSTED: its streams are taken), for up to `retry_seconds`; BYE ends it; a refusal
+again and builds a fresh node, backing off while the server is unreachable, busy
+(RESOURCE_EXHAUSTED: its streams are taken) or silent (no WELCOME within `welcome_seconds`), for
+up to `retry_seconds`; BYE ends it; a refusal
 (its data, its id, a revoked certificate, another connection with its certificate) stops it.
 """
 
@@ -52,6 +53,9 @@ class ClientSettings(BaseModel):
     threads: int | None = Field(None, ge=1, le=1024, description="torch threads (default: torch's)")
     server_name: str | None = Field(None, description="name in the server's certificate, if not the host")
     retry_seconds: float = Field(120.0, ge=0, le=604_800, description="how long to keep trying to (re)connect")
+    welcome_seconds: float = Field(
+        600.0, gt=0, le=604_800, description="how long one connection waits for the server's WELCOME before retrying"
+    )
     max_message_mib: int = Field(
         1024,
         ge=1,
@@ -71,6 +75,11 @@ def log(client_id: int, line: str) -> None:
 
 class _Finished(Exception):
     """The server said BYE."""
+
+
+class _Silent(Exception):
+    """The server took the stream but sent no WELCOME within welcome_seconds (a server that hangs,
+    or a call gRPC never completes: one on a connection that broke as the call began)."""
 
 
 def run_client(settings: ClientSettings) -> int:
@@ -98,12 +107,13 @@ def run_client(settings: ClientSettings) -> int:
             except _Finished:
                 log(settings.client_id, "the run is over")
                 return 0
-            except grpc.RpcError as error:
-                if error.code() == grpc.StatusCode.PERMISSION_DENIED:
+            except (grpc.RpcError, _Silent) as error:
+                if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.PERMISSION_DENIED:
                     raise UserError(f"the server refused client {settings.client_id}: {error.details()}") from None
-                if error.details() != last_error:  # once per kind of failure, not once per retry
-                    last_error = error.details()
-                    log(settings.client_id, f"cannot reach {settings.connect} ({last_error}); retrying")
+                why = str(error) if isinstance(error, _Silent) else error.details()
+                if why != last_error:  # once per kind of failure, not once per retry
+                    last_error = why
+                    log(settings.client_id, f"cannot reach {settings.connect} ({why}); retrying")
         if time.monotonic() - last_contact > settings.retry_seconds:
             log(settings.client_id, f"no server at {settings.connect} for {settings.retry_seconds:g} s; giving up")
             return 1
@@ -124,6 +134,14 @@ def _session(settings: ClientSettings, connect: Any) -> bool:
 
     outgoing.put(protocol.envelope(protocol.HELLO, client_id=settings.client_id))
     replies = connect(requests())
+    silent = threading.Event()
+
+    def give_up() -> None:
+        silent.set()
+        replies.cancel()
+
+    late = threading.Timer(settings.welcome_seconds, give_up)
+    late.start()
     welcomed = False
     node: ClientNode | None = None
     run_id = ""
@@ -142,6 +160,7 @@ def _session(settings: ClientSettings, connect: Any) -> bool:
             if message.kind == protocol.BYE:
                 raise _Finished
             if message.kind == protocol.WELCOME:
+                late.cancel()
                 welcomed, run_id = True, message.run_id
                 welcome = codec.decode(bytes(message.payload))
                 chunk_bytes = chunks.chunk_bytes = _chunk_bytes(welcome.get("chunk_bytes"))
@@ -153,10 +172,13 @@ def _session(settings: ClientSettings, connect: Any) -> bool:
             elif message.kind == protocol.CALL and node is not None and message.run_id == run_id:
                 outgoing.put(_answer(node, message, run_id))
     except grpc.RpcError as error:
+        if silent.is_set() and not welcomed:
+            raise _Silent(f"no WELCOME within welcome_seconds={settings.welcome_seconds:g} s") from None
         if not welcomed or error.code() == grpc.StatusCode.PERMISSION_DENIED:
             raise
         log(settings.client_id, f"connection lost ({error.code()}); reconnecting")
     finally:
+        late.cancel()
         stop.set()
         outgoing.put(None)
     return welcomed
