@@ -164,35 +164,54 @@ def test_marvell_with_a_kl_bound_is_marvell_at_the_scale_it_finds():
 
 BINARY = dict(dataset="breast_cancer", model="mlp", algorithm="sl", clients=2, rounds=5, record=200, device="cpu")
 
+#: Noise keys a defended claim is checked over. One run's AUC is a draw, and which draw a key gives
+#: depends on the machine (another CPU's vector unit sums in another order and training takes
+#: another path): at `marvell:16` single runs scatter around 0.5 with a standard deviation of about
+#: 0.06 (docs/privacy.md, 9 runs on each of two machines), so one run misses 0.5 +- 0.1 now and then.
+#: The mean over six keys has a standard error of about 0.026: "within 0.1 of chance" holds with a
+#: margin of nearly four of them wherever the defense works, on any machine.
+KEYS = ("a", "b", "c", "d", "e", "f")
 
-def recorded_leak(tmp_path, defense: str) -> tuple[dict, dict]:
+
+def recorded_leak(tmp_path, defense: str, key: str | None = None) -> tuple[dict, dict]:
     """A vanilla split run on breast cancer (binary) and Li et al.'s attacks through `splitlab attack`."""
-    out = tmp_path / defense.replace(":", "_")
-    key = {"noise_key": "k"} if defense != "none" else {}
-    summary = run({**BINARY, "defense": defense, **key, "out": str(out)}, progress=False)
+    out = tmp_path / f"{defense.replace(':', '_')}_{key}"
+    summary = run({**BINARY, "defense": defense, "noise_key": key, "out": str(out)}, progress=False)
     assert main(["attack", str(out), "attack=label_leak"]) == 0
     return summary, json.loads((out / "attack.json").read_text())["label_leak"]
 
 
-def test_marvell_brings_li_et_al_attacks_to_chance_on_a_binary_task(tmp_path):
-    plain_summary, plain = recorded_leak(tmp_path, "none")
-    marvell_summary, marvell = recorded_leak(tmp_path, "marvell")
+def mean_over_keys(tmp_path, defense: str) -> tuple[float, dict[str, float]]:
+    """(the lowest final accuracy, the mean of each AUC) over KEYS."""
+    found = [recorded_leak(tmp_path, defense, key) for key in KEYS]
+    mean = {name: float(np.mean([leak[name] for _, leak in found])) for name in ("norm_auc", "direction_auc")}
+    return min(summary["final_accuracy"] for summary, _ in found), mean
+
+
+@pytest.fixture(scope="module")
+def undefended(tmp_path_factory) -> tuple[dict, dict]:
+    return recorded_leak(tmp_path_factory.mktemp("undefended"), "none")
+
+
+def test_marvell_brings_li_et_al_attacks_to_chance_on_a_binary_task(tmp_path, undefended):
+    plain_summary, plain = undefended
+    accuracy, marvell = mean_over_keys(tmp_path, "marvell")
     assert plain["direction_auc"] > 0.95  # the leak is there undefended
-    assert abs(marvell["norm_auc"] - 0.5) < 0.1 and abs(marvell["direction_auc"] - 0.5) < 0.1
-    assert marvell_summary["final_accuracy"] > plain_summary["final_accuracy"] - 0.05
+    assert abs(marvell["norm_auc"] - 0.5) < 0.1 and abs(marvell["direction_auc"] - 0.5) < 0.1, marvell
+    assert accuracy > plain_summary["final_accuracy"] - 0.05
 
 
-def test_marvell_at_the_reference_codes_kl_bound_reaches_chance_in_direction_not_in_norm(tmp_path):
-    """`marvell:kl=0.25`, the reference code's default bound on the symmetrised KL: the direction
-    attack falls from reading every label to 0.538 with this key, but the norm attack reverses
-    (0.353: the class with the smaller gradient variance gets the larger noise, docs/privacy.md),
-    so the issue's "both within 0.1 of chance" does not hold at this bound here (5 of 9 benchmark
-    runs held; `marvell:16`, the default, held in all 9)."""
-    plain_summary, plain = recorded_leak(tmp_path, "none")
-    bounded_summary, bounded = recorded_leak(tmp_path, "marvell:kl=0.25")
-    assert plain["direction_auc"] > 0.95 and abs(bounded["direction_auc"] - 0.5) < 0.1
-    assert bounded["norm_auc"] < 0.4 < 0.5 < plain["norm_auc"]
-    assert bounded_summary["final_accuracy"] > plain_summary["final_accuracy"] - 0.05
+def test_marvell_at_the_reference_codes_kl_bound_takes_the_direction_attack_near_chance(tmp_path, undefended):
+    """`marvell:kl=0.25`, the reference code's default bound on the symmetrised KL, picks a scale
+    per batch (about 1/K, docs/privacy.md): the direction attack no longer reads the labels and
+    the norm attack is near chance on average, but single runs miss 0.5 +- 0.1 in about half the
+    benchmark's runs (5 of 9 on each machine measured), in one attack or the other, so the issue's
+    claim is checked at the default (above), not at this bound."""
+    plain_summary, plain = undefended
+    accuracy, bounded = mean_over_keys(tmp_path, "marvell:kl=0.25")
+    assert plain["direction_auc"] > 0.95 and bounded["direction_auc"] < 0.7, bounded
+    assert abs(bounded["norm_auc"] - 0.5) < 0.15, bounded
+    assert accuracy > plain_summary["final_accuracy"] - 0.05
 
 
 def test_marvell_on_a_vertical_run_protects_the_labels_from_every_passive_party(tmp_path):
@@ -200,13 +219,14 @@ def test_marvell_on_a_vertical_run_protects_the_labels_from_every_passive_party(
     holds the labels (labels_at=server) and noises each party's gradient with Marvell."""
     vertical = {**BINARY, "setting": "vertical", "parties": 2, "clients": RunConfig.model_fields["clients"].default}
     found = {}
-    for defense in ("none", "marvell"):
-        out = tmp_path / defense
-        key = {"noise_key": "k"} if defense != "none" else {}
-        run({**vertical, "defense": defense, **key, "out": str(out)}, progress=False)
-        found[defense] = attack_run(out, {"attack": "label_leak"})["by_party"]
-    assert all(party["direction_auc"] > 0.95 for party in found["none"].values())
-    assert all(abs(party["direction_auc"] - 0.5) < 0.1 for party in found["marvell"].values()), found
+    for defense, key in (("none", None), *(("marvell", key) for key in KEYS)):
+        out = tmp_path / f"{defense}_{key}"
+        run({**vertical, "defense": defense, "noise_key": key, "out": str(out)}, progress=False)
+        found[defense, key] = attack_run(out, {"attack": "label_leak"})["by_party"]
+    assert all(party["direction_auc"] > 0.95 for party in found["none", None].values())
+    for party in found["none", None]:  # the norm attack: below 0.5 here, Marvell's reversal (docs/privacy.md)
+        mean = np.mean([found["marvell", key][party]["direction_auc"] for key in KEYS])
+        assert abs(mean - 0.5) < 0.1, (party, found)
 
 
 def test_label_dp_at_a_labelled_vertical_party_flips_at_its_rate_and_records_the_truth(tmp_path, monkeypatch):
