@@ -165,11 +165,11 @@ def test_marvell_with_a_kl_bound_is_marvell_at_the_scale_it_finds():
 BINARY = dict(dataset="breast_cancer", model="mlp", algorithm="sl", clients=2, rounds=5, record=200, device="cpu")
 
 #: Noise keys a defended claim is checked over. One run's AUC is a draw, and which draw a key gives
-#: depends on the machine (another CPU's vector unit sums in another order and training takes
-#: another path): at `marvell:16` single runs scatter around 0.5 with a standard deviation of about
-#: 0.06 (docs/privacy.md, 9 runs on each of two machines), so one run misses 0.5 +- 0.1 now and then.
-#: The mean over six keys has a standard error of about 0.026: "within 0.1 of chance" holds with a
-#: margin of nearly four of them wherever the defense works, on any machine.
+#: depends on the machine (MKL picks its kernels by CPU: Marvell's linear algebra differs in its
+#: last bits and training takes another path): at `marvell:16` single runs scatter around 0.5 with
+#: a standard deviation of about 0.06 (docs/privacy.md, 9 runs on each of two machines), so one
+#: run misses 0.5 +- 0.1 now and then. The mean over six keys has a standard error of about 0.026:
+#: "within 0.1 of chance" holds with a margin of nearly four of them wherever the defense works.
 KEYS = ("a", "b", "c", "d", "e", "f")
 
 
