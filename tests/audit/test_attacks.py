@@ -13,7 +13,7 @@ from scipy.stats import rankdata
 
 from helpers import quick, train
 from splitlab.audit.inversion import inversion
-from splitlab.audit.label_leak import cut_gradients, label_leak
+from splitlab.audit.label_leak import batch_leaks, cut_gradients, label_leak, per_batch
 from splitlab.cli import main
 from splitlab.engine import run
 from splitlab.privacy.accounting import epsilon
@@ -52,11 +52,35 @@ def test_label_leak_scores_separate_classes_by_gradient_direction():
     assert 0.3 < label_leak(torch.randn(40, 16), labels)["direction_auc"] < 0.7
 
 
+def test_label_leak_per_batch_scores_each_batch_of_both_classes_and_takes_quantiles():
+    """By hand: batch 0 separates by norm (AUC 1) and by direction (the known positive and the other
+    share e1, the negatives lie along e2: AUC 1); batch 1 reverses the norms (AUC 0) and points
+    every gradient along e1 (all cosines 1, ties: AUC 0.5); batch 2 holds one class, batch 3 one
+    positive (no second to score) and -1 samples of a batch cut short: all left out. Medians (0.5,
+    0.75), 95% quantiles by linear interpolation between the two batches (0.95, 0.975)."""
+    e1, e2 = torch.eye(2)
+    grads = torch.stack([3 * e1, 4 * e1, e2, 2 * e2, e1, 2 * e1, 3 * e1, 4 * e1, e1, e2, e1, e1, e2, e2, e1, e1, e2])
+    labels = torch.tensor([1, 1, 0, 0, 1, 1, 0, 0, 0, 0, 0, 1, 0, 0, 1, 1, 0])
+    batches = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 3, 3, 3, -1, -1, -1])
+    leaks = batch_leaks(grads, labels, batches)
+    assert leaks == [(1.0, 1.0), (0.0, 0.5)]
+    assert per_batch(leaks)["per_batch"] == pytest.approx(
+        {
+            "batches": 2,
+            "norm_auc_median": 0.5,
+            "norm_auc_q95": 0.95,
+            "direction_auc_median": 0.75,
+            "direction_auc_q95": 0.975,
+        }
+    )
+    assert per_batch([]) == {}
+
+
 def test_record_and_the_attack_command(tmp_path, capsys):
     out = tmp_path / "run"
     run({**quick(algorithm="sfl_v2", record=50, defense="quantize:int8"), "out": str(out)}, progress=False)
     record = load_file(out / "record" / "round_0002.safetensors")  # rounds numbered from 1, as metrics.jsonl
-    assert set(record) == {"inputs", "smashed", "labels", "clients", "cut_grad"}
+    assert set(record) == {"inputs", "smashed", "labels", "clients", "batches", "cut_grad"}
     assert len(record["labels"]) == 50 and record["smashed"].shape == record["cut_grad"].shape == (50, 200)
     assert record["smashed"].dtype == torch.float32 and record["inputs"].shape == (50, 1, 8, 8)
     assert main(["attack", str(out), "attack=label_leak"]) == 0
@@ -134,6 +158,8 @@ def test_attack_checks_every_recorded_tensor_before_it_trusts_it(tmp_path, capsy
         "one length": {**good, "inputs": good["inputs"][:3].contiguous()},
         "an extra name": {**good, "weights": good["smashed"].clone()},
         "a missing name": {k: v for k, v in good.items() if k != "inputs"},
+        "batch numbers below -1": {**good, "batches": good["batches"] - 2},
+        "float batch numbers": {**good, "batches": good["batches"].float()},
     }
     for case, tensors in damaged.items():
         save_file(tensors, out / "record" / "round_0001.safetensors")

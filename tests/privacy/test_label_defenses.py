@@ -185,6 +185,9 @@ def mean_over_keys(tmp_path, defense: str) -> tuple[float, dict[str, float]]:
     """(the lowest final accuracy, the mean of each AUC) over KEYS."""
     found = [recorded_leak(tmp_path, defense, key) for key in KEYS]
     mean = {name: float(np.mean([leak[name] for _, leak in found])) for name in ("norm_auc", "direction_auc")}
+    mean["per_batch_direction_median"] = float(
+        np.mean([leak["per_batch"]["direction_auc_median"] for _, leak in found])
+    )
     return min(summary["final_accuracy"] for summary, _ in found), mean
 
 
@@ -198,6 +201,9 @@ def test_marvell_brings_li_et_al_attacks_to_chance_on_a_binary_task(tmp_path, un
     accuracy, marvell = mean_over_keys(tmp_path, "marvell")
     assert plain["direction_auc"] > 0.95  # the leak is there undefended
     assert abs(marvell["norm_auc"] - 0.5) < 0.1 and abs(marvell["direction_auc"] - 0.5) < 0.1, marvell
+    # per batch, the paper's figure: 5 rounds x 3 whole batches of 64 (record=200 cuts the 4th short)
+    assert plain["per_batch"]["batches"] == 15 and plain["per_batch"]["direction_auc_median"] == 1.0
+    assert marvell["per_batch_direction_median"] < 0.7, marvell
     assert accuracy > plain_summary["final_accuracy"] - 0.05
 
 

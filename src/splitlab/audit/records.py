@@ -60,19 +60,22 @@ def record_files(path: Path) -> dict[int, Path]:
 def record_problem(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], num_classes: int) -> str:
     """What is wrong with a record's tensors ('' if nothing). A language run's labels (targets) hold
     a token per position or IGNORED, and its inputs (token ids, recorded as floats) whole token ids."""
-    names, optional = set(tensors), {"clients", "cut_grad", *(["tail_grad"] if "tail_grad" in shapes else [])}
+    tail = ["tail_grad"] if "tail_grad" in shapes else []
+    names, optional = set(tensors), {"clients", "batches", "cut_grad", *tail}
     if {"inputs", "smashed", "labels"} - names or names - {"inputs", "smashed", "labels", *optional}:
         return f"tensors {sorted(names)}, expected inputs, smashed, labels (and {', '.join(sorted(optional))})"
     n = len(tensors["labels"])
-    expected = {**shapes, "cut_grad": shapes["smashed"], "clients": ()}
+    expected = {**shapes, "cut_grad": shapes["smashed"], "clients": (), "batches": ()}
     for name, tensor in tensors.items():
-        integer = name in ("labels", "clients")
+        integer = name in ("labels", "clients", "batches")
         if tensor.dtype != torch.int64 if integer else not tensor.dtype.is_floating_point:
             return f"{name} has dtype {tensor.dtype}, expected {'int64' if integer else 'a float type'}"
         if tensor.dim() == 0 or len(tensor) != n or tuple(tensor.shape[1:]) != expected[name]:
             return f"{name} has shape {tuple(tensor.shape)}, expected ({n}, {', '.join(map(str, expected[name]))})"
         if not integer and not bool(torch.isfinite(tensor).all()):
             return f"{name} holds NaN or infinite values"
+    if "batches" in tensors and bool((tensors["batches"] < -1).any()):
+        return "batches must be batch numbers, 0 or more (-1: a batch cut short)"
     labels, language = tensors["labels"], bool(shapes["labels"])
     in_range = (labels >= 0) & (labels < num_classes)
     if n == 0 or not bool((in_range | (labels == IGNORED) if language else in_range).all()):

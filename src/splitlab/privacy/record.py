@@ -4,11 +4,14 @@ In each round, the first N samples whose smashed data reaches the server are rec
 server decoded them (`smashed`), with their labels and, where the algorithm sends one, the cut
 gradient the server sent back (`cut_grad`, as the client decoded it); in a U-shaped split, where
 the labels stay with the client (recorded for scoring only), also the gradient at the second cut
-the client sent up (`tail_grad`), what a curious server infers labels from. The inputs the smashed data
-came from (`inputs`) are recorded too, by the experimenter and for scoring only: the server never
-sees them. One safetensors file per round, `record/round_<r>.safetensors` (a resumed run rewrites
-the rounds it replays). Recording happens where the client and the server live in one process.
-A vertical run records per party (`PartyRecorder`: `<name>@<party>`).
+the client sent up (`tail_grad`), what a curious server infers labels from. The inputs the
+smashed data came from (`inputs`) are recorded too, by the experimenter and for scoring only:
+the server never sees them; so are the client (`clients`) and the batch of the round (`batches`,
+numbered from 0 in the order they reached the server; -1 for the samples of a batch `record=N`
+cut short) each sample came in, for attacks scored per batch as the label-leak paper scores
+them. One safetensors file per round, `record/round_<r>.safetensors` (a resumed run rewrites the
+rounds it replays). Recording happens where the client and the server live in one process. A
+vertical run records per party (`PartyRecorder`: `<name>@<party>`).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ class Recorder:
             "smashed": smashed[:take].detach(),
             "labels": labels[:take],
             "clients": torch.full((take,), client_id, dtype=torch.int64),
+            "batches": torch.full((take,), len(self._batches) if take == len(labels) else -1, dtype=torch.int64),
         }
         self._batches.append(self._awaiting[client_id, key])
 
