@@ -13,7 +13,7 @@ from scipy.stats import rankdata
 
 from helpers import quick, train
 from splitlab.audit.inversion import inversion
-from splitlab.audit.label_leak import batch_leaks, cut_gradients, label_leak, per_batch
+from splitlab.audit.label_leak import LabelLeak, batch_leaks, cut_gradients, label_leak, per_batch
 from splitlab.cli import main
 from splitlab.engine import run
 from splitlab.privacy.accounting import epsilon
@@ -74,6 +74,10 @@ def test_label_leak_per_batch_scores_each_batch_of_both_classes_and_takes_quanti
         }
     )
     assert per_batch([]) == {}
+    pooled = {"norm_auc": 0.5, "direction_auc": 0.5, "scored": "AUC for the positive class 1"}
+    assert ("  per batch, 2 batches (median / 95% quantile)", "norm 0.500 / 0.950, direction 0.750 / 0.975") in (
+        LabelLeak.rows({**pooled, **per_batch(leaks)})
+    )
 
 
 def test_record_and_the_attack_command(tmp_path, capsys):
