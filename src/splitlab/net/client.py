@@ -53,9 +53,7 @@ class ClientSettings(BaseModel):
     threads: int | None = Field(None, ge=1, le=1024, description="torch threads (default: torch's)")
     server_name: str | None = Field(None, description="name in the server's certificate, if not the host")
     retry_seconds: float = Field(120.0, ge=0, le=604_800, description="how long to keep trying to (re)connect")
-    welcome_seconds: float = Field(
-        600.0, gt=0, le=604_800, description="how long one connection waits for the server's WELCOME before retrying"
-    )
+    welcome_seconds: float = Field(600.0, gt=0, le=604_800, description="how long a connection waits for WELCOME")
     max_message_mib: int = Field(
         1024,
         ge=1,
