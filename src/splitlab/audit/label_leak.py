@@ -39,9 +39,9 @@ class LabelLeak(Attack):
 
     def run(self, target: Target) -> dict[str, Any]:
         result: dict[str, Any] = {"gradient": target.gradient}
-        binary = target.experiment.blueprint.num_classes == 2
+        num_classes = target.experiment.blueprint.num_classes
+        binary = num_classes == 2
         if target.recorded:
-            num_classes = target.experiment.blueprint.num_classes
             by_round = {r: load_record(f, target.shapes, num_classes) for r, f in target.recorded_rounds.items()}
             with_grads = {r: t for r, t in by_round.items() if target.gradient in t}
             result["by_round"] = {r: label_leak(t[target.gradient], t["labels"]) for r, t in with_grads.items()}
