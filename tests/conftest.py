@@ -80,8 +80,8 @@ def _plugins_forgotten_after_the_test(tmp_path_factory):
     from splitlab.data import datasets
     from splitlab.models import MODEL_INPUTS, MODEL_PARAMS, MODELS
 
-    tables = [MODELS, MODEL_PARAMS, MODEL_INPUTS, datasets.DATASETS, datasets.LOCATORS, datasets.SPLIT_LOADERS]
-    tables.append(datasets.SAMPLES)
+    tables = [MODELS, MODEL_PARAMS, MODEL_INPUTS]
+    tables += [datasets.DATASETS, datasets.LOCATORS, datasets.SPLIT_LOADERS, datasets.SAMPLES]
     saved = [dict(table) for table in tables]
     before = set(sys.modules)
     yield

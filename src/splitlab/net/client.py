@@ -8,8 +8,8 @@ then answers every CALL with the verb's result and sends a heartbeat every few s
 the stream breaks (the server restarts, the network fails, the server dropped it), it connects
 again and builds a fresh node, backing off while the server is unreachable, busy
 (RESOURCE_EXHAUSTED: its streams are taken) or silent (no WELCOME within `welcome_seconds`), for
-up to `retry_seconds`; BYE ends it; a refusal
-(its data, its id, a revoked certificate, another connection with its certificate) stops it.
+up to `retry_seconds`; BYE ends it; a refusal (its data, its id, a revoked certificate, another
+connection with its certificate) stops it.
 """
 
 from __future__ import annotations
