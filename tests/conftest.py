@@ -71,6 +71,14 @@ LOCAL_RAY = {"num_cpus": 4, "num_gpus": 2}
 
 
 @pytest.fixture(autouse=True)
+def _working_directory_of_its_own(tmp_path_factory, monkeypatch):
+    """Every test runs in an empty folder of its own, so nothing it writes by a relative path lands in
+    the checkout: `certs out={a: 1}` once left a CA and private keys in the repository's root. A test
+    that needs another folder changes to it itself (monkeypatch.chdir), which wins over this one."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
+@pytest.fixture(autouse=True)
 def _plugins_forgotten_after_the_test(tmp_path_factory):
     """Modules a test imported from its temporary folders (plugins: algorithms, models, datasets of
     its own) are dropped when it ends, and collected, so their classes leave the registries: a
