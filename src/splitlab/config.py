@@ -102,7 +102,8 @@ class RunConfig(BaseModel):
     lora: str | None = Field(None, json_schema_extra=MODEL)
     """R:ALPHA: freeze the model and train rank-R LoRA adapters scaled ALPHA/R, e.g. 8:16 (docs/language.md)"""
     lora_targets: str | None = Field(None, json_schema_extra=MODEL)
-    """with lora: comma-separated names of the projections to adapt (default: the model's)"""
+    """with lora: comma-separated names of the projections to adapt (default: the model's), or all-linear: every linear layer but
+    the output layer, as peft's"""
     lora_dropout: float = Field(0.0, ge=0, lt=1, json_schema_extra=MODEL)
     """with lora: dropout on the adapters' input in training, as peft's lora_dropout"""
     cut: int = Field(1, ge=0, le=1000, json_schema_extra=MODEL)
@@ -268,6 +269,24 @@ class RunConfig(BaseModel):
             parse_lora(value)
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        """`RunConfig(...)` from Python: a key it does not hold is one line (the Trainer's name for
+        one of its keys, or where a model's or algorithm's key goes), not pydantic's traceback."""
+        if not isinstance(data, Mapping):
+            return data
+        unknown = sorted(set(data) - set(cls.model_fields))
+        if not unknown:
+            return data
+        key = unknown[0]
+        raise UserError(
+            other_name(key)
+            or f"unknown key {key!r} for RunConfig, which holds the keys every run shares: a model's or an "
+            f"algorithm's own key goes beside them in one mapping, splitlab.run({{..., {key!r}: ...}}) (which "
+            f"names the closest key if it is a typo), or in its params model, splitlab.run(config, *params)"
+        )
+
     def adapters(self) -> dict[str, Any]:
         """The LoRA settings that were given, as `splitlab.models.build_model` takes them."""
         lora = {"lora": parse_lora(self.lora)} if self.lora is not None else {}
@@ -331,6 +350,42 @@ def parse_lora(value: str) -> tuple[int, float]:
     if parsed is None or parsed[0] < 1 or not (math.isfinite(parsed[1]) and parsed[1] > 0):
         raise ValueError("expected R:ALPHA with an integer rank R >= 1 and a number ALPHA > 0, e.g. 8:16")
     return parsed
+
+
+#: The names transformers' Trainer and peft give settings splitlab also has, answered with splitlab's
+#: own (`learning_rate=0.1` -> "splitlab calls it lr"). They are hints, not aliases: config.yaml keeps
+#: one name per setting (a rerun or a sweep compares keys), and several do not mean the same thing
+#: (peft's r and lora_alpha are one key here; num_train_epochs counts passes over all the data, where
+#: splitlab counts rounds of local_epochs each); a name in the table that a key takes is never asked.
+OTHER_NAMES = {
+    "learning_rate": "lr",
+    "gradient_accumulation_steps": "grad_accum",
+    "per_device_train_batch_size": "batch_size (per client)",
+    "per_device_eval_batch_size": "batch_size",
+    "train_batch_size": "batch_size (per client)",
+    "num_train_epochs": "rounds (each round, every sampled client makes local_epochs passes over its rows)",
+    "max_steps": "rounds and local_steps (optimizer steps per client per round)",
+    "bf16": "precision=bf16",
+    "fp16": "precision=fp16",
+    "r": "lora=R:ALPHA (peft's r and lora_alpha in one key, e.g. lora=8:16)",
+    "lora_r": "lora=R:ALPHA (peft's r and lora_alpha in one key, e.g. lora=8:16)",
+    "lora_alpha": "lora=R:ALPHA (peft's r and lora_alpha in one key, e.g. lora=8:16)",
+    "target_modules": "lora_targets (comma-separated, or all-linear)",
+    "optim": "optimizer (sgd | adam | adamw)",
+    "lr_scheduler_type": "lr_schedule",
+    "output_dir": "out",
+    "seed_everything": "seed",
+    "max_seq_length": "seq_len",
+    "max_length": "seq_len",
+    "model_name_or_path": "model=hf model_dir=DIR",
+    "eval_steps": "eval_every (rounds)",
+}
+
+
+def other_name(key: str) -> str | None:
+    """One line for a key given by the Trainer's or peft's name (OTHER_NAMES), else None."""
+    ours = OTHER_NAMES.get(key)
+    return None if ours is None else f"unknown key {key!r}: splitlab calls it {ours}"
 
 
 #: Algorithms whose model is not split: nothing crosses a cut (no smashed data to record or attack).

@@ -197,3 +197,24 @@ def test_a_checkpoints_chat_template_renders_messages_rows(tmp_path):
     assert len(data.train_y) == 2 and len(data.test_y) == 1
     for targets in torch.cat([data.train_y, data.test_y]):
         assert chat_tokenizer().decode(targets[targets != IGNORED]) == "Or not.<|endoftext|>"
+
+
+def test_unknown_roles_are_refused_and_weight_0_turns_are_not_trained_on():
+    tokenizer = chat_tokenizer()
+    with pytest.raises(UserError, match=r"line 1: unknown role 'human'; allowed: system, user, assistant, tool$"):
+        rows_of([{"messages": [{"role": "human", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}])
+    for bad in ({"role": "assistant", "content": "Yo", "weight": 0.5}, {"role": "user", "content": "Hi", "weight": 0}):
+        with pytest.raises(UserError, match="line 1: weight .* an assistant message may have weight 0"):
+            rows_of([{"messages": [bad, {"role": "assistant", "content": "Yo"}]}])
+    with pytest.raises(UserError, match="an assistant message \\(of weight 1\\)"):
+        rows_of([{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", "weight": 0}]}])
+    messages = [
+        {"role": "user", "content": "To be?"},
+        {"role": "assistant", "content": "Or not to be.", "weight": 0},
+        {"role": "user", "content": "Whether?"},
+        {"role": "assistant", "content": "Tis nobler.", "weight": 1},
+    ]
+    tokens, mask = encode(rows_of([{"messages": messages}]), tokenizer, seq_len=96, title="t")
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]  # the template sees no weights
+    assert tokenizer.decode(tokens[0]).startswith(tokenizer.apply_chat_template(plain, tokenize=False))
+    assert tokenizer.decode(tokens[0, 1:][mask[0]]) == "Tis nobler.<|endoftext|>"

@@ -19,7 +19,9 @@ has; other fields are ignored):
   marker, not the header before it), found by rendering the conversation up to each assistant
   message with and without it. Where a template renders an earlier part of a conversation other
   than as the start of the whole (some drop earlier reasoning), that conversation is in the loss
-  whole, and a warning says how many were.
+  whole, and a warning says how many were. Roles are those of OpenAI's chat fine-tuning format
+  (`ROLES`; another is refused, not rendered by a template that may not know it), and an assistant
+  message with `"weight": 0` (that format's too) is context, not trained on.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from splitlab.logs import LOGGER, progress
 #: format -> the fields a row of it needs
 FORMATS = {"text": ("text",), "prompt/completion": ("prompt", "completion"), "messages": ("messages",)}
 ALLOWED = "text | prompt + completion | messages"
+#: the roles a message may have (OpenAI's chat fine-tuning format; every chat template knows them)
+ROLES = ("system", "user", "assistant", "tool")
 #: characters tokenised per call (at least a row), so that progress shows
 _CHUNK = 1 << 18
 
@@ -64,14 +68,28 @@ def row_value(row: dict, form: str, where: str) -> Any:
             for m in messages
         ):
             raise UserError(f'{where}: messages must be a list of {{"role": "...", "content": "..."}} objects')
-        if not any(m["role"] == "assistant" for m in messages):
-            raise UserError(f"{where}: a conversation without an assistant message has nothing in the loss")
+        for m in messages:
+            if m["role"] not in ROLES:
+                raise UserError(f"{where}: unknown role {m['role']!r}; allowed: {', '.join(ROLES)}")
+            weight = m.get("weight", 1)
+            if isinstance(weight, bool) or weight not in (0, 1) or ("weight" in m and m["role"] != "assistant"):
+                raise UserError(
+                    f"{where}: weight {weight!r} on a {m['role']} message; an assistant message may have "
+                    f"weight 0 (not trained on) or 1"
+                )
+        if not any(in_loss(m) for m in messages):
+            raise UserError(f"{where}: a conversation without an assistant message (of weight 1) has nothing in the loss")
         return messages
     values = tuple(row[field] for field in FORMATS[form])
     for field, value in zip(FORMATS[form], values):
         if not isinstance(value, str) or not value:
             raise UserError(f"{where}: {field} must be a non-empty string; found {value!r}")
     return values[0] if form == "text" else values
+
+
+def in_loss(message: dict) -> bool:
+    """An assistant message not marked `"weight": 0` (OpenAI's fine-tuning format) is trained on."""
+    return message["role"] == "assistant" and message.get("weight", 1) == 1
 
 
 class Rows(NamedTuple):
@@ -174,17 +192,24 @@ def completion_sequences(
     return masked_sequences(prefixes, completions, seq_len, pad_id(tokenizer))
 
 
+def render_chat(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> str:
+    """The chat template's text of `messages` (their role and content only), with the header of the
+    assistant's next turn after them where `generation_prompt` (as at inference)."""
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=generation_prompt)
+
+
 def assistant_spans(messages: list[dict], tokenizer: Any) -> tuple[str, list[tuple[int, int]] | None]:
     """(the rendering, the character spans of its assistant turns), the spans None where the
     template does not render each earlier part as the start of the later ones (module docstring)."""
 
     def render(upto: list[dict], generation_prompt: bool = False) -> str:
-        return tokenizer.apply_chat_template(upto, tokenize=False, add_generation_prompt=generation_prompt)
+        return render_chat(tokenizer, upto, generation_prompt)
 
     text = render(messages)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if not in_loss(message):
             continue
         try:
             before, through = render(messages[:i], generation_prompt=True), render(messages[: i + 1])
@@ -213,6 +238,11 @@ def _conversations(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tupl
             ids, offsets = encoded["input_ids"][: seq_len + 1], encoded["offset_mapping"][: seq_len + 1]
             tokens[i, : len(ids)] = ids
             if spans is None:
+                if not all(in_loss(m) for m in messages if m["role"] == "assistant"):
+                    raise UserError(
+                        f"{rows.wheres[i]}: an assistant message of weight 0, but the chat template does not render "
+                        f"the conversation turn by turn, so its turns cannot be told apart in the loss"
+                    )
                 whole += 1
                 mask[i, : len(ids) - 1] = True
             else:

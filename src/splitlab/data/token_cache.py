@@ -30,7 +30,7 @@ from splitlab.logs import LOGGER
 
 ENV = "SPLITLAB_TOKEN_CACHE"
 #: part of every key: bump when a loader's encoding changes, so older files are not read as current
-FORMAT = 1
+FORMAT = 2
 _CHUNK = 1 << 20
 _warned: set[str] = set()
 
