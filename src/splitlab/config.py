@@ -190,8 +190,9 @@ class RunConfig(BaseModel):
     comm_budget_gib: float | None = Field(None, gt=0, le=1e9, json_schema_extra=TRAINING)
     """stop once this much has been communicated"""
     eval_generate: int = Field(0, ge=0, le=10**7, json_schema_extra=TRAINING)
-    """language datasets with references (e2e): at the final evaluation, continue N test prompts (greedily unless the
-    eval_* keys say otherwise) and write BLEU and ROUGE-L to summary.json (docs/language.md); 0: none"""
+    """language datasets with references (e2e; jsonl and hf_disk rows of prompt + completion or messages): at the final
+    evaluation, continue N test prompts (greedily unless the eval_* keys say otherwise) and write BLEU and ROUGE-L to
+    summary.json (docs/language.md); 0: none"""
     eval_max_new_tokens: int | None = eval_decoding(
         "max_new_tokens", None, " (default: as many as the training sequences hold, seq_len + 1 tokens in all)"
     )
@@ -408,7 +409,7 @@ EVERYWHERE = frozenset(
 )
 
 EVAL_GENERATE_WHY = (
-    "eval_generate continues the test prompts of a language dataset with references (e2e) with the global model"
+    "eval_generate continues the test prompts of a language dataset with references with the global model"
 )
 U_SHAPE_WHY = (
     "a U-shaped split needs clients that hold whole samples (not setting=vertical) and an algorithm that runs one "

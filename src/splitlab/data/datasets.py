@@ -113,7 +113,10 @@ class Dataset:
     #: (a next token per position, those not in the loss marked IGNORED; splitlab.metrics)
     task: str = "classification"
     vocabulary: str | None = None  # language task with characters as tokens: token i is vocabulary[i]
-    references: References | None = None  # test prompts and their references (e2e), for eval_generate
+    references: References | None = None  # test prompts and their references (e2e, jsonl / hf_disk rows), for eval_generate
+    #: language task: the rows a prompt is encoded as (splitlab.data.language.encode_prompt): text
+    #: (as it is), prompt/completion ([bos] prompt), messages (the chat template) or e2e
+    rows: str = "text"
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Model inputs from a batch of stored samples."""

@@ -62,21 +62,7 @@ def row_value(row: dict, form: str, where: str) -> Any:
             f"has the first row's format"
         )
     if form == "messages":
-        messages = row["messages"]
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        ):
-            raise UserError(f'{where}: messages must be a list of {{"role": "...", "content": "..."}} objects')
-        for m in messages:
-            if m["role"] not in ROLES:
-                raise UserError(f"{where}: unknown role {m['role']!r}; allowed: {', '.join(ROLES)}")
-            weight = m.get("weight", 1)
-            if isinstance(weight, bool) or weight not in (0, 1) or ("weight" in m and m["role"] != "assistant"):
-                raise UserError(
-                    f"{where}: weight {weight!r} on a {m['role']} message; an assistant message may have "
-                    f"weight 0 (not trained on) or 1"
-                )
+        messages = checked_messages(row["messages"], where)
         if not any(in_loss(m) for m in messages):
             raise UserError(f"{where}: a conversation without an assistant message (of weight 1) has nothing in the loss")
         return messages
@@ -85,6 +71,25 @@ def row_value(row: dict, form: str, where: str) -> Any:
         if not isinstance(value, str) or not value:
             raise UserError(f"{where}: {field} must be a non-empty string; found {value!r}")
     return values[0] if form == "text" else values
+
+
+def checked_messages(messages: Any, where: str) -> list[dict]:
+    """`messages` if it is a list of messages of the allowed `ROLES`, each weighted 0 or 1 where it
+    is an assistant's and weighted at all; else one UserError line naming `where`."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise UserError(f'{where}: messages must be a list of {{"role": "...", "content": "..."}} objects')
+    for m in messages:
+        if m["role"] not in ROLES:
+            raise UserError(f"{where}: unknown role {m['role']!r}; allowed: {', '.join(ROLES)}")
+        weight = m.get("weight", 1)
+        if isinstance(weight, bool) or weight not in (0, 1) or ("weight" in m and m["role"] != "assistant"):
+            raise UserError(
+                f"{where}: weight {weight!r} on a {m['role']} message; an assistant message may have "
+                f"weight 0 (not trained on) or 1"
+            )
+    return messages
 
 
 def in_loss(message: dict) -> bool:
@@ -136,6 +141,30 @@ def tokenize_with_progress(tokenizer: Any, texts: list[str], title: str) -> list
             advance(size)
             start = stop
     return ids
+
+
+def prompt_ids(tokenizer: Any, form: str, prompts: list) -> list[list[int]]:
+    """Prompts' token ids as training rows of `form` begin: `text` as it is, a prompt + completion
+    row's prompt after the beginning-of-sequence token, a conversation (a list of messages) rendered
+    by the chat template with the header of the assistant's reply after it; what `generate` and
+    `eval_generate` continue."""
+    if form == "messages":
+        return tokenize(tokenizer, [render_chat(tokenizer, messages, generation_prompt=True) for messages in prompts])
+    bos = [] if tokenizer.bos_token_id is None or form == "text" else [tokenizer.bos_token_id]
+    return [bos + ids for ids in tokenize(tokenizer, prompts)]
+
+
+def references(rows: Rows, tokenizer: Any) -> tuple[list[list[int]], list[list[str]]]:
+    """(prompts, references) of test rows for `eval_generate`: a prompt + completion row's prompt
+    (`prompt_ids`) and its completion; a conversation up to its last assistant message trained on,
+    and that message. Text rows have none."""
+    if rows.form == "prompt/completion":
+        return prompt_ids(tokenizer, rows.form, [p for p, _ in rows.values]), [[c] for _, c in rows.values]
+    if rows.form != "messages":
+        return [], []
+    lasts = [max(i for i, m in enumerate(messages) if in_loss(m)) for messages in rows.values]
+    prompts = prompt_ids(tokenizer, rows.form, [messages[:last] for messages, last in zip(rows.values, lasts)])
+    return prompts, [[messages[last]["content"]] for messages, last in zip(rows.values, lasts)]
 
 
 def masked_sequences(
