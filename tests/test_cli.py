@@ -173,7 +173,9 @@ def test_run_config_from_python_says_where_a_models_key_goes():
     from splitlab.config import RunConfig
     from splitlab.errors import UserError
 
-    with pytest.raises(UserError, match=r"^unknown key 'model_dir' for RunConfig, .* splitlab\.run\(\{\.\.\., 'model_dir'"):
+    with pytest.raises(
+        UserError, match=r"^unknown key 'model_dir' for RunConfig, .* splitlab\.run\(\{\.\.\., 'model_dir'"
+    ):
         RunConfig(model="hf", model_dir="x")
     with pytest.raises(UserError, match="^unknown key 'learning_rate': splitlab calls it lr$"):
         RunConfig(learning_rate=0.1)

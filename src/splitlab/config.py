@@ -99,11 +99,16 @@ class RunConfig(BaseModel):
     seq_len: int | None = Field(None, ge=1, le=1_048_576, json_schema_extra=DATA)
     """language datasets: tokens per sequence (default: the dataset's, 64 for shakespeare_lm, 128 for e2e, jsonl and
     hf_disk), at most the model's context"""
+    truncation: Literal["refuse", "left", "right"] = Field("refuse", json_schema_extra=DATA)
+    """rows of prompt + completion or messages (jsonl, hf_disk, e2e) longer than seq_len + 1 tokens: refuse (a row whose
+    prompt leaves no completion token in the loss is refused; a longer completion is cut at its end) | right (each row
+    keeps its first seq_len + 1 tokens) | left (its last: the prompt's start is dropped); with right or left, a row left
+    with nothing in the loss is dropped, a warning saying how many"""
     lora: str | None = Field(None, json_schema_extra=MODEL)
     """R:ALPHA: freeze the model and train rank-R LoRA adapters scaled ALPHA/R, e.g. 8:16 (docs/language.md)"""
     lora_targets: str | None = Field(None, json_schema_extra=MODEL)
-    """with lora: comma-separated names of the projections to adapt (default: the model's), or all-linear: every linear layer but
-    the output layer, as peft's"""
+    """with lora: comma-separated names of the projections to adapt (default: the model's), or all-linear: every
+    linear layer but the output layer, as peft's"""
     lora_dropout: float = Field(0.0, ge=0, lt=1, json_schema_extra=MODEL)
     """with lora: dropout on the adapters' input in training, as peft's lora_dropout"""
     cut: int = Field(1, ge=0, le=1000, json_schema_extra=MODEL)
@@ -393,6 +398,9 @@ def other_name(key: str) -> str | None:
 UNSPLIT_ALGORITHMS = ("fedavg", "centralized")
 
 
+#: Datasets of rows that `truncation` cuts (one sequence per row).
+ROW_DATASETS = frozenset({"jsonl", "hf_disk", "e2e"})
+
 #: Datasets that read no files (bundled or generated): `data_dir` does not apply to them.
 WITHOUT_FILES = frozenset({"digits", "synthetic", "breast_cancer"})
 
@@ -460,6 +468,11 @@ ONLY_WHEN: dict[str, Applies] = {
         key: Applies(lambda r: r.dataset == "jsonl", f"{key} is read by dataset=jsonl", {key: "/tmp/rows.jsonl"})
         for key in ("data_file", "test_file")
     },
+    "truncation": Applies(
+        lambda r: r.dataset in ROW_DATASETS,
+        "truncation cuts rows of prompt + completion or messages (dataset=jsonl, hf_disk, e2e)",
+        {"dataset": "digits", "truncation": "left"},
+    ),
     "record": Applies(
         lambda r: r.algorithm not in UNSPLIT_ALGORITHMS,
         "this algorithm does not split the model: nothing crosses a cut to record",

@@ -31,8 +31,8 @@ from splitlab.models import HeadAndTail
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.random_streams import register_stream
 from splitlab.roles import random_stream
-from splitlab.rundir import DECODING
 from splitlab.run_weights import decoding_record, export_hf
+from splitlab.rundir import DECODING
 from splitlab.settings import setting_of
 from splitlab.transport import ClientDropped
 from splitlab.units import GIB, to_target

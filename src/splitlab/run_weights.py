@@ -33,7 +33,12 @@ def decoding_record(data: Dataset) -> dict[str, Any]:
     file, written as it starts): how its rows began (`Dataset.rows`), its sequence length and
     vocabulary, so that `splitlab generate` reads no data (its files may be gone, or named relative
     to another folder)."""
-    return {"rows": data.rows, "seq_len": data.input_shape[0], "vocab_size": data.num_classes, "vocabulary": data.vocabulary}
+    return {
+        "rows": data.rows,
+        "seq_len": data.input_shape[0],
+        "vocab_size": data.num_classes,
+        "vocabulary": data.vocabulary,
+    }
 
 
 def run_model(run_dir: str | Path) -> tuple[ResolvedConfig, StagedModel, Any, dict[str, Any]]:

@@ -59,13 +59,17 @@ def read_pairs(path: str | Path) -> list[tuple[str, str]]:
 
 
 def encode_pairs(
-    pairs: list[tuple[str, str]], tokenizer: Any, seq_len: int, title: str = "tokenising e2e"
+    pairs: list[tuple[str, str]],
+    tokenizer: Any,
+    seq_len: int,
+    title: str = "tokenising e2e",
+    truncation: str = "refuse",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64 (N, seq_len + 1), mask bool (N, seq_len)) of the pairs, as the module docstring
     says; `title` names the work in progress lines."""
     prompts = [(mr + SEPARATOR, " " + ref) for mr, ref in pairs]
     wheres = [f"E2E sample {i + 1}" for i in range(len(pairs))]
-    return text_rows.completion_sequences(prompts, wheres, tokenizer, seq_len, title)
+    return text_rows.completion_sequences(prompts, wheres, tokenizer, seq_len, title, truncation)
 
 
 def references(pairs: list[tuple[str, str]], tokenizer: Any) -> tuple[list[list[int]], list[list[str]]]:
@@ -82,8 +86,11 @@ def prompt_ids(tokenizer: Any, mrs: list[str]) -> list[list[int]]:
     return text_rows.prompt_ids(tokenizer, "prompt/completion", [mr + SEPARATOR for mr in mrs])
 
 
-def load_e2e(data_dir: str | Path, split: str, tokenizer: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def load_e2e(
+    data_dir: str | Path, split: str, tokenizer: Any, seq_len: int, truncation: str = "refuse"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`split` ("train", "dev" or "test") of the E2E release in `data_dir`, encoded by `encode_pairs`."""
     if split not in FILES:
         raise ValueError(f"unknown E2E split {split!r}; one of {', '.join(FILES)}")
-    return encode_pairs(read_pairs(Path(data_dir) / FILES[split]), tokenizer, seq_len, f"tokenising e2e {split}")
+    pairs = read_pairs(Path(data_dir) / FILES[split])
+    return encode_pairs(pairs, tokenizer, seq_len, f"tokenising e2e {split}", truncation)

@@ -95,10 +95,11 @@ def _e2e(source: TextSource) -> Dataset:
         **{split: file_digest(data_dir / e2e.FILES[split]) for split in splits},
         "tokenizer": tokenizer_identity(tokenizer),
         "seq_len": seq_len,
+        "truncation": source.truncation,
     }
 
     def tokenise() -> dict[str, torch.Tensor]:
-        encoded = {split: e2e.load_e2e(data_dir, split, tokenizer, seq_len) for split in splits}
+        encoded = {split: e2e.load_e2e(data_dir, split, tokenizer, seq_len, source.truncation) for split in splits}
         prompts, texts = e2e.references(e2e.read_pairs(data_dir / e2e.FILES["test"]), tokenizer)
         return {
             **{f"{split}_{part}": t for split, pair in encoded.items() for part, t in zip(("tokens", "mask"), pair)},
@@ -141,6 +142,7 @@ def _rows_dataset(
         **digests,
         "tokenizer": tokenizer_identity(tokenizer),
         "seq_len": seq_len,
+        "truncation": source.truncation,
         "held_out": [HELD_OUT, HELD_OUT_SEED],
     }
 
@@ -152,7 +154,7 @@ def _rows_dataset(
             raise UserError(f"{test.wheres[0]}: {test.form} rows, where the training rows are {train.form}")
         tensors: dict[str, torch.Tensor] = {}
         for split, rows in (("train", train), ("test", test)):
-            tokens, mask = encode(rows, tokenizer, seq_len, f"tokenising {name} {split}")
+            tokens, mask = encode(rows, tokenizer, seq_len, f"tokenising {name} {split}", source.truncation)
             tensors |= {f"{split}_tokens": tokens, f"{split}_mask": mask}
         prompts, texts = text_rows.references(test, tokenizer)
         return tensors | {"rows": json_tensor({"form": train.form, "prompts": prompts, "references": texts})}

@@ -64,7 +64,9 @@ def row_value(row: dict, form: str, where: str) -> Any:
     if form == "messages":
         messages = checked_messages(row["messages"], where)
         if not any(in_loss(m) for m in messages):
-            raise UserError(f"{where}: a conversation without an assistant message (of weight 1) has nothing in the loss")
+            raise UserError(
+                f"{where}: a conversation without an assistant message (of weight 1) has nothing in the loss"
+            )
         return messages
     values = tuple(row[field] for field in FORMATS[form])
     for field, value in zip(FORMATS[form], values):
@@ -167,25 +169,56 @@ def references(rows: Rows, tokenizer: Any) -> tuple[list[list[int]], list[list[s
     return prompts, [[messages[last]["content"]] for messages, last in zip(rows.values, lasts)]
 
 
+def cut(ids: list, seq_len: int, truncation: str) -> tuple[list, int]:
+    """(what of a row's `ids` a sequence of `seq_len + 1` tokens keeps, how many it drops before it):
+    its start, or with truncation=left its end."""
+    if truncation == "left" and len(ids) > seq_len + 1:
+        return ids[-(seq_len + 1) :], len(ids) - seq_len - 1
+    return ids[: seq_len + 1], 0
+
+
 def masked_sequences(
-    prefixes: list[list[int]], completions: list[list[int]], seq_len: int, pad: int
+    prefixes: list[list[int]], completions: list[list[int]], seq_len: int, pad: int, truncation: str = "refuse"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64 (N, seq_len + 1), mask bool (N, seq_len)): each prefix then its completion,
-    cut at seq_len + 1 tokens and padded with `pad`; `mask[i, j]` is true where the target
-    `tokens[i, j + 1]` belongs to the completion. Every prefix must leave room for one completion
-    token (at most seq_len tokens): the callers say which does not."""
+    cut to seq_len + 1 tokens (`cut`) and padded with `pad`; `mask[i, j]` is true where the target
+    `tokens[i, j + 1]` belongs to the completion (a row cut before its completion has none)."""
     tokens = np.full((len(prefixes), seq_len + 1), pad, dtype=np.int64)
     mask = np.zeros((len(prefixes), seq_len), dtype=bool)
     for i, (prefix, completion) in enumerate(zip(prefixes, completions)):
-        sequence = (prefix + completion)[: seq_len + 1]
+        sequence, dropped = cut(prefix + completion, seq_len, truncation)
         tokens[i, : len(sequence)] = sequence
-        mask[i, len(prefix) - 1 : len(sequence) - 1] = True
+        mask[i, max(len(prefix) - 1 - dropped, 0) : len(sequence) - 1] = True
     return torch.from_numpy(tokens), torch.from_numpy(mask)
 
 
-def encode(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tuple[torch.Tensor, torch.Tensor]:
+def with_loss(
+    tokens: torch.Tensor, mask: torch.Tensor, wheres: list[str], truncation: str, refusal: str, title: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of (`tokens`, `mask`) with something in the loss: with truncation=refuse a row with
+    nothing is refused (`refusal` after where it is), else it is dropped and a warning counts them."""
+    kept = mask.any(dim=1)
+    if bool(kept.all()):
+        return tokens, mask
+    if truncation == "refuse":
+        raise UserError(f"{wheres[int((~kept).nonzero()[0])]}: {refusal}")
+    if not bool(kept.any()):
+        raise UserError(
+            f"{title}: truncation={truncation} leaves no row anything in the loss at seq_len; raise seq_len"
+        )
+    LOGGER.warning(
+        f"{title}: truncation={truncation} leaves {int((~kept).sum())} of {len(kept)} rows nothing in the loss at "
+        f"this seq_len; they are dropped"
+    )
+    return tokens[kept], mask[kept]
+
+
+def encode(
+    rows: Rows, tokenizer: Any, seq_len: int, title: str, truncation: str = "refuse"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (N, seq_len + 1), loss mask (N, seq_len)) of `rows` (module docstring); `title`
-    names the work in progress lines."""
+    names the work in progress lines; `truncation` (refuse | left | right) says how a row longer than
+    a sequence is cut."""
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     if rows.form == "text":
         ids = tokenize_with_progress(tokenizer, rows.values, title)
@@ -196,29 +229,35 @@ def encode(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tuple[torch.
         tokens = torch.from_numpy(stream[: n * seq_len + 1]).unfold(0, seq_len + 1, seq_len).contiguous()
         return tokens, torch.ones(n, seq_len, dtype=torch.bool)
     if rows.form == "messages":
-        return _conversations(rows, tokenizer, seq_len, title)
-    return completion_sequences(rows.values, rows.wheres, tokenizer, seq_len, title)
+        return _conversations(rows, tokenizer, seq_len, title, truncation)
+    return completion_sequences(rows.values, rows.wheres, tokenizer, seq_len, title, truncation)
 
 
 def completion_sequences(
-    pairs: list[tuple[str, str]], wheres: list[str], tokenizer: Any, seq_len: int, title: str
+    pairs: list[tuple[str, str]],
+    wheres: list[str],
+    tokenizer: Any,
+    seq_len: int,
+    title: str,
+    truncation: str = "refuse",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`masked_sequences` of `[bos] prompt completion [eos]` for each (prompt, completion) pair,
-    the loss on the completion; a prompt that leaves no room for the completion is refused,
-    naming where it is (`wheres`, one per pair)."""
+    the loss on the completion; with truncation=refuse a prompt that leaves no room for the
+    completion is refused, naming where it is (`wheres`, one per pair)."""
     if tokenizer.eos_token_id is None:
         raise UserError("the model's tokenizer has no end-of-sequence token, which ends every completion")
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     ids = tokenize_with_progress(tokenizer, [text for pair in pairs for text in pair], title)
     prefixes, completions = [bos + p for p in ids[0::2]], [c + [tokenizer.eos_token_id] for c in ids[1::2]]
     longest = max(map(len, prefixes))
-    if longest > seq_len:
+    if longest > seq_len and truncation == "refuse":
         row = next(i for i, p in enumerate(prefixes) if len(p) > seq_len)
         raise UserError(
             f"{wheres[row]}: seq_len={seq_len} leaves no room for the completion after a prompt of "
-            f"{len(prefixes[row])} tokens; these rows need seq_len >= {longest}"
+            f"{len(prefixes[row])} tokens; these rows need seq_len >= {longest}, or truncation=left"
         )
-    return masked_sequences(prefixes, completions, seq_len, pad_id(tokenizer))
+    tokens, mask = masked_sequences(prefixes, completions, seq_len, pad_id(tokenizer), truncation)
+    return with_loss(tokens, mask, wheres, truncation, "", title)
 
 
 def render_chat(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> str:
@@ -250,7 +289,9 @@ def assistant_spans(messages: list[dict], tokenizer: Any) -> tuple[str, list[tup
     return text, spans
 
 
-def _conversations(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _conversations(
+    rows: Rows, tokenizer: Any, seq_len: int, title: str, truncation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     conversations = rows.values
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(
@@ -264,7 +305,8 @@ def _conversations(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tupl
         for i, messages in enumerate(conversations):
             text, spans = assistant_spans(messages, tokenizer)
             encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids, offsets = encoded["input_ids"][: seq_len + 1], encoded["offset_mapping"][: seq_len + 1]
+            ids, _ = cut(encoded["input_ids"], seq_len, truncation)
+            offsets, _ = cut(encoded["offset_mapping"], seq_len, truncation)
             tokens[i, : len(ids)] = ids
             if spans is None:
                 if not all(in_loss(m) for m in messages if m["role"] == "assistant"):
@@ -278,15 +320,11 @@ def _conversations(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tupl
                 starts = np.array([start for start, _ in offsets[1:]], dtype=np.int64)
                 for first, end in spans:
                     mask[i, : len(starts)] |= (starts >= first) & (starts < end)
-            if not mask[i].any():
-                raise UserError(
-                    f"{rows.wheres[i]}: seq_len={seq_len} cuts the conversation before its first "
-                    f"assistant token; raise seq_len"
-                )
             advance(1)
     if whole:
         LOGGER.warning(
             f"{title}: the chat template does not render {whole} of {len(conversations)} conversations turn by "
             f"turn as the start of the whole; those are in the loss whole, not only their assistant turns"
         )
-    return torch.from_numpy(tokens), torch.from_numpy(mask)
+    refusal = f"seq_len={seq_len} cuts the conversation before its first assistant token; raise seq_len"
+    return with_loss(torch.from_numpy(tokens), torch.from_numpy(mask), rows.wheres, truncation, refusal, title)
