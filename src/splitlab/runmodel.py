@@ -23,8 +23,8 @@ from splitlab.run_weights import export_hf, run_model
 
 def _prompt_ids(tokenizer: Any, rows: str, prompt: str | list[dict]) -> list[int]:
     """The prompt encoded as the run's training rows began (splitlab.data.language.encode_prompt)."""
-    if isinstance(tokenizer, str):  # characters: a prompt outside them is refused, not turned into spaces
-        unknown = sorted({c for c in prompt if c not in tokenizer})
+    if isinstance(tokenizer, str):  # characters (no chat template): outside them refused, not turned into spaces
+        unknown = sorted({c for c in str(prompt) if c not in tokenizer})
         if unknown:
             raise UserError(f"prompt has characters outside the model's vocabulary: {''.join(unknown)!r}")
         return encode_prompt(characters(), rows, prompt)
