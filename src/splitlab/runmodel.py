@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field
 
 from splitlab.config import DecodingSettings
 from splitlab.data.language import characters, encode_prompt
@@ -52,9 +52,7 @@ def read_messages(messages: str | list[dict]) -> list[dict]:
     return checked_messages(messages, "messages")
 
 
-def generate(
-    run_dir: str | Path, prompt: str | None = None, messages: str | list[dict] | None = None, **decoding: Any
-) -> str:
+def generate(run_dir: str | Path, prompt: str = "", messages: str | list[dict] | None = None, **decoding: Any) -> str:
     """`prompt` continued, or with `messages` (a chat run's conversation: a list, JSON text or a
     file) the assistant's reply, as `decoding` (splitlab.config.DecodingSettings) says: encoded as
     the run's training rows were (the tokenizer's beginning-of-sequence token before a prompt +
@@ -64,18 +62,18 @@ def generate(
     that ends a completion (E2E's reference, a JSONL row) in model=gpt's characters."""
     config, model, tokenizer, record = run_model(run_dir)
     chat = record["rows"] == "messages"
-    if (messages is not None) != chat or (prompt is None) == (messages is None):
+    if (messages is not None) != chat or (prompt and messages is not None):
         given = "messages=" if messages is not None else "prompt="
         wanted = "messages=FILE_OR_JSON (its conversation)" if chat else "prompt=TEXT"
         raise UserError(f"{str(run_dir)!r} trained on {record['rows']} rows: give {wanted}, not {given}")
-    asked: str | list[dict] = read_messages(messages) if messages is not None else str(prompt)
+    asked: str | list[dict] = read_messages(messages) if messages is not None else prompt
     ids = _prompt_ids(tokenizer, record["rows"], asked)
     if not ids:
         raise UserError('prompt is empty; give prompt="some text"')
     client, server = split(model, config.run.cut)
     eos = (characters() if isinstance(tokenizer, str) else tokenizer).eos_token_id
     produced = decode(lambda t: server(client(t)), ids, DecodingSettings(**decoding), record["seq_len"], eos)
-    return _decode(tokenizer, produced) if chat else str(prompt) + _decode(tokenizer, produced)
+    return _decode(tokenizer, produced) if chat else prompt + _decode(tokenizer, produced)
 
 
 def export(run_dir: str | Path, out: str | Path) -> dict[str, str]:
@@ -92,13 +90,7 @@ def export(run_dir: str | Path, out: str | Path) -> dict[str, str]:
 class GenerateSettings(DecodingSettings):
     """`splitlab generate RUN KEY=VALUE ...`"""
 
-    prompt: str | None = Field(None, description="the text to continue (a run on text or prompt + completion rows)")
+    prompt: str = Field("", description="the text to continue (a run on text or prompt + completion rows)")
     messages: str | None = Field(
         None, description="a chat run: the conversation whose reply to generate, as JSON or a JSON file"
     )
-
-    @model_validator(mode="after")
-    def _one_input(self) -> GenerateSettings:
-        if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give prompt=TEXT, or messages=FILE_OR_JSON for a chat run")
-        return self
