@@ -367,8 +367,6 @@ OTHER_NAMES = {
     "learning_rate": "lr",
     "gradient_accumulation_steps": "grad_accum",
     "per_device_train_batch_size": "batch_size (per client)",
-    "per_device_eval_batch_size": "batch_size",
-    "train_batch_size": "batch_size (per client)",
     "num_train_epochs": "rounds (each round, every sampled client makes local_epochs passes over its rows)",
     "max_steps": "rounds and local_steps (optimizer steps per client per round)",
     "bf16": "precision=bf16",
@@ -380,11 +378,12 @@ OTHER_NAMES = {
     "optim": "optimizer (sgd | adam | adamw)",
     "lr_scheduler_type": "lr_schedule",
     "output_dir": "out",
-    "seed_everything": "seed",
     "max_seq_length": "seq_len",
     "max_length": "seq_len",
     "model_name_or_path": "model=hf model_dir=DIR",
     "eval_steps": "eval_every (rounds)",
+    "truncation_mode": "truncation (right keeps a row's start, left its end)",
+    "report_to": "logger",
 }
 
 

@@ -193,19 +193,15 @@ def masked_sequences(
 
 
 def with_loss(
-    tokens: torch.Tensor, mask: torch.Tensor, wheres: list[str], truncation: str, refusal: str, title: str
+    tokens: torch.Tensor, mask: torch.Tensor, truncation: str, title: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rows of (`tokens`, `mask`) with something in the loss: with truncation=refuse a row with
-    nothing is refused (`refusal` after where it is), else it is dropped and a warning counts them."""
+    """The rows of (`tokens`, `mask`) that truncation=left or right left something in the loss; a
+    warning counts those dropped (truncation=refuse has refused them, naming each)."""
     kept = mask.any(dim=1)
     if bool(kept.all()):
         return tokens, mask
-    if truncation == "refuse":
-        raise UserError(f"{wheres[int((~kept).nonzero()[0])]}: {refusal}")
     if not bool(kept.any()):
-        raise UserError(
-            f"{title}: truncation={truncation} leaves no row anything in the loss at seq_len; raise seq_len"
-        )
+        raise UserError(f"{title}: truncation={truncation} leaves no row anything in the loss; raise seq_len")
     LOGGER.warning(
         f"{title}: truncation={truncation} leaves {int((~kept).sum())} of {len(kept)} rows nothing in the loss at "
         f"this seq_len; they are dropped"
@@ -257,7 +253,7 @@ def completion_sequences(
             f"{len(prefixes[row])} tokens; these rows need seq_len >= {longest}, or truncation=left"
         )
     tokens, mask = masked_sequences(prefixes, completions, seq_len, pad_id(tokenizer), truncation)
-    return with_loss(tokens, mask, wheres, truncation, "", title)
+    return with_loss(tokens, mask, truncation, title)
 
 
 def render_chat(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> str:
@@ -320,11 +316,15 @@ def _conversations(
                 starts = np.array([start for start, _ in offsets[1:]], dtype=np.int64)
                 for first, end in spans:
                     mask[i, : len(starts)] |= (starts >= first) & (starts < end)
+            if truncation == "refuse" and not mask[i].any():
+                raise UserError(
+                    f"{rows.wheres[i]}: seq_len={seq_len} cuts the conversation before its first "
+                    f"assistant token; raise seq_len, or truncation=left"
+                )
             advance(1)
     if whole:
         LOGGER.warning(
             f"{title}: the chat template does not render {whole} of {len(conversations)} conversations turn by "
             f"turn as the start of the whole; those are in the loss whole, not only their assistant turns"
         )
-    refusal = f"seq_len={seq_len} cuts the conversation before its first assistant token; raise seq_len"
-    return with_loss(torch.from_numpy(tokens), torch.from_numpy(mask), rows.wheres, truncation, refusal, title)
+    return with_loss(torch.from_numpy(tokens), torch.from_numpy(mask), truncation, title)
