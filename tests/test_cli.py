@@ -160,6 +160,27 @@ def test_an_unknown_key_close_to_a_known_one_gets_did_you_mean(capsys):
     assert code == 2 and "did you mean 'clients'?" in err
 
 
+@pytest.mark.parametrize(
+    ("given", "ours"),
+    [("learning_rate=0.1", "lr"), ("gradient_accumulation_steps=2", "grad_accum"), ("bf16=true", "precision=bf16")],
+)
+def test_the_trainers_and_pefts_names_get_splitlabs_key(capsys, given, ours):
+    code, _, err = run_cli(capsys, "run", given)
+    assert code == 2 and err == f"error: unknown key '{given.split('=')[0]}': splitlab calls it {ours}\n"
+
+
+def test_run_config_from_python_says_where_a_models_key_goes():
+    from splitlab.config import RunConfig
+    from splitlab.errors import UserError
+
+    with pytest.raises(
+        UserError, match=r"^unknown key 'model_dir' for RunConfig, .* splitlab\.run\(\{\.\.\., 'model_dir'"
+    ):
+        RunConfig(model="hf", model_dir="x")
+    with pytest.raises(UserError, match="^unknown key 'learning_rate': splitlab calls it lr$"):
+        RunConfig(learning_rate=0.1)
+
+
 @pytest.mark.parametrize("text", ["ROMEO:", "yes", "1e3", "null", "[a]", "a: b", "{a: 1}", "~", "0x10", ""])
 def test_a_string_key_keeps_the_exact_text_typed(text):
     """Command-line values are read by the key's type, not as YAML: a string stays what was typed."""

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from splitlab.engine import run
     from splitlab.losses import register_loss
     from splitlab.models import register_model
+    from splitlab.runmodel import export, generate
 
 __version__ = "0.1.0"
 
@@ -29,6 +30,8 @@ setup_logging()  # splitlab's messages go to stderr, one line each (splitlab.log
 #: first asked for, so that `import splitlab` stays light (torch and pydantic take seconds to import).
 _MODULE_OF = {
     "run": "splitlab.engine",
+    "generate": "splitlab.runmodel",
+    "export": "splitlab.runmodel",
     "RunConfig": "splitlab.config",
     "register_model": "splitlab.models",
     "register_dataset": "splitlab.data",
@@ -46,6 +49,8 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "RunConfig",
     "__version__",
+    "export",
+    "generate",
     "register_augmentation",
     "register_dataset",
     "register_loss",

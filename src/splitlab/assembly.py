@@ -204,6 +204,7 @@ def load_data(config: ResolvedConfig) -> Dataset:
         tokenizer_dir=config.model_dir,
         data_file=run.data_file,
         test_file=run.test_file,
+        truncation=run.truncation,
     )
 
 

@@ -99,10 +99,16 @@ class RunConfig(BaseModel):
     seq_len: int | None = Field(None, ge=1, le=1_048_576, json_schema_extra=DATA)
     """language datasets: tokens per sequence (default: the dataset's, 64 for shakespeare_lm, 128 for e2e, jsonl and
     hf_disk), at most the model's context"""
+    truncation: Literal["refuse", "left", "right"] = Field("refuse", json_schema_extra=DATA)
+    """rows of prompt + completion or messages (jsonl, hf_disk, e2e) longer than seq_len + 1 tokens: refuse (a row whose
+    prompt leaves no completion token in the loss is refused; a longer completion is cut at its end) | right (each row
+    keeps its first seq_len + 1 tokens) | left (its last: the prompt's start is dropped); with right or left, a row left
+    with nothing in the loss is dropped, a warning saying how many"""
     lora: str | None = Field(None, json_schema_extra=MODEL)
     """R:ALPHA: freeze the model and train rank-R LoRA adapters scaled ALPHA/R, e.g. 8:16 (docs/language.md)"""
     lora_targets: str | None = Field(None, json_schema_extra=MODEL)
-    """with lora: comma-separated names of the projections to adapt (default: the model's)"""
+    """with lora: comma-separated names of the projections to adapt (default: the model's), or all-linear: every
+    linear layer but the output layer, as peft's"""
     lora_dropout: float = Field(0.0, ge=0, lt=1, json_schema_extra=MODEL)
     """with lora: dropout on the adapters' input in training, as peft's lora_dropout"""
     cut: int = Field(1, ge=0, le=1000, json_schema_extra=MODEL)
@@ -189,8 +195,9 @@ class RunConfig(BaseModel):
     comm_budget_gib: float | None = Field(None, gt=0, le=1e9, json_schema_extra=TRAINING)
     """stop once this much has been communicated"""
     eval_generate: int = Field(0, ge=0, le=10**7, json_schema_extra=TRAINING)
-    """language datasets with references (e2e): at the final evaluation, continue N test prompts (greedily unless the
-    eval_* keys say otherwise) and write BLEU and ROUGE-L to summary.json (docs/language.md); 0: none"""
+    """language datasets with references (e2e; jsonl and hf_disk rows of prompt + completion or messages): at the final
+    evaluation, continue N test prompts (greedily unless the eval_* keys say otherwise) and write BLEU and ROUGE-L to
+    summary.json (docs/language.md); 0: none"""
     eval_max_new_tokens: int | None = eval_decoding(
         "max_new_tokens", None, " (default: as many as the training sequences hold, seq_len + 1 tokens in all)"
     )
@@ -268,6 +275,24 @@ class RunConfig(BaseModel):
             parse_lora(value)
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        """`RunConfig(...)` from Python: a key it does not hold is one line (the Trainer's name for
+        one of its keys, or where a model's or algorithm's key goes), not pydantic's traceback."""
+        if not isinstance(data, Mapping):
+            return data
+        unknown = sorted(set(data) - set(cls.model_fields))
+        if not unknown:
+            return data
+        key = unknown[0]
+        raise UserError(
+            other_name(key)
+            or f"unknown key {key!r} for RunConfig, which holds the keys every run shares: a model's or an "
+            f"algorithm's own key goes beside them in one mapping, splitlab.run({{..., {key!r}: ...}}) (which "
+            f"names the closest key if it is a typo), or in its params model, splitlab.run(config, *params)"
+        )
+
     def adapters(self) -> dict[str, Any]:
         """The LoRA settings that were given, as `splitlab.models.build_model` takes them."""
         lora = {"lora": parse_lora(self.lora)} if self.lora is not None else {}
@@ -333,9 +358,47 @@ def parse_lora(value: str) -> tuple[int, float]:
     return parsed
 
 
+#: The names transformers' Trainer and peft give settings splitlab also has, answered with splitlab's
+#: own (`learning_rate=0.1` -> "splitlab calls it lr"). They are hints, not aliases: config.yaml keeps
+#: one name per setting (a rerun or a sweep compares keys), and several do not mean the same thing
+#: (peft's r and lora_alpha are one key here; num_train_epochs counts passes over all the data, where
+#: splitlab counts rounds of local_epochs each); a name in the table that a key takes is never asked.
+OTHER_NAMES = {
+    "learning_rate": "lr",
+    "gradient_accumulation_steps": "grad_accum",
+    "per_device_train_batch_size": "batch_size (per client)",
+    "num_train_epochs": "rounds (each round, every sampled client makes local_epochs passes over its rows)",
+    "max_steps": "rounds and local_steps (optimizer steps per client per round)",
+    "bf16": "precision=bf16",
+    "fp16": "precision=fp16",
+    "r": "lora=R:ALPHA (peft's r and lora_alpha in one key, e.g. lora=8:16)",
+    "lora_r": "lora=R:ALPHA (peft's r and lora_alpha in one key, e.g. lora=8:16)",
+    "lora_alpha": "lora=R:ALPHA (peft's r and lora_alpha in one key, e.g. lora=8:16)",
+    "target_modules": "lora_targets (comma-separated, or all-linear)",
+    "optim": "optimizer (sgd | adam | adamw)",
+    "lr_scheduler_type": "lr_schedule",
+    "output_dir": "out",
+    "max_seq_length": "seq_len",
+    "max_length": "seq_len",
+    "model_name_or_path": "model=hf model_dir=DIR",
+    "eval_steps": "eval_every (rounds)",
+    "truncation_mode": "truncation (right keeps a row's start, left its end)",
+    "report_to": "logger",
+}
+
+
+def other_name(key: str) -> str | None:
+    """One line for a key given by the Trainer's or peft's name (OTHER_NAMES), else None."""
+    ours = OTHER_NAMES.get(key)
+    return None if ours is None else f"unknown key {key!r}: splitlab calls it {ours}"
+
+
 #: Algorithms whose model is not split: nothing crosses a cut (no smashed data to record or attack).
 UNSPLIT_ALGORITHMS = ("fedavg", "centralized")
 
+
+#: Datasets of rows that `truncation` cuts (one sequence per row).
+ROW_DATASETS = frozenset({"jsonl", "hf_disk", "e2e"})
 
 #: Datasets that read no files (bundled or generated): `data_dir` does not apply to them.
 WITHOUT_FILES = frozenset({"digits", "synthetic", "breast_cancer"})
@@ -353,7 +416,7 @@ EVERYWHERE = frozenset(
 )
 
 EVAL_GENERATE_WHY = (
-    "eval_generate continues the test prompts of a language dataset with references (e2e) with the global model"
+    "eval_generate continues the test prompts of a language dataset with references with the global model"
 )
 U_SHAPE_WHY = (
     "a U-shaped split needs clients that hold whole samples (not setting=vertical) and an algorithm that runs one "
@@ -404,6 +467,11 @@ ONLY_WHEN: dict[str, Applies] = {
         key: Applies(lambda r: r.dataset == "jsonl", f"{key} is read by dataset=jsonl", {key: "/tmp/rows.jsonl"})
         for key in ("data_file", "test_file")
     },
+    "truncation": Applies(
+        lambda r: r.dataset in ROW_DATASETS,
+        "truncation cuts rows of prompt + completion or messages (dataset=jsonl, hf_disk, e2e)",
+        {"dataset": "digits", "truncation": "left"},
+    ),
     "record": Applies(
         lambda r: r.algorithm not in UNSPLIT_ALGORITHMS,
         "this algorithm does not split the model: nothing crosses a cut to record",

@@ -31,7 +31,8 @@ from splitlab.models import HeadAndTail
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.random_streams import register_stream
 from splitlab.roles import random_stream
-from splitlab.run_weights import export_hf
+from splitlab.run_weights import decoding_record, export_hf
+from splitlab.rundir import DECODING
 from splitlab.settings import setting_of
 from splitlab.transport import ClientDropped
 from splitlab.units import GIB, to_target
@@ -142,6 +143,8 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
     if state["round"] == 0:
         write_yaml(out / "config.yaml", experiment.config.as_dict())
         write_json(out / "partition.json", experiment.partition_report)
+        if experiment.data.task == "language":
+            write_json(out / DECODING, decoding_record(experiment.data))
 
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(checkpoints.join)

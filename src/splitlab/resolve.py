@@ -18,6 +18,7 @@ from splitlab.config import (
     check_finite,
     check_no_booleans,
     from_text,
+    other_name,
 )
 from splitlab.data import parse_partition_scheme
 from splitlab.errors import UserError, one_line, unknown_key
@@ -89,6 +90,9 @@ def misplaced_key(key: str, algorithm: str, model: str) -> UserError:
     or the closest key name."""
     from splitlab.algorithms import algorithms
 
+    hint = other_name(key)
+    if hint is not None:
+        return UserError(hint)
     takers = sorted(name for name, cls in algorithms().items() if key in cls.Params.model_fields)
     if takers:
         return UserError(f"{key} applies to algorithm {_listed(takers)}, not {algorithm}")

@@ -11,6 +11,7 @@ the frozen base; the model itself is rebuilt from the run's `config.yaml`.
 from __future__ import annotations
 
 import functools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,35 +19,56 @@ import torch
 from torch import nn
 
 from splitlab.assembly import load_data
-from splitlab.config import ResolvedConfig, RunConfig, parse_lora
+from splitlab.config import ResolvedConfig, parse_lora
+from splitlab.data import Dataset
 from splitlab.errors import UserError
 from splitlab.models import StagedModel, build_model
 from splitlab.models.lora import ADAPTERS, adapter_state, merge_lora
 from splitlab.resolve import resolve_config
-from splitlab.rundir import stored_config
+from splitlab.rundir import DECODING, stored_config
 
 
-def run_model(run_dir: str | Path) -> tuple[RunConfig, StagedModel, Any, int]:
-    """The run's config, its trained model (adapters in place, eval mode, CPU), its data's
-    tokenizer (a Hugging Face tokenizer, model=hf, or a character vocabulary, a str) and its
-    sequence length."""
+def decoding_record(data: Dataset) -> dict[str, Any]:
+    """What decoding a finished language run needs beside its weights (the run directory's DECODING
+    file, written as it starts): how its rows began (`Dataset.rows`), its sequence length and
+    vocabulary, so that `splitlab generate` reads no data (its files may be gone, or named relative
+    to another folder)."""
+    return {
+        "rows": data.rows,
+        "seq_len": data.input_shape[0],
+        "vocab_size": data.num_classes,
+        "vocabulary": data.vocabulary,
+    }
+
+
+def run_model(run_dir: str | Path) -> tuple[ResolvedConfig, StagedModel, Any, dict[str, Any]]:
+    """The run's resolved config, its trained model (adapters in place, eval mode, CPU), its tokenizer (a
+    Hugging Face tokenizer, model=hf: the model folder's, or the run's export where that folder is
+    gone; or a character vocabulary, a str) and its DECODING record (from the data where a run from
+    before that file has none)."""
     path = Path(run_dir)
     resolved = resolve_config(stored_config(path, "load the model of", "give a finished run's directory"))
     config = resolved.run
     weights = _weights_file(path)
-    data = load_data(resolved)
-    if data.task != "language":
-        raise UserError(f"{str(path)!r} trained on {config.dataset}, not a language dataset")
+    if (path / DECODING).is_file():
+        record = json.loads((path / DECODING).read_text())
+    else:
+        data = load_data(resolved)
+        if data.task != "language":
+            raise UserError(f"{str(path)!r} trained on {config.dataset}, not a language dataset")
+        record = decoding_record(data)
     settings = resolved.model_settings()
-    model = build_model(config.model, data.input_shape, data.num_classes, config.seed, **settings)
+    if config.model == "hf" and not Path(str(settings["model_dir"])).is_dir() and (path / "hf").is_dir():
+        settings["model_dir"] = str(path / "hf")
+    model = build_model(config.model, (record["seq_len"],), record["vocab_size"], config.seed, **settings)
     from safetensors.torch import load_file
 
     model.load_state_dict(load_file(weights))
     if config.model == "hf":
         from splitlab.models.hf import load_tokenizer
 
-        return config, model.eval(), load_tokenizer(str(settings["model_dir"])), data.input_shape[0]
-    return config, model.eval(), data.vocabulary, data.input_shape[0]
+        return resolved, model.eval(), load_tokenizer(str(settings["model_dir"])), record
+    return resolved, model.eval(), record["vocabulary"], record
 
 
 def _weights_file(run_dir: Path) -> Path:

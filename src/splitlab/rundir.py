@@ -42,9 +42,11 @@ if TYPE_CHECKING:
     from splitlab.config import ResolvedConfig
 
 CHECKPOINT = "checkpoint.safetensors"
+DECODING = "decoding.json"  # a language run's (splitlab.run_weights.decoding_record)
 RUN_FILES = (
     "config.yaml",
     "partition.json",
+    DECODING,
     "metrics.jsonl",
     "summary.json",
     CHECKPOINT,

@@ -197,3 +197,44 @@ def test_a_checkpoints_chat_template_renders_messages_rows(tmp_path):
     assert len(data.train_y) == 2 and len(data.test_y) == 1
     for targets in torch.cat([data.train_y, data.test_y]):
         assert chat_tokenizer().decode(targets[targets != IGNORED]) == "Or not.<|endoftext|>"
+
+
+def test_unknown_roles_are_refused_and_weight_0_turns_are_not_trained_on():
+    tokenizer = chat_tokenizer()
+    with pytest.raises(UserError, match=r"line 1: unknown role 'human'; allowed: system, user, assistant, tool$"):
+        rows_of([{"messages": [{"role": "human", "content": "Hi"}, {"role": "assistant", "content": "Yo"}]}])
+    for bad in ({"role": "assistant", "content": "Yo", "weight": 0.5}, {"role": "user", "content": "Hi", "weight": 0}):
+        with pytest.raises(UserError, match="line 1: weight .* an assistant message may have weight 0"):
+            rows_of([{"messages": [bad, {"role": "assistant", "content": "Yo"}]}])
+    with pytest.raises(UserError, match="an assistant message \\(of weight 1\\)"):
+        rows_of(
+            [{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Yo", "weight": 0}]}]
+        )
+    messages = [
+        {"role": "user", "content": "To be?"},
+        {"role": "assistant", "content": "Or not to be.", "weight": 0},
+        {"role": "user", "content": "Whether?"},
+        {"role": "assistant", "content": "Tis nobler.", "weight": 1},
+    ]
+    tokens, mask = encode(rows_of([{"messages": messages}]), tokenizer, seq_len=96, title="t")
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]  # the template sees no weights
+    assert tokenizer.decode(tokens[0]).startswith(tokenizer.apply_chat_template(plain, tokenize=False))
+    assert tokenizer.decode(tokens[0, 1:][mask[0]]) == "Tis nobler.<|endoftext|>"
+
+
+def test_truncation_keeps_a_rows_start_or_end_and_refuse_is_the_default(caplog):
+    rows = rows_of([{"prompt": "abcdef", "completion": "xy"}, {"prompt": "ab", "completion": "xy"}])
+    with pytest.raises(UserError, match="line 1: seq_len=5 leaves no room .* seq_len >= 6, or truncation=left$"):
+        encode(rows, CharacterTokenizer(), seq_len=5, title="t")
+    tokens, mask = encode(rows, CharacterTokenizer(), seq_len=5, title="t", truncation="left")
+    assert tokens.tolist() == [ids("defxy\n"), ids("abxy\n\n")]  # the first row's end; \n ends and pads
+    assert mask.tolist() == [[False, False, True, True, True], [False, True, True, True, False]]  # x, y, \n
+    tokens, mask = encode(rows, CharacterTokenizer(), seq_len=5, title="t", truncation="right")
+    assert tokens.tolist() == [ids("abxy\n\n")] and "leaves 1 of 2 rows nothing in the loss" in caplog.text
+    long = [{"role": "user", "content": "To be, or not to be? " * 8}, {"role": "assistant", "content": "Yes."}]
+    with pytest.raises(UserError, match="cuts the conversation before its first assistant token"):
+        encode(rows_of([{"messages": long}]), chat_tokenizer(), seq_len=12, title="t")
+    tokens, mask = encode(rows_of([{"messages": long}]), chat_tokenizer(), seq_len=12, title="t", truncation="left")
+    assert chat_tokenizer().decode(tokens[0, 1:][mask[0]]) == "Yes.<|endoftext|>"
+    whole = chat_tokenizer()(chat_tokenizer().apply_chat_template(long, tokenize=False), add_special_tokens=False)
+    assert tokens[0].tolist() == whole["input_ids"][-13:]  # the conversation's last seq_len + 1 tokens

@@ -97,8 +97,8 @@ def test_shakespeare_lm_and_e2e_are_cached_too(tmp_path, cache, calls, monkeypat
     model_dir = str(tiny_hf_model(tmp_path / "model"))
     write_e2e(tmp_path)
     e2e = load("e2e", tmp_path, seq_len=48, tokenizer_dir=model_dir)
-    assert calls == [4, 6]  # train and test: a meaning representation and a reference per row
-    assert same(load("e2e", tmp_path, seq_len=48, tokenizer_dir=model_dir), e2e) and calls == [4, 6]
+    assert calls == [4, 6, 2]  # train and test: a meaning representation and a reference per row; test prompts
+    assert same(load("e2e", tmp_path, seq_len=48, tokenizer_dir=model_dir), e2e) and calls == [4, 6, 2]
 
 
 def test_a_folder_that_cannot_be_written_is_warned_about_and_the_run_goes_on(tmp_path, monkeypatch, caplog):

@@ -35,7 +35,7 @@ def finished(plays, tmp_path_factory) -> str:
 def the_model(run_dir: str):
     """(logits of token ids, prompt ids of "To be") of a finished run, as `generate` computes them."""
     config, model, vocabulary, _ = run_model(run_dir)
-    client, server = split(model, config.cut)
+    client, server = split(model, config.run.cut)
     return (lambda tokens: server(client(tokens))), [vocabulary.index(c) for c in "To be"]
 
 
@@ -252,5 +252,5 @@ def test_generate_on_a_character_model_stops_at_the_newline_that_ends_a_referenc
 def test_eval_generate_is_refused_without_references(plays):
     from helpers import train
 
-    with pytest.raises(UserError, match=r"^eval_generate=4: shakespeare_lm has no reference texts.*: e2e$"):
+    with pytest.raises(UserError, match=r"^eval_generate=4: shakespeare_lm has no reference texts.*: e2e, and jsonl"):
         train(0, **dict(COMMON, dataset="shakespeare_lm", data_dir=plays, algorithm="sfl_v2", eval_generate=4))

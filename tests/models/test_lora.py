@@ -162,3 +162,14 @@ def test_a_split_that_leaves_the_client_nothing_to_train_names_the_cuts_that_wou
         "cuts that train both parts: 3"
     )
     check_split(model, RunConfig(algorithm="sfl_v2", model="cnn", cut=3), get_algorithm("sfl_v2"))
+
+
+def test_all_linear_adapts_every_linear_layer_but_the_output_layer():
+    from splitlab.models import build_model
+
+    model = build_model(
+        "gpt", (8,), 20, lora=(2, 4.0), lora_targets=("all-linear",), layers=2, heads=2, width=8, context=8
+    )
+    adapted = sorted({name.rsplit(".", 2)[-2] for name, p in model.named_parameters() if p.requires_grad})
+    assert adapted == ["c_attn", "c_fc", "c_proj"]  # attention's and the MLP's; not head.lm_head
+    assert sum(name.endswith("lora_A") for name, _ in model.named_parameters()) == 2 * 4

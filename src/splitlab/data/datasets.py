@@ -113,7 +113,12 @@ class Dataset:
     #: (a next token per position, those not in the loss marked IGNORED; splitlab.metrics)
     task: str = "classification"
     vocabulary: str | None = None  # language task with characters as tokens: token i is vocabulary[i]
-    references: References | None = None  # test prompts and their references (e2e), for eval_generate
+    references: References | None = (
+        None  # test prompts and their references (e2e, jsonl / hf_disk rows), for eval_generate
+    )
+    #: language task: the rows a prompt is encoded as (splitlab.data.language.encode_prompt): text
+    #: (as it is), prompt/completion ([bos] prompt), messages (the chat template) or e2e
+    rows: str = "text"
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Model inputs from a batch of stored samples."""
@@ -555,6 +560,7 @@ class TextSource:
     tokenizer_dir: str | None = None  # model=hf's folder, whose tokenizer tokenises; None: LEAF's characters
     data_file: Path | None = None  # dataset=jsonl
     test_file: Path | None = None
+    truncation: str = "refuse"  # rows longer than a sequence: refuse | left | right (data/text_rows.py)
 
 
 #: Language datasets (shakespeare_lm, e2e, jsonl, hf_disk): name -> loader(TextSource), registered
@@ -587,15 +593,19 @@ def load_dataset(
     tokenizer_dir: str | None = None,
     data_file: str | os.PathLike | None = None,
     test_file: str | os.PathLike | None = None,
+    truncation: str = "refuse",
 ) -> Dataset:
     """Load a registered dataset; repeated calls with the same arguments return the cached one.
     `seq_len`: tokens per sequence of a language dataset (None: its default); refused for others.
     `tokenizer_dir`: a language dataset is tokenised by the tokenizer in that model folder (model=hf).
-    `data_file`, `test_file`: the files of dataset=jsonl."""
+    `data_file`, `test_file`: the files of dataset=jsonl; `truncation`: how rows longer than a
+    sequence are cut (data/text_rows.py)."""
     _check_name(name)
     if seq_len is not None and name not in SEQUENCE_DATASETS:
         raise UserError(f"seq_len= applies to language datasets ({', '.join(sorted(SEQUENCE_DATASETS))}), not {name}")
-    source = TextSource(_resolve(data_dir), seq_len, tokenizer_dir, _resolve(data_file), _resolve(test_file))
+    source = TextSource(
+        _resolve(data_dir), seq_len, tokenizer_dir, _resolve(data_file), _resolve(test_file), truncation
+    )
     return _load_cached(name, seed, os.environ.get(DATA_ENV), source)
 
 

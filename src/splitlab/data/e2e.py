@@ -29,8 +29,7 @@ import csv
 from pathlib import Path
 from typing import Any
 
-from splitlab.data.datasets import References
-from splitlab.data.text_rows import completion_sequences
+from splitlab.data import text_rows
 from splitlab.errors import UserError
 from splitlab.lazy import torch
 
@@ -60,28 +59,38 @@ def read_pairs(path: str | Path) -> list[tuple[str, str]]:
 
 
 def encode_pairs(
-    pairs: list[tuple[str, str]], tokenizer: Any, seq_len: int, title: str = "tokenising e2e"
+    pairs: list[tuple[str, str]],
+    tokenizer: Any,
+    seq_len: int,
+    title: str = "tokenising e2e",
+    truncation: str = "refuse",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64 (N, seq_len + 1), mask bool (N, seq_len)) of the pairs, as the module docstring
     says; `title` names the work in progress lines."""
     prompts = [(mr + SEPARATOR, " " + ref) for mr, ref in pairs]
     wheres = [f"E2E sample {i + 1}" for i in range(len(pairs))]
-    return completion_sequences(prompts, wheres, tokenizer, seq_len, title)
+    return text_rows.completion_sequences(prompts, wheres, tokenizer, seq_len, title, truncation)
 
 
-def references(pairs: list[tuple[str, str]], tokenizer: Any) -> References:
-    """The test rows as `eval_generate` reads them: each meaning representation once (in file
-    order) as the prompt `[bos] mr + SEPARATOR`, with all of its references."""
+def references(pairs: list[tuple[str, str]], tokenizer: Any) -> tuple[list[list[int]], list[list[str]]]:
+    """(prompts, references) of the test rows as `eval_generate` reads them: each meaning
+    representation once (in file order) as the prompt `[bos] mr + SEPARATOR`, with all of its references."""
     by_mr: dict[str, list[str]] = {}
     for mr, ref in pairs:
         by_mr.setdefault(mr, []).append(ref)
-    bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
-    contexts = tokenizer([mr + SEPARATOR for mr in by_mr], add_special_tokens=False)["input_ids"]
-    return References([bos + context for context in contexts], list(by_mr.values()), tokenizer)
+    return prompt_ids(tokenizer, list(by_mr)), list(by_mr.values())
 
 
-def load_e2e(data_dir: str | Path, split: str, tokenizer: Any, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt_ids(tokenizer: Any, mrs: list[str]) -> list[list[int]]:
+    """The contexts samples begin with, `[bos] mr + SEPARATOR`, as token ids: what is continued."""
+    return text_rows.prompt_ids(tokenizer, "prompt/completion", [mr + SEPARATOR for mr in mrs])
+
+
+def load_e2e(
+    data_dir: str | Path, split: str, tokenizer: Any, seq_len: int, truncation: str = "refuse"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`split` ("train", "dev" or "test") of the E2E release in `data_dir`, encoded by `encode_pairs`."""
     if split not in FILES:
         raise ValueError(f"unknown E2E split {split!r}; one of {', '.join(FILES)}")
-    return encode_pairs(read_pairs(Path(data_dir) / FILES[split]), tokenizer, seq_len, f"tokenising e2e {split}")
+    pairs = read_pairs(Path(data_dir) / FILES[split])
+    return encode_pairs(pairs, tokenizer, seq_len, f"tokenising e2e {split}", truncation)

