@@ -9,6 +9,9 @@ knows the defense configuration, which it applies to its auxiliary data (Kerckho
 SSIM and PSNR (torchmetrics) against the true inputs, which only the experimenter has; a table's
 rows by R^2 per column and MSE, without a picture. On a vertical run, per party: the server (or a
 label-holding party, which sees no more) inverts party j's embedding back to party j's features.
+Against noise drawn afresh on each release (`noise:S`, `dp:epsilon=E`), a recorded run is also
+attacked with each sample's releases over the recorded rounds averaged (`averaged`: n releases cut
+the noise's standard deviation by sqrt(n)), reported beside the single release.
 """
 
 from __future__ import annotations
