@@ -25,7 +25,7 @@ from torch import nn
 
 from splitlab.audit.attack import Attack, Target, VerticalTarget
 from splitlab.audit.common import DECODER_WIDTH, fit, image_scores, write_picture
-from splitlab.audit.records import load_record
+from splitlab.audit.records import load_record, sample_keys
 from splitlab.errors import UserError
 from splitlab.privacy.defenses import Defense, received
 
@@ -110,11 +110,10 @@ def averaged_inversion(target: Target, inputs: torch.Tensor) -> dict[str, Any]:
     num_classes = target.experiment.blueprint.num_classes
     for file in target.recorded_rounds.values():
         tensors = load_record(file, target.shapes, num_classes)
-        for row, smashed in zip(tensors["inputs"].flatten(1), tensors["smashed"]):
-            key = row.cpu().numpy().tobytes()
+        for key, smashed in zip(sample_keys(tensors["inputs"]), tensors["smashed"]):
             sums[key] = sums[key] + smashed if key in sums else smashed.clone()
             counts[key] = counts.get(key, 0) + 1
-    keys = [row.cpu().numpy().tobytes() for row in inputs.flatten(1)]
+    keys = sample_keys(inputs)
     averaged = torch.stack([sums[key] / counts[key] for key in keys]).to(inputs.device)
     releases = [counts[key] for key in keys]
     settings = target.settings

@@ -33,6 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from splitlab.audit.records import sample_keys
+
 #: the attacks of this module, in the order reported
 ATTACKS = ("cluster", "residual")
 
@@ -132,10 +134,9 @@ def linked(rounds: list[dict[str, torch.Tensor]], gradient: str, majority: bool)
     for tensors in rounds:
         batches = tensors["batches"]
         found = scores(tensors[gradient], batches, majority)["cluster"]
-        for row, label, number, score in zip(tensors["inputs"].flatten(1), tensors["labels"], batches, found):
+        for key, label, number, score in zip(sample_keys(tensors["inputs"]), tensors["labels"], batches, found):
             if int(number) < 0:
                 continue
-            key = row.cpu().numpy().tobytes()
             sums[key], counts[key] = sums.get(key, 0.0) + float(score), counts.get(key, 0) + 1
             truth[key] = int(label) == 1
     if not sums:

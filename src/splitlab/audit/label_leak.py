@@ -91,8 +91,10 @@ class LabelLeak(Attack):
             result.update(result["by_round"][target.recorded[0]])
         else:
             batch, seed = experiment.config.run.batch_size, target.settings.seed
-            gradients = tail_gradients if isinstance(target.client, HeadAndTail) else cut_gradients
-            grads = gradients(target.client, target.server, target.x, target.y, target.defense, batch, seed)
+            if isinstance(target.client, HeadAndTail):
+                grads = tail_gradients(target.client, target.server, target.x, target.y, target.defense, batch, seed)
+            else:
+                grads = cut_gradients(target.client, target.server, target.x, target.y, target.defense, batch, seed)
             batches = torch.arange(len(target.y)) // batch  # the gradients were computed a batch at a time
             leaks = [batch_leaks(grads, target.y, batches, majority)] if binary else []
             result.update(label_leak(grads, target.y))

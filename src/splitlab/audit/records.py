@@ -112,3 +112,9 @@ def load_record(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int
     if problem:
         raise UserError(f"{str(file)!r} is not a record of this run: {problem}")
     return tensors
+
+
+def sample_keys(inputs: torch.Tensor) -> list[bytes]:
+    """Each recorded sample's identity across rounds, to link its releases: its inputs' bytes (the
+    server links them by the batch order the run's seed fixes; the experimenter by what it recorded)."""
+    return [row.cpu().numpy().tobytes() for row in inputs.flatten(1)]
