@@ -69,25 +69,27 @@ class LabelLeak(Attack):
                 raise UserError(f"{algorithm} sends no cut gradients: {NO_GRADIENTS}")
             if not any(bool(t[target.gradient].any()) for t in with_grads.values()):
                 raise UserError(f"every recorded {target.gradient} of {algorithm}'s run is zero: {NO_GRADIENTS}")
+            scored = {r: t for r, t in with_grads.items() if binary and "batches" in t}  # per batch too
+            leaks_by_round = {
+                r: batch_leaks(t[target.gradient], t["labels"], t["batches"], majority) for r, t in scored.items()
+            }
             result["by_round"] = {
                 r: {
                     **label_leak(t[target.gradient], t["labels"]),
                     **(
-                        label_clusters.pooled(t[target.gradient], t["labels"], t["batches"], majority)
-                        if binary and "batches" in t
+                        {
+                            **label_clusters.pooled(t[target.gradient], t["labels"], t["batches"], majority),
+                            **per_batch([leaks_by_round[r]]),
+                        }
+                        if r in scored
                         else {}
                     ),
                 }
                 for r, t in with_grads.items()
             }
-            leaks = [  # over every recorded round, as the paper's figure is over training
-                batch_leaks(t[target.gradient], t["labels"], t["batches"], majority)
-                for t in with_grads.values()
-                if binary and "batches" in t
-            ]
+            leaks = list(leaks_by_round.values())  # over every recorded round, as the paper's figure is over training
             if binary:
-                rounds = [t for t in with_grads.values() if "batches" in t]
-                result["linked"] = label_clusters.linked(rounds, target.gradient, majority)
+                result["linked"] = label_clusters.linked(list(scored.values()), target.gradient, majority)
             result.update(result["by_round"][target.recorded[0]])
         else:
             batch, seed = experiment.config.run.batch_size, target.settings.seed
