@@ -274,14 +274,17 @@ def _highest(aucs: dict[str, float | None]) -> dict[str, Any]:
 def cut_gradients(
     client: nn.Module, server: nn.Module, x: torch.Tensor, y: torch.Tensor, defense: Defense, batch_size: int, seed: int
 ) -> torch.Tensor:
-    """The cut gradients the server would send for (x, y) (mean loss over each batch), as decoded."""
+    """The cut gradients the server would send for (x, y) (mean loss over each batch), as decoded:
+    computed from the labels as sent (with `label_dp:E`, randomised), as the server computes them."""
     grads = []
     smashed = received(client, x, defense, seed)
     generator = torch.Generator(x.device).manual_seed(seed + 2)
     for z, labels in zip(smashed.split(batch_size), y.split(batch_size)):
         z = z.detach().requires_grad_()
-        (grad,) = torch.autograd.grad(F.cross_entropy(server(z), labels), z)
-        grads.append(decode(defense.send_gradient(grad, generator, labels)))
+        logits = server(z)
+        sent = defense.private_labels(labels, logits.shape[-1], generator)
+        (grad,) = torch.autograd.grad(F.cross_entropy(logits, sent), z)
+        grads.append(decode(defense.send_gradient(grad, generator, sent)))
     return torch.cat(grads)
 
 
