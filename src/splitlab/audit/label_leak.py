@@ -8,7 +8,10 @@ travel with the smashed data, so the figure measures what the gradient channel a
 an observer of the downlink), not a secret the server lacks; in a U-shaped split (`cut=A,B`) the
 labels stay with the client, and the attack scores the gradients at the second cut the server
 receives from the client's tail. On a vertical run, every passive party (one without the labels)
-scores the labels from the gradients it receives at its embedding (pooled only).
+scores the labels from the gradients it receives at its embedding (pooled only). On a binary
+task the attacks that know the defense (splitlab.audit.label_clusters: `cluster`, `residual`
+against Marvell, `linked` against label DP) are reported beside Li et al.'s, with the strongest
+figure and the attack that reached it (`strongest`).
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ class LabelLeak(Attack):
         for name in label_clusters.ATTACKS:
             if result.get(f"{name}_auc") is not None:
                 rows.append((f"{name} attack AUC ({ABOUT[name]})", f"{result[f'{name}_auc']:.3f}"))
-        if result.get("linked"):
+        if result.get("linked", {}).get("auc") is not None:
             row = result["linked"]
             rows.append(
                 (
