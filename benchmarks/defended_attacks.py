@@ -11,15 +11,23 @@ accuracy on the undefended path, and as deployed (the noise applied).
 
 `--part labels`: Li et al.'s binary setting (vanilla split learning, breast_cancer, mlp, 2
 clients, 5 rounds, `record=200`); per defense (`marvell:S`, `marvell:kl=K`, `label_dp:E`,
-`gradnoise:S`) and noise key, the norm and direction AUCs of `label_leak` on the last recorded
-round, the test accuracy, how many runs have both AUCs within 0.1 of 0.5, and with `marvell:kl=K`
-the mean power scale its bound chose per batch (`--kl-rule reference`: the scale found by the
-reference code's rule instead of splitlab's smallest, for comparison).
+`gradnoise:S`) and noise key, a row: the test accuracy, every attack `label_leak` reports (Li et
+al.'s norm and direction, the defense-aware cluster and residual attacks: pooled on the last
+recorded round, and the median of their per-batch AUCs over every recorded batch; the linked
+attack over the recorded rounds), the strongest per-batch median and which attack it was, and
+with `marvell:kl=K` the mean power scale its bound chose per batch (`--kl-rule reference`: the
+scale found by the reference code's rule instead of splitlab's smallest, for comparison).
+
+`--part noise`: digits, the CNN cut at 1, SplitFed-v2, 4 clients, 3 rounds, every training sample
+recorded every round; per defense (`noise:S`, `clip:C+noise:S`, `clip:C+dp:epsilon=E`), noise key
+a, `inversion` (decoder, 20 epochs) on the last round's releases and on each sample's releases
+over the 3 rounds averaged (splitlab.audit.inversion.averaged_inversion), with accuracy and epsilon.
 
 One torch thread; prints a Markdown table.
 
     .venv/bin/python benchmarks/defended_attacks.py --part tokens --defenses none dchi:300 noise:0.5
-    .venv/bin/python benchmarks/defended_attacks.py --part labels --defenses none marvell:1 marvell:kl=0.25
+    .venv/bin/python benchmarks/defended_attacks.py --part labels --defenses none marvell label_dp:1
+    .venv/bin/python benchmarks/defended_attacks.py --part noise --defenses noise:0.5 clip:10+noise:0.5
 """
 
 from __future__ import annotations
@@ -56,23 +64,64 @@ def tokens(defense: str, cut: int, out: Path) -> str:
     )
 
 
-def labels(defense: str, keys: list[str], seed: int, out: Path) -> str:
+def labels(defense: str, keys: list[str], seed: int, out: Path) -> list[str]:
     config = dict(
         dataset="breast_cancer", model="mlp", algorithm="sl", clients=2, rounds=5, record=200, device="cpu", seed=seed
     )
-    found = []
+    rows = []
     for key in keys if defense != "none" else keys[:1]:
         chosen.clear()
         summary = run({**config, "defense": defense, **_key(defense, key), "out": str(out / key)}, progress=False)
         leak = attack_run(out / key, {"attack": "label_leak"})
         scale = format(sum(chosen) / len(chosen), ".2f") if chosen else "-"
-        batches = leak["per_batch"]
-        per_batch = f"{batches['direction_auc_median']:.2f}, {batches['direction_auc_q95']:.2f}"
-        found.append((summary["final_accuracy"], leak["norm_auc"], leak["direction_auc"], scale, per_batch))
-    formats = (".1%", ".3f", ".3f", "", "")
-    cells = [" / ".join(format(values[i], fmt) for values in found) for i, fmt in enumerate(formats)]
-    held = sum(abs(row[1] - 0.5) < 0.1 and abs(row[2] - 0.5) < 0.1 for row in found)
-    return f"| {defense} | " + " | ".join(cells[:3]) + f" | {held} of {len(found)} | {cells[3]} | {cells[4]} |"
+        batches, strongest = leak["per_batch"], leak["strongest"]["per_batch_median"]
+        pooled = " / ".join(format(leak[f"{name}_auc"], ".3f") for name in LABEL_ATTACKS)
+        medians = " / ".join(format(batches[f"{name}_auc_median"], ".2f") for name in LABEL_ATTACKS)
+        rows.append(
+            f"| {defense} | {key if defense != 'none' else '-'} | {summary['final_accuracy']:.1%} | {pooled} "
+            f"| {leak['linked']['auc']:.3f} | {medians} | {batches['residual_auc_mean']:.2f} "
+            f"| {strongest['attack']} {strongest['auc']:.2f} | {scale} |"
+        )
+    return rows
+
+
+#: label_leak's attacks in the order of the table's columns
+LABEL_ATTACKS = ("norm", "direction", "cluster", "residual")
+LABELS_HEADER = (
+    "| defense | key | accuracy | pooled AUC: norm / direction / cluster / residual | linked AUC "
+    "| per batch, median AUC: norm / direction / cluster / residual | residual, mean per batch "
+    "| strongest per batch (median) | mean scale per batch |"
+)
+
+
+def releases(defense: str, out: Path) -> str:
+    """`--part noise`: input reconstruction from one release and from each sample's releases averaged."""
+    config = dict(
+        algorithm="sfl_v2", dataset="digits", model="cnn", cut=1, clients=4, rounds=3, train_subset=1437,
+        record=1437, device="cpu", seed=0, defense=defense,
+    )  # fmt: skip
+    summary = run({**config, **_key(defense, "a"), "out": str(out)}, progress=False)
+    found = attack_run(out, {"attack": "inversion", "epochs": 20})
+    averaged = found.get("averaged")
+    deployed = summary.get("final_accuracy_deployed")
+    epsilon = summary.get("privacy", {}).get("epsilon")
+    both = (
+        f"{averaged['ssim']:.3f} / {averaged['psnr']:.2f} ({averaged['attacker']}, {averaged['releases_mean']:.1f})"
+        if averaged
+        else "- (no noise to average)"
+    )
+    return (
+        f"| {defense} | {summary['final_accuracy']:.1%} / {'=' if deployed is None else format(deployed, '.1%')} "
+        f"| {'-' if epsilon is None else format(epsilon, '.1f')} "
+        f"| {found['ssim']:.3f} / {found['psnr']:.2f} ({found['attacker']}) "
+        f"| {both} | {found['baseline']['ssim']:.3f} |"
+    )
+
+
+NOISE_HEADER = (
+    "| defense | accuracy / deployed | epsilon | one release: SSIM / PSNR | averaged releases: SSIM / PSNR "
+    "(attacker, releases a sample) | floor SSIM |"
+)
 
 
 #: the scales `marvell:kl=K` chose in the current run, one per batch (recorded around the search)
@@ -103,7 +152,7 @@ def _key(defense: str, key: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--part", choices=("tokens", "labels"), required=True)
+    parser.add_argument("--part", choices=("tokens", "labels", "noise"), required=True)
     parser.add_argument("--defenses", nargs="+", default=["none"])
     parser.add_argument("--cut", type=int, default=1, help="tokens: the GPT's cut")
     parser.add_argument("--keys", nargs="+", default=["a", "b", "c"], help="labels: noise keys per defense")
@@ -120,25 +169,28 @@ def main() -> None:
         print(f"model=gpt shakespeare_lm sfl_v2 cut={args.cut}, 4 clients, 2 rounds, 400/300 sequences, record=100")
         print(TOKENS_HEADER)
         print("|---|---|---|---|---|---|")
-    else:
+    elif args.part == "labels":
         print(
             f"breast_cancer mlp sl, 2 clients, 5 rounds, record=200, seed {args.seed}; keys {' / '.join(args.keys)}; "
             f"marvell:kl=K's scale: {args.kl_rule}"
         )
-        print(
-            "| defense | accuracy | norm AUC | direction AUC | both within 0.1 of 0.5 | mean scale per batch "
-            "| per batch: direction AUC median, 95% quantile |"
-        )
-        print("|---|---|---|---|---|---|---|")
+        print(LABELS_HEADER)
+        print("|---|---|---|---|---|---|---|---|---|")
         search = _reference_kl_scale if args.kl_rule == "reference" else defenses.marvell_kl_scale
         defenses.marvell_kl_scale = _recording(search)
+    else:
+        print("digits cnn sfl_v2 cut=1, 4 clients, 3 rounds, all 1,437 training samples recorded every round, key a")
+        print(NOISE_HEADER)
+        print("|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for i, defense in enumerate(args.defenses):
             out = Path(tmp) / str(i)
             if args.part == "tokens":
                 print(tokens(defense, args.cut, out), flush=True)
+            elif args.part == "labels":
+                print("\n".join(labels(defense, args.keys, args.seed, out)), flush=True)
             else:
-                print(labels(defense, args.keys, args.seed, out), flush=True)
+                print(releases(defense, out), flush=True)
 
 
 if __name__ == "__main__":

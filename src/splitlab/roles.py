@@ -758,7 +758,14 @@ class TrainingServer(Role[ParamsT]):
 
     def objective(self, value: torch.Tensor) -> torch.Tensor:
         """What the server minimises given the batch loss (SplitGP scales it)."""
-        return value
+        weight = self.cut_gradient_weight(self.params)
+        return value if weight == 1 else weight * value
+
+    @staticmethod
+    def cut_gradient_weight(params: Any) -> float:
+        """The weight of the batch loss in the server's objective, and so in the cut gradients it
+        sends (0: they carry nothing; label_leak refuses such a run)."""
+        return 1.0
 
     def step(
         self,

@@ -185,9 +185,10 @@ def mean_over_keys(tmp_path, defense: str) -> tuple[float, dict[str, float]]:
     """(the lowest final accuracy, the mean of each AUC) over KEYS."""
     found = [recorded_leak(tmp_path, defense, key) for key in KEYS]
     mean = {name: float(np.mean([leak[name] for _, leak in found])) for name in ("norm_auc", "direction_auc")}
-    mean["per_batch_direction_median"] = float(
-        np.mean([leak["per_batch"]["direction_auc_median"] for _, leak in found])
-    )
+    for name in ("direction", "residual"):
+        mean[f"per_batch_{name}_median"] = float(
+            np.mean([leak["per_batch"][f"{name}_auc_median"] for _, leak in found])
+        )
     return min(summary["final_accuracy"] for summary, _ in found), mean
 
 
@@ -196,7 +197,10 @@ def undefended(tmp_path_factory) -> tuple[dict, dict]:
     return recorded_leak(tmp_path_factory.mktemp("undefended"), "none")
 
 
-def test_marvell_brings_li_et_al_attacks_to_chance_on_a_binary_task(tmp_path, undefended):
+def test_marvell_brings_li_et_al_attacks_to_chance_but_not_the_residual_attack(tmp_path, undefended):
+    """Li et al.'s norm and direction attacks are at chance under Marvell; the residual attack,
+    which reads where the gradients depart from Marvell's Gaussian model, is not (docs/privacy.md:
+    per-batch medians 0.96-1.00 on every key measured)."""
     plain_summary, plain = undefended
     accuracy, marvell = mean_over_keys(tmp_path, "marvell")
     assert plain["direction_auc"] > 0.95  # the leak is there undefended
@@ -204,6 +208,7 @@ def test_marvell_brings_li_et_al_attacks_to_chance_on_a_binary_task(tmp_path, un
     # per batch, the paper's figure: 5 rounds x 3 whole batches of 64 (record=200 cuts the 4th short)
     assert plain["per_batch"]["batches"] == 15 and plain["per_batch"]["direction_auc_median"] == 1.0
     assert marvell["per_batch_direction_median"] < 0.7, marvell
+    assert marvell["per_batch_residual_median"] >= 0.9 and plain["per_batch"]["residual_auc_median"] < 0.7, marvell
     assert accuracy > plain_summary["final_accuracy"] - 0.05
 
 

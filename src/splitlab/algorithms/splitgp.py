@@ -158,8 +158,10 @@ class SplitGPClient(ClientNode[SplitGPParams]):
 
 
 class SplitGPServer(TrainingServer[SplitGPParams]):
-    def objective(self, value: torch.Tensor) -> torch.Tensor:
-        return (1 - self.params.gamma) * value
+    @staticmethod
+    def cut_gradient_weight(params: Any) -> float:
+        """1 - gamma (eq. 5): with gamma = 1 the server's cut gradients are zero."""
+        return 1 - params.gamma
 
     @verb()
     def infer(self, smashed: torch.Tensor) -> torch.Tensor:

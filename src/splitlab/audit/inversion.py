@@ -9,6 +9,9 @@ knows the defense configuration, which it applies to its auxiliary data (Kerckho
 SSIM and PSNR (torchmetrics) against the true inputs, which only the experimenter has; a table's
 rows by R^2 per column and MSE, without a picture. On a vertical run, per party: the server (or a
 label-holding party, which sees no more) inverts party j's embedding back to party j's features.
+Against noise drawn afresh on each release (`noise:S`, `dp:epsilon=E`), a recorded run is also
+attacked with each sample's releases over the recorded rounds averaged (`averaged`: n releases cut
+the noise's standard deviation by sqrt(n)), reported beside the single release.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from torch import nn
 
 from splitlab.audit.attack import Attack, Target, VerticalTarget
 from splitlab.audit.common import DECODER_WIDTH, fit, image_scores, write_picture
+from splitlab.audit.records import load_record, sample_keys
 from splitlab.errors import UserError
 from splitlab.privacy.defenses import Defense, received
 
@@ -42,12 +46,23 @@ class Inversion(Attack):
         reconstructed = scores.pop("reconstructed")
         if x.dim() == 4:  # images; a table's rows have no picture
             write_picture(target.path / "attack_inversion.png", x[:16].cpu(), reconstructed)
+        if target.recorded and target.defense.noise > 0:
+            scores["averaged"] = averaged_inversion(target, x)
         return scores
 
     @staticmethod
     def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
         """Per party on a vertical run: images SSIM / PSNR, table rows mean R^2 per column / MSE, with the floor."""
         rows = []
+        if "averaged" in result:
+            averaged = result["averaged"]
+            rows.append(
+                (
+                    f"averaged over {averaged['releases_mean']:.1f} releases a sample "
+                    f"(decoder for {averaged['releases']}; {averaged['attacker']})",
+                    _said(averaged),
+                )
+            )
         for party, scores in result.get("by_party", {None: result}).items():
             who = "" if party is None else f"party {party}: "
             measure, floor = ("SSIM / PSNR", "mean image") if "ssim" in scores else ("R^2 per column / MSE", "mean row")
@@ -82,6 +97,38 @@ class Inversion(Attack):
             raise UserError(f"cannot attack {str(target.path)!r}: {error}") from None
         first = by_party[0]
         return {**{k: v for k, v in first.items() if k in ("scored", "samples")}, "by_party": by_party}
+
+
+def averaged_inversion(target: Target, inputs: torch.Tensor) -> dict[str, Any]:
+    """Against noise on each release (`noise:S`, `dp:epsilon=E`): the attacked round's samples,
+    each as the mean of its releases in every recorded round (n releases: the noise's standard
+    deviation over sqrt(n)), decoded by a decoder trained on auxiliary data averaged over the
+    median n of the server's own draws. The server knows the run's seed, hence each client's batch
+    order, hence which release is which sample; the record links them by their recorded inputs."""
+    sums: dict[bytes, torch.Tensor] = {}
+    counts: dict[bytes, int] = {}
+    num_classes = target.experiment.blueprint.num_classes
+    for file in target.recorded_rounds.values():
+        tensors = load_record(file, target.shapes, num_classes)
+        for key, smashed in zip(sample_keys(tensors["inputs"]), tensors["smashed"]):
+            sums[key] = sums[key] + smashed if key in sums else smashed.clone()
+            counts[key] = counts.get(key, 0) + 1
+    keys = sample_keys(inputs)
+    averaged = torch.stack([sums[key] / counts[key] for key in keys]).to(inputs.device)
+    releases = [counts[key] for key in keys]
+    settings = target.settings
+    scores = inversion(
+        target.client,
+        target.defense,
+        target.aux_x,
+        averaged,
+        inputs,
+        settings.epochs,
+        settings.seed,
+        releases=int(np.median(releases)),
+    )
+    scores.pop("reconstructed")
+    return {**scores, "releases": int(np.median(releases)), "releases_mean": float(np.mean(releases))}
 
 
 def train_decoder(smashed: torch.Tensor, inputs: torch.Tensor, epochs: int, seed: int) -> nn.Module:
@@ -119,18 +166,22 @@ def inversion(
     target_inputs: torch.Tensor,
     epochs: int,
     seed: int,
+    releases: int = 1,
 ) -> dict[str, Any]:
     """Train a decoder on the server's auxiliary data and reconstruct the target inputs from the
     smashed data the server received: images (N, C, H, W), scored by SSIM and PSNR, or table rows
     (N, columns), scored by R^2 per column and MSE (`table_scores`). The result is the stronger of
     the decoder and the trivial attacker that answers the auxiliary data's mean (the floor): under
-    strong noise a decoder can do worse than that, which must not read as privacy. Both are reported."""
+    strong noise a decoder can do worse than that, which must not read as privacy. Both are reported.
+    `releases`: the targets are means of that many releases, so the decoder trains on the mean of
+    as many of the server's own draws per auxiliary sample."""
     if target_inputs.dim() not in (2, 4):
         raise ValueError(
             f"input reconstruction needs images (N, C, H, W) or table rows (N, columns), not inputs of shape "
             f"{tuple(target_inputs.shape)}"
         )
-    aux_smashed = received(client, aux_inputs, defense, seed + 1)
+    draws = [received(client, aux_inputs, defense, seed + 1 + draw) for draw in range(releases)]
+    aux_smashed = torch.stack(draws).mean(0) if releases > 1 else draws[0]
     decoder = train_decoder(aux_smashed, aux_inputs, epochs, seed)
     with torch.no_grad():
         reconstructed = torch.cat([decoder(z) for z in target_smashed.split(256)]).view_as(target_inputs)

@@ -8,11 +8,15 @@ travel with the smashed data, so the figure measures what the gradient channel a
 an observer of the downlink), not a secret the server lacks; in a U-shaped split (`cut=A,B`) the
 labels stay with the client, and the attack scores the gradients at the second cut the server
 receives from the client's tail. On a vertical run, every passive party (one without the labels)
-scores the labels from the gradients it receives at its embedding (pooled only).
+scores the labels from the gradients it receives at its embedding (pooled only). On a binary
+task the attacks that know the defense (splitlab.audit.label_clusters: `cluster`, `residual`
+against Marvell, `linked` against label DP) are reported beside Li et al.'s, with the strongest
+figure and the attack that reached it (`strongest`).
 """
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 import numpy as np
@@ -20,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitlab.audit import label_clusters
 from splitlab.audit.attack import Attack, Target, VerticalTarget
+from splitlab.audit.label_clusters import auc as roc_auc
 from splitlab.audit.records import load_record
 from splitlab.errors import UserError
 from splitlab.models import HeadAndTail
@@ -28,6 +34,15 @@ from splitlab.privacy.defenses import Defense, decode, received
 from splitlab.targets import IGNORED
 
 LABELS_ARE_TOKENS = "a language run's labels are its next input tokens, which the client holds"
+NO_GRADIENTS = "no cut gradient carries the labels, no labels to infer"
+#: every attack scored per batch on a binary task: Li et al.'s two, then splitlab.audit.label_clusters'
+PER_BATCH = ("norm", "direction", *label_clusters.ATTACKS)
+#: what each defense-aware attack is, in the report's rows
+ABOUT = {
+    "cluster": "label-free clustering per batch, Liu et al. 2024",
+    "residual": "label-free, per batch, against Marvell",
+    "linked": "cluster scores averaged over each sample's releases, against label DP",
+}
 
 
 class LabelLeak(Attack):
@@ -39,30 +54,66 @@ class LabelLeak(Attack):
 
     def run(self, target: Target) -> dict[str, Any]:
         result: dict[str, Any] = {"gradient": target.gradient}
-        num_classes = target.experiment.blueprint.num_classes
+        experiment = target.experiment
+        num_classes = experiment.blueprint.num_classes
         binary = num_classes == 2
+        majority = bool((experiment.data.test_y == 1).double().mean() >= 0.5)  # the attacker's prior
+        algorithm = experiment.config.run.algorithm
+        params = experiment.config.params
+        if experiment.config.algorithm_class.Server.cut_gradient_weight(params) == 0:
+            given = ", ".join(f"{key}={value}" for key, value in params.model_dump().items())
+            raise UserError(
+                f"{algorithm} with {given} weights the server's loss 0, so its cut gradients are zero: {NO_GRADIENTS}"
+            )
         if target.recorded:
             by_round = {r: load_record(f, target.shapes, num_classes) for r, f in target.recorded_rounds.items()}
             with_grads = {r: t for r, t in by_round.items() if target.gradient in t}
-            result["by_round"] = {r: label_leak(t[target.gradient], t["labels"]) for r, t in with_grads.items()}
-            if target.recorded[0] not in result["by_round"]:
-                algorithm = target.experiment.config.run.algorithm
-                raise UserError(f"{algorithm} sends no cut gradients: no labels to infer")
-            leaks = [  # over every recorded round, as the paper's figure is over training
-                leak
-                for t in with_grads.values()
-                if binary and "batches" in t
-                for leak in batch_leaks(t[target.gradient], t["labels"], t["batches"])
-            ]
-            return {**result, **result["by_round"][target.recorded[0]], **per_batch(leaks)}
-        batch, seed = target.experiment.config.run.batch_size, target.settings.seed
-        if isinstance(target.client, HeadAndTail):
-            grads = tail_gradients(target.client, target.server, target.x, target.y, target.defense, batch, seed)
+            if target.recorded[0] not in with_grads:
+                raise UserError(f"{algorithm} sends no cut gradients: {NO_GRADIENTS}")
+            if not any(bool(t[target.gradient].any()) for t in with_grads.values()):
+                raise UserError(f"every recorded {target.gradient} of {algorithm}'s run is zero: {NO_GRADIENTS}")
+            scored = {r: t for r, t in with_grads.items() if binary and "batches" in t}  # per batch too
+            leaks_by_round = {
+                r: batch_leaks(t[target.gradient], t["labels"], t["batches"], majority) for r, t in scored.items()
+            }
+            result["by_round"] = {
+                r: {
+                    **label_leak(t[target.gradient], t["labels"]),
+                    **(
+                        {
+                            **label_clusters.pooled(t[target.gradient], t["labels"], t["batches"], majority),
+                            **per_batch([leaks_by_round[r]]),
+                        }
+                        if r in scored
+                        else {}
+                    ),
+                }
+                for r, t in with_grads.items()
+            }
+            leaks = list(leaks_by_round.values())  # over every recorded round, as the paper's figure is over training
+            if binary:
+                result["linked"] = label_clusters.linked(list(scored.values()), target.gradient, majority)
+            result.update(result["by_round"][target.recorded[0]])
         else:
-            grads = cut_gradients(target.client, target.server, target.x, target.y, target.defense, batch, seed)
-        batches = torch.arange(len(target.y)) // batch  # the gradients were computed a batch at a time
-        leaks = batch_leaks(grads, target.y, batches) if binary else []
-        return {**result, **label_leak(grads, target.y), **per_batch(leaks)}
+            batch, seed = experiment.config.run.batch_size, target.settings.seed
+            if isinstance(target.client, HeadAndTail):
+                grads = tail_gradients(target.client, target.server, target.x, target.y, target.defense, batch, seed)
+            else:
+                grads = cut_gradients(target.client, target.server, target.x, target.y, target.defense, batch, seed)
+            batches = torch.arange(len(target.y)) // batch  # the gradients were computed a batch at a time
+            leaks = [batch_leaks(grads, target.y, batches, majority)] if binary else []
+            result.update(label_leak(grads, target.y))
+            if binary:
+                result.update(label_clusters.pooled(grads, target.y, batches, majority))
+        result.update(per_batch(leaks))
+        result["strongest"] = strongest(result)
+        if target.defense.marvell is not None and "per_batch" in result:
+            result["marvell"] = (
+                "Marvell bounds the leak only under its model of the gradients (per batch, each class "
+                "N(mean, one variance x I)); the residual attack reads where trained gradients depart from it: "
+                f"per-batch AUC median {result['per_batch']['residual_auc_median']:.3f}"
+            )
+        return result
 
     @staticmethod
     def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
@@ -70,19 +121,38 @@ class LabelLeak(Attack):
             ("norm attack AUC", f"{result['norm_auc']:.3f} ({result['scored']})"),
             ("direction attack AUC", f"{result['direction_auc']:.3f}"),
         ]
+        for name in label_clusters.ATTACKS:
+            if result.get(f"{name}_auc") is not None:
+                rows.append((f"{name} attack AUC ({ABOUT[name]})", f"{result[f'{name}_auc']:.3f}"))
+        if result.get("linked", {}).get("auc") is not None:
+            row = result["linked"]
+            rows.append(
+                (
+                    f"linked attack AUC ({ABOUT['linked']})",
+                    f"{row['auc']:.3f} ({row['samples']} samples, {row['releases_mean']:.1f} releases each)",
+                )
+            )
         if "per_batch" in result:
             row = result["per_batch"]
             rows.append(
                 (
                     f"  per batch, {row['batches']} batches (median / 95% quantile)",
-                    f"norm {row['norm_auc_median']:.3f} / {row['norm_auc_q95']:.3f}, "
-                    f"direction {row['direction_auc_median']:.3f} / {row['direction_auc_q95']:.3f}",
+                    ", ".join(
+                        f"{name} {row[f'{name}_auc_median']:.3f} / {row[f'{name}_auc_q95']:.3f}" for name in PER_BATCH
+                    ),
                 )
             )
         for rnd, row in result.get("by_round", {}).items():
-            rows.append((f"  round {rnd} (norm / direction)", f"{row['norm_auc']:.3f} / {row['direction_auc']:.3f}"))
+            names = [name for name in ("norm", "direction", *label_clusters.ATTACKS) if f"{name}_auc" in row]
+            rows.append(
+                (f"  round {rnd} ({' / '.join(names)})", " / ".join(f"{row[f'{name}_auc']:.3f}" for name in names))
+            )
         for party, row in result.get("by_party", {}).items():  # a vertical run: every passive party
             rows.append((f"  party {party} (norm / direction)", f"{row['norm_auc']:.3f} / {row['direction_auc']:.3f}"))
+        for kind, found in result.get("strongest", {}).items():
+            rows.append((f"strongest attack, {kind.replace('_', ' ')}", f"{found['attack']}: {found['auc']:.3f}"))
+        if "marvell" in result:
+            rows.append(("Marvell's guarantee", result["marvell"]))
         return rows
 
     def run_vertical(self, target: VerticalTarget) -> dict[str, Any]:
@@ -151,48 +221,73 @@ def label_leak(cut_grad: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
     }
 
 
-def batch_leaks(cut_grad: torch.Tensor, labels: torch.Tensor, batches: torch.Tensor) -> list[tuple[float, float]]:
-    """(norm AUC, direction AUC) of each batch of a binary task, scored within the batch, the
+def batch_leaks(
+    cut_grad: torch.Tensor, labels: torch.Tensor, batches: torch.Tensor, majority: bool
+) -> dict[str, list[float]]:
+    """Each attack's AUC in each batch of a binary task (`PER_BATCH`), scored within the batch, the
     paper's way (its figures are quantiles of these over training): a batch counts if it was
-    recorded whole (its number is not -1) and holds both classes and two positives (the
+    recorded whole (its number is not -1) and holds both classes and two positives (the direction
     attacker's known one, and one more to score)."""
-    leaks = []
+    adaptive = label_clusters.scores(cut_grad, batches, majority)
+    leaks: dict[str, list[float]] = {name: [] for name in PER_BATCH}
     for number in [n for n in torch.unique(batches).tolist() if n >= 0]:
         members = batches == number
         y = labels[members]
         if len(torch.unique(y)) == 2 and int((y == y.max()).sum()) >= 2:
             leak = label_leak(cut_grad[members], y)
-            leaks.append((leak["norm_auc"], leak["direction_auc"]))
+            leaks["norm"].append(leak["norm_auc"])
+            leaks["direction"].append(leak["direction_auc"])
+            positive = (y == 1).cpu().numpy()
+            for name in label_clusters.ATTACKS:
+                leaks[name].append(typing.cast(float, roc_auc(positive, adaptive[name][members.cpu().numpy()])))
     return leaks
 
 
-def per_batch(leaks: list[tuple[float, float]]) -> dict[str, Any]:
-    """The median and the 95% quantile of the per-batch AUCs (nothing if no batch counted)."""
-    if not leaks:
+def per_batch(leaks: list[dict[str, list[float]]]) -> dict[str, Any]:
+    """The median, the mean and the 95% quantile of each attack's per-batch AUCs over the given
+    rounds' batches (nothing if no batch counted)."""
+    aucs = {name: [a for leak in leaks for a in leak[name]] for name in PER_BATCH}
+    if not aucs["norm"]:
         return {}
-    norms, directions = np.array(leaks).T
-    return {
-        "per_batch": {
-            "batches": len(leaks),
-            "norm_auc_median": float(np.median(norms)),
-            "norm_auc_q95": float(np.quantile(norms, 0.95)),
-            "direction_auc_median": float(np.median(directions)),
-            "direction_auc_q95": float(np.quantile(directions, 0.95)),
-        }
-    }
+    found: dict[str, Any] = {"batches": len(aucs["norm"])}
+    for name, values in aucs.items():
+        found[f"{name}_auc_median"] = float(np.median(values))
+        found[f"{name}_auc_mean"] = float(np.mean(values))
+        found[f"{name}_auc_q95"] = float(np.quantile(values, 0.95))
+    return {"per_batch": found}
+
+
+def strongest(result: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The highest AUC of any attack reported, and which: over the pooled figures of the attacked
+    round (and `linked`'s, over the recorded rounds) and, on a binary task, over the per-batch medians."""
+    pooled = {name: result.get(f"{name}_auc") for name in PER_BATCH}
+    pooled["linked"] = result.get("linked", {}).get("auc")
+    found = {"pooled": _highest(pooled)}
+    if "per_batch" in result:
+        found["per_batch_median"] = _highest({n: result["per_batch"][f"{n}_auc_median"] for n in PER_BATCH})
+    return found
+
+
+def _highest(aucs: dict[str, float | None]) -> dict[str, Any]:
+    known = {name: value for name, value in aucs.items() if value is not None}
+    name = max(known, key=lambda n: known[n])
+    return {"attack": name, "auc": known[name]}
 
 
 def cut_gradients(
     client: nn.Module, server: nn.Module, x: torch.Tensor, y: torch.Tensor, defense: Defense, batch_size: int, seed: int
 ) -> torch.Tensor:
-    """The cut gradients the server would send for (x, y) (mean loss over each batch), as decoded."""
+    """The cut gradients the server would send for (x, y) (mean loss over each batch), as decoded:
+    computed from the labels as sent (with `label_dp:E`, randomised), as the server computes them."""
     grads = []
     smashed = received(client, x, defense, seed)
     generator = torch.Generator(x.device).manual_seed(seed + 2)
     for z, labels in zip(smashed.split(batch_size), y.split(batch_size)):
         z = z.detach().requires_grad_()
-        (grad,) = torch.autograd.grad(F.cross_entropy(server(z), labels), z)
-        grads.append(decode(defense.send_gradient(grad, generator, labels)))
+        logits = server(z)
+        sent = defense.private_labels(labels, logits.shape[-1], generator)
+        (grad,) = torch.autograd.grad(F.cross_entropy(logits, sent), z)
+        grads.append(decode(defense.send_gradient(grad, generator, sent)))
     return torch.cat(grads)
 
 

@@ -64,6 +64,10 @@ def record_problem(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int
     names, optional = set(tensors), {"clients", "batches", "cut_grad", *tail}
     if {"inputs", "smashed", "labels"} - names or names - {"inputs", "smashed", "labels", *optional}:
         return f"tensors {sorted(names)}, expected inputs, smashed, labels (and {', '.join(sorted(optional))})"
+    lengths = {name: len(tensor) if tensor.dim() else 0 for name, tensor in sorted(tensors.items())}
+    if len(set(lengths.values())) > 1:  # which one was cut short cannot be told: name every length
+        held = ", ".join(f"{name} {length}" for name, length in lengths.items())
+        return f"its tensors hold different numbers of samples ({held}), one row per recorded sample each"
     n = len(tensors["labels"])
     expected = {**shapes, "cut_grad": shapes["smashed"], "clients": (), "batches": ()}
     for name, tensor in tensors.items():
@@ -108,3 +112,9 @@ def load_record(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int
     if problem:
         raise UserError(f"{str(file)!r} is not a record of this run: {problem}")
     return tensors
+
+
+def sample_keys(inputs: torch.Tensor) -> list[bytes]:
+    """Each recorded sample's identity across rounds, to link its releases: its inputs' bytes (the
+    server links them by the batch order the run's seed fixes; the experimenter by what it recorded)."""
+    return [row.cpu().numpy().tobytes() for row in inputs.flatten(1)]
