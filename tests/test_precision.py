@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
+from helpers import crash_before_round, global_weights, max_abs_difference, quick, straight_and_resumed, train
 from splitlab import loss_scale
 from splitlab.algorithms.fsl_sage import cut_gradient
 from splitlab.build import check
+from splitlab.engine import run
 from splitlab.errors import UserError
+from splitlab.io import read_jsonl
 from splitlab.loop import evaluate
 from splitlab.loss_scale import LossScale, scaled, unscaled
 
@@ -208,13 +211,57 @@ def test_u_shaped_fp16_sends_the_second_cuts_gradient_scaled_and_transports_agre
         assert scales == [2.0**40, *[2.0**32] * 3] and "server_model" not in direct.roles.server.optimizers
 
 
-def test_fp16_resumes_with_every_roles_loss_scale(monkeypatch):
-    """The scales back off in round 1; a run resumed before round 2 scales as the straight one."""
-    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**30)
-    straight, resumed = straight_and_resumed(2, **dict(FP16, algorithm="sfl_v2"))
-    assert straight.roles.server.loss_scale.scale < 2.0**30
-    assert max_abs_difference(global_weights(straight), global_weights(resumed)) == 0
-    assert torch.equal(straight.roles.server.loss_scale.state(), resumed.roles.server.loss_scale.state())
+def scales(experiment) -> list[list[float]]:
+    """Every role's (scale, finite steps)."""
+    roles = [experiment.roles.server, *experiment.roles.clients]
+    return [role.loss_scale.state().tolist() for role in roles if role is not None]
+
+
+FP16_ALGORITHMS = {
+    "sfl_v2": {},
+    "sfl_v1": {},
+    "sl": {},
+    "psl": {},
+    "fedavg": {},
+    "centralized": {},
+    "cse_fsl": {},
+    "fsl_sage": {"align_interval": 1},
+    "sglr": {"average_fraction": 1.0},
+    "cycle_sfl": {},
+    "splitgp": {"cut": 1, "partition": "shards:2"},
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(FP16_ALGORITHMS))
+def test_fp16_resumes_with_every_roles_loss_scale_and_step_count(monkeypatch, algorithm):
+    """Scales that double after every 2 finite steps (and halve on the overflows that follow) move
+    on every role; a run whose every role is checkpointed after round 1 and restored into fresh
+    roles ends round 2 bit for bit as the straight one: weights, scales and their finite-step
+    counts (clients that keep no slot, as sfl_v2's, have a scale of their own to keep)."""
+    monkeypatch.setattr(loss_scale, "GROWTH_INTERVAL", 2)
+    config = dict(FP16, algorithm=algorithm, **FP16_ALGORITHMS[algorithm])
+    assert any(scale != loss_scale.INITIAL_SCALE for scale, _ in scales(train(1, **config)))
+    straight, resumed = straight_and_resumed(2, **config)
+    assert scales(straight) == scales(resumed)
+    assert max_abs_difference(every_weight(straight), every_weight(resumed)) == 0
+
+
+def test_fp16_sfl_v2_stopped_after_round_1_and_resumed_ends_as_the_straight_run(monkeypatch, tmp_path):
+    """Through the engine: the checkpoint after round 1 (Ctrl-C before round 2) holds each client's
+    scale, so resume=true ends with the straight run's metrics and weights, bit for bit."""
+    monkeypatch.setattr(loss_scale, "GROWTH_INTERVAL", 2)
+    config = dict(FP16, algorithm="sfl_v2", rounds=3, checkpoint_every=0)
+    run({**config, "out": str(tmp_path / "straight")}, progress=False)
+    crash_before_round(2, {**config, "out": str(tmp_path / "resumed")}, monkeypatch)
+    run({**config, "out": str(tmp_path / "resumed"), "resume": True}, progress=False)
+    timing = {"wall_seconds", "round_compute_seconds"}
+    straight, resumed = (
+        [{k: v for k, v in row.items() if k not in timing} for row in read_jsonl(tmp_path / name / "metrics.jsonl")]
+        for name in ("straight", "resumed")
+    )
+    assert straight == resumed
+    a, b = (load_file(tmp_path / name / "weights.safetensors") for name in ("straight", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_the_scale_halves_on_an_overflow_and_doubles_after_an_interval_of_finite_steps(monkeypatch):
