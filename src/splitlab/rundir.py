@@ -12,7 +12,8 @@ sweeps, reports and the CLI (no torch import).
 - `locked` holds an exclusive lock on OUT/.lock (fcntl.flock, released by the kernel when its
   process dies, so a dead run's lock is simply taken over; the file is removed when the run ends).
   A second process is refused with one line naming the holder's PID and host. While holding it,
-  temporary files left by a killed writer (splitlab.io's `.<name>.<random>.tmp`) are removed.
+  what a killed atomic write left is recovered (`splitlab.io.recover`: temporary files and folders
+  removed, an export renamed aside put back where its replacement never arrived).
 - `WRITTEN` is every file a run or `evaluate` writes, for `overwrite=true` to remove.
 - `kept_after_interruption` says, from the files alone, what an interrupted run kept and what
   `resume=true` will do with it (the CLI's last line after Ctrl-C or SIGTERM).
@@ -28,14 +29,13 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from splitlab import io
 from splitlab.errors import UserError
-from splitlab.io import TEMP_GLOB
 from splitlab.logs import LOGGER
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ WRITTEN = (
     "attack_unsplit.png",
     "attack_fsha.png",
     "hf",
+    "peft",
     "generations.jsonl",
     "report.md",
     "results.csv",
@@ -109,7 +110,7 @@ def locked(path: Path) -> Iterator[None]:
     with handle:
         handle.write(f"PID {os.getpid()} on host {socket.gethostname()}\n")
         handle.flush()
-        remove_temp_files(path)
+        io.recover(path)
         try:
             yield
         finally:
@@ -146,21 +147,11 @@ def _acquire(lock: Path) -> TextIO:
         handle.close()  # the previous holder removed this file while we waited for it: open the new one
 
 
-def remove_temp_files(path: Path) -> None:
-    """Temporary files of an atomic write that never finished (its writer was killed)."""
-    for tmp in path.glob(TEMP_GLOB):
-        tmp.unlink(missing_ok=True)
-
-
 def clear(path: Path, names: Sequence[str] = WRITTEN) -> None:
     """Remove everything a run or `evaluate` wrote into `path` (overwrite=true), or the files `names`."""
+    io.recover(path)
     for name in names:
-        target = path / name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        else:
-            target.unlink(missing_ok=True)
-    remove_temp_files(path)
+        io.remove(path / name)
 
 
 def check_resume_target(path: Path) -> None:
