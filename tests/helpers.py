@@ -115,6 +115,20 @@ def crash_before_round(crash_round: int, config: dict, monkeypatch) -> None:
             run(config, progress=False)
 
 
+def fail_once(monkeypatch, owner: object, name: str, error: BaseException, when=lambda *args: True) -> None:
+    """`owner.name` raises `error` the first time it is called with arguments `when` accepts."""
+    original = getattr(owner, name)
+    raised: list[bool] = []
+
+    def failing(*args, **kwargs):
+        if not raised and when(*args):
+            raised.append(True)
+            raise error
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+
+
 HELD_PLUGIN = """
 import time
 from pathlib import Path

@@ -13,7 +13,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from helpers import crash_before_round, quick
+from helpers import crash_before_round, fail_once, quick
 from splitlab import loop
 from splitlab.algorithms.base import Algorithm
 from splitlab.cli import main
@@ -26,20 +26,6 @@ from splitlab.rundir import CHECKPOINT
 
 ARGS = ["dataset=digits", "model=mlp", "clients=2", "train_subset=200", "device=cpu", "--no-progress"]
 TIMING = {"wall_seconds", "round_compute_seconds"}
-
-
-def fail_once(monkeypatch, owner: object, name: str, error: BaseException, when=lambda *args: True) -> None:
-    """`owner.name` raises `error` the first time it is called with arguments `when` accepts."""
-    original = getattr(owner, name)
-    raised: list[bool] = []
-
-    def failing(*args, **kwargs):
-        if not raised and when(*args):
-            raised.append(True)
-            raise error
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, failing)
 
 
 def same_run(a, b) -> None:
