@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import json
 import struct
 import subprocess
 import tarfile
@@ -13,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from splitlab import codec
 from splitlab.algorithms.base import Algorithm
@@ -21,8 +23,10 @@ from splitlab.build import client_node
 from splitlab.checkpoints import restore, role_states
 from splitlab.data.shakespeare import role_text
 from splitlab.engine import build, run
+from splitlab.io import read_jsonl
 from splitlab.loop import STREAM_SAMPLING, sample_clients
 from splitlab.roles import ClientNode, random_stream
+from splitlab.rundir import CHECKPOINT
 from splitlab.transport import ClientDropped, SerializedTransport
 
 QUICK = dict(
@@ -89,6 +93,25 @@ def straight_and_resumed(num_rounds: int, **config) -> tuple[Experiment, Experim
     restore(resumed, codec.decode(codec.encode(role_states(first))))
     step(resumed, num_rounds - 1)
     return straight, resumed
+
+
+TIMING_KEYS = {"wall_seconds", "round_compute_seconds"}
+
+
+def without_timing(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Two finished runs' metrics, summaries (timings aside) and weights alike, bit for bit; no
+    checkpoint left in `b`."""
+    assert without_timing(read_jsonl(a / "metrics.jsonl")) == without_timing(read_jsonl(b / "metrics.jsonl"))
+    assert without_timing([json.loads((a / "summary.json").read_text())]) == without_timing(
+        [json.loads((b / "summary.json").read_text())]
+    )
+    wa, wb = load_file(a / "weights.safetensors"), load_file(b / "weights.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not (b / CHECKPOINT).exists()
 
 
 def personal_weights(experiment: Experiment) -> dict[int, dict[str, torch.Tensor]]:

@@ -7,13 +7,21 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import crash_before_round, global_weights, held_plugin, quick, train, wait_for
+from helpers import (
+    assert_same_run,
+    crash_before_round,
+    global_weights,
+    held_plugin,
+    quick,
+    train,
+    wait_for,
+    without_timing,
+)
 from splitlab import codec
 from splitlab.algorithms.sfl_v2 import SFLV2
 from splitlab.checkpoints import Checkpointer
@@ -22,12 +30,6 @@ from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.io import read_jsonl
 from splitlab.rundir import CHECKPOINT
-
-TIMING_KEYS = {"wall_seconds", "round_compute_seconds"}
-
-
-def without_timing(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
 
 
 def test_run_writes_every_file_with_the_promised_fields(tmp_path):
@@ -94,13 +96,6 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypat
         run({**config, "out": str(tmp_path / "cut")}, progress=False)
     run({**config, "out": str(tmp_path / "cut"), "resume": True}, progress=False)
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
-
-
-def assert_same_run(a: Path, b: Path) -> None:
-    assert without_timing(read_jsonl(a / "metrics.jsonl")) == without_timing(read_jsonl(b / "metrics.jsonl"))
-    wa, wb = load_file(a / "weights.safetensors"), load_file(b / "weights.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert not (b / CHECKPOINT).exists()
 
 
 def test_sigkilled_cli_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):

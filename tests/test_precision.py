@@ -3,19 +3,32 @@ gradient crossing scaled with its scale (splitlab.loss_scale, docs/performance.m
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from helpers import crash_before_round, global_weights, max_abs_difference, quick, straight_and_resumed, train
+from helpers import (
+    assert_same_run,
+    global_weights,
+    held_plugin,
+    max_abs_difference,
+    quick,
+    straight_and_resumed,
+    train,
+    wait_for,
+)
 from splitlab import loss_scale
 from splitlab.algorithms.fsl_sage import cut_gradient
 from splitlab.build import check
-from splitlab.engine import run
+from splitlab.cli import main
 from splitlab.errors import UserError
-from splitlab.io import read_jsonl
 from splitlab.loop import evaluate
 from splitlab.loss_scale import LossScale, scaled, unscaled
+from splitlab.rundir import CHECKPOINT
 
 FP16 = quick(precision="fp16")
 #: quick()'s clients hold 100 samples each: steps of 32, 32, 32 and 4 per round
@@ -246,22 +259,31 @@ def test_fp16_resumes_with_every_roles_loss_scale_and_step_count(monkeypatch, al
     assert max_abs_difference(every_weight(straight), every_weight(resumed)) == 0
 
 
-def test_fp16_sfl_v2_stopped_after_round_1_and_resumed_ends_as_the_straight_run(monkeypatch, tmp_path):
-    """Through the engine: the checkpoint after round 1 (Ctrl-C before round 2) holds each client's
-    scale, so resume=true ends with the straight run's metrics and weights, bit for bit."""
-    monkeypatch.setattr(loss_scale, "GROWTH_INTERVAL", 2)
-    config = dict(FP16, algorithm="sfl_v2", rounds=3, checkpoint_every=0)
-    run({**config, "out": str(tmp_path / "straight")}, progress=False)
-    crash_before_round(2, {**config, "out": str(tmp_path / "resumed")}, monkeypatch)
-    run({**config, "out": str(tmp_path / "resumed"), "resume": True}, progress=False)
-    timing = {"wall_seconds", "round_compute_seconds"}
-    straight, resumed = (
-        [{k: v for k, v in row.items() if k not in timing} for row in read_jsonl(tmp_path / name / "metrics.jsonl")]
-        for name in ("straight", "resumed")
+def test_fp16_sfl_v2_killed_after_round_1_and_resumed_ends_as_the_straight_run(monkeypatch, tmp_path):
+    """A `splitlab run` SIGKILLed once round 1's checkpoint is written: it holds each client's scale
+    (moving: doubled after every 2 finite steps), so resume=true ends with the straight run's
+    metrics and weights, bit for bit."""
+    monkeypatch.setattr(loss_scale, "GROWTH_INTERVAL", 2)  # here; the plugin sets it in the killed process
+    held, hold = held_plugin(tmp_path, "sfl_v2")
+    with (tmp_path / f"{held['plugins']}.py").open("a") as plugin:
+        plugin.write("\nfrom splitlab import loss_scale\nloss_scale.GROWTH_INTERVAL = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["run", "--no-progress", *(f"{k}={v}" for k, v in {**FP16, **held, "rounds": 3}.items())]
+    args.append("checkpoint_every=0")
+    killed = tmp_path / "killed"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "splitlab", *args, f"out={killed}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        cwd=tmp_path,
     )
-    assert straight == resumed
-    a, b = (load_file(tmp_path / name / "weights.safetensors") for name in ("straight", "resumed"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    wait_for(process, killed, CHECKPOINT)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    hold.unlink()
+    assert main([*args, f"out={killed}", "resume=true"]) == 0
+    assert main([*args, f"out={tmp_path / 'straight'}"]) == 0
+    assert_same_run(tmp_path / "straight", killed)
 
 
 def test_the_scale_halves_on_an_overflow_and_doubles_after_an_interval_of_finite_steps(monkeypatch):

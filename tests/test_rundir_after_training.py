@@ -6,14 +6,12 @@ temperature too small to divide by is the greedy choice, not torch's error after
 from __future__ import annotations
 
 import errno
-import json
 
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
-from helpers import crash_before_round, fail_once, quick
+from helpers import assert_same_run, crash_before_round, fail_once, quick
 from splitlab import loop
 from splitlab.algorithms.base import Algorithm
 from splitlab.cli import main
@@ -25,22 +23,6 @@ from splitlab.io import read_jsonl
 from splitlab.rundir import CHECKPOINT
 
 ARGS = ["dataset=digits", "model=mlp", "clients=2", "train_subset=200", "device=cpu", "--no-progress"]
-TIMING = {"wall_seconds", "round_compute_seconds"}
-
-
-def same_run(a, b) -> None:
-    """Metrics, summary (timings aside) and weights alike, bit for bit."""
-
-    def untimed(row: dict) -> dict:
-        return {k: v for k, v in row.items() if k not in TIMING}
-
-    assert [untimed(r) for r in read_jsonl(a / "metrics.jsonl")] == [
-        untimed(r) for r in read_jsonl(b / "metrics.jsonl")
-    ]
-    summaries = [untimed(json.loads((run_dir / "summary.json").read_text())) for run_dir in (a, b)]
-    assert summaries[0] == summaries[1]
-    wa, wb = load_file(a / "weights.safetensors"), load_file(b / "weights.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 #: token t's next-token logits: float32 values a few units apart, as a model's are
@@ -79,8 +61,7 @@ def test_a_failure_after_the_last_round_checkpoints_it_and_resume_finishes_witho
     with monkeypatch.context() as patch:
         fail_once(patch, Algorithm, "run_round", AssertionError("no round is trained again"))
         assert main([*args, f"out={out}", "resume=true"]) == 0
-    same_run(tmp_path / "straight", out)
-    assert not (out / CHECKPOINT).exists()
+    assert_same_run(tmp_path / "straight", out)
 
 
 def test_a_failure_once_a_round_has_trained_removes_nothing_and_the_same_command_runs_again(tmp_path, monkeypatch):
