@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import signal
 import struct
 import subprocess
+import sys
 import tarfile
 import time
 import uuid
@@ -190,6 +193,17 @@ def wait_for(process: subprocess.Popen, root: Path, pattern: str, count: int = 1
         assert process.poll() is None, process.communicate()[1]
         assert time.monotonic() < deadline, f"no {count} of {pattern} under {root} in 300 s"
         time.sleep(0.05)
+
+
+def sigkilled_after_first_checkpoint(folder: Path, args: list[str], out: Path) -> None:
+    """`splitlab run --no-progress ARGS out=OUT` in a process started in `folder` (a held plugin's:
+    held_plugin), SIGKILLed once its first checkpoint is written; no summary left."""
+    cli = [sys.executable, "-m", "splitlab", "run", "--no-progress", *args, f"out={out}"]
+    process = subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=folder)
+    wait_for(process, out, CHECKPOINT)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (out / "summary.json").exists()
 
 
 class DropsOut(SerializedTransport):

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -18,8 +14,8 @@ from helpers import (
     global_weights,
     held_plugin,
     quick,
+    sigkilled_after_first_checkpoint,
     train,
-    wait_for,
     without_timing,
 )
 from splitlab import codec
@@ -115,16 +111,7 @@ def test_sigkilled_cli_run_resumes_to_the_uninterrupted_result(tmp_path, monkeyp
         "checkpoint_every=0",
     ]
     killed = tmp_path / "killed"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "splitlab", "run", "--no-progress", *args, f"out={killed}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=tmp_path,
-    )
-    wait_for(process, killed, CHECKPOINT)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    assert not (killed / "summary.json").exists()
+    sigkilled_after_first_checkpoint(tmp_path, args, killed)
     hold.unlink()
     # the same command line resumes it, and runs it whole, in this process (a process's start-up saved)
     assert main(["run", "--no-progress", *args, f"out={killed}", "resume=true"]) == 0

@@ -3,11 +3,6 @@ gradient crossing scaled with its scale (splitlab.loss_scale, docs/performance.m
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -17,9 +12,9 @@ from helpers import (
     held_plugin,
     max_abs_difference,
     quick,
+    sigkilled_after_first_checkpoint,
     straight_and_resumed,
     train,
-    wait_for,
 )
 from splitlab import loss_scale
 from splitlab.algorithms.fsl_sage import cut_gradient
@@ -28,7 +23,6 @@ from splitlab.cli import main
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
 from splitlab.loss_scale import LossScale, scaled, unscaled
-from splitlab.rundir import CHECKPOINT
 
 FP16 = quick(precision="fp16")
 #: quick()'s clients hold 100 samples each: steps of 32, 32, 32 and 4 per round
@@ -268,21 +262,12 @@ def test_fp16_sfl_v2_killed_after_round_1_and_resumed_ends_as_the_straight_run(m
     with (tmp_path / f"{held['plugins']}.py").open("a") as plugin:
         plugin.write("\nfrom splitlab import loss_scale\nloss_scale.GROWTH_INTERVAL = 2\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    args = ["run", "--no-progress", *(f"{k}={v}" for k, v in {**FP16, **held, "rounds": 3}.items())]
-    args.append("checkpoint_every=0")
+    args = [f"{k}={v}" for k, v in {**FP16, **held, "rounds": 3, "checkpoint_every": 0}.items()]
     killed = tmp_path / "killed"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "splitlab", *args, f"out={killed}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=tmp_path,
-    )
-    wait_for(process, killed, CHECKPOINT)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
+    sigkilled_after_first_checkpoint(tmp_path, args, killed)
     hold.unlink()
-    assert main([*args, f"out={killed}", "resume=true"]) == 0
-    assert main([*args, f"out={tmp_path / 'straight'}"]) == 0
+    assert main(["run", "--no-progress", *args, f"out={killed}", "resume=true"]) == 0
+    assert main(["run", "--no-progress", *args, f"out={tmp_path / 'straight'}"]) == 0
     assert_same_run(tmp_path / "straight", killed)
 
 
