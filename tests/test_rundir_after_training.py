@@ -6,6 +6,7 @@ temperature too small to divide by is the greedy choice, not torch's error after
 from __future__ import annotations
 
 import errno
+import json
 
 import pytest
 import torch
@@ -62,6 +63,18 @@ def test_a_failure_after_the_last_round_checkpoints_it_and_resume_finishes_witho
         fail_once(patch, Algorithm, "run_round", AssertionError("no round is trained again"))
         assert main([*args, f"out={out}", "resume=true"]) == 0
     assert_same_run(tmp_path / "straight", out)
+
+
+def test_ctrl_c_after_the_last_round_keeps_it_for_resume_to_finish(tmp_path, monkeypatch, capsys):
+    """Ctrl-C while the final files are written (a long eval_generate, say): the trained roles are
+    checkpointed before the run stops, and the last line says resume=true finishes it."""
+    args = ["run", *ARGS, "rounds=2", f"out={tmp_path / 'run'}"]
+    with monkeypatch.context() as patch:
+        fail_once(patch, loop, "write_json", KeyboardInterrupt(), lambda path, *_: path.name == "summary.json")
+        assert main(args) == 130
+    assert "kept: the checkpoint after the last round, 2" in capsys.readouterr().err
+    assert main([*args, "resume=true"]) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["rounds_completed"] == 2
 
 
 def test_a_failure_once_a_round_has_trained_removes_nothing_and_the_same_command_runs_again(tmp_path, monkeypatch):

@@ -123,12 +123,13 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def kept_on_failure(self, loop: dict[str, Any]) -> Iterator[None]:
-        """The work after the last round (final files, exports, eval_generate): if it fails, the
-        trained roles are checkpointed first, where they still can be, so that `resume=true` (with
-        other eval_* keys, say) finishes the run from them rather than training it again."""
+        """The work after the last round (final files, exports, eval_generate): if it fails or is
+        interrupted (Ctrl-C in a long generation), the trained roles are checkpointed first, where
+        they still can be, so that `resume=true` (with other eval_* keys, say) finishes the run from
+        them rather than training it again."""
         try:
             yield
-        except Exception:
+        except (Exception, KeyboardInterrupt):
             with contextlib.suppress(Exception):  # the roles are gone too: the failure is what to say
                 self.maybe_save(loop, force=True)
                 self.wait()
