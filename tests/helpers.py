@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import io
+import json
+import os
+import signal
 import struct
 import subprocess
+import sys
 import tarfile
 import time
 import uuid
@@ -13,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from splitlab import codec
 from splitlab.algorithms.base import Algorithm
@@ -21,8 +26,10 @@ from splitlab.build import client_node
 from splitlab.checkpoints import restore, role_states
 from splitlab.data.shakespeare import role_text
 from splitlab.engine import build, run
+from splitlab.io import read_jsonl
 from splitlab.loop import STREAM_SAMPLING, sample_clients
 from splitlab.roles import ClientNode, random_stream
+from splitlab.rundir import CHECKPOINT
 from splitlab.transport import ClientDropped, SerializedTransport
 
 QUICK = dict(
@@ -91,6 +98,25 @@ def straight_and_resumed(num_rounds: int, **config) -> tuple[Experiment, Experim
     return straight, resumed
 
 
+TIMING_KEYS = {"wall_seconds", "round_compute_seconds"}
+
+
+def without_timing(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Two finished runs' metrics, summaries (timings aside) and weights alike, bit for bit; no
+    checkpoint left in `b`."""
+    assert without_timing(read_jsonl(a / "metrics.jsonl")) == without_timing(read_jsonl(b / "metrics.jsonl"))
+    assert without_timing([json.loads((a / "summary.json").read_text())]) == without_timing(
+        [json.loads((b / "summary.json").read_text())]
+    )
+    wa, wb = load_file(a / "weights.safetensors"), load_file(b / "weights.safetensors")
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not (b / CHECKPOINT).exists()
+
+
 def personal_weights(experiment: Experiment) -> dict[int, dict[str, torch.Tensor]]:
     """Every client's own client part, for the clients that hold one."""
     return {
@@ -113,6 +139,20 @@ def crash_before_round(crash_round: int, config: dict, monkeypatch) -> None:
         patch.setattr(Algorithm, "run_round", crash)
         with pytest.raises(KeyboardInterrupt):
             run(config, progress=False)
+
+
+def fail_once(monkeypatch, owner: object, name: str, error: BaseException, when=lambda *args: True) -> None:
+    """`owner.name` raises `error` the first time it is called with arguments `when` accepts."""
+    original = getattr(owner, name)
+    raised: list[bool] = []
+
+    def failing(*args, **kwargs):
+        if not raised and when(*args):
+            raised.append(True)
+            raise error
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
 
 
 HELD_PLUGIN = """
@@ -153,6 +193,17 @@ def wait_for(process: subprocess.Popen, root: Path, pattern: str, count: int = 1
         assert process.poll() is None, process.communicate()[1]
         assert time.monotonic() < deadline, f"no {count} of {pattern} under {root} in 300 s"
         time.sleep(0.05)
+
+
+def sigkilled_after_first_checkpoint(folder: Path, args: list[str], out: Path) -> None:
+    """`splitlab run --no-progress ARGS out=OUT` in a process started in `folder` (a held plugin's:
+    held_plugin), SIGKILLed once its first checkpoint is written; no summary left."""
+    cli = [sys.executable, "-m", "splitlab", "run", "--no-progress", *args, f"out={out}"]
+    process = subprocess.Popen(cli, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=folder)
+    wait_for(process, out, CHECKPOINT)
+    os.kill(process.pid, signal.SIGKILL)
+    process.wait()
+    assert not (out / "summary.json").exists()
 
 
 class DropsOut(SerializedTransport):

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import crash_before_round, global_weights, held_plugin, quick, train, wait_for
+from helpers import (
+    assert_same_run,
+    crash_before_round,
+    global_weights,
+    held_plugin,
+    quick,
+    sigkilled_after_first_checkpoint,
+    train,
+    without_timing,
+)
 from splitlab import codec
 from splitlab.algorithms.sfl_v2 import SFLV2
 from splitlab.checkpoints import Checkpointer
@@ -22,12 +26,6 @@ from splitlab.engine import build, run
 from splitlab.errors import UserError
 from splitlab.io import read_jsonl
 from splitlab.rundir import CHECKPOINT
-
-TIMING_KEYS = {"wall_seconds", "round_compute_seconds"}
-
-
-def without_timing(rows: list[dict]) -> list[dict]:
-    return [{k: v for k, v in row.items() if k not in TIMING_KEYS} for row in rows]
 
 
 def test_run_writes_every_file_with_the_promised_fields(tmp_path):
@@ -96,13 +94,6 @@ def test_interrupted_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypat
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
 
 
-def assert_same_run(a: Path, b: Path) -> None:
-    assert without_timing(read_jsonl(a / "metrics.jsonl")) == without_timing(read_jsonl(b / "metrics.jsonl"))
-    wa, wb = load_file(a / "weights.safetensors"), load_file(b / "weights.safetensors")
-    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert not (b / CHECKPOINT).exists()
-
-
 def test_sigkilled_cli_run_resumes_to_the_uninterrupted_result(tmp_path, monkeypatch):
     """SFL-V1 (a plugin's copy that waits before round 1 while a file exists) SIGKILLed after its
     first checkpoint: the same command line resumes it to the uninterrupted run's end."""
@@ -120,16 +111,7 @@ def test_sigkilled_cli_run_resumes_to_the_uninterrupted_result(tmp_path, monkeyp
         "checkpoint_every=0",
     ]
     killed = tmp_path / "killed"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "splitlab", "run", "--no-progress", *args, f"out={killed}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        cwd=tmp_path,
-    )
-    wait_for(process, killed, CHECKPOINT)
-    os.kill(process.pid, signal.SIGKILL)
-    process.wait()
-    assert not (killed / "summary.json").exists()
+    sigkilled_after_first_checkpoint(tmp_path, args, killed)
     hold.unlink()
     # the same command line resumes it, and runs it whole, in this process (a process's start-up saved)
     assert main(["run", "--no-progress", *args, f"out={killed}", "resume=true"]) == 0

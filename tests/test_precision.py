@@ -6,10 +6,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
+from helpers import (
+    assert_same_run,
+    global_weights,
+    held_plugin,
+    max_abs_difference,
+    quick,
+    sigkilled_after_first_checkpoint,
+    straight_and_resumed,
+    train,
+)
 from splitlab import loss_scale
 from splitlab.algorithms.fsl_sage import cut_gradient
 from splitlab.build import check
+from splitlab.cli import main
 from splitlab.errors import UserError
 from splitlab.loop import evaluate
 from splitlab.loss_scale import LossScale, scaled, unscaled
@@ -208,13 +218,57 @@ def test_u_shaped_fp16_sends_the_second_cuts_gradient_scaled_and_transports_agre
         assert scales == [2.0**40, *[2.0**32] * 3] and "server_model" not in direct.roles.server.optimizers
 
 
-def test_fp16_resumes_with_every_roles_loss_scale(monkeypatch):
-    """The scales back off in round 1; a run resumed before round 2 scales as the straight one."""
-    monkeypatch.setattr(loss_scale, "INITIAL_SCALE", 2.0**30)
-    straight, resumed = straight_and_resumed(2, **dict(FP16, algorithm="sfl_v2"))
-    assert straight.roles.server.loss_scale.scale < 2.0**30
-    assert max_abs_difference(global_weights(straight), global_weights(resumed)) == 0
-    assert torch.equal(straight.roles.server.loss_scale.state(), resumed.roles.server.loss_scale.state())
+def scales(experiment) -> list[list[float]]:
+    """Every role's (scale, finite steps)."""
+    roles = [experiment.roles.server, *experiment.roles.clients]
+    return [role.loss_scale.state().tolist() for role in roles if role is not None]
+
+
+FP16_ALGORITHMS = {
+    "sfl_v2": {},
+    "sfl_v1": {},
+    "sl": {},
+    "psl": {},
+    "fedavg": {},
+    "centralized": {},
+    "cse_fsl": {},
+    "fsl_sage": {"align_interval": 1},
+    "sglr": {"average_fraction": 1.0},
+    "cycle_sfl": {},
+    "splitgp": {"cut": 1, "partition": "shards:2"},
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(FP16_ALGORITHMS))
+def test_fp16_resumes_with_every_roles_loss_scale_and_step_count(monkeypatch, algorithm):
+    """Scales that double after every 2 finite steps (and halve on the overflows that follow) move
+    on every role; a run whose every role is checkpointed after round 1 and restored into fresh
+    roles ends round 2 bit for bit as the straight one: weights, scales and their finite-step
+    counts (clients that keep no slot, as sfl_v2's, have a scale of their own to keep)."""
+    monkeypatch.setattr(loss_scale, "GROWTH_INTERVAL", 2)
+    config = dict(FP16, algorithm=algorithm, **FP16_ALGORITHMS[algorithm])
+    straight, resumed = straight_and_resumed(2, **config)
+    assert any(scale != loss_scale.INITIAL_SCALE for scale, _ in scales(straight))  # 4+ steps a round: they moved
+    assert scales(straight) == scales(resumed)
+    assert max_abs_difference(every_weight(straight), every_weight(resumed)) == 0
+
+
+def test_fp16_sfl_v2_killed_after_round_1_and_resumed_ends_as_the_straight_run(monkeypatch, tmp_path):
+    """A `splitlab run` SIGKILLed once round 1's checkpoint is written: it holds each client's scale
+    (moving: doubled after every 2 finite steps), so resume=true ends with the straight run's
+    metrics and weights, bit for bit."""
+    monkeypatch.setattr(loss_scale, "GROWTH_INTERVAL", 2)  # here; the plugin sets it in the killed process
+    held, hold = held_plugin(tmp_path, "sfl_v2")
+    with (tmp_path / f"{held['plugins']}.py").open("a") as plugin:
+        plugin.write("\nfrom splitlab import loss_scale\nloss_scale.GROWTH_INTERVAL = 2\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = [f"{k}={v}" for k, v in {**FP16, **held, "rounds": 3, "checkpoint_every": 0}.items()]
+    killed = tmp_path / "killed"
+    sigkilled_after_first_checkpoint(tmp_path, args, killed)
+    hold.unlink()
+    assert main(["run", "--no-progress", *args, f"out={killed}", "resume=true"]) == 0
+    assert main(["run", "--no-progress", *args, f"out={tmp_path / 'straight'}"]) == 0
+    assert_same_run(tmp_path / "straight", killed)
 
 
 def test_the_scale_halves_on_an_overflow_and_doubles_after_an_interval_of_finite_steps(monkeypatch):

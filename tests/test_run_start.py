@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from helpers import fail_once
 from splitlab import build, loop
 from splitlab.algorithms.base import Algorithm
 from splitlab.cli import main
@@ -18,20 +19,6 @@ from splitlab.errors import UserError
 from splitlab.rundir import CHECKPOINT
 
 ARGS = ["dataset=digits", "model=mlp", "clients=2", "train_subset=200", "device=cpu", "--no-progress"]
-
-
-def fail_once(monkeypatch, owner: object, name: str, error: BaseException, when=lambda *args: True) -> None:
-    """`owner.name` raises `error` the first time it is called with arguments `when` accepts."""
-    original = getattr(owner, name)
-    raised: list[bool] = []
-
-    def failing(*args, **kwargs):
-        if not raised and when(*args):
-            raised.append(True)
-            raise error
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, failing)
 
 
 STAGES = {

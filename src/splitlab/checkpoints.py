@@ -8,8 +8,10 @@ and written to disk in the background, every `checkpoint_every` seconds (`Checkp
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -118,6 +120,20 @@ class Checkpointer:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+    @contextlib.contextmanager
+    def kept_on_failure(self, loop: dict[str, Any]) -> Iterator[None]:
+        """The work after the last round (final files, exports, eval_generate): if it fails or is
+        interrupted (Ctrl-C in a long generation), the trained roles are checkpointed first, where
+        they still can be, so that `resume=true` (with other eval_* keys, say) finishes the run from
+        them rather than training it again."""
+        try:
+            yield
+        except (Exception, KeyboardInterrupt):
+            with contextlib.suppress(Exception):  # the roles are gone too: the failure is what to say
+                self.maybe_save(loop, force=True)
+                self.wait()
+            raise
 
     def again(self) -> str:
         """How to go on after the run stops here: resume=true from a checkpoint written (or being

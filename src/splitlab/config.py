@@ -622,6 +622,9 @@ RUN_CONTROL_KEYS = (
     "max_restarts",
     "deterministic",
 )
+#: Keys that say how the trained model is evaluated, not how it trains: a resumed run may change them
+#: too (one whose final evaluation failed goes on with `eval_temperature=0`; config.yaml records them).
+EVALUATION_KEYS = tuple(key for key in RunConfig.model_fields if key.startswith("eval_"))
 
 
 @dataclass(frozen=True)

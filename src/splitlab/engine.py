@@ -111,6 +111,18 @@ def _run(
     kept = lambda: rundir.kept_after_interruption(directory.path)  # noqa: E731
     try:
         with rundir.file_errors(directory.path, kept), directory.started(resume, run_config.overwrite) as finished:
-            return finished if finished is not None else run_rounds(experiment, progress, callbacks)
+            if finished is not None:
+                return finished
+            return run_rounds(experiment, progress, [*callbacks, _Trained(directory)])
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the CLI says what was kept
         raise KeyboardInterrupt(kept()) from None
+
+
+class _Trained(Callback):
+    """Tells the run directory once a round has trained: from then on, a failure removes nothing."""
+
+    def __init__(self, directory: RunDirectory) -> None:
+        self.directory = directory
+
+    def on_round_trained(self, state: dict[str, Any]) -> None:
+        self.directory.trained = True

@@ -46,9 +46,14 @@ def decode(
 
 
 def sample(logits: torch.Tensor, settings: DecodingSettings, generator: torch.Generator) -> int:
-    """One token drawn from softmax(logits / T) restricted by top-k, then top-p."""
-    logits = filtered(logits / settings.temperature, settings.top_k, settings.top_p)
-    return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=generator))
+    """One token drawn from softmax(logits / T) restricted by top-k, then top-p. A temperature so
+    small that the largest logit / T overflows (T = 1e-40 in float32) gives the distribution's
+    limit as T -> 0, all its mass on the most likely token: the greedy choice."""
+    scaled = logits / settings.temperature
+    if not bool(torch.isfinite(scaled.max())):
+        return int(logits.argmax())
+    scaled = filtered(scaled, settings.top_k, settings.top_p)
+    return int(torch.multinomial(torch.softmax(scaled, -1), 1, generator=generator))
 
 
 def filtered(logits: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """Atomic file writes: a crash leaves the old file or the new one, never half of either.
 
-Temporary files and folders are named `.<name>.<random>.tmp` beside their target (`TEMP_GLOB`), so
-one left by a killed process can be found and removed; finished files and folders get the
-permissions the umask allows (not mkstemp's 0600 or mkdtemp's 0700); JSON is strict (NaN or inf
-is a bug, not a number to write).
+Temporary files and folders are named `.<name>.<random>.tmp` beside their target (`TEMP_GLOB`), and
+a folder being replaced is first renamed aside to `.<name>.old.tmp`, so that what a killed process
+left can be found: `recover` puts an old folder back where its replacement never arrived and
+removes the rest. Finished files and folders get the permissions the umask allows (not mkstemp's
+0600 or mkdtemp's 0700); JSON is strict (NaN or inf is a bug, not a number to write).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import yaml
 from splitlab.lazy import torch
 
 TEMP_GLOB = ".*.tmp"
+#: the suffix of a folder renamed aside while its replacement moves in (`.<name>.old.tmp`)
+ASIDE = ".old.tmp"
 
 
 def _umask() -> int:
@@ -48,19 +51,52 @@ def _atomic(path: Path, write: Callable[[str], object]) -> None:
 
 @contextlib.contextmanager
 def atomic_folder(path: Path) -> Iterator[Path]:
-    """A temporary sibling folder to write into, moved into place whole (replacing what was there)
-    when the block ends without an error, and removed when it does not: never half a folder."""
+    """A temporary sibling folder to write into, moved into place whole when the block ends without
+    an error, and removed when it does not: never half a folder. What was there is renamed aside
+    first and removed last, so a kill at any instant leaves, under `path`, the old folder or the new
+    one whole, or (between the two renames) the old one aside, which `recover` puts back."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp"))
     try:
         yield tmp
         os.chmod(tmp, 0o777 & ~_umask())
-        if path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        aside = path.parent / f".{path.name}{ASIDE}"
+        _recover_aside(aside)
+        if path.exists() or path.is_symlink():
+            os.rename(path, aside)
+        os.rename(tmp, path)
+        remove(aside)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def remove(path: Path) -> None:
+    """A file, link or folder (with all it holds), if it is there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def recover(folder: Path) -> None:
+    """Undo what atomic writes into `folder` left when their process was killed: a folder renamed
+    aside goes back where its replacement never arrived (else it is removed), and every temporary
+    file or folder is removed."""
+    for aside in sorted(folder.glob(f".*{ASIDE}")):
+        _recover_aside(aside)
+    for tmp in sorted(folder.glob(TEMP_GLOB)):
+        remove(tmp)
+
+
+def _recover_aside(aside: Path) -> None:
+    if not (aside.exists() or aside.is_symlink()):
+        return
+    target = aside.parent / aside.name[1 : -len(ASIDE)]
+    if target.exists() or target.is_symlink():
+        remove(aside)
+    else:
+        os.rename(aside, target)
 
 
 def write_bytes(path: Path, data: bytes) -> None:

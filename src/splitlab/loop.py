@@ -189,7 +189,8 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
             if state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
                 checkpoints.maybe_save(state)
     checkpoints.wait()
-    summary = _finish(experiment, state, checkpoints)
+    with checkpoints.kept_on_failure(state):
+        summary = _finish(experiment, state, checkpoints)
     checkpoints.remove()
     return summary
 

@@ -4,15 +4,17 @@ sweeps, reports and the CLI (no torch import).
 
 - `RUN_FILES` names the files of a run, `CHECKPOINT` among them; `RunDirectory.started` decides,
   from those present, whether a run starts, is resumed (with the settings it was started with) or
-  is already finished; and a run started afresh that fails before its first checkpoint, whatever
-  stopped it, leaves nothing of its own behind (the corrected command starts afresh there).
+  is already finished; and a run started afresh that fails before its first round has trained
+  (and before its first checkpoint), whatever stopped it, leaves nothing of its own behind (the
+  corrected command starts afresh there); once a round has trained, a failure removes nothing.
 
 - `check_out_dir` refuses an out= that can never become a directory (an existing file, a path
   under a file, a place nobody can write) before data is loaded or anything is written.
 - `locked` holds an exclusive lock on OUT/.lock (fcntl.flock, released by the kernel when its
   process dies, so a dead run's lock is simply taken over; the file is removed when the run ends).
   A second process is refused with one line naming the holder's PID and host. While holding it,
-  temporary files left by a killed writer (splitlab.io's `.<name>.<random>.tmp`) are removed.
+  what a killed atomic write left is recovered (`splitlab.io.recover`: temporary files and folders
+  removed, an export renamed aside put back where its replacement never arrived).
 - `WRITTEN` is every file a run or `evaluate` writes, for `overwrite=true` to remove.
 - `kept_after_interruption` says, from the files alone, what an interrupted run kept and what
   `resume=true` will do with it (the CLI's last line after Ctrl-C or SIGTERM).
@@ -28,14 +30,13 @@ import errno
 import fcntl
 import json
 import os
-import shutil
 import socket
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
+from splitlab import io
 from splitlab.errors import UserError
-from splitlab.io import TEMP_GLOB
 from splitlab.logs import LOGGER
 
 if TYPE_CHECKING:
@@ -71,6 +72,7 @@ WRITTEN = (
     "attack_unsplit.png",
     "attack_fsha.png",
     "hf",
+    "peft",
     "generations.jsonl",
     "report.md",
     "results.csv",
@@ -111,7 +113,7 @@ def locked(path: Path) -> Iterator[None]:
     with handle:
         handle.write(f"PID {os.getpid()} on host {socket.gethostname()}\n")
         handle.flush()
-        remove_temp_files(path)
+        io.recover(path)
         try:
             yield
         finally:
@@ -148,21 +150,11 @@ def _acquire(lock: Path) -> TextIO:
         handle.close()  # the previous holder removed this file while we waited for it: open the new one
 
 
-def remove_temp_files(path: Path) -> None:
-    """Temporary files of an atomic write that never finished (its writer was killed)."""
-    for tmp in path.glob(TEMP_GLOB):
-        tmp.unlink(missing_ok=True)
-
-
 def clear(path: Path, names: Sequence[str] = WRITTEN) -> None:
     """Remove everything a run or `evaluate` wrote into `path` (overwrite=true), or the files `names`."""
+    io.recover(path)
     for name in names:
-        target = path / name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        else:
-            target.unlink(missing_ok=True)
-    remove_temp_files(path)
+        io.remove(path / name)
 
 
 def check_resume_target(path: Path) -> None:
@@ -204,11 +196,26 @@ def checkpoint_round(path: Path) -> int | None:
         return None
 
 
+def _stored_rounds(path: Path) -> int | None:
+    """The rounds the run in `path` was started for (None: its config.yaml is missing or unusable)."""
+    from splitlab.config import load_config_file
+
+    try:
+        return int(load_config_file(path / "config.yaml")["rounds"])
+    except Exception:  # noqa: BLE001 (missing or damaged: not known)
+        return None
+
+
 def kept_after_interruption(path: Path) -> str:
     """What an interrupted (or failed) run left in `path`, and what `resume=true` will do with it."""
     if (path / "summary.json").is_file():
         return f"the run in {str(path)!r} had finished; its files are complete"
     done = checkpoint_round(path)
+    if done is not None and done == _stored_rounds(path):
+        return (
+            f"kept: the checkpoint after the last round, {done}, in {str(path)!r}; add resume=true to finish "
+            f"the run from it (no round is trained again)"
+        )
     if done is not None:
         return (
             f"kept: the checkpoint after round {done} in {str(path)!r}; add resume=true to continue from round "
@@ -262,6 +269,8 @@ class RunDirectory:
     def __init__(self, config: ResolvedConfig) -> None:
         self.path = config.out_dir
         self.config = config
+        #: set by the engine once round 1 has trained: from then on a failure removes nothing
+        self.trained = False
 
     def existing(self) -> list[str]:
         return [name for name in RUN_FILES if (self.path / name).exists()]
@@ -271,10 +280,11 @@ class RunDirectory:
         """Hold the directory's lock and start a run there (replacing one with overwrite=true, or
         one that stopped before its first checkpoint: nothing to continue from) or resume the one
         there; yields the summary of a run already finished (nothing to do), else None while the
-        run goes on. A run started afresh that fails before its first checkpoint (any exception
-        but Ctrl-C, which keeps what it wrote for `resume=true` to start again) removes what it
-        wrote, and the directory if it made it: the same command, corrected, starts afresh there.
-        A resumed run's files stay as they were."""
+        run goes on. A run started afresh that fails before its first round has trained and before
+        its first checkpoint (any exception but Ctrl-C, which keeps what it wrote for `resume=true`
+        to start again) removes what it wrote, and the directory if it made it: the same command,
+        corrected, starts afresh there. Once a round has trained, nothing is removed. A resumed
+        run's files stay as they were; the evaluation keys it changed are recorded in config.yaml."""
         made = not self.path.exists()
         undone = False
         try:
@@ -290,10 +300,11 @@ class RunDirectory:
                         f"or overwrite=true to replace it"
                     )
                 if existing and not overwrite:
-                    self.check_resumable()
+                    changed = self.check_resumable()
                     if "summary.json" in existing:
                         yield self.summary()
                         return
+                    self.record_evaluation_keys(changed)
                     if CHECKPOINT not in existing:
                         LOGGER.info(f"{str(self.path)!r} holds no checkpoint: starting again at round 1")
                     yield None
@@ -304,7 +315,7 @@ class RunDirectory:
                 try:
                     yield None
                 except Exception:
-                    undone = not (self.path / CHECKPOINT).exists()
+                    undone = not self.trained and not (self.path / CHECKPOINT).exists()
                     if undone:
                         clear(self.path, [name for name in WRITTEN if name not in there])
                     raise
@@ -313,8 +324,10 @@ class RunDirectory:
                 with contextlib.suppress(OSError):
                     self.path.rmdir()  # only if empty: nothing but this run's files was there
 
-    def check_resumable(self) -> None:
-        from splitlab.config import RUN_CONTROL_KEYS
+    def check_resumable(self) -> dict[str, Any]:
+        """UserError if a key that decides what the run computes differs from the stored one; the
+        evaluation keys (`eval_*`) that differ, with their new values (they may)."""
+        from splitlab.config import EVALUATION_KEYS, RUN_CONTROL_KEYS
 
         # A key the stored config lacks (added to splitlab after the run began) counts as its default.
         # A model's key stored as null (a run from before models owned their keys) counts as its default too.
@@ -323,12 +336,22 @@ class RunDirectory:
         stored = {**self.config.defaults(), **given}
         current = self.config.as_dict()
         differing = sorted(k for k in current if k not in RUN_CONTROL_KEYS and stored.get(k) != current[k])
-        if differing:
-            key = differing[0]
+        fixed = [key for key in differing if key not in EVALUATION_KEYS]
+        if fixed:
+            key = fixed[0]
             raise UserError(
                 f"cannot resume {str(self.path)!r}: {key}={current[key]!r} differs from the "
                 f"stored {stored.get(key)!r}; use overwrite=true to start over"
             )
+        return {key: current[key] for key in differing}
+
+    def record_evaluation_keys(self, changed: dict[str, Any]) -> None:
+        """config.yaml with the evaluation keys a resumed run changed: it says how the summary was made."""
+        from splitlab.config import load_config_file
+
+        if changed:
+            LOGGER.info(f"resuming with {', '.join(f'{k}={v!r}' for k, v in changed.items())} (evaluation only)")
+            io.write_yaml(self.path / "config.yaml", {**load_config_file(self.path / "config.yaml"), **changed})
 
     def clear(self) -> None:
         clear(self.path)

@@ -100,6 +100,11 @@ def _pool(threads: int) -> Iterator[cf.ThreadPoolExecutor]:
         pool.shutdown(cancel_futures=True)
 
 
+def holds_state(state: State) -> bool:
+    """Whether a role's `state_dict` holds anything of its own: a slot, or a loss scale (fp16)."""
+    return bool(state["models"]) or "loss_scale" in state
+
+
 class Algorithm(Generic[ParamsT]):
     """Base class. Subclasses set `name`, their roles and models if not the defaults, and
     implement `train_round`; `Algorithm[MyParams]` declares the algorithm's own settings."""
@@ -397,15 +402,16 @@ class Algorithm(Generic[ParamsT]):
 
     # --- clients that drop out and come back (over a network) ----------------------------
     def client_states(self) -> dict[int, State]:
-        """Every client's kept slots and optimizers (`state_dict`), for a checkpoint. A client that
-        is away is checkpointed as it was last seen, and gets that state back when it rejoins (a
-        transport whose clients can drop out delivers copies; in process nobody rejoins). Only the
-        clients reached since the last call are asked: the others' state is as it was kept."""
+        """Every client's own state (`state_dict`: kept slots, their optimizers, its fp16 loss scale),
+        for a checkpoint; a client holds one even when it keeps no slot (sfl_v2's, under fp16). A
+        client that is away is checkpointed as it was last seen, and gets that state back when it
+        rejoins (a transport whose clients can drop out delivers copies; in process nobody rejoins).
+        Only the clients reached since the last call are asked: the others' state is as it was kept."""
         for client_id in sorted(self._touched):
             with contextlib.suppress(ClientDropped):
                 self._kept[client_id] = self.ctx.client_proxies[client_id].state_dict()
                 self._touched.discard(client_id)
-        return {k: self._kept[k] for k in sorted(self._kept) if self._kept[k]["models"]}
+        return {k: self._kept[k] for k in sorted(self._kept) if holds_state(self._kept[k])}
 
     def load_client_states(self, states: dict[int, State]) -> None:
         """A resumed run: every client gets its checkpointed state back."""
@@ -418,7 +424,7 @@ class Algorithm(Generic[ParamsT]):
         checkpointed (counted as `kept_state_down`), so that it goes on where it was, not from the
         initial weights. The transport calls this before anything else reaches the new node."""
         state = self._kept.get(client_id)
-        if state is not None and state["models"]:  # a client that keeps nothing has nothing to get back
+        if state is not None and holds_state(state):  # a client that holds nothing has nothing to get back
             self.client(client_id).rejoin(state)
 
     def _train_tracked(self, train: Callable[[ClientInfo], None], client: ClientInfo) -> list[torch.Tensor]:
