@@ -43,6 +43,16 @@ def test_a_temperature_too_small_to_divide_by_samples_the_greedy_choice(temperat
         assert decode(model, [0], tiny, window=4) == greedy
 
 
+def test_a_model_whose_scores_are_nan_is_refused_not_decoded_greedily():
+    """NaN scores come from weights that are not numbers: no token is chosen from them (argmax of NaN
+    is an arbitrary token, a silently wrong generation)."""
+    nan = LOGITS.clone()
+    nan[1, 2] = torch.nan
+    for settings in (DecodingSettings(max_new_tokens=4), DecodingSettings(max_new_tokens=4, temperature=1e-40)):
+        with pytest.raises(UserError, match="NaN"):
+            decode(lambda tokens: nan[tokens], [0], settings, window=4)
+
+
 def test_a_failure_after_the_last_round_checkpoints_it_and_resume_finishes_without_training(
     tmp_path, monkeypatch, capsys
 ):

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from splitlab.config import DecodingSettings
+from splitlab.errors import UserError
 
 Logits = Callable[[torch.Tensor], torch.Tensor]
 
@@ -37,12 +38,21 @@ def decode(
     generator = torch.Generator().manual_seed(settings.seed)
     produced: list[int] = []
     for _ in range(settings.max_new_tokens):
-        logits = model(torch.tensor([(prompt + produced)[-window:]]))[0, -1]
+        logits = next_scores(model, torch.tensor([(prompt + produced)[-window:]]))[0]
         token = int(logits.argmax()) if settings.temperature == 0 else sample(logits, settings, generator)
         if token == eos:
             break
         produced.append(token)
     return produced
+
+
+def next_scores(model: Logits, contexts: torch.Tensor) -> torch.Tensor:
+    """The model's scores for the token after each context; NaN scores come from weights that are
+    not numbers and choose no token (argmax over NaN is arbitrary: a silently wrong generation)."""
+    logits = model(contexts)[:, -1]
+    if bool(torch.isnan(logits).any()):
+        raise UserError("the model's next-token scores are NaN: its weights are not finite numbers")
+    return logits
 
 
 def sample(logits: torch.Tensor, settings: DecodingSettings, generator: torch.Generator) -> int:
@@ -82,7 +92,7 @@ def beam_search(
     ended: list[tuple[list[int], float, int]] = []  # (tokens, sum, length scored)
     for _ in range(max_new_tokens):
         contexts = torch.tensor([(prompt + tokens)[-window:] for tokens, _ in beams])
-        scores = torch.log_softmax(model(contexts)[:, -1].float(), -1) + torch.tensor([s for _, s in beams])[:, None]
+        scores = torch.log_softmax(next_scores(model, contexts).float(), -1) + torch.tensor([s for _, s in beams])[:, None]
         top = scores.flatten().topk(min(2 * num_beams, scores.numel()))
         kept: list[tuple[list[int], float]] = []
         for score, index in zip(top.values.tolist(), top.indices.tolist()):
