@@ -92,7 +92,8 @@ def beam_search(
     ended: list[tuple[list[int], float, int]] = []  # (tokens, sum, length scored)
     for _ in range(max_new_tokens):
         contexts = torch.tensor([(prompt + tokens)[-window:] for tokens, _ in beams])
-        scores = torch.log_softmax(next_scores(model, contexts).float(), -1) + torch.tensor([s for _, s in beams])[:, None]
+        sums = torch.tensor([s for _, s in beams])[:, None]
+        scores = torch.log_softmax(next_scores(model, contexts).float(), -1) + sums
         top = scores.flatten().topk(min(2 * num_beams, scores.numel()))
         kept: list[tuple[list[int], float]] = []
         for score, index in zip(top.values.tolist(), top.indices.tolist()):
