@@ -89,6 +89,12 @@ class Context:
         return [c.num_samples / total for c in clients]
 
 
+def holds_state(state: State) -> bool:
+    """Whether a client's state (`ClientNode.state_dict`) holds anything of its own: kept slots, or
+    SCAFFOLD's control variates."""
+    return bool(state["models"] or state.get("controls", {}).get("own"))
+
+
 @contextlib.contextmanager
 def _pool(threads: int) -> Iterator[cf.ThreadPoolExecutor]:
     """A thread pool whose clients not yet started are dropped when the round stops on an error
@@ -132,6 +138,15 @@ class Algorithm(Generic[ParamsT]):
     #: step, and every cut gradient it sends comes from that step (`TrainingServer.send_gradient`),
     #: so that each role's loss scale applies (splitlab.loss_scale); fp16 is refused for any other
     supports_fp16: ClassVar[bool] = False
+    #: the client slots its sync server averages every round (its federated half): their local
+    #: objectives take FedProx's term (`prox_mu`), their steps SCAFFOLD's correction (splitlab.strategies)
+    averaged: ClassVar[tuple[str, ...]] = ()
+    #: without `averaged`: why nothing of the clients is averaged (one line, said when prox_mu,
+    #: server_opt or scaffold is refused)
+    not_averaged: ClassVar[str] = ""
+    #: with `averaged`: why its clients do not start each round from the sync server's average, so that
+    #: a server optimizer and SCAFFOLD do not apply (one line); empty: they do
+    not_from_average: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -299,9 +314,12 @@ class Algorithm(Generic[ParamsT]):
             self.track(reply["loss"])
 
     def download(self, client_id: int, slot: str = "client_model") -> None:
-        """The sync server's global `slot` to the client (counted as `<slot>_down`)."""
+        """The sync server's global `slot` to the client (counted as `<slot>_down`); under SCAFFOLD
+        its control variate c too (`control_down`)."""
         if client_id not in self.dropped:
             self.unless_dropped(client_id, "load", slot, self.sync.model_state(slot))
+            if self.ctx.config.scaffold:
+                self.unless_dropped(client_id, "load_control", slot, self.sync.control(slot))
 
     def contribute(self, client_id: int, alpha: float, slots: tuple[str, ...] = ("client_model",)) -> None:
         """The client is done for the round: its `slots` go up to the sync server (counted as
@@ -310,10 +328,13 @@ class Algorithm(Generic[ParamsT]):
         client that dropped out adds nothing: the averages are renormalised over those that did."""
         for slot in slots:
             state = self.unless_dropped(client_id, "upload", slot)
+            control = self.unless_dropped(client_id, "upload_control", slot) if self.ctx.config.scaffold else None
             if state is None:
                 self.sync.missing(slot)
             else:
                 self.sync.add(slot, state, alpha)
+            if control is not None:  # SCAFFOLD: c <- c + 1/N sum over the round's clients of Delta c_i
+                self.sync.add_control(slot, control, 1 / len(self.ctx.clients))
         self.unless_dropped(client_id, "end_round")
 
     def fold_server_copy(self, client_id: int, alpha: float) -> None:
@@ -405,7 +426,7 @@ class Algorithm(Generic[ParamsT]):
             with contextlib.suppress(ClientDropped):
                 self._kept[client_id] = self.ctx.client_proxies[client_id].state_dict()
                 self._touched.discard(client_id)
-        return {k: self._kept[k] for k in sorted(self._kept) if self._kept[k]["models"]}
+        return {k: self._kept[k] for k in sorted(self._kept) if holds_state(self._kept[k])}
 
     def load_client_states(self, states: dict[int, State]) -> None:
         """A resumed run: every client gets its checkpointed state back."""
@@ -418,7 +439,7 @@ class Algorithm(Generic[ParamsT]):
         checkpointed (counted as `kept_state_down`), so that it goes on where it was, not from the
         initial weights. The transport calls this before anything else reaches the new node."""
         state = self._kept.get(client_id)
-        if state is not None and state["models"]:  # a client that keeps nothing has nothing to get back
+        if state is not None and holds_state(state):  # a client that keeps nothing has nothing to get back
             self.client(client_id).rejoin(state)
 
     def _train_tracked(self, train: Callable[[ClientInfo], None], client: ClientInfo) -> list[torch.Tensor]:

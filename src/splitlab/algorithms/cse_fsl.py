@@ -115,6 +115,7 @@ class CSEFSL(AuxiliaryFSL, Algorithm[CSEFSLParams]):
     name = "cse_fsl"
     Client = CSEFSLClient
     supports_fp16 = True
+    averaged = ("client_model", "aux_model")
 
     def start_round(self, clients: list[ClientInfo]) -> None:
         for client in clients:

@@ -36,6 +36,7 @@ class SFLV2(Algorithm[SFLV2Params]):
     Client, Server = UShapedClient, UShapedServer
     supports_u_shape = True
     supports_fp16 = True
+    averaged = ("client_model",)
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         if self.params.server_schedule == "interleaved":

@@ -179,6 +179,11 @@ class SplitGP(Algorithm[SplitGPParams]):
     Server = SplitGPServer
     supports_fp16 = True
     models = {**SPLIT_MODELS, "aux_model": initial_exit}
+    averaged = ("client_model", "aux_model")
+    not_from_average = (
+        "its clients start each round from their own phi_k and h_k (mixed with the average after it, eqs. 9-10), "
+        "so there is no client delta from the sync server's model to step on"
+    )
     not_u_shaped = "its server part is the main model's last layers, trained on the labels the clients send"
 
     def __init__(self, ctx: Context) -> None:
