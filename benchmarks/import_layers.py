@@ -43,6 +43,7 @@ LAYERS: list[tuple[str, ...]] = [
         "splitlab.psi",
         "splitlab.loss_scale",
         "splitlab.strategies",
+        "splitlab.secure_aggregation",
     ),
     ("splitlab.algorithms",),
     ("splitlab.resolve",),

@@ -187,6 +187,9 @@ class RunConfig(BaseModel):
     """server_opt=adam, yogi, adagrad: tau, the adaptivity (v starts at tau^2)"""
     scaffold: bool = Field(False, json_schema_extra=TRAINING)
     """SCAFFOLD: control variates correct every client part's steps (option II; optimizer=sgd without momentum)"""
+    secure_aggregation: bool = Field(False, json_schema_extra=PRIVACY)
+    """the sync server learns only the sum of the round's client parts (SecAgg: X25519 pairwise masks, self masks,
+    Shamir shares for clients that drop; fixed point, 16 fractional bits in a 32-bit ring); simulated in process"""
     partition: str = Field("iid", json_schema_extra=DATA)
     """iid | dirichlet:<alpha> | shards:<shards per client>"""
     seed: int = Field(0, ge=0, le=2**32 - 1, json_schema_extra=TRAINING)
@@ -373,7 +376,13 @@ EVERYWHERE = frozenset(
     | {"backend", "checkpoint_every", "defense", "overwrite", "setting"}
     | {"init", "seq_len", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
     | {"max_grad_norm", "precision", "gradient_checkpointing", "grad_accum"}
-    | {"prox_mu", "server_opt", "server_opt_lr", "scaffold"}  # where the algorithm has a sync server: splitlab.resolve
+    | {
+        "prox_mu",
+        "server_opt",
+        "server_opt_lr",
+        "scaffold",
+        "secure_aggregation",
+    }  # the sync server's: splitlab.resolve
 )
 
 EVAL_GENERATE_WHY = (

@@ -130,7 +130,7 @@ def check_federated(run: RunConfig) -> None:
     and SCAFFOLD where clients start every round from that average, SCAFFOLD with plain SGD."""
     given = {
         key: getattr(run, key)
-        for key in ("prox_mu", "server_opt", "server_opt_lr", "scaffold")
+        for key in ("prox_mu", "server_opt", "server_opt_lr", "scaffold", "secure_aggregation")
         if getattr(run, key) != RunConfig.model_fields[key].default
     }
     if not given:
@@ -140,9 +140,11 @@ def check_federated(run: RunConfig) -> None:
     why = ""
     if not algorithm.averaged:
         why = algorithm.not_averaged or "it declares no client parts its sync server averages (Algorithm.averaged)"
-    elif algorithm.not_from_average and set(given) - {"prox_mu"}:
-        key = next(k for k in given if k != "prox_mu")
+    elif algorithm.not_from_average and set(given) - {"prox_mu", "secure_aggregation"}:
+        key = next(k for k in given if k not in ("prox_mu", "secure_aggregation"))
         value, why = given[key], algorithm.not_from_average
+    elif run.secure_aggregation:
+        key, value, why = "secure_aggregation", True, secure_aggregation_refusal(run)
     elif run.scaffold and (run.optimizer != "sgd" or run.momentum):
         key, value = "scaffold", True
         why = (
@@ -152,6 +154,20 @@ def check_federated(run: RunConfig) -> None:
     if why:
         shown = str(value).lower() if isinstance(value, bool) else value
         raise UserError(f"{key}={shown} does not apply to algorithm={run.algorithm}: {why}")
+
+
+def secure_aggregation_refusal(run: RunConfig) -> str:
+    """Why secure aggregation cannot hold in this run ('' where it can)."""
+    if run.scaffold:
+        return "SCAFFOLD's Delta c_i would reach the sync server one client at a time, in the clear"
+    if run.backend == "ray":
+        return "it is simulated in process: a client's round secrets do not move between Ray actors"
+    if run.clients != "all" and max(1, round(run.participation * run.clients)) < 3:
+        return (
+            f"a round of {max(1, round(run.participation * run.clients))} client(s) (participation x clients): the "
+            "sum of fewer than 3 gives a client's part away to the others"
+        )
+    return ""
 
 
 def check_model_fits(run: RunConfig) -> None:

@@ -54,6 +54,7 @@ from splitlab.privacy.record import Recorder
 from splitlab.process_settings import training_device
 from splitlab.random_streams import register_stream
 from splitlab.schedules import Factor, lr_factor, parse_lr_schedule
+from splitlab.secure_aggregation import ClientSecrets, MaskedSum, flat, unflat
 from splitlab.strategies import LocalTerms, ServerOptimizer, trainable, zeros_like
 from splitlab.targets import IGNORED
 from splitlab.transport import KEYED, verb
@@ -597,6 +598,8 @@ class ClientNode(Role[ParamsT]):
         cfg = blueprint.config
         #: FedProx's and SCAFFOLD's terms of the averaged slots' objective; None without either
         self.local_terms = LocalTerms(cfg.prox_mu, cfg.scaffold) if cfg.prox_mu or cfg.scaffold else None
+        #: secure_aggregation: this round's secrets of each averaged slot's protocol
+        self._secure: dict[str, ClientSecrets] = {}
 
     @property
     def num_samples(self) -> int:
@@ -635,6 +638,35 @@ class ClientNode(Role[ParamsT]):
         self._embeddings = 0
         if self.local_terms is not None:
             self.local_terms.new_round()
+        self._secure = {}
+
+    # --- secure aggregation of an averaged slot (splitlab.secure_aggregation) ---------------------
+    @verb(up="secagg_keys_up")
+    def secagg_keys(self, slot: str) -> torch.Tensor:
+        """Phase 1: this round's two public keys for `slot`'s protocol."""
+        self._secure[slot] = ClientSecrets(self.id)
+        return self._secure[slot].keys()
+
+    @verb(down="secagg_keys_down", up="secagg_shares_up")
+    def secagg_shares(self, slot: str, public: State) -> State:
+        """Phase 2: everyone's public keys in; the shares of this client's secrets out, each encrypted
+        for its holder."""
+        return self._secure[slot].shares(public)
+
+    @verb(down="secagg_shares_down")
+    def secagg_receive(self, slot: str, sealed: State) -> None:
+        """Phase 2: the shares the others encrypted for this client."""
+        self._secure[slot].receive(sealed)
+
+    @verb(up="{0}_up")
+    def upload_masked(self, slot: str, alpha: float) -> torch.Tensor:
+        """Phase 3: `slot` times `alpha`, in fixed point, masked (the sync server cannot read it alone)."""
+        return self._secure[slot].masked(flat(shared_state(self.model(slot))) * alpha)
+
+    @verb(down="secagg_unmask_down", up="secagg_unmask_up")
+    def secagg_unmask(self, slot: str, survivors: torch.Tensor, dropped: torch.Tensor) -> State:
+        """Phase 4: the shares the server needs to unmask the sum of the survivors' inputs."""
+        return self._secure[slot].unmask(survivors.tolist(), dropped.tolist())
 
     def before_step(self, slot: str, optimizer: torch.optim.Optimizer) -> None:
         """FedProx's mu (w - w_round) and SCAFFOLD's c - c_i join the gradients of an averaged slot."""
@@ -959,6 +991,8 @@ class SyncServer(Role[ParamsT]):
         #: SCAFFOLD: the control variate c of each averaged slot, and this round's 1/N sum_i Delta c_i
         self.controls: dict[str, State] = {}
         self._control_sums: dict[str, State] = {}
+        #: secure_aggregation: this round's masked sum of each slot (splitlab.secure_aggregation)
+        self._masked: dict[str, MaskedSum] = {}
 
     @verb()
     def model_state(self, slot: str) -> State:
@@ -988,6 +1022,34 @@ class SyncServer(Role[ParamsT]):
         if self.server_optimizer is not None:
             mean = self.server_optimizer.step(slot, shared_state(model), mean)
         load_shared(model, mean)
+
+    @verb()
+    def secagg_begin(self, slot: str, public: State, holders: int) -> None:
+        """Secure aggregation of `slot` starts: the public keys of those who shared their secrets
+        (the round's `holders` clients advertised keys)."""
+        self._masked[slot] = MaskedSum(public, holders)
+
+    @verb()
+    def add_masked(self, slot: str, client_id: int, masked: torch.Tensor, alpha: float) -> None:
+        self._masked[slot].add(client_id, masked, alpha)
+
+    @verb()
+    def secagg_outcome(self, slot: str) -> State:
+        """Who sent a masked input of `slot` and who did not: what the unmasking asks shares for."""
+        masked = self._masked[slot]
+        return {"survivors": torch.tensor(sorted(masked.sent)), "dropped": torch.tensor(masked.dropped())}
+
+    @verb()
+    def unmask(self, slot: str, answers: dict[int, State]) -> None:
+        """The survivors' sum from the clients' shares: what `average` takes as the round's (renormalised
+        over the survivors' weights if some dropped before masking)."""
+        masked = self._masked.pop(slot)
+        total = unflat(masked.unmasked(answers), shared_state(self.model(slot)))
+        weight = sum(masked.sent.values())
+        average = ModelAverage()
+        average.add({name: t / weight for name, t in total.items()}, weight)
+        average.incomplete = bool(masked.dropped())
+        self._averages[slot] = average
 
     @verb()
     def control(self, slot: str) -> State:

@@ -19,7 +19,7 @@ class FedAvg(Algorithm[NoParams]):
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.contribute_model)
-        self.sync.average("client_model")
+        self.average("client_model")
 
     def local_training(self, client: ClientInfo) -> None:
         self.download(client.id)

@@ -26,7 +26,7 @@ class SFLV1(Algorithm[NoParams]):
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.fold)
-        self.sync.average("client_model")
+        self.average("client_model")
         self.server.average_copies()
 
     def local_training(self, client: ClientInfo) -> None:

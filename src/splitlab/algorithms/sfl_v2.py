@@ -52,4 +52,4 @@ class SFLV2(Algorithm[SFLV2Params]):
                 for step in range(self.ctx.local_steps(clients[k])):
                     self.split_step(clients[k].id, step)
                 self.contribute(clients[k].id, alphas[k])
-            self.sync.average("client_model")
+            self.average("client_model")

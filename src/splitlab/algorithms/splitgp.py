@@ -195,8 +195,8 @@ class SplitGP(Algorithm[SplitGPParams]):
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.fold)
         self.server.average_copies()
-        self.sync.average("client_model")
-        self.sync.average("aux_model")
+        self.average("client_model")
+        self.average("aux_model")
         for client in clients:
             for slot in ("client_model", "aux_model"):
                 self.unless_dropped(client.id, "mix", slot, self.sync.model_state(slot))
