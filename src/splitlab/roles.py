@@ -1043,12 +1043,12 @@ class SyncServer(Role[ParamsT]):
     def unmask(self, slot: str, answers: dict[int, State]) -> None:
         """The survivors' sum from the clients' shares: what `average` takes as the round's (renormalised
         over the survivors' weights if some dropped before masking)."""
-        masked = self._masked.pop(slot)
-        total = unflat(masked.unmasked(answers), shared_state(self.model(slot)))
-        weight = sum(masked.sent.values())
-        average = ModelAverage()
-        average.add({name: t / weight for name, t in total.items()}, weight)
+        masked, average = self._masked.pop(slot), ModelAverage()
         average.incomplete = bool(masked.dropped())
+        if masked.sent:  # else every client dropped: the global model stays
+            total = unflat(masked.unmasked(answers), shared_state(self.model(slot)))
+            weight = sum(masked.sent.values())
+            average.add({name: t / weight for name, t in total.items()}, weight)
         self._averages[slot] = average
 
     @verb()

@@ -213,22 +213,25 @@ class MaskedSum:
         """sum_{u in U3} alpha_u x_u (float64, flat) from the clients' `answers` to the unmasking."""
         if self.total is None:
             raise RuntimeError("nothing was added to the masked sum")
-        t = self.threshold
-        if len(answers) < t:
-            raise UserError(
-                f"secure aggregation: {len(answers)} of the round's {len(self.public)} clients answered the "
-                f"unmasking, fewer than its threshold {t}; the round's sum cannot be recovered"
-            )
         total, count = self.total, len(self.total)
         for v in sorted(self.sent):  # their self masks
-            seed = shamir_join({u: _share(a[f"b{v}"]) for u, a in answers.items()})
-            total = total - prg(seed, count)
+            total = total - prg(self._rebuilt(answers, f"b{v}"), count)
         for v in self.dropped():  # the pairwise masks they left with the survivors
-            key = X25519PrivateKey.from_private_bytes(shamir_join({u: _share(a[f"s{v}"]) for u, a in answers.items()}))
+            key = X25519PrivateKey.from_private_bytes(self._rebuilt(answers, f"s{v}"))
             for u in self.sent:
                 mask = prg(_agree(key, self.public[u][32:], b"pairwise"), count)
                 total = total - mask if u < v else total + mask
         return dequantise(total % RING)
+
+    def _rebuilt(self, answers: Mapping[int, Mapping[str, torch.Tensor]], secret: str) -> bytes:
+        """A secret from the shares of it among `answers`, or one line if fewer than t hold one."""
+        shares = {u: _share(answer[secret]) for u, answer in answers.items() if secret in answer}
+        if len(shares) < self.threshold:
+            raise UserError(
+                f"secure aggregation: {len(shares)} of the round's {len(self.public)} clients answered the "
+                f"unmasking, fewer than its threshold {self.threshold}; the round's sum cannot be recovered"
+            )
+        return shamir_join(shares)
 
 
 def _share(tensor: torch.Tensor) -> int:
