@@ -139,7 +139,8 @@ class Algorithm(Generic[ParamsT]):
     #: so that each role's loss scale applies (splitlab.loss_scale); fp16 is refused for any other
     supports_fp16: ClassVar[bool] = False
     #: the client slots its sync server averages every round (its federated half): their local
-    #: objectives take FedProx's term (`prox_mu`), their steps SCAFFOLD's correction (splitlab.strategies)
+    #: objectives take FedProx's term (`prox_mu`), their steps SCAFFOLD's correction (splitlab.strategies),
+    #: and `secure_aggregation` masks them (splitlab.secure_aggregation)
     averaged: ClassVar[tuple[str, ...]] = ()
     #: without `averaged`: why nothing of the clients is averaged (one line, said when prox_mu,
     #: server_opt or scaffold is refused)
@@ -328,7 +329,9 @@ class Algorithm(Generic[ParamsT]):
         """The client is done for the round: its `slots` go up to the sync server (counted as
         `<slot>_up`) into the running averages with weight alpha, and its working copies go back
         to the pool (so that clients processed one after another need one copy at a time). A
-        client that dropped out adds nothing: the averages are renormalised over those that did."""
+        client that dropped out adds nothing: the averages are renormalised over those that did.
+        Under SCAFFOLD its Delta c_i goes up too (`control_up`); under secure aggregation its slots go
+        up masked (`upload_masked`), into a sum the sync server cannot read alone."""
         for slot in slots:
             if self.ctx.config.secure_aggregation:  # the sync server adds what it cannot read
                 masked = self.unless_dropped(client_id, "upload_masked", slot, alpha)
@@ -350,7 +353,7 @@ class Algorithm(Generic[ParamsT]):
         public keys to everyone, their encrypted shares to their holders, through the sync server."""
         if len(clients) < 3:  # clients=all: known only now
             raise UserError(
-                f"secure_aggregation=true: round of {len(clients)} client(s); the sum of fewer than 3 gives one away"
+                f"secure_aggregation=true: a round of {len(clients)} client(s); the sum of fewer than 3 gives one away"
             )
         advertised = {c.id: self.unless_dropped(c.id, "secagg_keys", slot) for c in clients}
         public = {str(k): key for k, key in advertised.items() if key is not None}
