@@ -185,6 +185,19 @@ def test_clients_moved_between_workers_end_bit_for_bit(local_ray, tmp_path: Path
     assert sorted(fetched) == [0, 1, 2, 3]
 
 
+def test_the_federated_strategies_on_ray_with_moving_clients_are_bit_identical(local_ray, tmp_path: Path, monkeypatch):
+    """CSE-FSL (its clients get the model and SCAFFOLD's c before they are leased, then move) with
+    FedProx, SCAFFOLD and FedYogi: each client's c_i and the round's c move with it; every number,
+    control_down and control_up included, as in process."""
+    strategies = {"optimizer": "sgd", "lr": 0.05, "prox_mu": 0.1, "scaffold": True, "server_opt": "yogi"}
+    run(config("cse_fsl", tmp_path / "local", server_opt_lr=0.01, **strategies), progress=False)
+    always_elsewhere(monkeypatch)
+    run(config("cse_fsl", tmp_path / "ray", backend="ray", workers=2, server_opt_lr=0.01, **strategies), progress=False)
+    assert results(tmp_path / "local") == results(tmp_path / "ray")
+    assert all(row["ray_client_moves"] > 0 for row in rows_of(tmp_path / "ray"))
+    assert rows_of(tmp_path / "ray")[-1]["comm_bytes_by_kind"]["control_up"] > 0
+
+
 def test_workers_on_nodes_without_the_data_files_run_from_the_object_store(local_ray, tmp_path: Path, monkeypatch):
     """The dataset's files are gone once the driver has read them, before any actor starts: the
     workers get the samples through Ray's object store (and the server never needs them)."""

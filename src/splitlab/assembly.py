@@ -175,6 +175,7 @@ def blueprint_of(
         input_dtype,
         task,
         builders=builders or config.algorithm_class.models,
+        averaged=config.algorithm_class.averaged,
         model_settings=config.model_settings(),
         recorder=recorder or (Recorder(run.record) if run.record else None),
         init_state=init_state,

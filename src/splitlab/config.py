@@ -177,6 +177,25 @@ class RunConfig(BaseModel):
     """SGD momentum"""
     weight_decay: float = Field(0.0, ge=0, le=1e3, json_schema_extra=TRAINING)
     """sgd, adam: an L2 penalty on the gradient; adamw: decoupled weight decay"""
+    prox_mu: float = Field(0.0, ge=0, le=1e6, json_schema_extra=TRAINING)
+    """FedProx: mu of the proximal term mu/2 ||w - w_round||^2 added to the local objective of every client part the
+    sync server averages (w_round: the weights the client started the round from); 0 = none"""
+    server_opt: Literal["avg", "avgm", "adam", "yogi", "adagrad"] = Field("avg", json_schema_extra=TRAINING)
+    """FedOpt: how the sync server steps from the clients' weighted mean, as a pseudo-gradient: avg (x + server_opt_lr x
+    (mean - x); at server_opt_lr=1 FedAvg) | avgm (momentum) | adam | yogi | adagrad (Reddi et al. 2021)"""
+    server_opt_lr: float = Field(1.0, gt=0, le=1e6, json_schema_extra=TRAINING)
+    """the sync server's learning rate (eta of FedOpt; SCAFFOLD's global step size)"""
+    server_opt_momentum: float = Field(0.9, ge=0, lt=1, json_schema_extra=TRAINING)
+    """server_opt=avgm: momentum of the pseudo-gradient"""
+    server_opt_betas: list[Annotated[float, Field(ge=0, lt=1)]] = Field([0.9, 0.99], json_schema_extra=TRAINING)
+    """server_opt=adam, yogi, adagrad: beta_1,beta_2 (adagrad uses beta_1 only)"""
+    server_opt_tau: float = Field(1e-3, gt=0, le=1e6, json_schema_extra=TRAINING)
+    """server_opt=adam, yogi, adagrad: tau, the adaptivity (v starts at tau^2)"""
+    scaffold: bool = Field(False, json_schema_extra=TRAINING)
+    """SCAFFOLD: control variates correct every client part's steps (option II; optimizer=sgd without momentum)"""
+    secure_aggregation: bool = Field(False, json_schema_extra=PRIVACY)
+    """the sync server learns only the sum of the round's client parts (SecAgg: X25519 pairwise masks, self masks,
+    Shamir shares for clients that drop; fixed point, 16 fractional bits in a 32-bit ring); simulated in process"""
     partition: str = Field("iid", json_schema_extra=DATA)
     """iid | dirichlet:<alpha> | shards:<shards per client>"""
     seed: int = Field(0, ge=0, le=2**32 - 1, json_schema_extra=TRAINING)
@@ -257,6 +276,13 @@ class RunConfig(BaseModel):
     def _expand_home(cls, value: str | None) -> str | None:
         """`~` and `~user` as a shell would expand them (a folder literally named `~` is never meant)."""
         return None if value is None else os.path.expanduser(value)
+
+    @field_validator("server_opt_betas")
+    @classmethod
+    def _two_betas(cls, value: list[float]) -> list[float]:
+        if len(value) != 2:
+            raise ValueError("expected two numbers beta_1,beta_2 in [0, 1), e.g. 0.9,0.99")
+        return value
 
     @field_validator(*WRITTEN_IN_A_FORM)
     @classmethod
@@ -413,6 +439,13 @@ EVERYWHERE = frozenset(
     | {"backend", "checkpoint_every", "defense", "overwrite", "setting"}
     | {"init", "seq_len", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
     | {"max_grad_norm", "precision", "gradient_checkpointing", "grad_accum"}
+    | {
+        "prox_mu",
+        "server_opt",
+        "server_opt_lr",
+        "scaffold",
+        "secure_aggregation",
+    }  # the sync server's: splitlab.resolve
 )
 
 EVAL_GENERATE_WHY = (
@@ -527,6 +560,20 @@ ONLY_WHEN: dict[str, Applies] = {
         "the CPU's kernels are deterministic; deterministic=false needs device=cuda or auto",
         {"device": "cpu", "deterministic": False},
     ),
+    "server_opt_momentum": Applies(
+        lambda r: r.server_opt == "avgm", "server_opt_momentum is server_opt=avgm's", {"server_opt_momentum": 0.5}
+    ),
+    **{
+        key: Applies(
+            lambda r: r.server_opt in ("adam", "yogi", "adagrad"),
+            f"{key} is server_opt=adam, yogi and adagrad's",
+            example,
+        )
+        for key, example in (
+            ("server_opt_betas", {"server_opt_betas": "0.5,0.9"}),
+            ("server_opt_tau", {"server_opt_tau": 0.1}),
+        )
+    },
     "resume": Applies(
         lambda r: not r.overwrite,
         "overwrite=true replaces the run that resume=true would continue",

@@ -24,6 +24,14 @@ KINDS: dict[str, str] = {
     "client_model_relay": "peer",  # vanilla SL: client model handed to the next client
     "aux_model_down": "down",  # auxiliary heads / models (CSE-FSL, FSL-SAGE, SplitGP)
     "aux_model_up": "up",
+    "control_down": "down",  # SCAFFOLD: the server's control variate c of a client part, with the model
+    "control_up": "up",  # ... and the client's Delta c_i back, with the model
+    "secagg_keys_up": "up",  # secure aggregation: a client's two public keys (64 bytes)
+    "secagg_keys_down": "down",  # ... everyone's, relayed to each client
+    "secagg_shares_up": "up",  # ... its Shamir shares, encrypted for each other client
+    "secagg_shares_down": "down",  # ... the shares the others encrypted for it, relayed
+    "secagg_unmask_down": "down",  # ... who sent a masked input and who did not
+    "secagg_unmask_up": "up",  # ... its shares of the survivors' self-mask seeds and the dropped's mask keys
     "kept_state_down": "down",  # a client's kept slots given back when it rejoins after dropping out
     "psi_up": "up",  # vertical: private set intersection messages (blinded ids), party -> server
     "psi_down": "down",  # ... server -> party (relayed from another party, or the server's own)

@@ -61,6 +61,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
     check_fp16(run)
+    check_federated(run)
     check_applicable(run, raw)
     if run.eval_generate:
         run.decoding(room=1)  # the eval_* keys agree
@@ -125,6 +126,52 @@ def check_fp16(run: RunConfig) -> None:
         why = "model=lstm: torch has no float16 LSTM kernel on the CPU (device=cuda has one)"
     if why:
         raise UserError(f"precision=fp16 does not apply here: {why}; precision=bf16 needs no loss scaling")
+
+
+def check_federated(run: RunConfig) -> None:
+    """The federated half's keys (FedProx, FedOpt, SCAFFOLD) where they hold, or one line: on an
+    algorithm whose sync server averages client parts (`Algorithm.averaged`), the server optimizer
+    and SCAFFOLD where clients start every round from that average, SCAFFOLD with plain SGD."""
+    given = {
+        key: getattr(run, key)
+        for key in ("prox_mu", "server_opt", "server_opt_lr", "scaffold", "secure_aggregation")
+        if getattr(run, key) != RunConfig.model_fields[key].default
+    }
+    if not given:
+        return
+    algorithm = get_algorithm(run.algorithm)
+    key, value = next(iter(given.items()))
+    why = ""
+    if not algorithm.averaged:
+        why = algorithm.not_averaged or "it declares no client parts its sync server averages (Algorithm.averaged)"
+    elif algorithm.not_from_average and set(given) - {"prox_mu", "secure_aggregation"}:
+        key = next(k for k in given if k not in ("prox_mu", "secure_aggregation"))
+        value, why = given[key], algorithm.not_from_average
+    elif run.secure_aggregation:
+        key, value, why = "secure_aggregation", True, secure_aggregation_refusal(run)
+    elif run.scaffold and (run.optimizer != "sgd" or run.momentum):
+        key, value = "scaffold", True
+        why = (
+            "SCAFFOLD's option II estimates a client's gradient as (x - y_i) / (K lr), which holds for plain SGD "
+            "steps: give optimizer=sgd without momentum"
+        )
+    if why:
+        shown = str(value).lower() if isinstance(value, bool) else value
+        raise UserError(f"{key}={shown} does not apply to algorithm={run.algorithm}: {why}")
+
+
+def secure_aggregation_refusal(run: RunConfig) -> str:
+    """Why secure aggregation cannot hold in this run ('' where it can)."""
+    if run.scaffold:
+        return "SCAFFOLD's Delta c_i would reach the sync server one client at a time, in the clear"
+    if run.backend == "ray":
+        return "it is simulated in process: a client's round secrets do not move between Ray actors"
+    if run.clients != "all" and max(1, round(run.participation * run.clients)) < 3:
+        return (
+            f"a round of {max(1, round(run.participation * run.clients))} client(s) (participation x clients): the "
+            "sum of fewer than 3 gives a client's part away to the others"
+        )
+    return ""
 
 
 def check_model_fits(run: RunConfig) -> None:

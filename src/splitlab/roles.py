@@ -54,6 +54,8 @@ from splitlab.privacy.record import Recorder
 from splitlab.process_settings import training_device
 from splitlab.random_streams import register_stream
 from splitlab.schedules import Factor, lr_factor, parse_lr_schedule
+from splitlab.secure_aggregation import ClientSecrets, MaskedSum, flat, unflat
+from splitlab.strategies import LocalTerms, ServerOptimizer, trainable, zeros_like
 from splitlab.targets import IGNORED
 from splitlab.transport import KEYED, verb
 
@@ -105,6 +107,8 @@ class Blueprint:
     task: str = "classification"
     #: slot -> how its initial model is built (the algorithm's `models` table)
     builders: Mapping[str, Callable[[Blueprint], nn.Module]] = field(default_factory=dict)
+    #: the client slots the sync server averages (the algorithm's `averaged`): those FedProx and SCAFFOLD reach
+    averaged: tuple[str, ...] = ()
     #: what `splitlab.models.build_model` takes beyond the data: the model's own keys and LoRA's
     model_settings: Mapping[str, Any] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -424,9 +428,14 @@ class Role(Generic[ParamsT]):
                 optimizer.zero_grad(set_to_none=True)
             return result
         for slot, optimizer in zip(slots, optimizers):
+            self.before_step(slot, optimizer)
             self.clip(slot)
             optimizer.step()
         return result
+
+    def before_step(self, slot: str, optimizer: torch.optim.Optimizer) -> None:
+        """What joins `slot`'s gradients before they are clipped and stepped on (a client's FedProx and
+        SCAFFOLD terms); nothing here."""
 
     def gradients(self, slot: str) -> list[torch.Tensor]:
         return [p.grad for p in self.model(slot).parameters() if p.grad is not None]
@@ -586,6 +595,11 @@ class ClientNode(Role[ParamsT]):
         self._releases = 0
         #: this round's client-part passes (the key of each one's `dchi` noise)
         self._embeddings = 0
+        cfg = blueprint.config
+        #: FedProx's and SCAFFOLD's terms of the averaged slots' objective; None without either
+        self.local_terms = LocalTerms(cfg.prox_mu, cfg.scaffold) if cfg.prox_mu or cfg.scaffold else None
+        #: secure_aggregation: this round's secrets of each averaged slot's protocol
+        self._secure: dict[str, ClientSecrets] = {}
 
     @property
     def num_samples(self) -> int:
@@ -622,6 +636,69 @@ class ClientNode(Role[ParamsT]):
         self._batches = self.batches(rnd)
         self._releases = 0
         self._embeddings = 0
+        if self.local_terms is not None:
+            self.local_terms.new_round()
+        self._secure = {}
+
+    # --- secure aggregation of an averaged slot (splitlab.secure_aggregation) ---------------------
+    @verb(up="secagg_keys_up")
+    def secagg_keys(self, slot: str) -> torch.Tensor:
+        """Phase 1: this round's two public keys for `slot`'s protocol."""
+        self._secure[slot] = ClientSecrets(self.id)
+        return self._secure[slot].keys()
+
+    @verb(down="secagg_keys_down", up="secagg_shares_up")
+    def secagg_shares(self, slot: str, public: State) -> State:
+        """Phase 2: everyone's public keys in; the shares of this client's secrets out, each encrypted
+        for its holder."""
+        return self._secure[slot].shares(public)
+
+    @verb(down="secagg_shares_down")
+    def secagg_receive(self, slot: str, sealed: State) -> None:
+        """Phase 2: the shares the others encrypted for this client."""
+        self._secure[slot].receive(sealed)
+
+    @verb(up="{0}_up")
+    def upload_masked(self, slot: str, alpha: float) -> torch.Tensor:
+        """Phase 3: `slot` times `alpha`, in fixed point, masked (the sync server cannot read it alone)."""
+        return self._secure[slot].masked(flat(shared_state(self.model(slot))) * alpha)
+
+    @verb(down="secagg_unmask_down", up="secagg_unmask_up")
+    def secagg_unmask(self, slot: str, survivors: torch.Tensor, dropped: torch.Tensor) -> State:
+        """Phase 4: the shares the server needs to unmask the sum of the survivors' inputs."""
+        return self._secure[slot].unmask(survivors.tolist(), dropped.tolist())
+
+    def before_step(self, slot: str, optimizer: torch.optim.Optimizer) -> None:
+        """FedProx's mu (w - w_round) and SCAFFOLD's c - c_i join the gradients of an averaged slot."""
+        if self.local_terms is not None and slot in self.blueprint.averaged:
+            self.local_terms.before_step(slot, self.model(slot), optimizer.param_groups[0]["lr"])
+
+    @verb(down="control_down")
+    def load_control(self, slot: str, control: State) -> None:
+        """SCAFFOLD: the server's control variate c of `slot` for this round's steps."""
+        cast(LocalTerms, self.local_terms).server_controls[slot] = control
+
+    @verb(up="control_up")
+    def upload_control(self, slot: str) -> State:
+        """SCAFFOLD, after the round's steps: Delta c_i of `slot` (option II); c_i is updated."""
+        return cast(LocalTerms, self.local_terms).control_update(slot, self.model(slot))
+
+    @verb(up="checkpoint")
+    def state_dict(self) -> State:
+        """The role's state; under SCAFFOLD with the client's control variates c_i (and, mid-round, as a
+        client moves between Ray actors, this round's c)."""
+        state = super().state_dict()
+        if self.blueprint.config.scaffold:
+            terms = cast(LocalTerms, self.local_terms)
+            state["controls"] = {"own": dict(terms.controls), "server": dict(terms.server_controls)}
+        return state
+
+    @verb(down="checkpoint")
+    def load_state_dict(self, state: State) -> None:
+        super().load_state_dict(state)
+        if self.blueprint.config.scaffold:
+            terms = cast(LocalTerms, self.local_terms)
+            terms.controls, terms.server_controls = dict(state["controls"]["own"]), dict(state["controls"]["server"])
 
     def release(
         self, x: torch.Tensor, y: torch.Tensor, smashed: torch.Tensor, step: int | None = None
@@ -905,6 +982,24 @@ class SyncServer(Role[ParamsT]):
         super().__init__(blueprint)
         self._averages: dict[str, ModelAverage] = {}
         self.loss_scale = None  # it trains nothing
+        cfg = blueprint.config
+        #: FedOpt (splitlab.strategies); None: server_opt=avg at server_opt_lr=1, the mean as it is
+        self.server_optimizer = (
+            None
+            if cfg.server_opt == "avg" and cfg.server_opt_lr == 1
+            else ServerOptimizer(
+                cfg.server_opt,
+                cfg.server_opt_lr,
+                cfg.server_opt_momentum,
+                (cfg.server_opt_betas[0], cfg.server_opt_betas[1]),
+                cfg.server_opt_tau,
+            )
+        )
+        #: SCAFFOLD: the control variate c of each averaged slot, and this round's 1/N sum_i Delta c_i
+        self.controls: dict[str, State] = {}
+        self._control_sums: dict[str, State] = {}
+        #: secure_aggregation: this round's masked sum of each slot (splitlab.secure_aggregation)
+        self._masked: dict[str, MaskedSum] = {}
 
     @verb()
     def model_state(self, slot: str) -> State:
@@ -922,8 +1017,78 @@ class SyncServer(Role[ParamsT]):
 
     @verb()
     def average(self, slot: str) -> None:
-        """`slot` becomes the average of what was added since the last call."""
+        """`slot` becomes the average of what was added since the last call (with server_opt, the
+        server optimizer's step from it); under SCAFFOLD, c moves by what was added to it."""
         model, average = self.model(slot), self._averages.pop(slot)
+        added = self._control_sums.pop(slot, None)
+        if added is not None:
+            self.controls[slot] = {name: c + added[name] for name, c in self.control(slot).items()}
         if average.incomplete and average.empty:
             return
-        load_shared(model, average.result(shared_state(model)))
+        mean = average.result(shared_state(model))
+        if self.server_optimizer is not None:
+            mean = self.server_optimizer.step(slot, shared_state(model), mean)
+        load_shared(model, mean)
+
+    @verb()
+    def secagg_begin(self, slot: str, public: State, holders: int) -> None:
+        """Secure aggregation of `slot` starts: the public keys of those who shared their secrets
+        (the round's `holders` clients advertised keys)."""
+        self._masked[slot] = MaskedSum(public, holders)
+
+    @verb()
+    def add_masked(self, slot: str, client_id: int, masked: torch.Tensor, alpha: float) -> None:
+        self._masked[slot].add(client_id, masked, alpha)
+
+    @verb()
+    def secagg_outcome(self, slot: str) -> State:
+        """Who sent a masked input of `slot` and who did not: what the unmasking asks shares for."""
+        masked = self._masked[slot]
+        return {"survivors": torch.tensor(sorted(masked.sent)), "dropped": torch.tensor(masked.dropped())}
+
+    @verb()
+    def unmask(self, slot: str, answers: dict[int, State]) -> None:
+        """The survivors' sum from the clients' shares: what `average` takes as the round's (renormalised
+        over the survivors' weights if some dropped before masking)."""
+        masked, average = self._masked.pop(slot), ModelAverage()
+        average.incomplete = bool(masked.dropped())
+        if masked.sent:  # else every client dropped: the global model stays
+            total = unflat(masked.unmasked(answers), shared_state(self.model(slot)))
+            weight = sum(masked.sent.values())
+            average.add({name: t / weight for name, t in total.items()}, weight)
+        self._averages[slot] = average
+
+    @verb()
+    def control(self, slot: str) -> State:
+        """SCAFFOLD's c of `slot` (zeros before its first round)."""
+        if slot not in self.controls:
+            self.controls[slot] = zeros_like(trainable(self.model(slot)))
+        return self.controls[slot]
+
+    @verb()
+    def add_control(self, slot: str, delta: State, weight: float) -> None:
+        """A client's Delta c_i of `slot`, weighted 1/N, into this round's sum."""
+        total = self._control_sums.get(slot)
+        if total is None:
+            self._control_sums[slot] = {name: d.float() * weight for name, d in delta.items()}
+        else:
+            for name, d in delta.items():
+                total[name].add_(d.float(), alpha=weight)
+
+    @verb(up="checkpoint")
+    def state_dict(self) -> State:
+        """The global models; with server_opt its state, under SCAFFOLD the control variates."""
+        state = super().state_dict()
+        if self.server_optimizer is not None:
+            state["server_optimizer"] = self.server_optimizer.state_dict()
+        if self.blueprint.config.scaffold:
+            state["controls"] = dict(self.controls)
+        return state
+
+    @verb(down="checkpoint")
+    def load_state_dict(self, state: State) -> None:
+        super().load_state_dict(state)
+        if self.server_optimizer is not None:
+            self.server_optimizer.load_state_dict(state["server_optimizer"])
+        if self.blueprint.config.scaffold:
+            self.controls = dict(state["controls"])

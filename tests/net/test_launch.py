@@ -94,3 +94,12 @@ def test_vertical_launch_is_bit_identical_to_run(tmp_path):
     config = dict(setting="vertical", algorithm="sl", dataset="breast_cancer", model="mlp", labels_at=1)
     kinds = assert_launch_equals_run(tmp_path, {**config, "rounds": 2, "local_steps": 2, "device": "cpu", "seed": 0})
     assert set(kinds) == {"psi_up", "psi_down", "smashed", "labels", "cut_grad"}
+
+
+def test_the_federated_strategies_over_the_network_are_bit_identical_to_run(tmp_path):
+    """FedAdam in the sync server's averaging, FedProx in the clients' steps, SCAFFOLD's control
+    variates down and up (each checked by the server) and in the clients' checkpointed state."""
+    config = quick(algorithm="sfl_v2", clients=2, train_subset=160, test_subset=100, optimizer="sgd", lr=0.05)
+    config.update(server_opt="adam", server_opt_lr=0.01, prox_mu=0.1, scaffold=True)
+    kinds = assert_launch_equals_run(tmp_path, config)
+    assert kinds["control_down"] == kinds["control_up"] == kinds["client_model_down"]

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from torch import nn
 
 from splitlab.config import NoParams, RunConfig
-from splitlab.errors import NonFiniteStep
+from splitlab.errors import NonFiniteStep, UserError
 from splitlab.random_streams import register_stream
 from splitlab.roles import (
     SPLIT_MODELS,
@@ -101,8 +101,9 @@ def _pool(threads: int) -> Iterator[cf.ThreadPoolExecutor]:
 
 
 def holds_state(state: State) -> bool:
-    """Whether a role's `state_dict` holds anything of its own: a slot, or a loss scale (fp16)."""
-    return bool(state["models"]) or "loss_scale" in state
+    """Whether a role's `state_dict` holds anything of its own: kept slots, a loss scale (fp16) or
+    SCAFFOLD's control variates."""
+    return bool(state["models"] or state.get("controls", {}).get("own")) or "loss_scale" in state
 
 
 class Algorithm(Generic[ParamsT]):
@@ -137,6 +138,16 @@ class Algorithm(Generic[ParamsT]):
     #: step, and every cut gradient it sends comes from that step (`TrainingServer.send_gradient`),
     #: so that each role's loss scale applies (splitlab.loss_scale); fp16 is refused for any other
     supports_fp16: ClassVar[bool] = False
+    #: the client slots its sync server averages every round (its federated half): their local
+    #: objectives take FedProx's term (`prox_mu`), their steps SCAFFOLD's correction (splitlab.strategies),
+    #: and `secure_aggregation` masks them (splitlab.secure_aggregation)
+    averaged: ClassVar[tuple[str, ...]] = ()
+    #: without `averaged`: why nothing of the clients is averaged (one line, said when prox_mu,
+    #: server_opt or scaffold is refused)
+    not_averaged: ClassVar[str] = ""
+    #: with `averaged`: why its clients do not start each round from the sync server's average, so that
+    #: a server optimizer and SCAFFOLD do not apply (one line); empty: they do
+    not_from_average: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -225,6 +236,9 @@ class Algorithm(Generic[ParamsT]):
             self.server.begin_round(rnd)
         for client in clients:
             self.unless_dropped(client.id, "begin_round", rnd)
+        if self.ctx.config.secure_aggregation:
+            for slot in self.averaged:
+                self.secure_setup(clients, slot)
         self.train_round(rnd, clients)
         for client in clients:
             self.unless_dropped(client.id, "end_round")
@@ -304,22 +318,61 @@ class Algorithm(Generic[ParamsT]):
             self.track(reply["loss"])
 
     def download(self, client_id: int, slot: str = "client_model") -> None:
-        """The sync server's global `slot` to the client (counted as `<slot>_down`)."""
+        """The sync server's global `slot` to the client (counted as `<slot>_down`); under SCAFFOLD
+        its control variate c too (`control_down`)."""
         if client_id not in self.dropped:
             self.unless_dropped(client_id, "load", slot, self.sync.model_state(slot))
+            if self.ctx.config.scaffold:
+                self.unless_dropped(client_id, "load_control", slot, self.sync.control(slot))
 
     def contribute(self, client_id: int, alpha: float, slots: tuple[str, ...] = ("client_model",)) -> None:
         """The client is done for the round: its `slots` go up to the sync server (counted as
         `<slot>_up`) into the running averages with weight alpha, and its working copies go back
         to the pool (so that clients processed one after another need one copy at a time). A
-        client that dropped out adds nothing: the averages are renormalised over those that did."""
+        client that dropped out adds nothing: the averages are renormalised over those that did.
+        Under SCAFFOLD its Delta c_i goes up too (`control_up`); under secure aggregation its slots go
+        up masked (`upload_masked`), into a sum the sync server cannot read alone."""
         for slot in slots:
+            if self.ctx.config.secure_aggregation:  # the sync server adds what it cannot read
+                masked = self.unless_dropped(client_id, "upload_masked", slot, alpha)
+                if masked is not None:
+                    self.sync.add_masked(slot, client_id, masked, alpha)
+                continue
             state = self.unless_dropped(client_id, "upload", slot)
+            control = self.unless_dropped(client_id, "upload_control", slot) if self.ctx.config.scaffold else None
             if state is None:
                 self.sync.missing(slot)
             else:
                 self.sync.add(slot, state, alpha)
+            if control is not None:  # SCAFFOLD: c <- c + 1/N sum over the round's clients of Delta c_i
+                self.sync.add_control(slot, control, 1 / len(self.ctx.clients))
         self.unless_dropped(client_id, "end_round")
+
+    def secure_setup(self, clients: list[ClientInfo], slot: str) -> None:
+        """Secure aggregation of `slot` (splitlab.secure_aggregation), phases 1 and 2: the clients'
+        public keys to everyone, their encrypted shares to their holders, through the sync server."""
+        if len(clients) < 3:  # clients=all: known only now
+            raise UserError(
+                f"secure_aggregation=true: a round of {len(clients)} client(s); the sum of fewer than 3 gives one away"
+            )
+        advertised = {c.id: self.unless_dropped(c.id, "secagg_keys", slot) for c in clients}
+        public = {str(k): key for k, key in advertised.items() if key is not None}
+        sealed = {k: self.unless_dropped(int(k), "secagg_shares", slot, public) for k in public}
+        shared = {k: shares for k, shares in sealed.items() if shares is not None}
+        self.sync.secagg_begin(slot, {k: public[k] for k in shared}, len(public))
+        for k in shared:
+            inbox = {u: shares[k] for u, shares in shared.items() if u != k}
+            self.unless_dropped(int(k), "secagg_receive", slot, inbox)
+
+    def average(self, slot: str) -> None:
+        """The sync server averages `slot`; under secure aggregation after the unmasking (phase 4):
+        the clients still there send the shares that let it remove the masks from the sum."""
+        if self.ctx.config.secure_aggregation:
+            outcome = self.sync.secagg_outcome(slot)
+            survivors, dropped = outcome["survivors"], outcome["dropped"]
+            answers = {k: self.unless_dropped(k, "secagg_unmask", slot, survivors, dropped) for k in survivors.tolist()}
+            self.sync.unmask(slot, {k: answer for k, answer in answers.items() if answer is not None})
+        self.sync.average(slot)
 
     def fold_server_copy(self, client_id: int, alpha: float) -> None:
         """The client's working copy of the server part into the round's average with weight alpha
@@ -334,7 +387,7 @@ class Algorithm(Generic[ParamsT]):
         """Every client's `slot` averaged by the sync server with weights |D_k|."""
         for client, alpha in zip(clients, self.ctx.weights(clients)):
             self.contribute(client.id, alpha, (slot,))
-        self.sync.average(slot)
+        self.average(slot)
 
     def for_each_client(
         self,

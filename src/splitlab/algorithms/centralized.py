@@ -16,6 +16,7 @@ class Centralized(Algorithm[NoParams]):
     name = "centralized"
     models = {"client_model": whole_model}
     not_u_shaped = "nothing is split: one node trains the whole model"
+    not_averaged = "one node trains the whole model: there is nothing to average"
     supports_fp16 = True
 
     @staticmethod

@@ -115,6 +115,7 @@ class CSEFSL(AuxiliaryFSL, Algorithm[CSEFSLParams]):
     name = "cse_fsl"
     Client = CSEFSLClient
     supports_fp16 = True
+    averaged = ("client_model", "aux_model")
 
     def start_round(self, clients: list[ClientInfo]) -> None:
         for client in clients:
@@ -124,5 +125,5 @@ class CSEFSL(AuxiliaryFSL, Algorithm[CSEFSLParams]):
     def finish_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         for client, alpha in zip(clients, self.ctx.weights(clients)):
             self.contribute(client.id, alpha, ("client_model", "aux_model"))
-        self.sync.average("client_model")
-        self.sync.average("aux_model")
+        self.average("client_model")
+        self.average("aux_model")

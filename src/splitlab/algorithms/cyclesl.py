@@ -399,6 +399,7 @@ class CycleSFL(CycleSL, Algorithm[CycleParams]):
         "after the round's cycle."
     )
     Client = CycleClient
+    averaged = ("client_model",)
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         for client in clients:  # one live copy per sampled client (graphs kept)

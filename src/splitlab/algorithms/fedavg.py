@@ -15,10 +15,11 @@ class FedAvg(Algorithm[NoParams]):
     models = {"client_model": whole_model}
     not_u_shaped = "nothing is split: every client trains the whole model"
     supports_fp16 = True
+    averaged = ("client_model",)
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.contribute_model)
-        self.sync.average("client_model")
+        self.average("client_model")
 
     def local_training(self, client: ClientInfo) -> None:
         self.download(client.id)

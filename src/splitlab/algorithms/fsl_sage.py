@@ -236,6 +236,7 @@ class SageServer(TrainingServer[FSLSAGEParams]):
 class FSLSAGE(AuxiliaryFSL, Algorithm[FSLSAGEParams]):
     name = "fsl_sage"
     supports_fp16 = True
+    averaged = ("client_model",)
     Client = SageClient
     Server = SageServer
 

@@ -32,6 +32,7 @@ class PersonalClients(Algorithm):
 
     personal_models = True
     Client = PersonalClient
+    not_averaged = "every client keeps its own client part for the run; no sync server averages them"
 
     def global_model(self) -> None:
         return None

@@ -22,10 +22,11 @@ class SFLV1(Algorithm[NoParams]):
     Client, Server = UShapedClient, UShapedServer
     supports_u_shape = True
     supports_fp16 = True
+    averaged = ("client_model",)
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.fold)
-        self.sync.average("client_model")
+        self.average("client_model")
         self.server.average_copies()
 
     def local_training(self, client: ClientInfo) -> None:

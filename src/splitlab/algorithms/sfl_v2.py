@@ -36,6 +36,7 @@ class SFLV2(Algorithm[SFLV2Params]):
     Client, Server = UShapedClient, UShapedServer
     supports_u_shape = True
     supports_fp16 = True
+    averaged = ("client_model",)
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         if self.params.server_schedule == "interleaved":
@@ -51,4 +52,4 @@ class SFLV2(Algorithm[SFLV2Params]):
                 for step in range(self.ctx.local_steps(clients[k])):
                     self.split_step(clients[k].id, step)
                 self.contribute(clients[k].id, alphas[k])
-            self.sync.average("client_model")
+            self.average("client_model")

@@ -49,6 +49,7 @@ class Relay(Algorithm):
     """One client part handed from client to client; shared with CycleSSL."""
 
     Client = RelayClient
+    not_averaged = "one client part is relayed from client to client, never averaged"
     holder = -1  # id of the client holding the client part; -1 before anyone has it
     relayed: State | None = None  # the client part as the server last relayed it (None: not yet)
     lost = False  # the holder dropped out with the client part

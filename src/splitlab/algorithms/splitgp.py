@@ -181,6 +181,11 @@ class SplitGP(Algorithm[SplitGPParams]):
     Server = SplitGPServer
     supports_fp16 = True
     models = {**SPLIT_MODELS, "aux_model": initial_exit}
+    averaged = ("client_model", "aux_model")
+    not_from_average = (
+        "its clients start each round from their own phi_k and h_k (mixed with the average after it, eqs. 9-10), "
+        "so there is no client delta from the sync server's model to step on"
+    )
     not_u_shaped = "its server part is the main model's last layers, trained on the labels the clients send"
 
     def __init__(self, ctx: Context) -> None:
@@ -192,8 +197,8 @@ class SplitGP(Algorithm[SplitGPParams]):
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.fold)
         self.server.average_copies()
-        self.sync.average("client_model")
-        self.sync.average("aux_model")
+        self.average("client_model")
+        self.average("aux_model")
         for client in clients:
             for slot in ("client_model", "aux_model"):
                 self.unless_dropped(client.id, "mix", slot, self.sync.model_state(slot))

@@ -10,6 +10,7 @@ targets: int64 (B,) within [0, classes), or for a language task int64 (B, T) wit
 gradient at a U-shaped split's second cut has the dtype and shape of the server output it answers;
 a loss is a scalar of the model's dtype; a model (uploaded, relayed, snapshot or checkpointed)
 has exactly the slot's tensor names, shapes and dtypes, and an optimizer state fits its model;
+a SCAFFOLD control variate (sent, or in a client's state) is float32 over an averaged slot's trainable parameters;
 a verb that declares no kind
 returns nothing (but `sample_count`: a whole number, at most the samples the client reported); a
 verb with no check here is refused. Every floating tensor must be finite. In a vertical run
@@ -38,6 +39,7 @@ from splitlab.data.datasets import SUMMARY_KEYS, data_summary
 from splitlab.loss_scale import unscaled
 from splitlab.privacy import defenses
 from splitlab.roles import Blueprint, ClientNode, pooled
+from splitlab.strategies import trainable
 from splitlab.targets import IGNORED
 from splitlab.transport import KEYED, VerbSpec
 
@@ -108,6 +110,8 @@ class Checks:
             self._test_batch(verb, args, result)
         elif kind == "client_model_relay":
             self._model("client_model", result)
+        elif kind == "control_up" and args and isinstance(args[0], str):
+            self._control(args[0], result)
         elif args and isinstance(args[0], str) and self._own(args[0]) in self.blueprint.builders:  # upload, snapshot
             self._model(args[0], result)
         elif verb == "infer" and args and isinstance(args[0], torch.Tensor):  # SplitGP's client exit
@@ -302,21 +306,32 @@ class Checks:
 
     def _model(self, slot: str, state: Any) -> None:
         own = self._own(slot)
-        expected = self.blueprint.initial_state(own if own != slot else pooled(slot))
-        if not isinstance(state, dict) or set(state) != set(expected):
-            names = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
-            raise Refused(f"{slot} holds {names}, expected the tensors {sorted(expected)}")
-        for name, tensor in state.items():
-            want = expected[name]
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype != want.dtype or tensor.shape != want.shape:
-                raise Refused(f"{slot}.{name} is {_form(tensor)}, expected {want.dtype} {tuple(want.shape)}")
+        _named_tensors(slot, state, self.blueprint.initial_state(own if own != slot else pooled(slot)))
+
+    def _control(self, slot: str, control: Any) -> None:
+        """SCAFFOLD: a control variate of an averaged slot, float32 over its trainable parameters."""
+        if slot not in self.blueprint.averaged:
+            raise Refused(f"a control variate of {slot!r}, which the sync server does not average")
+        expected = {name: p.detach().float() for name, p in trainable(self.blueprint.initial(slot)).items()}
+        _named_tensors(f"control {slot}", control, expected)
 
     def _role_state(self, state: Any) -> None:
-        keys = {"models", "optimizers"} | ({"loss_scale"} if self.blueprint.config.precision == "fp16" else set())
+        cfg = self.blueprint.config
+        keys = {"models", "optimizers"} | ({"loss_scale"} if cfg.precision == "fp16" else set())
+        keys |= {"controls"} if cfg.scaffold else set()
         if not isinstance(state, dict) or set(state) != keys:
             raise Refused(f"a client's state must hold exactly {', '.join(map(repr, sorted(keys)))}")
         if "loss_scale" in state:
             _loss_scale(state["loss_scale"])
+        if "controls" in state:
+            controls = state["controls"]
+            if not isinstance(controls, dict) or set(controls) != {"own", "server"}:
+                raise Refused("a client's controls must hold exactly 'own' and 'server'")
+            for held in controls.values():
+                if not isinstance(held, dict):
+                    raise Refused("a client's controls must be dicts of slots")
+                for slot, control in held.items():
+                    self._control(slot, control)
         models, optimizers = state["models"], state["optimizers"]
         if not isinstance(models, dict) or not isinstance(optimizers, dict):
             raise Refused("a client's state's models and optimizers must be dicts")
@@ -392,6 +407,17 @@ class Checks:
     def _expected_loss_dtype(self) -> torch.dtype:
         """A client's loss: the model's dtype; under autocast (precision=bf16), float32, as torch computes losses."""
         return self._expected_smashed().dtype if self.blueprint.cut_dtype is None else torch.float32
+
+
+def _named_tensors(what: str, state: Any, expected: dict[str, torch.Tensor]) -> None:
+    """Refused unless `state` holds exactly `expected`'s names, each a tensor of its dtype and shape."""
+    if not isinstance(state, dict) or set(state) != set(expected):
+        names = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
+        raise Refused(f"{what} holds {names}, expected the tensors {sorted(expected)}")
+    for name, tensor in state.items():
+        want = expected[name]
+        if not isinstance(tensor, torch.Tensor) or tensor.dtype != want.dtype or tensor.shape != want.shape:
+            raise Refused(f"{what}.{name} is {_form(tensor)}, expected {want.dtype} {tuple(want.shape)}")
 
 
 def _tensor(result: dict, key: str) -> torch.Tensor:
