@@ -31,7 +31,7 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m.role[0] }}: {{ m.content }}\n{% end
 
 def generated_chats(path: Path, rows: int = 300, seed: int = 0) -> None:
     stream = random.Random(seed)
-    words = "to be or not that is the question whether tis nobler in mind suffer".split()
+    words = ["to", "be", "or", "not", "that", "is", "the", "question", "whether", "tis", "nobler", "in", "mind"]
 
     def text(low: int, high: int) -> str:
         length, out = stream.randint(low, high), ""
