@@ -104,3 +104,24 @@ def test_model_gpt_packed_rows_lose_as_alone():
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])  # learned positions; rotary ones
 def test_model_hf_packed_rows_lose_as_alone(tmp_path, arch):
     assert_packed_rows_lose_as_alone(load_staged(tiny_hf_model(tmp_path, arch, layers=2)), 1)
+
+
+def test_a_split_step_on_packed_rows_has_the_gradients_of_the_rows_unpacked():
+    """One split step as sfl_v2 takes it (client part forward, smashed data up with the batch's
+    segment ids beside the labels, server part's loss and backward, the cut gradient down, the
+    client's backward): every parameter's gradient equals that of the unpacked rows' batch loss."""
+    x, y, vocab = chat_rows()
+    torch.manual_seed(0)
+    model = gpt((SEQ_LEN,), vocab, layers=2, heads=2, width=16, context=SEQ_LEN)
+    token_losses(model, x, y)[y != IGNORED].mean().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    inputs, targets, segments = pack(x, y, pad=0)
+    client, server = split(model, 1)
+    with packed.rows(segments):
+        smashed = client(inputs)
+    received = smashed.detach().requires_grad_()
+    token_losses(server, received, targets, segments)[targets != IGNORED].mean().backward()
+    smashed.backward(received.grad)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, expected[name], rtol=0, atol=1e-5, msg=name)
