@@ -21,9 +21,8 @@ from pathlib import Path
 from splitlab.data.jsonl import read_jsonl
 from splitlab.data.language import targets_of
 from splitlab.data.shakespeare import VOCAB
-from splitlab.data.text_rows import encode, pack, pad_id
+from splitlab.data.text_rows import encode, lengths_in_loss, pack, pad_id
 from splitlab.models.hf import char_tokenizer, load_tokenizer
-from splitlab.targets import IGNORED
 
 #: `r: content` and a newline per message (r: the role's initial)
 CHAT_TEMPLATE = "{% for m in messages %}{{ m.role[0] }}: {{ m.content }}\n{% endfor %}"
@@ -69,7 +68,7 @@ def main() -> None:
         if args.model_dir is None:
             tokenizer.chat_template = CHAT_TEMPLATE
         x, y = targets_of(*encode(read_jsonl(data_file), tokenizer, args.seq_len, "tokenising"))
-    in_rows = int((args.seq_len - (y != IGNORED).flip(1).int().argmax(dim=1)).sum())
+    in_rows = sum(lengths_in_loss(y))
     inputs, _, _ = pack(x, y, pad_id(tokenizer))
     print(f"{len(x)} rows, seq_len {args.seq_len}: {in_rows} positions hold a row")
     for name, sequences in (("unpacked", len(x)), ("packed", len(inputs))):

@@ -331,15 +331,20 @@ def _conversations(
     return with_loss(torch.from_numpy(tokens), torch.from_numpy(mask), truncation, title)
 
 
+def lengths_in_loss(y: torch.Tensor) -> list[int]:
+    """Each row of targets `y` up to its last target in the loss (what follows it changes no loss
+    of a causal model): the positions `pack` gives it."""
+    return (y.shape[1] - (y != IGNORED).flip(1).int().argmax(dim=1)).tolist()
+
+
 def pack(x: torch.Tensor, y: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(inputs, targets, segment ids), each (M, T), of the rows (`x`, `y`: inputs and targets (N, T),
-    IGNORED where not in the loss) packed several to a sequence: each row up to its last target in
-    the loss (what follows it changes no loss of a causal model) goes, in data order, into the first
-    sequence with room for it (first fit), else a new one. A sequence's rows have segment ids 0, 1, ...
-    and the padding after them the next id (its own row, so that no position sees only others');
-    models/packed.py keeps attention and positions within each row."""
-    in_loss = y != IGNORED
-    used = (y.shape[1] - in_loss.flip(1).int().argmax(dim=1)).tolist()  # up to the last target in the loss
+    IGNORED where not in the loss) packed several to a sequence: each row (`lengths_in_loss`) goes,
+    in data order, into the first sequence with room for it (first fit), else a new one. A
+    sequence's rows have segment ids 0, 1, ... and the padding after them the next id (a row of
+    its own, so that no position sees only others'); models/packed.py keeps attention and
+    positions within each row."""
+    used = lengths_in_loss(y)
     room: list[int] = []
     rows_of: list[list[int]] = []
     for i, length in enumerate(used):
