@@ -106,14 +106,17 @@ def test_model_hf_packed_rows_lose_as_alone(tmp_path, arch):
     assert_packed_rows_lose_as_alone(load_staged(tiny_hf_model(tmp_path, arch, layers=2)), 1)
 
 
-def test_a_split_step_on_packed_rows_has_the_gradients_of_the_rows_unpacked():
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_split_step_on_packed_rows_has_the_gradients_of_the_rows_unpacked(checkpointed):
     """One split step as sfl_v2 takes it (client part forward, smashed data up with the batch's
     segment ids beside the labels, server part's loss and backward, the cut gradient down, the
-    client's backward): every parameter's gradient equals that of the unpacked rows' batch loss."""
+    client's backward): every parameter's gradient equals that of the unpacked rows' batch loss,
+    also where stages are recomputed in the backward pass (gradient_checkpointing), outside `rows`."""
     x, y, vocab = chat_rows()
     torch.manual_seed(0)
     model = gpt((SEQ_LEN,), vocab, layers=2, heads=2, width=16, context=SEQ_LEN)
     token_losses(model, x, y)[y != IGNORED].mean().backward()
+    model.checkpointed = checkpointed
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
     inputs, targets, segments = pack(x, y, pad=0)
