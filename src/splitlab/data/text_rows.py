@@ -34,6 +34,7 @@ import numpy as np
 from splitlab.errors import UserError
 from splitlab.lazy import torch
 from splitlab.logs import LOGGER, progress
+from splitlab.targets import IGNORED
 
 #: format -> the fields a row of it needs
 FORMATS = {"text": ("text",), "prompt/completion": ("prompt", "completion"), "messages": ("messages",)}
@@ -328,3 +329,40 @@ def _conversations(
             f"turn as the start of the whole; those are in the loss whole, not only their assistant turns"
         )
     return with_loss(torch.from_numpy(tokens), torch.from_numpy(mask), truncation, title)
+
+
+def lengths_in_loss(y: torch.Tensor) -> list[int]:
+    """Each row of targets `y` up to its last target in the loss (what follows it changes no loss
+    of a causal model): the positions `pack` gives it."""
+    return (y.shape[1] - (y != IGNORED).flip(1).int().argmax(dim=1)).tolist()
+
+
+def pack(x: torch.Tensor, y: torch.Tensor, pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(inputs, targets, segment ids), each (M, T), of the rows (`x`, `y`: inputs and targets (N, T),
+    IGNORED where not in the loss) packed several to a sequence: each row (`lengths_in_loss`) goes,
+    in data order, into the first sequence with room for it (first fit), else a new one. A
+    sequence's rows have segment ids 0, 1, ... and the padding after them the next id (a row of
+    its own, so that no position sees only others'); models/packed.py keeps attention and
+    positions within each row."""
+    used = lengths_in_loss(y)
+    room: list[int] = []
+    rows_of: list[list[int]] = []
+    for i, length in enumerate(used):
+        place = next((s for s, free in enumerate(room) if free >= length), len(room))
+        if place == len(room):
+            room.append(y.shape[1])
+            rows_of.append([])
+        room[place] -= length
+        rows_of[place].append(i)
+    shape = (len(rows_of), y.shape[1])
+    inputs, targets = torch.full(shape, pad, dtype=x.dtype), torch.full(shape, IGNORED, dtype=y.dtype)
+    segments = torch.empty(shape, dtype=torch.int64)
+    for s, rows in enumerate(rows_of):
+        start = 0
+        for segment, i in enumerate(rows):
+            end = start + used[i]
+            inputs[s, start:end], targets[s, start:end] = x[i, : used[i]], y[i, : used[i]]
+            segments[s, start:end] = segment
+            start = end
+        segments[s, start:] = len(rows)
+    return inputs, targets, segments

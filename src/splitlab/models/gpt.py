@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from splitlab.errors import UserError
+from splitlab.models import packed
 from splitlab.models.staged import StagedModel
 
 
@@ -35,8 +36,7 @@ class CausalSelfAttention(nn.Module):
         # written out rather than F.scaled_dot_product_attention, whose fused CPU kernels have no
         # second derivative (FSL-SAGE's alignment differentiates a cut gradient)
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(width // self.heads)
-        future = torch.ones(tokens, tokens, dtype=torch.bool, device=x.device).triu(1)
-        y = F.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
+        y = F.softmax(scores.masked_fill(packed.other_rows(tokens, x.device), float("-inf")), dim=-1) @ v
         return self.c_proj(y.transpose(1, 2).reshape(batch, tokens, width))
 
 
@@ -58,7 +58,7 @@ class Block(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Token plus learned position embeddings."""
+    """Token plus learned position embeddings (positions from each packed row's start: models/packed.py)."""
 
     def __init__(self, vocab: int, context: int, width: int) -> None:
         super().__init__()
@@ -66,8 +66,7 @@ class Embedding(nn.Module):
         self.wpe = nn.Embedding(context, width)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.wte(tokens) + self.wpe(positions)
+        return self.wte(tokens) + self.wpe(packed.positions(tokens.shape[1], tokens.device))
 
 
 class GptParams(BaseModel):

@@ -59,6 +59,7 @@ from torch import nn
 
 from splitlab.errors import UserError
 from splitlab.io import atomic_folder, cpu_copy, write_safetensors
+from splitlab.models import packed
 from splitlab.models.lora import KeyedDropout
 from splitlab.models.staged import StagedModel
 
@@ -140,8 +141,7 @@ class GPT2Embedding(nn.Module):
         self.wte, self.wpe, self.drop = wte, wpe, drop
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.drop(self.wte(tokens) + self.wpe(positions))
+        return self.drop(self.wte(tokens) + self.wpe(packed.positions(tokens.shape[1], tokens.device)))
 
 
 class TokenEmbedding(nn.Module):
@@ -156,7 +156,9 @@ class TokenEmbedding(nn.Module):
 
 
 class DecoderBlock(nn.Module):
-    """One transformers decoder layer that builds its own causal mask and rotary embeddings."""
+    """One transformers decoder layer that builds its own causal mask and rotary embeddings. In a
+    packed batch (models/packed.py) the positions restart at each row, and transformers' mask,
+    seeing them restart with no padding mask given, keeps attention within each row."""
 
     def __init__(self, layer: nn.Module, config: Any, index: int, rotary: nn.Module | None) -> None:
         super().__init__()
@@ -176,7 +178,7 @@ class DecoderBlock(nn.Module):
         )
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        positions = packed.positions(hidden.shape[1], hidden.device)
         mask = self.make_mask(
             config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None, position_ids=positions
         )

@@ -20,18 +20,25 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from splitlab.errors import UserError
+from splitlab.models import packed
 
 
 def run_stages(stages: list[nn.Module], x: torch.Tensor, checkpointed: bool) -> torch.Tensor:
     """`stages` in order on `x`. `checkpointed` (gradient_checkpointing=): while gradients are
     recorded, each stage keeps only its input and is run again in the backward pass, with the
-    random state its dropout drew from the first time (so the result is the same)."""
+    random state its dropout drew from the first time and the packed rows it saw (models/packed.py),
+    so the result is the same."""
     for stage in stages:
         if checkpointed and torch.is_grad_enabled():
-            x = checkpoint(stage, x, use_reentrant=False, preserve_rng_state=True)
+            x = checkpoint(_in_rows, stage, packed.segments(), x, use_reentrant=False, preserve_rng_state=True)
         else:
             x = stage(x)
     return x
+
+
+def _in_rows(stage: nn.Module, segments: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    with packed.rows(segments):
+        return stage(x)
 
 
 class Stages(nn.Sequential):
