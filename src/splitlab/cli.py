@@ -308,12 +308,12 @@ def _cmd_latency(args: argparse.Namespace) -> int:
 
 def _cmd_attack(args: argparse.Namespace) -> int:
     from splitlab.audit.attack import attacks
-    from splitlab.audit.run import attack_run
+    from splitlab.audit.run import attack_run, strongest_rows
     from splitlab.config import parse_overrides
 
     result = attack_run(args.dir, parse_overrides(args.overrides))
     table = Table(show_header=False, title=f"{result['attack']} on {result['targets']} (defense {result['defense']})")
-    for row in attacks()[result["attack"]].rows(result):
+    for row in [*attacks()[result["attack"]].rows(result), *strongest_rows(result)]:
         table.add_row(*row)
     console.print(table)
     console.print(f"written to {args.dir}/attack.json")

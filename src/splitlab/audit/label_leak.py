@@ -36,6 +36,7 @@ class LabelLeak(Attack):
     why = LABELS_ARE_TOKENS
     vertical = "the labels from the gradients a passive party receives"
     aux = False
+    figures = {"norm_auc": "label AUC", "direction_auc": "label AUC"}
 
     def run(self, target: Target) -> dict[str, Any]:
         result: dict[str, Any] = {"gradient": target.gradient}

@@ -1,0 +1,124 @@
+"""Every release of a sequence at once (`linked_releases`): the noise of a randomised defense
+averaged out over the rounds.
+
+A client sends the hidden states of each of its sequences once a round (every local epoch), each
+time with fresh noise (`dchi:E`, `noise:S`). A server that keeps what it received links the
+releases of one sequence across the recorded rounds and decodes them together: per round, the
+token decoder of `token_inversion` trained on the auxiliary text through the client part that
+round started with (a server that is, or colludes with, the sync server holds it) gives each
+position's log-probabilities; a sequence of the attacked round is linked to the sequence of
+another round most likely to show the same text (the likelihood ratio of one text against two,
+from the two releases' decoded probabilities and the auxiliary text's unigram prior), where that
+one's best match is it too (mutual; the server links on what it received, never on the true
+text); the log-probabilities of the linked releases are summed (a product of the per-release
+posteriors, as for independent noise draws) and each position answers the most probable token.
+`releases` reports the mean releases decoded per target sequence, `links_right` (scored with the
+recorded inputs, known to the experimenter only) the fraction of links that joined the same text.
+It is the composition any DP accounting counts (a per-release epsilon grows with the releases:
+the summary's `releases_per_token`), made into an attack.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from splitlab.audit.attack import TEXT_RECOVERED, Attack, Target
+from splitlab.audit.records import as_produced, load_round
+from splitlab.audit.token_inversion import decoded_logits, scored, token_rows
+from splitlab.errors import UserError
+from splitlab.models import load_shared
+
+
+def link_scores(mine: torch.Tensor, theirs: torch.Tensor, prior: torch.Tensor) -> torch.Tensor:
+    """(M, N): how likely each of `mine`'s releases (log-probabilities (M, T, V)) shows the same
+    text as each of `theirs` (N, T, V): the log-likelihood ratio of one text against two
+    independent ones, sum over positions of log sum over v of p(v | mine) p(v | theirs) / prior(v)."""
+    same = torch.einsum("mtv,ntv->tmn", mine.exp() / prior, theirs.exp())
+    return same.clamp_min(torch.finfo(same.dtype).tiny).log().sum(0)
+
+
+def mutual_links(scores: torch.Tensor) -> torch.Tensor:
+    """(M,): for each row of `scores` (M, N), the column scoring highest where that column's best
+    row is it too; -1 if not mutual."""
+    best, back = scores.argmax(1), scores.argmax(0)
+    mutual = back[best] == torch.arange(len(scores), device=scores.device)
+    return torch.where(mutual, best, torch.full_like(best, -1))
+
+
+def linked_releases(
+    per_round: list[torch.Tensor], attacked: int, prior: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probabilities (M, T, V) of the attacked round's sequences over their linked
+    releases, the links (R, M): index in each round, -1 where none), from each round's decoder
+    logits `per_round` (M_r, T, V) and the tokens' `prior` (V)."""
+    log_probs = [F.log_softmax(logits, -1) for logits in per_round]
+    total = log_probs[attacked].clone()
+    links = []
+    for r, theirs in enumerate(log_probs):
+        if r == attacked:
+            links.append(torch.arange(len(total), device=total.device))
+            continue
+        found = mutual_links(link_scores(log_probs[attacked], theirs, prior))
+        links.append(found)
+        linked = found >= 0
+        total[linked] += theirs[found[linked]]
+    return total, torch.stack(links)
+
+
+class LinkedReleases(Attack):
+    name = "linked_releases"
+    inputs = ("tokens",)
+    why = "it decodes the token hidden states of a language run; use attack=inversion"
+    figures = {"accuracy": TEXT_RECOVERED}
+    advised = False  # it needs the rounds record=N kept; a probe attacks its final model
+
+    def run(self, target: Target) -> dict[str, Any]:
+        if target.recorded is None:
+            raise UserError(
+                f"attack=linked_releases decodes the releases of the recorded rounds; {str(target.path)!r} recorded "
+                f"none (run it with record=N)"
+            )
+        settings, blueprint = target.settings, target.experiment.blueprint
+        aux, vocabulary = target.aux_x.long(), blueprint.num_classes
+        rounds = sorted(target.recorded_rounds)
+        per_round, inputs = [], []
+        for rnd in rounds:
+            tensors, weights = load_round(target.recorded_rounds[rnd], target.shapes, vocabulary)
+            tensors, state = as_produced(tensors, weights, settings.client)
+            client = target.client
+            if rnd != target.recorded[0] and state is not None:
+                client = copy.deepcopy(target.client)
+                load_shared(client, state)
+            smashed = tensors["smashed"].to(aux.device)
+            per_round.append(decoded_logits(client, target.defense, aux, smashed, vocabulary, settings.epochs, settings.seed))
+            inputs.append(tensors["inputs"].long().to(aux.device))
+        attacked = rounds.index(target.recorded[0])
+        prior = torch.bincount(aux.flatten(), minlength=vocabulary).float() + 1
+        total, links = linked_releases(per_round, attacked, prior / prior.sum())
+        tokens = inputs[attacked]
+        others = [(r, found) for r, found in enumerate(links) if r != attacked]
+        right = [bool((inputs[r][j] == tokens[i]).all()) for r, found in others for i, j in enumerate(found.tolist()) if j >= 0]
+        found_tokens = {"one_release": per_round[attacked].argmax(-1), "linked": total.argmax(-1)}
+        how = {
+            "releases": float((links >= 0).sum(0).float().mean()),
+            "links_right": sum(right) / len(right) if right else 0.0,
+            "rounds": rounds,
+        }
+        characters = target.experiment.data.vocabulary
+        return scored(found_tokens, aux, tokens, vocabulary, characters, how=how, aux_samples=len(aux))
+
+    @staticmethod
+    def rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+        return token_rows(
+            result,
+            ("decoder, the attacked round's release alone", f"{result['one_release']:.2%}"),
+            (
+                f"decoder, linked releases ({result['releases']:.2f} a sequence, rounds {result['rounds']})",
+                f"{result['linked']:.2%}",
+            ),
+            ("links joining the same text", f"{result['links_right']:.1%}"),
+        )
