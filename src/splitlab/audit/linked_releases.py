@@ -12,6 +12,10 @@ from the two releases' decoded probabilities and the auxiliary text's unigram pr
 one's best match is it too (mutual; the server links on what it received, never on the true
 text); the log-probabilities of the linked releases are summed (a product of the per-release
 posteriors, as for independent noise draws) and each position answers the most probable token.
+The same links sum the distances of each release to every token's embedding (that round's
+embedding stage, as `embedding_inversion` searches it): under d_chi's density exp(-E ||z||) the
+most likely token of independent releases is the one with the least summed distance
+(`linked_nearest`).
 `releases` reports the mean releases decoded per target sequence, `links_right` (scored with the
 recorded inputs, known to the experimenter only) the fraction of links that joined the same text.
 It is the composition any DP accounting counts (a per-release epsilon grows with the releases:
@@ -21,12 +25,15 @@ the summary's `releases_per_token`), made into an attack.
 from __future__ import annotations
 
 import copy
+import typing
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from splitlab.audit.attack import TEXT_RECOVERED, Attack, Target
+from splitlab.audit.embedding_inversion import distances, token_embeddings
 from splitlab.audit.records import as_produced, load_round
 from splitlab.audit.token_inversion import decoded_logits, scored, token_rows
 from splitlab.errors import UserError
@@ -49,24 +56,27 @@ def mutual_links(scores: torch.Tensor) -> torch.Tensor:
     return torch.where(mutual, best, torch.full_like(best, -1))
 
 
-def linked_releases(
-    per_round: list[torch.Tensor], attacked: int, prior: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probabilities (M, T, V) of the attacked round's sequences over their linked
-    releases, the links (R, M): index in each round, -1 where none), from each round's decoder
-    logits `per_round` (M_r, T, V) and the tokens' `prior` (V)."""
-    log_probs = [F.log_softmax(logits, -1) for logits in per_round]
-    total = log_probs[attacked].clone()
-    links = []
-    for r, theirs in enumerate(log_probs):
-        if r == attacked:
-            links.append(torch.arange(len(total), device=total.device))
-            continue
-        found = mutual_links(link_scores(log_probs[attacked], theirs, prior))
-        links.append(found)
+def release_links(log_probs: list[torch.Tensor], attacked: int, prior: torch.Tensor) -> torch.Tensor:
+    """(R, M): for each of the attacked round's M sequences, its linked release in each round (its
+    own index in the attacked round; -1 where none), from each round's decoded log-probabilities
+    (M_r, T, V) and the tokens' `prior` (V)."""
+    mine = log_probs[attacked]
+    return torch.stack(
+        [
+            torch.arange(len(mine), device=mine.device) if r == attacked else mutual_links(link_scores(mine, theirs, prior))
+            for r, theirs in enumerate(log_probs)
+        ]
+    )
+
+
+def summed(per_round: list[torch.Tensor], links: torch.Tensor) -> torch.Tensor:
+    """(M, ...): per attacked sequence, the sum of its linked releases' scores (each round's (M_r, ...))."""
+    first = per_round[0]
+    total = torch.zeros((links.shape[1], *first.shape[1:]), dtype=first.dtype, device=first.device)
+    for scores, found in zip(per_round, links):
         linked = found >= 0
-        total[linked] += theirs[found[linked]]
-    return total, torch.stack(links)
+        total[linked] += scores[found[linked]]
+    return total
 
 
 class LinkedReleases(Attack):
@@ -82,10 +92,10 @@ class LinkedReleases(Attack):
                 f"attack=linked_releases decodes the releases of the recorded rounds; {str(target.path)!r} recorded "
                 f"none (run it with record=N)"
             )
-        settings, blueprint = target.settings, target.experiment.blueprint
-        aux, vocabulary = target.aux_x.long(), blueprint.num_classes
+        settings, vocabulary = target.settings, target.experiment.blueprint.num_classes
+        aux = target.aux_x.long()
         rounds = sorted(target.recorded_rounds)
-        per_round, inputs = [], []
+        log_probs, distance, inputs = [], [], []
         for rnd in rounds:
             tensors, weights = load_round(target.recorded_rounds[rnd], target.shapes, vocabulary)
             tensors, state = as_produced(tensors, weights, settings.client)
@@ -93,16 +103,28 @@ class LinkedReleases(Attack):
             if rnd != target.recorded[0] and state is not None:
                 client = copy.deepcopy(target.client)
                 load_shared(client, state)
-            smashed = tensors["smashed"].to(aux.device)
-            per_round.append(decoded_logits(client, target.defense, aux, smashed, vocabulary, settings.epochs, settings.seed))
+            hidden = tensors["smashed"].to(aux.device)
+            logits = decoded_logits(client, target.defense, aux, hidden, vocabulary, settings.epochs, settings.seed)
+            log_probs.append(F.log_softmax(logits, -1))
+            candidates = token_embeddings(typing.cast(nn.Sequential, client), vocabulary, hidden.shape[1])
+            distance.append(distances(hidden, candidates))
             inputs.append(tensors["inputs"].long().to(aux.device))
         attacked = rounds.index(target.recorded[0])
         prior = torch.bincount(aux.flatten(), minlength=vocabulary).float() + 1
-        total, links = linked_releases(per_round, attacked, prior / prior.sum())
+        links = release_links(log_probs, attacked, prior / prior.sum())
         tokens = inputs[attacked]
-        others = [(r, found) for r, found in enumerate(links) if r != attacked]
-        right = [bool((inputs[r][j] == tokens[i]).all()) for r, found in others for i, j in enumerate(found.tolist()) if j >= 0]
-        found_tokens = {"one_release": per_round[attacked].argmax(-1), "linked": total.argmax(-1)}
+        right = [
+            bool((inputs[r][j] == tokens[i]).all())
+            for r, found in enumerate(links)
+            if r != attacked
+            for i, j in enumerate(found.tolist())
+            if j >= 0
+        ]
+        found_tokens = {
+            "one_release": log_probs[attacked].argmax(-1),
+            "linked": summed(log_probs, links).argmax(-1),
+            "linked_nearest": summed(distance, links).argmin(-1),
+        }
         how = {
             "releases": float((links >= 0).sum(0).float().mean()),
             "links_right": sum(right) / len(right) if right else 0.0,
@@ -120,5 +142,6 @@ class LinkedReleases(Attack):
                 f"decoder, linked releases ({result['releases']:.2f} a sequence, rounds {result['rounds']})",
                 f"{result['linked']:.2%}",
             ),
+            ("nearest embedding, distances summed over the linked releases", f"{result['linked_nearest']:.2%}"),
             ("links joining the same text", f"{result['links_right']:.1%}"),
         )
