@@ -413,7 +413,7 @@ COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.Namespace], int], 
     ),
     "attack": (
         "an attack on a finished run (inversion | unsplit | fsha | label_leak | model_completion | "
-        "token_inversion | embedding_inversion | gradient_matching | bisr)",
+        "token_inversion | embedding_inversion | targets_channel | linked_releases | gradient_matching | bisr)",
         "An attack on a finished run (a curious or malicious server's, or model completion); see docs/privacy.md.",
         _cmd_attack,
         "dir KEY=VALUE",

@@ -306,9 +306,7 @@ def no_pick(settings: AdviseSettings, ranked: list[dict[str, Any]]) -> str:
     u_shaped = [row for row in ranked if not row["targets_at_server"]]
     if u_shaped:
         least = min(u_shaped, key=lambda row: row["recovery"])
-        why.append(
-            f"the U-shaped cuts' hidden states still give {least['recovery']:.1%} or more ({least['attack']})"
-        )
+        why.append(f"the U-shaped cuts' hidden states still give {least['recovery']:.1%} or more ({least['attack']})")
     else:
         why.append("no U-shaped cut was probed (u_shaped=true adds them)")
     budget = f"max_recovery={settings.max_recovery:g}" if settings.max_recovery is not None else "the budget"

@@ -41,7 +41,8 @@ def token_embeddings(client: nn.Sequential, vocabulary: int, length: int) -> tor
 
 
 def distances(hidden: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
-    """(M, T, V): at each position, the L2 distance of `hidden` (M, T, D) to every token's candidate embedding (V, T, D)."""
+    """(M, T, V): at each position, the L2 distance of `hidden` (M, T, D) to every token's
+    candidate embedding (V, T, D)."""
     # per position t: (M, D) against (V, D), exact distances (not through a matrix product)
     per_position = torch.cdist(
         hidden.transpose(0, 1), candidates.transpose(0, 1), compute_mode="donot_use_mm_for_euclid_dist"
@@ -84,7 +85,11 @@ def embedding_inversion(seen: Observed, seed: int, characters: str | None = None
     if defense.dchi is not None:  # the mechanism known: its density, with the tokens' prior
         aux_mapped = torch.cat([aux_hidden, torch.ones_like(aux_hidden[..., :1])], -1) @ mapping
         found["prior"], how["prior_scale"] = mechanism_map(
-            distances(aux_mapped, candidates), aux_tokens, distances(mapped_hidden, candidates), defense.dchi, vocabulary
+            distances(aux_mapped, candidates),
+            aux_tokens,
+            distances(mapped_hidden, candidates),
+            defense.dchi,
+            vocabulary,
         )
     return scored(found, aux_tokens, target_tokens, vocabulary, characters, how=how, aux_samples=len(aux_tokens))
 

@@ -63,7 +63,9 @@ def release_links(log_probs: list[torch.Tensor], attacked: int, prior: torch.Ten
     mine = log_probs[attacked]
     return torch.stack(
         [
-            torch.arange(len(mine), device=mine.device) if r == attacked else mutual_links(link_scores(mine, theirs, prior))
+            torch.arange(len(mine), device=mine.device)
+            if r == attacked
+            else mutual_links(link_scores(mine, theirs, prior))
             for r, theirs in enumerate(log_probs)
         ]
     )

@@ -107,7 +107,9 @@ def load_record(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int
 Weights = dict[int, dict[str, torch.Tensor]]  # by client: the shared state of its client part
 
 
-def load_round(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int) -> tuple[dict[str, torch.Tensor], Weights]:
+def load_round(
+    file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int
+) -> tuple[dict[str, torch.Tensor], Weights]:
     """A recorded round's checked tensors and, by client, the client part that produced them (the
     weights the round started with; empty for a record made before they were kept)."""
     try:
@@ -118,7 +120,8 @@ def load_round(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int)
     for name in [n for n in tensors if n.startswith(WEIGHTS + ".")]:
         client, _, key = name[len(WEIGHTS) + 1 :].partition(".")
         tensor = tensors.pop(name)
-        if not client.isdigit() or not key or not bool(torch.isfinite(tensor).all() if tensor.is_floating_point() else True):
+        finite = not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
+        if not client.isdigit() or not key or not finite:
             raise UserError(f"{str(file)!r} is not a record of this run: {name!r} is not a client's finite weights")
         weights.setdefault(int(client), {})[key] = tensor
     problem = record_problem(tensors, shapes, num_classes)

@@ -339,9 +339,11 @@ def token_distances(client: nn.Module, vocabulary: int, epsilon: float, releases
     `vocabulary` rows): the distance from each token to its nearest neighbour (smallest and median
     over the tokens) and epsilon times the median, per release and over `releases` releases: the
     privacy loss between a typical token and the one nearest to it."""
-    table = next(
-        m.weight for m in client.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == vocabulary
-    ).detach().double()
+    table = (
+        next(m.weight for m in client.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == vocabulary)
+        .detach()
+        .double()
+    )
     distance = torch.cdist(table, table).fill_diagonal_(math.inf).min(1).values
     median = float(distance.median())
     return {
