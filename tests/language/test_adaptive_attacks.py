@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from splitlab.audit.embedding_inversion import map_with_prior
+from splitlab.audit.embedding_inversion import embedding_outputs, map_with_prior
 from splitlab.audit.linked_releases import link_scores, mutual_links, release_links, summed
 from splitlab.audit.run import strongest
 from splitlab.audit.targets_channel import text_from_targets
@@ -34,6 +34,32 @@ def test_map_with_a_prior_answers_the_likely_token_the_nearest_one_misses():
     prior = torch.tensor([0.1, 0.9])
     assert map_with_prior(distance, prior, 1.0).item() == 1
     assert map_with_prior(distance, prior, 100.0).item() == 0
+
+
+class _Residual(nn.Module):
+    """u -> u + 0.1 tanh(W u): a residual stage whose branch is contractive (|W| <= 1)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.linear.weight.data = torch.eye(4).roll(1, 0)  # a permutation: norm 1
+
+    def forward(self, u: torch.Tensor) -> torch.Tensor:
+        return u + 0.1 * torch.tanh(self.linear(u))
+
+
+def test_the_stages_after_the_embedding_are_inverted_back_to_its_noised_output():
+    """Two contractive residual stages after an embedding: the fixed point gives back the input
+    of the stages exactly; a stage that is not residual-invertible (doubling) is left as received."""
+    torch.manual_seed(0)
+    embedding_output = torch.randn(3, 5, 4)
+    client = nn.Sequential(nn.Identity(), _Residual(), _Residual())
+    with torch.no_grad():
+        hidden = client(embedding_output)
+    assert torch.allclose(embedding_outputs(client, hidden), embedding_output, atol=1e-5)
+    doubling = nn.Sequential(nn.Identity(), nn.Linear(4, 4))
+    doubling[1].weight.data, doubling[1].bias.data = 2 * torch.eye(4), torch.zeros(4)
+    assert embedding_outputs(doubling, hidden) is hidden
 
 
 def test_releases_are_linked_by_what_they_decode_and_their_posteriors_summed():
@@ -112,6 +138,7 @@ def test_a_dchi_run_is_attacked_with_each_round_s_weights_and_all_its_releases(l
     linked = json.loads((out / "attack.json").read_text())["linked_releases"]
     assert linked["one_release"] == one["decoder"] and linked["links_right"] > 0.9 and linked["releases"] > 1.5
     assert linked["linked"] > linked["one_release"] + 0.05
+    assert linked["linked_prior"] > linked["one_release"] + 0.05  # d_chi's density, all releases, the prior
     assert main(["attack", str(out), "attack=targets_channel"]) == 0
     printed = capsys.readouterr().out
     channel = json.loads((out / "attack.json").read_text())

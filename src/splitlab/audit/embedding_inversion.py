@@ -13,13 +13,16 @@ result is the better of the raw search and the mapped one, against the floor eve
 reports (token_inversion's: the auxiliary text's most frequent token everywhere).
 
 Under `dchi:E` the attacker knows the mechanism (Kerckhoffs): a third answer (`prior`) is the
-Bayes decision on its output, the token maximising prior(v) x exp(-s ||h - E[v, t]||) with the
-prior the auxiliary text's unigram frequencies and s calibrated on the auxiliary text (E times a
-few multiples), where nearest-token search assumes every token equally likely.
+Bayes decision on its output. The client's stages after the embedding are inverted (each a
+residual map, by fixed-point iteration) back to the noised embedding output u, and each position
+answers the token maximising prior(v) x exp(-E ||u - E[v, t]||): d_chi's density, with the
+prior the auxiliary text's unigram frequencies, where nearest-token search assumes every token
+equally likely.
 """
 
 from __future__ import annotations
 
+import math
 import typing
 from typing import Any
 
@@ -81,38 +84,43 @@ def embedding_inversion(seen: Observed, seed: int, characters: str | None = None
     mapped_hidden = torch.cat([target_hidden, torch.ones_like(target_hidden[..., :1])], -1) @ mapping
     mapped = nearest_tokens(mapped_hidden, candidates)
     found = {"nearest": raw, "mapped": mapped}
-    how = {}
-    if defense.dchi is not None:  # the mechanism known: its density, with the tokens' prior
-        aux_mapped = torch.cat([aux_hidden, torch.ones_like(aux_hidden[..., :1])], -1) @ mapping
-        found["prior"], how["prior_scale"] = mechanism_map(
-            distances(aux_mapped, candidates),
-            aux_tokens,
-            distances(mapped_hidden, candidates),
-            defense.dchi,
-            vocabulary,
+    how: dict[str, Any] = {}
+    if defense.dchi is not None:  # the mechanism known: its density on the embedding output, with the tokens' prior
+        inverted = embedding_outputs(typing.cast(nn.Sequential, client), target_hidden)
+        how["inverted"] = inverted is not target_hidden
+        found["prior"] = map_with_prior(
+            distances(inverted, candidates), unigram_prior(aux_tokens, vocabulary), defense.dchi
         )
     return scored(found, aux_tokens, target_tokens, vocabulary, characters, how=how, aux_samples=len(aux_tokens))
 
 
-#: the scales of d_chi's density tried, as multiples of its epsilon (the fitted map changes distances)
-PRIOR_SCALES = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0)
+def unigram_prior(tokens: torch.Tensor, vocabulary: int) -> torch.Tensor:
+    """(V,): the tokens' frequencies in `tokens` (the attacker's auxiliary text), add-one smoothed."""
+    counts = torch.bincount(tokens.flatten(), minlength=vocabulary).double() + 1
+    return counts / counts.sum()
 
 
-def mechanism_map(
-    aux_distance: torch.Tensor, aux_tokens: torch.Tensor, distance: torch.Tensor, epsilon: float, vocabulary: int
-) -> tuple[torch.Tensor, float]:
-    """MAP decoding of d_chi's output: the tokens' prior is the auxiliary text's unigram frequencies
-    (add-one smoothed) and the likelihood d_chi's density exp(-s x distance), s epsilon times the
-    PRIOR_SCALES multiple that decodes the auxiliary text best (the fitted map shrinks or stretches
-    the noise, so the attacker calibrates s on its own text); (the targets' tokens, s)."""
-    prior = (torch.bincount(aux_tokens.flatten(), minlength=vocabulary) + 1).to(distance.dtype)
-    prior = prior / prior.sum()
+#: fixed-point iterations per stage when the client's stages after the embedding are inverted
+INVERSION_STEPS = 30
+#: the inversion is used where it reproduces the hidden states to this relative error
+INVERSION_TOLERANCE = 1e-4
 
-    def aux_accuracy(scale: float) -> float:
-        return float((map_with_prior(aux_distance, prior, scale) == aux_tokens).float().mean())
 
-    scale = max((epsilon * m for m in PRIOR_SCALES), key=aux_accuracy)
-    return map_with_prior(distance, prior, scale), scale
+def embedding_outputs(client: nn.Sequential, hidden: torch.Tensor) -> torch.Tensor:
+    """(M, T, D): the embedding stage's outputs (with their noise) that the client's later stages
+    took to `hidden`, each stage inverted as a residual map u -> u + g(u) by the fixed point
+    u = h - g(u) (i-ResNet's inversion, Behrmann et al. 2019), last stage first; `hidden` itself
+    where that does not reproduce it (the iteration need not converge: g is not always contractive)."""
+    stages = list(client)[1:]
+    found = hidden
+    with torch.no_grad():
+        for stage in reversed(stages):
+            wanted, found = found, found.clone()
+            for _ in range(INVERSION_STEPS):
+                found = wanted - (stage(found) - found)
+        again = nn.Sequential(*stages)(found) if stages else found
+    error = float((again - hidden).norm() / hidden.norm().clamp_min(1e-12))
+    return found if math.isfinite(error) and error < INVERSION_TOLERANCE else hidden
 
 
 class EmbeddingInversion(Attack):

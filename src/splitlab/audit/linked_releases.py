@@ -13,9 +13,11 @@ one's best match is it too (mutual; the server links on what it received, never 
 text); the log-probabilities of the linked releases are summed (a product of the per-release
 posteriors, as for independent noise draws) and each position answers the most probable token.
 The same links sum the distances of each release to every token's embedding (that round's
-embedding stage, as `embedding_inversion` searches it): under d_chi's density exp(-E ||z||) the
-most likely token of independent releases is the one with the least summed distance
-(`linked_nearest`).
+embedding stage; the client's later stages inverted back to the embedding output, as
+`embedding_inversion` does under d_chi): under d_chi's density exp(-E ||z||) the most likely
+token of independent releases is the one with the least summed distance (`linked_nearest`), or
+with the tokens' unigram prior, the one maximising log prior - E x the summed distance
+(`linked_prior`, under `dchi:E`).
 `releases` reports the mean releases decoded per target sequence, `links_right` (scored with the
 recorded inputs, known to the experimenter only) the fraction of links that joined the same text.
 It is the composition any DP accounting counts (a per-release epsilon grows with the releases:
@@ -33,7 +35,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from splitlab.audit.attack import TEXT_RECOVERED, Attack, Target
-from splitlab.audit.embedding_inversion import distances, token_embeddings
+from splitlab.audit.embedding_inversion import (
+    distances,
+    embedding_outputs,
+    map_with_prior,
+    token_embeddings,
+    unigram_prior,
+)
 from splitlab.audit.records import as_produced, load_round
 from splitlab.audit.token_inversion import decoded_logits, scored, token_rows
 from splitlab.errors import UserError
@@ -109,11 +117,11 @@ class LinkedReleases(Attack):
             logits = decoded_logits(client, target.defense, aux, hidden, vocabulary, settings.epochs, settings.seed)
             log_probs.append(F.log_softmax(logits, -1))
             candidates = token_embeddings(typing.cast(nn.Sequential, client), vocabulary, hidden.shape[1])
-            distance.append(distances(hidden, candidates))
+            distance.append(distances(embedding_outputs(typing.cast(nn.Sequential, client), hidden), candidates))
             inputs.append(tensors["inputs"].long().to(aux.device))
         attacked = rounds.index(target.recorded[0])
-        prior = torch.bincount(aux.flatten(), minlength=vocabulary).float() + 1
-        links = release_links(log_probs, attacked, prior / prior.sum())
+        prior = unigram_prior(aux, vocabulary)
+        links = release_links(log_probs, attacked, prior.float())
         tokens = inputs[attacked]
         right = [
             bool((inputs[r][j] == tokens[i]).all())
@@ -127,6 +135,8 @@ class LinkedReleases(Attack):
             "linked": summed(log_probs, links).argmax(-1),
             "linked_nearest": summed(distance, links).argmin(-1),
         }
+        if target.defense.dchi is not None:  # d_chi's density over the linked releases, with the prior
+            found_tokens["linked_prior"] = map_with_prior(summed(distance, links), prior, target.defense.dchi)
         how = {
             "releases": float((links >= 0).sum(0).float().mean()),
             "links_right": sum(right) / len(right) if right else 0.0,
@@ -145,5 +155,10 @@ class LinkedReleases(Attack):
                 f"{result['linked']:.2%}",
             ),
             ("nearest embedding, distances summed over the linked releases", f"{result['linked_nearest']:.2%}"),
+            *(
+                [("MAP: d_chi's density over the linked releases, unigram prior", f"{result['linked_prior']:.2%}")]
+                if "linked_prior" in result
+                else []
+            ),
             ("links joining the same text", f"{result['links_right']:.1%}"),
         )
