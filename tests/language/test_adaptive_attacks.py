@@ -18,6 +18,7 @@ from splitlab.audit.run import strongest
 from splitlab.audit.targets_channel import text_from_targets
 from splitlab.cli import main
 from splitlab.engine import run
+from splitlab.models import HeadAndTail
 from splitlab.privacy.defenses import token_distances
 from splitlab.targets import IGNORED
 
@@ -50,13 +51,16 @@ class _Residual(nn.Module):
 
 def test_the_stages_after_the_embedding_are_inverted_back_to_its_noised_output():
     """Two contractive residual stages after an embedding: the fixed point gives back the input
-    of the stages exactly; a stage that is not residual-invertible (doubling) is left as received."""
+    of the stages exactly (U-shaped: the head's, not the tail's); a stage that is not residual-invertible (doubling) is left as received."""
     torch.manual_seed(0)
     embedding_output = torch.randn(3, 5, 4)
     client = nn.Sequential(nn.Identity(), _Residual(), _Residual())
     with torch.no_grad():
         hidden = client(embedding_output)
     assert torch.allclose(embedding_outputs(client, hidden), embedding_output, atol=1e-5)
+    u_shaped = HeadAndTail([("embed", nn.Identity()), ("block", _Residual()), ("head", nn.Linear(4, 2))], 2)
+    with torch.no_grad():
+        assert torch.allclose(embedding_outputs(u_shaped, u_shaped(embedding_output)), embedding_output, atol=1e-5)
     doubling = nn.Sequential(nn.Identity(), nn.Linear(4, 4))
     doubling[1].weight.data, doubling[1].bias.data = 2 * torch.eye(4), torch.zeros(4)
     assert embedding_outputs(doubling, hidden) is hidden

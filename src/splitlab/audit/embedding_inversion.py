@@ -31,6 +31,7 @@ from torch import nn
 
 from splitlab.audit.attack import TEXT_RECOVERED, Attack, Target
 from splitlab.audit.token_inversion import Observed, scored, token_rows
+from splitlab.models import HeadAndTail
 from splitlab.privacy.defenses import received
 
 
@@ -111,7 +112,8 @@ def embedding_outputs(client: nn.Sequential, hidden: torch.Tensor) -> torch.Tens
     took to `hidden`, each stage inverted as a residual map u -> u + g(u) by the fixed point
     u = h - g(u) (i-ResNet's inversion, Behrmann et al. 2019), last stage first; `hidden` itself
     where that does not reproduce it (the iteration need not converge: g is not always contractive)."""
-    stages = list(client)[1:]
+    head = list(client)[: client.head_stages] if isinstance(client, HeadAndTail) else list(client)
+    stages = head[1:]  # U-shaped: the head's, before the cut the server receives
     found = hidden
     with torch.no_grad():
         for stage in reversed(stages):
