@@ -313,9 +313,14 @@ def _cmd_attack(args: argparse.Namespace) -> int:
 
     result = attack_run(args.dir, parse_overrides(args.overrides))
     table = Table(show_header=False, title=f"{result['attack']} on {result['targets']} (defense {result['defense']})")
-    for row in [*attacks()[result["attack"]].rows(result), *strongest_rows(result)]:
+    for row in attacks()[result["attack"]].rows(result):
         table.add_row(*row)
     console.print(table)
+    beside = Table(show_header=False, title="the strongest so far on these targets")
+    for row in strongest_rows(result):
+        beside.add_row(*row)
+    if beside.rows:
+        console.print(beside)
     console.print(f"written to {args.dir}/attack.json")
     return 0
 
