@@ -51,7 +51,8 @@ class _Residual(nn.Module):
 
 def test_the_stages_after_the_embedding_are_inverted_back_to_its_noised_output():
     """Two contractive residual stages after an embedding: the fixed point gives back the input
-    of the stages exactly (U-shaped: the head's, not the tail's); a stage that is not residual-invertible (doubling) is left as received."""
+    of the stages exactly (U-shaped: the head's, not the tail's); a stage that is not
+    residual-invertible (doubling) is left as received."""
     torch.manual_seed(0)
     embedding_output = torch.randn(3, 5, 4)
     client = nn.Sequential(nn.Identity(), _Residual(), _Residual())
