@@ -128,6 +128,10 @@ def test_max_recovery_counts_the_targets_so_no_vanilla_cut_is_picked():
     advice = recommend(AdviseSettings(), rows)
     assert advice == {"pareto_front": ["1", "1,2"], "pick": "1", "unranked": ["2"]}
     assert "Not trained enough to rank (next-token accuracy at its floor" in words(AdviseSettings(), rows, advice)
+    rows = [_row("1", 0.984, 0.2, 3.0, False), _row("1,2", 0.6, 0.6, 3.1, False)]  # none ranked: the targets say why
+    said = words(settings, rows, recommend(settings, rows))
+    assert "No cut keeps the recovered text within max_recovery=0.25: every vanilla cut sends" in said
+    assert said.count("no probe trained enough to rank") == 1 and "U-shaped cuts' hidden states" not in said
 
 
 def test_gradient_matching_rebuilds_a_short_sequence_from_its_update():

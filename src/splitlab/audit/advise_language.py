@@ -263,7 +263,7 @@ def words(settings: AdviseSettings, rows: list[dict[str, Any]], advice: dict[str
         )
     pick = advice["pick"]
     if pick is None:
-        said.append(no_pick(settings, [row for row in rows if row["ranked"]]))
+        said.append(no_pick(settings, rows))
     else:
         row = by_cut[pick]
         budget = f" within max_recovery={settings.max_recovery:g}" if settings.max_recovery is not None else ""
@@ -291,28 +291,29 @@ def words(settings: AdviseSettings, rows: list[dict[str, Any]], advice: dict[str
     return " ".join(said)
 
 
-def no_pick(settings: AdviseSettings, ranked: list[dict[str, Any]]) -> str:
-    """Why no cut was picked: the ranked probes over the budget, the vanilla ones by the targets."""
-    if not ranked:
-        return "No cut is picked: no probe trained enough to rank."
-    vanilla = [row for row in ranked if row["targets_at_server"]]
-    why = []
-    if vanilla:
-        least = min(row["recovery"] for row in vanilla)
+def no_pick(settings: AdviseSettings, rows: list[dict[str, Any]]) -> str:
+    """Why no cut was picked: the vanilla cuts' targets over the budget, what the ranked U-shaped
+    cuts' hidden states still give, the probes not ranked."""
+    budget, why = settings.max_recovery, []
+    vanilla = [row["recovery"] for row in rows if row["targets_at_server"]]
+    if budget is not None and vanilla and min(vanilla) > budget:
         why.append(
             f"every vanilla cut sends the server the next-token targets, the text shifted by one token "
-            f"({least:.1%} of it or more recovered, no attack needed)"
+            f"({min(vanilla):.1%} of it or more recovered, no attack needed)"
         )
-    u_shaped = [row for row in ranked if not row["targets_at_server"]]
-    if u_shaped:
-        least = min(u_shaped, key=lambda row: row["recovery"])
+    u_shaped = [row for row in rows if not row["targets_at_server"]]
+    ranked = [row for row in u_shaped if row["ranked"]]
+    if ranked:
+        least = min(ranked, key=lambda row: row["recovery"])
         why.append(f"the U-shaped cuts' hidden states still give {least['recovery']:.1%} or more ({least['attack']})")
-    else:
+    elif not u_shaped:
         why.append("no U-shaped cut was probed (u_shaped=true adds them)")
-    budget = f"max_recovery={settings.max_recovery:g}" if settings.max_recovery is not None else "the budget"
+    if not any(row["ranked"] for row in rows):
+        why.append("no probe trained enough to rank")
+    within = f" keeps the recovered text within max_recovery={budget:g}" if budget is not None else " is picked"
     return (
-        f"No cut keeps the recovered text within {budget}: {'; '.join(why)}. Keep the targets on the client "
-        f"(a U-shaped cut) and add a defense at the cut (e.g. dchi, noise), or relax the budget."
+        f"No cut{within}: {'; '.join(why)}. Keep the targets on the client (a U-shaped cut) and add a defense "
+        f"at the cut (e.g. dchi, noise), or relax the budget."
     )
 
 
