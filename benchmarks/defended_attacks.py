@@ -74,13 +74,14 @@ def labels(defense: str, keys: list[str], seed: int, out: Path) -> list[str]:
         summary = run({**config, "defense": defense, **_key(defense, key), "out": str(out / key)}, progress=False)
         leak = attack_run(out / key, {"attack": "label_leak"})
         scale = format(sum(chosen) / len(chosen), ".2f") if chosen else "-"
-        batches, strongest = leak["per_batch"], leak["strongest"]["per_batch_median"]
+        batches = leak["per_batch"]
+        best = max(LABEL_ATTACKS, key=lambda name: batches[f"{name}_auc_median"])
         pooled = " / ".join(format(leak[f"{name}_auc"], ".3f") for name in LABEL_ATTACKS)
         medians = " / ".join(format(batches[f"{name}_auc_median"], ".2f") for name in LABEL_ATTACKS)
         rows.append(
             f"| {defense} | {key if defense != 'none' else '-'} | {summary['final_accuracy']:.1%} | {pooled} "
             f"| {leak['linked']['auc']:.3f} | {medians} | {batches['residual_auc_mean']:.2f} "
-            f"| {strongest['attack']} {strongest['auc']:.2f} | {scale} |"
+            f"| {best} {batches[f'{best}_auc_median']:.2f} | {scale} |"
         )
     return rows
 

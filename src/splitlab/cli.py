@@ -308,7 +308,7 @@ def _cmd_latency(args: argparse.Namespace) -> int:
 
 def _cmd_attack(args: argparse.Namespace) -> int:
     from splitlab.audit.attack import attacks
-    from splitlab.audit.run import attack_run
+    from splitlab.audit.run import attack_run, strongest_rows
     from splitlab.config import parse_overrides
 
     result = attack_run(args.dir, parse_overrides(args.overrides))
@@ -316,6 +316,11 @@ def _cmd_attack(args: argparse.Namespace) -> int:
     for row in attacks()[result["attack"]].rows(result):
         table.add_row(*row)
     console.print(table)
+    beside = Table(show_header=False, title="the strongest so far on these targets")
+    for row in strongest_rows(result):
+        beside.add_row(*row)
+    if beside.rows:
+        console.print(beside)
     console.print(f"written to {args.dir}/attack.json")
     return 0
 
@@ -413,7 +418,7 @@ COMMANDS: dict[str, tuple[str, str | None, Callable[[argparse.Namespace], int], 
     ),
     "attack": (
         "an attack on a finished run (inversion | unsplit | fsha | label_leak | model_completion | "
-        "token_inversion | embedding_inversion | gradient_matching | bisr)",
+        "token_inversion | embedding_inversion | targets_channel | linked_releases | gradient_matching | bisr)",
         "An attack on a finished run (a curious or malicious server's, or model completion); see docs/privacy.md.",
         _cmd_attack,
         "dir KEY=VALUE",

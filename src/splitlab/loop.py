@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import typing
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -29,8 +30,9 @@ from splitlab.loggers import make_logger
 from splitlab.metrics import TASK_METRICS
 from splitlab.models import HeadAndTail
 from splitlab.privacy.accounting import privacy_summary
+from splitlab.privacy.defenses import token_distances
 from splitlab.random_streams import register_stream
-from splitlab.roles import random_stream
+from splitlab.roles import State, random_stream
 from splitlab.run_weights import decoding_record, export_hf
 from splitlab.rundir import DECODING
 from splitlab.settings import setting_of
@@ -195,6 +197,15 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
     return summary
 
 
+def _dchi_scale(summary: dict[str, Any], experiment: Experiment, model: list[State]) -> None:
+    """`dchi:E`: the epsilon between nearest tokens of the final embedding table, in the summary."""
+    tokens = summary.get("privacy", {}).get("tokens")
+    if tokens is not None:
+        client = list(typing.cast(nn.Sequential, experiment.assemble(model)))[0]
+        epsilon, count = tokens["epsilon_per_token"], tokens["releases_per_token"]
+        tokens.update(token_distances(client, experiment.blueprint.num_classes, epsilon, count))
+
+
 def _export_hf(experiment: Experiment) -> dict[str, str]:
     """out/hf: the global model as a Hugging Face folder, for models that have that form (model=gpt,
     hf), and out/peft: its LoRA adapters in peft's format; the folders written."""
@@ -357,6 +368,7 @@ def _finish(experiment: Experiment, state: dict, checkpoints: Checkpointer) -> d
         save_safetensors(out / "weights.safetensors", weights)
         if not personal:  # one global model to export
             summary.update(_export_hf(experiment))
+            _dchi_scale(summary, experiment, model)
         if cfg.eval_generate:  # (personal models refused when built)
             summary.update(_eval_generate(experiment, model))
     with _needs_the_client(cfg.algorithm, state["round"], checkpoints):  # SplitGP's are fetched from the clients

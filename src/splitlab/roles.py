@@ -712,7 +712,9 @@ class ClientNode(Role[ParamsT]):
         defended = defense.protect(smashed, self._noise_generator(smashed.device))
         wire = defense.encode(defended)
         if self.blueprint.recorder is not None:  # a release without a step awaits no gradient: a key no step has
-            self.blueprint.recorder.sent(self.id, -1 - self._releases if step is None else step, x, decode(wire), y)
+            key = -1 - self._releases if step is None else step
+            weights = lambda: shared_state(self.model("client_model"))  # noqa: E731  # what made the record
+            self.blueprint.recorder.sent(self.id, key, x, decode(wire), y, weights)
         self._releases += 1
         return defended, {"smashed": wire, "labels": self._labels_out(y)}
 

@@ -58,7 +58,7 @@ def row(cut, accuracy, ssim, auc, up):
 def test_the_pick_is_the_most_accurate_front_cut_within_the_budgets():
     rows = [row(1, 0.9, 0.8, 0.9, 100), row(2, 0.8, 0.5, 0.8, 50), row(3, 0.7, 0.6, 0.95, 200)]
     assert pareto_front(rows, trade_offs) == [1, 2]  # cut 3 is worse than cut 2 on everything
-    assert recommend(AdviseSettings(), rows) == {"pareto_front": [1, 2], "pick": 1}
+    assert recommend(AdviseSettings(), rows) == {"pareto_front": [1, 2], "pick": 1, "unranked": []}
     assert recommend(AdviseSettings(max_ssim=0.6), rows)["pick"] == 2
     assert recommend(AdviseSettings(max_ssim=0.6, max_auc=0.7), rows)["pick"] is None
 

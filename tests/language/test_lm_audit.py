@@ -60,11 +60,16 @@ def test_advise_on_a_split_gpt_tables_cuts_and_u_shaped_cuts(lm, tmp_path, capsy
     assert rows["1"]["targets_at_server"] and not rows["1,2"]["targets_at_server"]
     assert "labels" not in rows["1,2"]["bytes_per_token"] and rows["1,2"]["bytes_per_token"]["server_output"] == 64
     assert 0 < rows["1"]["client_share"] < rows["2"]["client_share"] < 1
-    assert set(rows["1"]["attacks"]) == {"token_inversion", "embedding_inversion"}
-    assert all(row["recovery"] >= row["floor"] for row in rows.values())
+    assert set(rows["1"]["attacks"]) == {"token_inversion", "embedding_inversion", "targets_channel"}
+    assert all(row["recovery"] == max(row["attacks"].values()) >= row["floor"] for row in rows.values())
+    # the targets are the text shifted by one: every position but the first of the 16 read off them
+    assert rows["1"]["attacks"]["targets_channel"] >= 15 / 16 and rows["1,2"]["attacks"]["targets_channel"] < 0.5
+    # one round of a tiny model predicts the most frequent character: no probe is ranked, none picked
+    assert all(row["accuracy"] <= row["accuracy_floor"] + 0.01 and not row["ranked"] for row in rows.values())
+    assert result["unranked"] == ["1", "2", "1,2"] and result["pick"] is None and result["pareto_front"] == []
     printed = capsys.readouterr().out
     assert "| 1,2 |" in printed and "keeps the next-token targets on the client" in printed
-    assert f"Pick cut {result['pick']}" in printed and "- cut 1: true " in printed
+    assert "Not trained enough to rank" in printed and "- cut 1: true " in printed
     assert (out / "advise.png").read_bytes().startswith(b"\x89PNG")
     assert main(["advise", *probe, "cuts=3", f"out={tmp_path / 'x'}"]) == 2
     assert "cuts=3: 3 is not a cut of model=gpt; valid: [1, 2]" in capsys.readouterr().err
@@ -83,11 +88,50 @@ def test_advise_on_a_lora_fine_tuned_checkpoint_runs_end_to_end(plays, tmp_path,
     assert main(["advise", *probe, *sizes, "batch_size=8", f"out={out}"]) == 0
     result = json.loads((out / "advise.json").read_text())
     (row,) = result["rows"]
-    assert row["cut"] == "1" and result["pick"] == "1" and row["targets_at_server"]
+    assert row["cut"] == "1" and row["targets_at_server"] and result["pick"] == ("1" if row["ranked"] else None)
     assert row["bytes_per_token"]["smashed"] == 4 * 32  # GPT-2's width 32 in float32 per token
     assert 0 < row["client_share"] < 1 and row["recovery"] >= row["floor"]
     assert "| 1 |" in (out / "advise.md").read_text() and (out / "advise.png").is_file()
-    assert "Pick cut 1" in capsys.readouterr().out
+    assert ("Pick cut 1" if row["ranked"] else "Not trained enough to rank") in capsys.readouterr().out
+
+
+def _row(cut: str, recovery: float, hidden: float, loss: float, ranked: bool = True) -> dict:
+    u_shaped = "," in cut
+    kinds = {"smashed": 64.0, **({"tail_grad": 64.0} if u_shaped else {"labels": 8.0})}
+    return {
+        "cut": cut, "u_shaped": u_shaped, "targets_at_server": not u_shaped, "loss": loss, "ranked": ranked,
+        "recovery": recovery, "hidden_recovery": hidden, "floor": 0.05, "bytes_per_token": kinds,
+        "attack": "targets_channel" if recovery > hidden else "token_inversion",
+    }  # fmt: skip
+
+
+def test_max_recovery_counts_the_targets_so_no_vanilla_cut_is_picked():
+    """The vanilla cuts' text recovered is the targets' 98.4%: over max_recovery=0.25 however well
+    the hidden states hide it; the U-shaped cut within it is picked, and where it is not within,
+    nothing, saying why; a probe at its accuracy floor is neither on the front nor picked."""
+    from splitlab.audit.advise_language import recommend, words
+    from splitlab.audit.settings import AdviseSettings
+
+    settings = AdviseSettings(max_recovery=0.25)
+    rows = [_row("1", 0.984, 0.2, 3.0), _row("2", 0.984, 0.1, 2.9), _row("1,2", 0.2, 0.2, 3.1)]
+    advice = recommend(settings, rows)
+    assert advice == {"pareto_front": ["2", "1,2"], "pick": "1,2", "unranked": []}
+    assert "U-shaped cut 1,2 keeps the next-token targets" in words(settings, rows, advice)
+    assert "text recovered 98.4% at cut 1, 20.0% here" in words(settings, rows, advice)
+    rows[2] = _row("1,2", 0.6, 0.6, 3.1)
+    advice = recommend(settings, rows)
+    assert advice["pick"] is None
+    said = words(settings, rows, advice)
+    assert "every vanilla cut sends the server the next-token targets" in said and "(98.4% of it" in said
+    assert "the U-shaped cuts' hidden states still give 60.0% or more (token_inversion)" in said
+    rows[1] = _row("2", 0.05, 0.05, 2.0, ranked=False)  # the floor: it measures an untrained model
+    advice = recommend(AdviseSettings(), rows)
+    assert advice == {"pareto_front": ["1", "1,2"], "pick": "1", "unranked": ["2"]}
+    assert "Not trained enough to rank (next-token accuracy at its floor" in words(AdviseSettings(), rows, advice)
+    rows = [_row("1", 0.984, 0.2, 3.0, False), _row("1,2", 0.6, 0.6, 3.1, False)]  # none ranked: the targets say why
+    said = words(settings, rows, recommend(settings, rows))
+    assert "No cut keeps the recovered text within max_recovery=0.25: every vanilla cut sends" in said
+    assert said.count("no probe trained enough to rank") == 1 and "U-shaped cuts' hidden states" not in said
 
 
 def test_gradient_matching_rebuilds_a_short_sequence_from_its_update():

@@ -6,8 +6,15 @@ crossed per training token per round by kind (from the run's ledger), the client
 model's FLOPs per token, the loss, perplexity and next-token accuracy after the probe, and the
 token attacks of the registry that probes take (`Attack.advised`) against its final model: the
 strongest one's recovery (the fraction of the client's text it rebuilds) beside the floor, with a
-few reconstructed lines. A U-shaped split keeps the next-token targets on the client: no
-`labels` reach the server.
+few reconstructed lines. The attacks include the targets channel (`targets_channel`): in a
+vanilla split the next-token targets reach the server, the text shifted by one token, so the
+text recovered there is the targets' share at least, whatever the hidden states hide, and
+`max_recovery` is checked against it. A U-shaped split keeps the next-token targets on the
+client: no `labels` reach the server, and the table shows what that removes (`hidden states`:
+the strongest attack on the hidden states alone). A probe whose next-token accuracy is at its
+floor (the most frequent target everywhere, within FLOOR_MARGIN) has not learnt from its input:
+its attacks measure an untrained model, so it is flagged "not trained enough to rank" and kept
+off the front and the pick.
 """
 
 from __future__ import annotations
@@ -27,6 +34,10 @@ from splitlab.models.staged import UShaped
 #: language probes' sizes when not given (train, test, aux, targets; sequences): small, so that a CPU
 #: probes every cut in minutes
 DEFAULTS = (400, 300, 200, 100)
+#: a probe whose next-token accuracy is within this of the floor (most frequent target) is not ranked
+FLOOR_MARGIN = 0.01
+#: the attacker that reads the targets, not the hidden states
+TARGETS = "targets_channel"
 
 
 def linear_flops(client: nn.Module, server: nn.Module, tokens: torch.Tensor) -> tuple[float, float]:
@@ -110,6 +121,8 @@ def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) 
         per_round = settings.rounds * sizes["train_subset"] * sample.shape[1]
         found = {name: attack_run(run_dir, {**attack, "attack": name}) for name in token_attacks}
         best = max(found, key=lambda name: found[name]["accuracy"])
+        hidden = max((name for name in found if name != TARGETS), key=lambda name: found[name]["accuracy"])
+        floor = accuracy_floor(experiment.data.test_y)
         rows.append(
             {
                 "cut": label(cut, tail),
@@ -121,8 +134,12 @@ def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) 
                 "loss": summary["final_loss"],
                 "perplexity": summary["final_perplexity"],
                 "accuracy": summary["final_accuracy"],
+                "accuracy_floor": floor,
+                "ranked": summary["final_accuracy"] > floor + FLOOR_MARGIN,
                 "attack": best,
                 "recovery": found[best]["accuracy"],
+                "hidden_attack": hidden,
+                "hidden_recovery": found[hidden]["accuracy"],
                 "floor": found[best]["baseline"],
                 "attacks": {name: found[name]["accuracy"] for name in token_attacks},
                 "examples": found[best].get("examples", []),
@@ -132,6 +149,15 @@ def advise_language(settings: AdviseSettings, probe: dict[str, Any], out: Path) 
     answer = written(out, result, markdown(settings, sizes, rows, result), "advise.png")
     _plot(out / "advise.png", settings, rows)
     return answer
+
+
+def accuracy_floor(targets: torch.Tensor) -> float:
+    """The next-token accuracy of answering the most frequent target everywhere (ignored positions
+    left out, as the accuracy leaves them)."""
+    from splitlab.targets import IGNORED
+
+    kept = targets[targets != IGNORED]
+    return float(torch.bincount(kept).max()) / len(kept)
 
 
 def _plot(file: Path, settings: AdviseSettings, rows: list[dict[str, Any]]) -> None:
@@ -185,10 +211,12 @@ COLUMNS = (
     ("targets_at_server", "targets at server", "{}"),
     ("attack", "strongest attack", "{}"),
     ("recovery", "text recovered", "{:.1%}"),
+    ("hidden_recovery", "hidden states", "{:.1%}"),
     ("floor", "floor", "{:.1%}"),
     ("loss", "loss", "{:.3f}"),
     ("perplexity", "perplexity", "{:.2f}"),
     ("accuracy", "next-token accuracy", "{:.1%}"),
+    ("ranked", "trained enough to rank", "{}"),
 )
 
 
@@ -204,8 +232,11 @@ def markdown(
 ) -> str:
     head = heading(settings, sizes, sequences=True) + (
         "*text recovered* is the fraction of the "
-        "targets' tokens the strongest token attack rebuilds from the final model's hidden states at the cut, "
-        "*floor* what always answering the most frequent token gets (docs/privacy.md). Bytes per training "
+        "targets' tokens the strongest token attack rebuilds from what the server receives: the final model's "
+        "hidden states at the cut and, in a vanilla split, the next-token targets (the text shifted by one); "
+        "*hidden states* the strongest attack on the hidden states alone, *floor* what always answering the most "
+        "frequent token gets (docs/privacy.md); a probe whose next-token accuracy is within "
+        f"{FLOOR_MARGIN:.0%} of its floor is not trained enough to rank. Bytes per training "
         "token per round, by kind; cut A,B is U-shaped (the client keeps the stages from B on and the targets).\n\n"
     )
     cells = [{**row, "up": _by_kind(row, "up"), "down": _by_kind(row, "down")} for row in rows]
@@ -219,17 +250,20 @@ def markdown(
 
 
 def words(settings: AdviseSettings, rows: list[dict[str, Any]], advice: dict[str, Any]) -> str:
-    """The recommendation in a few sentences: the front, the pick and what it leaks, what U-shape removes."""
+    """The recommendation in a few sentences: the front, the pick and what it leaks or why there is
+    none, the probes not ranked, what U-shape removes."""
     by_cut = {row["cut"]: row for row in rows}
-    said = [
-        f"Pareto front (loss, text recovered, targets at server, bytes up): cuts {', '.join(advice['pareto_front'])}."
-    ]
+    front = ", ".join(advice["pareto_front"]) or "none"
+    said = [f"Pareto front (loss, text recovered, targets at server, bytes up): cuts {front}."]
+    if advice["unranked"]:
+        said.append(
+            f"Not trained enough to rank (next-token accuracy at its floor, so its attacks measure an untrained "
+            f"model): cut{'s' * (len(advice['unranked']) > 1)} {', '.join(advice['unranked'])}; probe longer "
+            f"(rounds=, train_subset=)."
+        )
     pick = advice["pick"]
     if pick is None:
-        said.append(
-            f"No cut on the front keeps the recovered text within max_recovery={settings.max_recovery:g}: "
-            f"add a defense at the cut (e.g. noise) or relax the budget."
-        )
+        said.append(no_pick(settings, rows))
     else:
         row = by_cut[pick]
         budget = f" within max_recovery={settings.max_recovery:g}" if settings.max_recovery is not None else ""
@@ -244,12 +278,43 @@ def words(settings: AdviseSettings, rows: list[dict[str, Any]], advice: dict[str
         if row["u_shaped"]:
             plain = by_cut.get(row["cut"].split(",")[0])
             extra = f" for {bytes_up(row) - bytes_up(plain):+.3g} bytes up per token" if plain else ""
+            removed = (
+                f": text recovered {plain['recovery']:.1%} at cut {plain['cut']}, {row['recovery']:.1%} here"
+                if plain
+                else ""
+            )
             said.append(
                 f"U-shaped cut {row['cut']} keeps the next-token targets on the client (no labels reach the "
-                f"server){extra}; the hidden states at the first cut still cross."
+                f"server){extra}{removed}; the hidden states at the first cut still cross."
             )
             break
     return " ".join(said)
+
+
+def no_pick(settings: AdviseSettings, rows: list[dict[str, Any]]) -> str:
+    """Why no cut was picked: the vanilla cuts' targets over the budget, what the ranked U-shaped
+    cuts' hidden states still give, the probes not ranked."""
+    budget, why = settings.max_recovery, []
+    vanilla = [row["recovery"] for row in rows if row["targets_at_server"]]
+    if budget is not None and vanilla and min(vanilla) > budget:
+        why.append(
+            f"every vanilla cut sends the server the next-token targets, the text shifted by one token "
+            f"({min(vanilla):.1%} of it or more recovered, no attack needed)"
+        )
+    u_shaped = [row for row in rows if not row["targets_at_server"]]
+    ranked = [row for row in u_shaped if row["ranked"]]
+    if ranked:
+        least = min(ranked, key=lambda row: row["recovery"])
+        why.append(f"the U-shaped cuts' hidden states still give {least['recovery']:.1%} or more ({least['attack']})")
+    elif not u_shaped:
+        why.append("no U-shaped cut was probed (u_shaped=true adds them)")
+    if not any(row["ranked"] for row in rows):
+        why.append("no probe trained enough to rank")
+    within = f" keeps the recovered text within max_recovery={budget:g}" if budget is not None else " is picked"
+    return (
+        f"No cut{within}: {'; '.join(why)}. Keep the targets on the client (a U-shaped cut) and add a defense "
+        f"at the cut (e.g. dchi, noise), or relax the budget."
+    )
 
 
 def _cell(fmt: str, value: Any) -> str:

@@ -34,9 +34,14 @@ ATTACK_MODULES = (
     "model_completion",
     "token_inversion",
     "embedding_inversion",
+    "targets_channel",
+    "linked_releases",
     "gradient_matching",
     "bisr",
 )
+
+#: the kind of figure the token attacks report (`Attack.figures`): the fraction of the text recovered
+TEXT_RECOVERED = "text recovered"
 
 
 @dataclass
@@ -48,7 +53,7 @@ class Target:
     path: Path
     settings: AttackSettings
     experiment: Experiment
-    client: nn.Module  # the final client part; U-shaped: head and tail
+    client: nn.Module  # the client part that made the recorded round (else the final one); U-shaped: head and tail
     server: nn.Module
     defense: Defense
     x: torch.Tensor  # the targets' inputs and labels
@@ -61,6 +66,7 @@ class Target:
     aux_x: torch.Tensor  # the attacker's auxiliary samples, disjoint from the targets
     gradient: str  # what the server infers labels from: "cut_grad", or U-shaped "tail_grad"
     source: str  # what the targets are, for the result
+    client_weights: str = "the run's final client part"  # which weights `client` holds, for the result
 
     def observed(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The targets' inputs and what the server received for them: the recorded round's, or the
@@ -111,11 +117,16 @@ class Attack:
     replays_record: ClassVar[bool] = True
     #: it needs auxiliary samples; False: a vertical run's targets may take the whole test split
     aux: ClassVar[bool] = True
-    #: the client part's weights it assumes the server knows: "final" (the run's, which a server that is
-    #: or colludes with the sync server holds) or "pretrained" (only those the run started from)
+    #: the client part's weights it assumes the server knows: "final" (the trained ones, which a server
+    #: that is or colludes with the sync server holds: those a recorded round started with, where the
+    #: record kept them, else the run's final ones) or "pretrained" (only those the run started from)
     weights: ClassVar[str] = "final"
     #: `splitlab advise` plays it on every probe; False: too slow for a probe (run it with `splitlab attack`)
     advised: ClassVar[bool] = True
+    #: its result's headline figures, key -> kind (higher is more leaked; a dotted key reads a nested
+    #: figure): `splitlab attack` reports beside them the strongest figure of each kind over every attack
+    #: run on the same targets
+    figures: ClassVar[dict[str, str]] = {}
 
     def run(self, target: Target) -> dict[str, Any]:
         raise NotImplementedError

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitlab.audit.attack import Attack, Target
+from splitlab.audit.attack import TEXT_RECOVERED, Attack, Target
 from splitlab.audit.embedding_inversion import token_embeddings
 from splitlab.audit.gradient_matching import soft_loss
 from splitlab.audit.label_leak import tail_gradients
@@ -108,6 +108,7 @@ def bisr(
 class BiSR(Attack):
     name = "bisr"
     inputs = ("tokens",)
+    figures = {"accuracy": TEXT_RECOVERED}
     why = "it reconstructs the tokens of a language run from its pretrained weights; use attack=inversion"
     weights = "pretrained"
     advised = False  # an optimisation through the client part: minutes per cut on a CPU

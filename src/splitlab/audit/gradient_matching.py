@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitlab.audit.attack import Attack, Target
+from splitlab.audit.attack import TEXT_RECOVERED, Attack, Target
 from splitlab.audit.embedding_inversion import token_embeddings
 from splitlab.audit.token_inversion import scored, token_rows
 from splitlab.data.datasets import IGNORED
@@ -94,6 +94,7 @@ def match_sequence(
 class GradientMatching(Attack):
     name = "gradient_matching"
     inputs = ("tokens",)
+    figures = {"accuracy": TEXT_RECOVERED}
     why = "it rebuilds the tokens of a language run from a client's update; for images use attack=inversion"
     replays_record = False  # it needs the update of a sequence, which a record does not hold
     advised = False  # an optimisation per sequence: minutes per cut on a CPU

@@ -45,10 +45,14 @@ def front_and_pick(
     preferred: Callable[[Row], tuple[float, ...]],
 ) -> dict[str, Any]:
     """The Pareto front and the pick: among the front's cuts `within` the budgets, the first by
-    `preferred` (lowest first); None if no cut on the front is within them."""
-    front = pareto_front(rows, trade_offs)
-    best = min((row for row in rows if row["cut"] in front and within(row)), key=preferred, default=None)
-    return {"pareto_front": front, "pick": None if best is None else best["cut"]}
+    `preferred` (lowest first); None if no cut on the front is within them. A row whose probe is
+    not trained enough to rank (`ranked` false: its accuracy at the floor, so its attacks measure
+    an untrained model) is on neither: `unranked` lists them."""
+    ranked = [row for row in rows if row.get("ranked", True)]
+    front = pareto_front(ranked, trade_offs)
+    best = min((row for row in ranked if row["cut"] in front and within(row)), key=preferred, default=None)
+    unranked = [row["cut"] for row in rows if not row.get("ranked", True)]
+    return {"pareto_front": front, "pick": None if best is None else best["cut"], "unranked": unranked}
 
 
 def heading(settings: AdviseSettings, sizes: dict[str, int], sequences: bool = False) -> str:

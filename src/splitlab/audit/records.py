@@ -1,5 +1,6 @@
 """Reading what `record=N` kept (splitlab.privacy.record writes it): the recorded rounds of a run,
-each checked before an attack uses it, and the test samples an attack may take."""
+each checked before an attack uses it, with the client weights that produced it, and the test
+samples an attack may take."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from splitlab.errors import UserError
-from splitlab.privacy.record import RECORD_DIR
+from splitlab.privacy.record import RECORD_DIR, WEIGHTS
 from splitlab.targets import IGNORED
 
 
@@ -104,14 +105,54 @@ def chosen_round(path: Path, files: dict[int, Path], rnd: int | None) -> int | N
 
 def load_record(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int) -> dict[str, torch.Tensor]:
     """A recorded round, every tensor checked: names, dtypes, shapes, one length, finite, labels in range."""
+    return load_round(file, shapes, num_classes)[0]
+
+
+Weights = dict[int, dict[str, torch.Tensor]]  # by client: the shared state of its client part
+
+
+def load_round(
+    file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int
+) -> tuple[dict[str, torch.Tensor], Weights]:
+    """A recorded round's checked tensors and, by client, the client part that produced them (the
+    weights the round started with; empty for a record made before they were kept)."""
     try:
         tensors = load_file(file)
     except (OSError, SafetensorError) as error:
         raise UserError(f"cannot read {str(file)!r}: {str(error).splitlines()[0][:160]}") from None
+    weights: Weights = {}
+    for name in [n for n in tensors if n.startswith(WEIGHTS + ".")]:
+        client, _, key = name[len(WEIGHTS) + 1 :].partition(".")
+        tensor = tensors.pop(name)
+        finite = not tensor.is_floating_point() or bool(torch.isfinite(tensor).all())
+        if not client.isdigit() or not key or not finite:
+            raise UserError(f"{str(file)!r} is not a record of this run: {name!r} is not a client's finite weights")
+        weights.setdefault(int(client), {})[key] = tensor
     problem = record_problem(tensors, shapes, num_classes)
     if problem:
         raise UserError(f"{str(file)!r} is not a record of this run: {problem}")
-    return tensors
+    return tensors, weights
+
+
+def as_produced(
+    tensors: dict[str, torch.Tensor], weights: Weights, client: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """(the samples, the client weights that produced them) of a round: every sample where every
+    recorded client started the round from the same client part (a global one, which the sync
+    server handed out), else only client `client`'s (or the first recorded client's) samples;
+    no weights for a record that kept none."""
+    if not weights:
+        return tensors, None
+    chosen = client if client in weights else min(weights)
+    state = weights[chosen]
+
+    def same(other: dict[str, torch.Tensor]) -> bool:
+        return other.keys() == state.keys() and all(torch.equal(other[k], state[k]) for k in state)
+
+    if "clients" not in tensors or all(same(w) for w in weights.values()):
+        return tensors, state
+    kept = tensors["clients"] == chosen
+    return {name: t[kept] for name, t in tensors.items()}, state
 
 
 def sample_keys(inputs: torch.Tensor) -> list[bytes]:

@@ -27,17 +27,18 @@ from torch import nn
 
 from splitlab import rundir
 from splitlab.algorithms import get_algorithm
-from splitlab.audit.attack import Attack, Target, attack_named, check_inputs, check_vertical, inputs_of
-from splitlab.audit.records import attack_sizes, chosen_round, load_record, record_files
+from splitlab.audit.attack import TEXT_RECOVERED, Attack, Target, attack_named, check_inputs, check_vertical, inputs_of
+from splitlab.audit.records import as_produced, attack_sizes, chosen_round, load_round, record_files
 from splitlab.audit.settings import AttackSettings
 from splitlab.config import UNSPLIT_ALGORITHMS, RunConfig
 from splitlab.errors import UserError
 from splitlab.io import write_json
-from splitlab.models import HeadAndTail, output_shape
+from splitlab.models import HeadAndTail, load_shared, output_shape
 from splitlab.plugins import load_plugins
 from splitlab.settings import stored_setting
 
 RESULTS = "attack.json"
+STRONGEST = "strongest"  # attack.json's entry of the strongest figures (no attack takes the name)
 
 
 def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
@@ -61,12 +62,59 @@ def attack_run(run_dir: str | Path, raw: dict) -> dict[str, Any]:
             "attack": settings.attack,
             "targets": target.source,
             "defense": target.experiment.config.run.defense,
-            "weights": attack.weights,  # what the attacker knows of the client part: its final or starting weights
+            "weights": attack.weights,  # what the attacker knows of the client part: the trained or pretrained weights
+            **({"client_weights": target.client_weights} if attack.weights == "final" else {}),
         }
         found = {**head, **attack().run(target)}
     earlier = json.loads((path / RESULTS).read_text()) if (path / RESULTS).is_file() else {}
-    write_json(path / RESULTS, {**earlier, settings.attack: {"settings": settings.model_dump(), **found}})
-    return found
+    entries = {**earlier, settings.attack: {"settings": settings.model_dump(), **found}}
+    entries[STRONGEST] = strongest(entries)
+    write_json(path / RESULTS, entries)
+    kinds = set(attack.figures.values())
+    beside = [row for row in entries[STRONGEST] if row["figure"] in kinds and row["targets"] == found["targets"]]
+    return {**found, STRONGEST: beside} if beside else found
+
+
+def strongest(entries: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per kind of figure (`Attack.figures`) and targets, the highest figure over the attacks run
+    (attack.json's entries): which attack and attacker got it, and the attacks of that kind not yet
+    run on the run's inputs (each may be stronger)."""
+    from splitlab.audit.attack import attacks
+
+    known = attacks()
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for name, entry in entries.items():
+        cls = known.get(name)
+        for key, kind in (cls.figures if cls is not None else {}).items():
+            value: Any = entry
+            for part in key.split("."):  # a figure nested in the result: "per_batch.norm_auc_median"
+                value = value.get(part) if isinstance(value, dict) else None
+            if not isinstance(value, int | float):
+                continue
+            group = (kind, entry["targets"])
+            row = best.setdefault(group, {"figure": kind, "targets": entry["targets"], "value": value, "run": []})
+            row["run"].append(name)
+            if value >= row["value"]:
+                row.update(value=value, attack=name, attacker=entry.get("attacker", key))
+    for row in best.values():
+        inputs = {i for name in row["run"] for i in known[name].inputs}
+        row["not_run"] = [
+            name
+            for name, cls in known.items()
+            if row["figure"] in cls.figures.values() and name not in row["run"] and inputs & set(cls.inputs)
+        ]
+    return list(best.values())
+
+
+def strongest_rows(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """The strongest figures beside an attack's own, as `splitlab attack` prints them."""
+    rows = []
+    for row in result.get(STRONGEST, []):
+        value = f"{row['value']:.2%}" if row["figure"] == TEXT_RECOVERED else f"{row['value']:.3f}"
+        rows.append((f"strongest {row['figure']} so far ({row['attack']}: {row['attacker']})", value))
+        if row["not_run"]:
+            rows.append(("  not run yet on this run (attack=...)", ", ".join(row["not_run"])))
+    return rows
 
 
 def _target(path: Path, stored: dict[str, Any], settings: AttackSettings, attack: type[Attack]) -> Target:
@@ -102,7 +150,13 @@ def _target(path: Path, stored: dict[str, Any], settings: AttackSettings, attack
         shapes["tail_grad"] = output_shape(nn.Sequential(client, server), shapes["inputs"], data.test_x.dtype)
     num_classes = experiment.blueprint.num_classes
     chosen = chosen_round(path, recorded_rounds, settings.round)
-    recorded = None if chosen is None else (chosen, load_record(recorded_rounds[chosen], shapes, num_classes))
+    recorded, weights = None, "the run's final client part"
+    if chosen is not None:
+        tensors, state = as_produced(*load_round(recorded_rounds[chosen], shapes, num_classes), settings.client)
+        recorded = (chosen, tensors)
+        if state is not None and attack.replays_record:  # attack the record with the client part that made it
+            _load_client(client, state, recorded_rounds[chosen])
+            weights = f"the client part round {chosen} started with"
     order = np.random.default_rng([settings.seed, len(data.test_y)]).permutation(len(data.test_y))
     held_out, aux = attack_sizes(
         len(order), settings.aux, settings.targets, held_out=recorded is None or not attack.replays_record
@@ -126,4 +180,13 @@ def _target(path: Path, stored: dict[str, Any], settings: AttackSettings, attack
         aux_x=data.test_x[aux_idx],
         gradient=gradient,
         source=f"recorded round {recorded[0]}" if recorded else f"{held_out} held-out test samples, final model",
+        client_weights=weights,
     )
+
+
+def _load_client(client: nn.Module, state: dict[str, torch.Tensor], file: Path) -> None:
+    try:
+        load_shared(client, state)
+    except RuntimeError as error:
+        reason = " ".join(str(error).split())[:200]
+        raise UserError(f"{str(file)!r} is not a record of this run: its client weights do not fit: {reason}") from None

@@ -72,7 +72,10 @@ class AdviseSettings(BaseModel):
         None, ge=0, le=1, description="budget: pick only cuts whose label-leak AUCs are <= this"
     )
     max_recovery: float | None = Field(
-        None, ge=0, le=1, description="language: pick only cuts whose recovered text (token fraction) is <= this"
+        None,
+        ge=0,
+        le=1,
+        description="language: pick only cuts whose recovered text (token fraction, targets included) is <= this",
     )
     cuts: str | None = Field(
         None, pattern=r"^\d+(,\d+)*$", description="language: the cuts to probe, comma-separated (default: every one)"

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitlab.audit.attack import Attack, Target
+from splitlab.audit.attack import TEXT_RECOVERED, Attack, Target
 from splitlab.audit.common import DECODER_WIDTH, fit
 from splitlab.privacy.defenses import Defense, received
 
@@ -149,6 +149,7 @@ def examples(tokens: torch.Tensor, reconstructed: torch.Tensor, characters: str)
 class TokenInversion(Attack):
     name = "token_inversion"
     inputs = ("tokens",)
+    figures = {"accuracy": TEXT_RECOVERED}
     why = "it reconstructs the tokens of a language run; use attack=inversion"
 
     def run(self, target: Target) -> dict[str, Any]:

@@ -128,6 +128,10 @@ def privacy_summary(config: RunConfig, releasers: int = 1) -> dict[str, Any]:
             "guarantee": "metric DP (d_chi-privacy) of each token's embedding per release: outputs for tokens x, x' "
             "differ in probability by at most exp(epsilon d(x, x')), d the Euclidean distance of their embeddings in "
             "the client's current embedding table; not (epsilon, delta)-DP, and the targets are not covered",
+            "releases_per_token": releases(config),
+            "epsilon_per_token_over_run": defense.dchi * releases(config),
+            "composition": "each pass over a sequence releases its tokens' embeddings again with fresh noise: over "
+            "the run, epsilon_per_token_over_run x d(x, x') (an attacker links and averages the releases)",
         }
     if defense.clip is None or defense.noise == 0 or config.dataset in SEQUENCE_DATASETS:
         why = (

@@ -334,6 +334,26 @@ def dchi_noise(embeddings: torch.Tensor, epsilon: float, generator: torch.Genera
     return (direction * norm).to(embeddings.dtype)
 
 
+def token_distances(client: nn.Module, vocabulary: int, epsilon: float, releases: int) -> dict[str, float]:
+    """What `dchi:epsilon` promises on the client part's token embedding table (its nn.Embedding of
+    `vocabulary` rows): the distance from each token to its nearest neighbour (smallest and median
+    over the tokens) and epsilon times the median, per release and over `releases` releases: the
+    privacy loss between a typical token and the one nearest to it."""
+    table = (
+        next(m.weight for m in client.modules() if isinstance(m, nn.Embedding) and m.num_embeddings == vocabulary)
+        .detach()
+        .double()
+    )
+    distance = torch.cdist(table, table).fill_diagonal_(math.inf).min(1).values
+    median = float(distance.median())
+    return {
+        "nearest_token_distance_min": float(distance.min()),
+        "nearest_token_distance_median": median,
+        "epsilon_nearest_tokens": epsilon * median,
+        "epsilon_nearest_tokens_over_run": epsilon * median * releases,
+    }
+
+
 def keep_probability(epsilon: float, classes: int) -> float:
     """Randomised response's probability of sending the true label: e^E / (e^E + K - 1), so that
     any two labels give any output with probabilities at most e^E apart (E-label-DP)."""

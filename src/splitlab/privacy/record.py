@@ -9,13 +9,18 @@ smashed data came from (`inputs`) are recorded too, by the experimenter and for 
 the server never sees them; so are the client (`clients`) and the batch of the round (`batches`,
 numbered from 0 in the order they reached the server; -1 for the samples of a batch `record=N`
 cut short) each sample came in, for attacks scored per batch as the label-leak paper scores
-them. One safetensors file per round, `record/round_<r>.safetensors` (a resumed run rewrites the
+them. With them, the client part that produced them (`weights.<client>.<name>`: its shared state,
+the trainable tensors of a LoRA model), as it was at the client's first recorded release of the
+round, before the round's first update: the weights the round started with, which the sync
+server handed out. An attack on the record uses those, not the run's final weights, which the
+record was never made with. One safetensors file per round, `record/round_<r>.safetensors` (a resumed run rewrites the
 rounds it replays). Recording happens where the client and the server live in one process. A
 vertical run records per party (`PartyRecorder`: `<name>@<party>`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -23,6 +28,7 @@ import torch
 from splitlab.io import save_safetensors
 
 RECORD_DIR = "record"
+WEIGHTS = "weights"  # a round file's client weights: weights.<client>.<state name>
 
 
 def round_file(run_dir: Path, rnd: int) -> Path:
@@ -37,13 +43,25 @@ class Recorder:
         self._batches: list[dict[str, torch.Tensor]] = []
         self._awaiting: dict[tuple[int, int], dict[str, torch.Tensor]] = {}  # the latest batch per key
         self._count = 0
+        self._weights: dict[int, dict[str, torch.Tensor]] = {}  # by client, this round
 
-    def sent(self, client_id: int, key: int, inputs: torch.Tensor, smashed: torch.Tensor, labels: torch.Tensor) -> None:
-        """A batch of smashed data as the server decodes it, under (client, key) for its gradient."""
+    def sent(
+        self,
+        client_id: int,
+        key: int,
+        inputs: torch.Tensor,
+        smashed: torch.Tensor,
+        labels: torch.Tensor,
+        weights: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+    ) -> None:
+        """A batch of smashed data as the server decodes it, under (client, key) for its gradient;
+        `weights`: the client part's shared state now, kept at the client's first recorded batch."""
         take = min(len(labels), self.limit - self._count)
         if take <= 0:
             return
         self._count += take
+        if weights is not None and client_id not in self._weights:
+            self._weights[client_id] = {name: t.detach().clone() for name, t in weights().items()}
         self._awaiting[client_id, key] = {
             "inputs": inputs[:take].detach().float(),
             "smashed": smashed[:take].detach(),
@@ -69,10 +87,14 @@ class Recorder:
     def flush(self, run_dir: Path, rnd: int) -> None:
         """Write the round's record (nothing if nothing was sent) and start the next round empty."""
         batches, self._batches, self._awaiting, self._count = self._batches, [], {}, 0
+        weights, self._weights = self._weights, {}
         if not batches:
             return
         names = set.intersection(*(set(b) for b in batches))  # a gradient only if every batch got one
-        save_safetensors(round_file(run_dir, rnd), {n: torch.cat([b[n] for b in batches]) for n in sorted(names)})
+        tensors = {n: torch.cat([b[n] for b in batches]) for n in sorted(names)}
+        for client, state in weights.items():
+            tensors.update({f"{WEIGHTS}.{client}.{name}": t.contiguous() for name, t in state.items()})
+        save_safetensors(round_file(run_dir, rnd), tensors)
 
 
 class PartyRecorder(Recorder):
@@ -88,8 +110,17 @@ class PartyRecorder(Recorder):
         self._counts: dict[int, int] = {}
         self._labels: dict[int, torch.Tensor] = {}  # by step, this round
 
-    def sent(self, client_id: int, key: int, inputs: torch.Tensor, smashed: torch.Tensor, labels: torch.Tensor) -> None:
-        """A party's embedding of a batch; `labels` are empty except at the label holder, whose
+    def sent(
+        self,
+        client_id: int,
+        key: int,
+        inputs: torch.Tensor,
+        smashed: torch.Tensor,
+        labels: torch.Tensor,
+        weights: Callable[[], Mapping[str, torch.Tensor]] | None = None,
+    ) -> None:
+        """A party's embedding of a batch (its `weights` are not kept: a vertical run's attacks use
+        the final bottoms); `labels` are empty except at the label holder, whose
         labels (as it holds them, before `label_dp`: the truth the attacks are scored on) label
         every party's batch of that step."""
         take = min(len(inputs), self.limit - self._counts.get(client_id, 0))
