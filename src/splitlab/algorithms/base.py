@@ -89,6 +89,11 @@ class Context:
         return [c.num_samples / total for c in clients]
 
 
+def _holds(state: State) -> bool:
+    """Whether a client's state holds anything to keep: slots, or its optimizers' (keep_client_optimizer)."""
+    return bool(state["models"] or state.get("kept_optimizers"))
+
+
 @contextlib.contextmanager
 def _pool(threads: int) -> Iterator[cf.ThreadPoolExecutor]:
     """A thread pool whose clients not yet started are dropped when the round stops on an error
@@ -132,6 +137,15 @@ class Algorithm(Generic[ParamsT]):
     #: step, and every cut gradient it sends comes from that step (`TrainingServer.send_gradient`),
     #: so that each role's loss scale applies (splitlab.loss_scale); fp16 is refused for any other
     supports_fp16: ClassVar[bool] = False
+    #: clip_scope=global applies: every training step trains the whole model, in one role (centralized,
+    #: FedAvg: as clip_scope=part) or through `split_step`, where the parts exchange their norms
+    clips_whole_model: ClassVar[bool] = False
+    #: keep_client_optimizer applies: a client receives a copy of its part every round (`download`),
+    #: and may keep its optimizer's state for it
+    can_keep_client_optimizer: ClassVar[bool] = False
+    #: why a per-step schedule (warmup_steps, lr_decay) does not apply, where the training server's
+    #: steps in a round are not known before it (`server_steps`)
+    no_step_schedule: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -178,6 +192,11 @@ class Algorithm(Generic[ParamsT]):
         progress within a round; None where they draw none of their own."""
         return sum(self.ctx.local_steps(c) for c in clients)
 
+    def server_steps(self, clients: list[ClientInfo]) -> int:
+        """How many optimizer steps the training server takes in a round of `clients` (its place
+        in a per-step schedule): by default one per client batch."""
+        return self.round_batches(clients) or max((self.ctx.local_steps(c) for c in clients), default=1)
+
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         raise NotImplementedError
 
@@ -216,7 +235,9 @@ class Algorithm(Generic[ParamsT]):
     # --- the round, as the engine runs it ---------------------------------------------------
     def run_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.dropped, self.non_finite = set(), set()
-        if self.ctx.config.lr_schedule != "none":  # the server's optimizers follow the round too
+        if self.ctx.config.lr_by_step:  # the server's rate follows its steps
+            self.server.begin_round(rnd, self.server_steps(clients))
+        elif self.ctx.config.lr_schedule != "none":  # ... or the round
             self.server.begin_round(rnd)
         for client in clients:
             self.unless_dropped(client.id, "begin_round", rnd)
@@ -267,7 +288,11 @@ class Algorithm(Generic[ParamsT]):
             reply = self.u_shaped_server_step(client_id, step, sent["smashed"], server_slot)
         if reply is None:
             return
-        self.unless_dropped(client_id, "backward", step, reply["cut_grad"])
+        if self.ctx.config.clip_scope == "global":  # the norms of both parts cross before either steps
+            whole = self.unless_dropped(client_id, "backward_whole", step, reply["cut_grad"], reply["grad_norm"])
+            self.server.finish_step(server_slot, None if whole is None else whole["grad_norm_up"])
+        else:
+            self.unless_dropped(client_id, "backward", step, reply["cut_grad"])
         self.track(self.step_loss(sent, reply))
 
     def u_shaped_server_step(self, client_id: int, step: int, smashed: Any, server_slot: str) -> State | None:
@@ -405,7 +430,7 @@ class Algorithm(Generic[ParamsT]):
             with contextlib.suppress(ClientDropped):
                 self._kept[client_id] = self.ctx.client_proxies[client_id].state_dict()
                 self._touched.discard(client_id)
-        return {k: self._kept[k] for k in sorted(self._kept) if self._kept[k]["models"]}
+        return {k: self._kept[k] for k in sorted(self._kept) if _holds(self._kept[k])}
 
     def load_client_states(self, states: dict[int, State]) -> None:
         """A resumed run: every client gets its checkpointed state back."""
@@ -418,7 +443,7 @@ class Algorithm(Generic[ParamsT]):
         checkpointed (counted as `kept_state_down`), so that it goes on where it was, not from the
         initial weights. The transport calls this before anything else reaches the new node."""
         state = self._kept.get(client_id)
-        if state is not None and state["models"]:  # a client that keeps nothing has nothing to get back
+        if state is not None and _holds(state):  # a client that keeps nothing has nothing to get back
             self.client(client_id).rejoin(state)
 
     def _train_tracked(self, train: Callable[[ClientInfo], None], client: ClientInfo) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ class Centralized(Algorithm[NoParams]):
     models = {"client_model": whole_model}
     not_u_shaped = "nothing is split: one node trains the whole model"
     supports_fp16 = True
+    clips_whole_model = True
 
     @staticmethod
     def data_owners(indices: list[np.ndarray]) -> list[np.ndarray]:

@@ -22,6 +22,8 @@ class SFLV1(Algorithm[NoParams]):
     Client, Server = UShapedClient, UShapedServer
     supports_u_shape = True
     supports_fp16 = True
+    clips_whole_model = True
+    can_keep_client_optimizer = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.fold)

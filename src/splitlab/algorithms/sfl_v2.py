@@ -36,6 +36,8 @@ class SFLV2(Algorithm[SFLV2Params]):
     Client, Server = UShapedClient, UShapedServer
     supports_u_shape = True
     supports_fp16 = True
+    clips_whole_model = True
+    can_keep_client_optimizer = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         if self.params.server_schedule == "interleaved":
