@@ -142,6 +142,11 @@ def check_step_options(run: RunConfig) -> None:
             f"keep_client_optimizer does not apply to algorithm={run.algorithm}: its clients do not receive a new "
             f"copy of their part every round; it applies to {_listed(takers)}"
         )
+    if run.save_every and algorithm.personal_models:
+        raise UserError(
+            f"save_every does not apply to algorithm={run.algorithm}: it has no one global model to save, "
+            f"each client keeps its own part"
+        )
     if run.lr_by_step and algorithm.no_step_schedule:
         raise UserError(
             f"warmup_steps, warmup_ratio and lr_decay do not apply to algorithm={run.algorithm}: "

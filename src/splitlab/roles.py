@@ -853,6 +853,7 @@ class TrainingServer(Role[ParamsT]):
         self._average: ModelAverage | None = None
         #: clip_scope=global: by slot, the norm of a step's gradients held until the client's comes (`finish_step`)
         self._held: dict[str, torch.Tensor] = {}
+        self._last_norm: torch.Tensor | None = None  # log_every: that of the last step
 
     @verb()
     def begin_round(self, rnd: int, steps: int | None = None) -> None:
@@ -894,6 +895,7 @@ class TrainingServer(Role[ParamsT]):
             "gradient norm": get_total_norm(grads),
             "cut-layer gradient norm": get_total_norm([g.float() for g in cut_grads] if taken else []) / unscale,
         }
+        self._last_norm = figures["gradient norm"]
         device = figures["gradient norm"].device
         stacked = torch.stack([f.float().to(device) for f in figures.values()])
         if self.checks_each_step:
@@ -915,8 +917,11 @@ class TrainingServer(Role[ParamsT]):
         return result
 
     def held_norm(self, slot: str) -> State:
-        """clip_scope=global: the norm of `slot`'s step held for the client's (`grad_norm`), for the reply."""
-        return {"grad_norm": self._held[slot]} if slot in self._held else {}
+        """The norm of `slot`'s last step (`grad_norm`), for the reply: with clip_scope=global, held for
+        the client's; with log_every, for the log (else nothing, and replies are as they were)."""
+        if slot in self._held:
+            return {"grad_norm": self._held[slot]}
+        return {"grad_norm": self._last_norm} if self.blueprint.config.log_every and self._last_norm is not None else {}
 
     @verb()
     def finish_step(self, slot: str, client_norm: torch.Tensor | None) -> None:

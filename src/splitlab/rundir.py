@@ -69,6 +69,8 @@ WRITTEN = (
     "attack_unsplit.png",
     "attack_fsha.png",
     "hf",
+    "checkpoints",
+    "steps.jsonl",
     "generations.jsonl",
     "report.md",
     "results.csv",

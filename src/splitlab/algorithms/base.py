@@ -176,6 +176,12 @@ class Algorithm(Generic[ParamsT]):
         #: state can have changed (a checkpoint fetches nothing from the others: on Ray, O(sampled))
         self._touched: set[int] = set()
         self._training = threading.local()  # a client's tracked losses while it trains in a thread
+        #: the training steps tracked in the run (each a client batch trained on, with its loss);
+        #: the loop restores it on resume
+        self.steps = 0
+        #: called with each tracked step's loss and gradient norm (if the server gave one), in
+        #: order: the loop's per-step log (log_every)
+        self.on_step: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None
 
     @staticmethod
     def data_owners(indices: list[np.ndarray]) -> list[np.ndarray]:
@@ -288,12 +294,15 @@ class Algorithm(Generic[ParamsT]):
             reply = self.u_shaped_server_step(client_id, step, sent["smashed"], server_slot)
         if reply is None:
             return
+        norm = reply.get("grad_norm")  # the server part's (clip_scope=global, log_every)
         if self.ctx.config.clip_scope == "global":  # the norms of both parts cross before either steps
-            whole = self.unless_dropped(client_id, "backward_whole", step, reply["cut_grad"], reply["grad_norm"])
-            self.server.finish_step(server_slot, None if whole is None else whole["grad_norm_up"])
+            whole = self.unless_dropped(client_id, "backward_whole", step, reply["cut_grad"], norm)
+            own = None if whole is None else whole["grad_norm_up"]
+            self.server.finish_step(server_slot, own)
+            norm = None if own is None else torch.linalg.vector_norm(torch.stack([norm, own.to(norm.device)]))
         else:
             self.unless_dropped(client_id, "backward", step, reply["cut_grad"])
-        self.track(self.step_loss(sent, reply))
+        self.track(self.step_loss(sent, reply), norm)
 
     def u_shaped_server_step(self, client_id: int, step: int, smashed: Any, server_slot: str) -> State | None:
         """The server's part of a U-shaped split step: its output at cut B down to the client's
@@ -381,8 +390,8 @@ class Algorithm(Generic[ParamsT]):
         with _pool(self.ctx.concurrency) as pool:
             started = [pool.submit(self._train_tracked, train, client) for client in clients[:ahead]]
             for i, (client, alpha) in enumerate(zip(clients, alphas)):
-                for value in started[i].result():
-                    self.track(value)
+                for value, norm in started[i].result():
+                    self.track(value, norm)
                 fold(client, alpha)
                 if i + ahead < len(clients):
                     started.append(pool.submit(self._train_tracked, train, clients[i + ahead]))
@@ -446,8 +455,10 @@ class Algorithm(Generic[ParamsT]):
         if state is not None and _holds(state):  # a client that keeps nothing has nothing to get back
             self.client(client_id).rejoin(state)
 
-    def _train_tracked(self, train: Callable[[ClientInfo], None], client: ClientInfo) -> list[torch.Tensor]:
-        """`train(client)` in a worker thread; the losses it tracked, in order."""
+    def _train_tracked(
+        self, train: Callable[[ClientInfo], None], client: ClientInfo
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """`train(client)` in a worker thread; the losses (and norms) it tracked, in order."""
         self._training.losses = []
         try:
             with self.ctx.lease(client.id):
@@ -456,13 +467,17 @@ class Algorithm(Generic[ParamsT]):
         finally:
             del self._training.losses
 
-    def track(self, loss: torch.Tensor) -> None:
+    def track(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> None:
+        """A training step's loss (and the gradient norm the server gave, if any)."""
         losses = getattr(self._training, "losses", None)
         if losses is not None:  # a client training in a thread: counted in client order by for_each_client
-            losses.append(loss)
+            losses.append((loss, grad_norm))
             return
         self._loss_sum = self._loss_sum + loss
         self._loss_count += 1
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(loss, grad_norm)
 
     def pop_train_loss(self) -> float | None:
         """Mean training loss over the steps since the last call (read once per round)."""
