@@ -496,7 +496,8 @@ ONLY_WHEN: dict[str, Applies] = {
         {"warmup_steps": 10, "warmup_ratio": 0.1},
     ),
     "clip_scope": Applies(
-        lambda r: r.max_grad_norm is not None, "clip_scope says how max_grad_norm clips; it needs max_grad_norm=N",
+        lambda r: r.max_grad_norm is not None,
+        "clip_scope says how max_grad_norm clips; it needs max_grad_norm=N",
         {"clip_scope": "global"},
     ),
     "save_every": Applies(
@@ -505,7 +506,8 @@ ONLY_WHEN: dict[str, Applies] = {
         {"model": "mlp", "save_every": 10},
     ),
     "keep_best": Applies(
-        lambda r: r.save_every > 0, "keep_best chooses among the saved steps; it needs save_every=N",
+        lambda r: r.save_every > 0,
+        "keep_best chooses among the saved steps; it needs save_every=N",
         {"keep_best": "eval_loss"},
     ),
     "resume": Applies(

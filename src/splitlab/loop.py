@@ -143,7 +143,9 @@ def _step_log(experiment: Experiment, listeners: list[Callback]) -> StepLog:
         """The run's clock: a step of the round's client batches (as the training server's steps)."""
         if rnd not in batches:
             batches.clear()
-            clients = sample_clients(experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING))
+            clients = sample_clients(
+                experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING)
+            )
             batches[rnd] = algorithm.server_steps(clients)
         return cfg.lr * blueprint.lr_factor(rnd, step, batches[rnd])
 

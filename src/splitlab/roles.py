@@ -941,7 +941,11 @@ class TrainingServer(Role[ParamsT]):
         configured) and the loss."""
         smashed = decode(smashed).requires_grad_()
         reply = self.learn(smashed, labels, slot)
-        return {"cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad), labels), **reply, **self.held_norm(slot)}
+        return {
+            "cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad), labels),
+            **reply,
+            **self.held_norm(slot),
+        }
 
     def send_gradient(self, grad: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         """A cut gradient as sent down: `gradnoise` and `marvell` (which needs the batch's `labels`)

@@ -61,7 +61,9 @@ class VerbSpec:
 
 
 def verb(
-    down: str | tuple[str | None, ...] | None = None, up: str | None = None, keys: tuple[str, ...] | Callable[..., tuple[str, ...]] = ()
+    down: str | tuple[str | None, ...] | None = None,
+    up: str | None = None,
+    keys: tuple[str, ...] | Callable[..., tuple[str, ...]] = (),
 ) -> Callable[[F], F]:
     """Mark a role method as callable through a transport, with the ledger kinds of its tensors
     (and, for a KEYED result, its keys)."""

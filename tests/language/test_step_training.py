@@ -52,7 +52,9 @@ def test_per_step_warmup_is_logged_as_every_role_steps(tmp_path, monkeypatch):
     with; one client's split run follows the same schedule in both roles: centralized training."""
     rates: list[float] = []
     step = torch.optim.Adam.step
-    monkeypatch.setattr(torch.optim.Adam, "step", lambda self, *a: rates.append(self.param_groups[0]["lr"]) or step(self, *a))
+    monkeypatch.setattr(
+        torch.optim.Adam, "step", lambda self, *a: rates.append(self.param_groups[0]["lr"]) or step(self, *a)
+    )
     config = quick(clients=1, rounds=2, local_steps=5, lr=0.01, warmup_steps=6, lr_decay="cosine")
     summary = run(dict(config, algorithm="centralized", log_every=1, out=str(tmp_path / "c")), progress=False)
     rows = read_jsonl(tmp_path / "c" / "steps.jsonl")
