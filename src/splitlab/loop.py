@@ -250,7 +250,9 @@ def _save_step(experiment: Experiment, state: dict[str, Any], row: dict[str, Any
     evaluation if it had one), named in the loop's state."""
     cfg, out = experiment.config.run, experiment.out
     name = f"checkpoints/step-{state['steps']}"
-    experiment.assemble(experiment.algorithm.global_model())  # (the parts export_hf reads)
+    model = experiment.algorithm.global_model()
+    assert model is not None, "refused when resolved (personal models)"
+    experiment.assemble(model)  # (the parts export_hf reads)
     export_hf(experiment.config, experiment.assembler.parts, experiment.data.vocabulary, out / name, whole=False)
     if cfg.keep_best != "eval_loss":
         return

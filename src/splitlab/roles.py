@@ -249,8 +249,7 @@ class Blueprint:
         size = Blueprint.step_batch(cfg)
         full, rest = divmod(num_samples, size)
         epoch = [size] * full + ([rest] if rest else [])
-        steps = Blueprint.steps_per_round(cfg, num_samples)
-        whole, part = divmod(steps, len(epoch))
+        whole, part = divmod(Blueprint.steps_per_round(cfg, num_samples), max(1, len(epoch)))
         return whole * num_samples + sum(epoch[:part])
 
     @functools.cached_property
@@ -553,7 +552,7 @@ class Role(Generic[ParamsT]):
         """clip_scope=global: scale the gradients of `slots` by the norm of the whole model the step
         trains, theirs and the other parts' (`other_norm`), to at most `max_grad_norm`; their own norm."""
         trained = [p for slot in slots for p in self.model(slot).parameters() if p.grad is not None]
-        own = get_total_norm([p.grad for p in trained])
+        own = get_total_norm([g for slot in slots for g in self.gradients(slot)])
         whole = torch.linalg.vector_norm(torch.stack([own.float(), other_norm.float().to(own.device)]))
         most = cast(float, self.blueprint.config.max_grad_norm)
         torch.nn.utils.clip_grads_with_norm_(trained, most, whole, foreach=True)

@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from helpers import TINY_GPT, global_weights, max_abs_difference, quick, straight_and_resumed, train
+from splitlab.config import RunConfig
 from splitlab.engine import run
 from splitlab.errors import UserError
 from splitlab.io import read_jsonl
+from splitlab.roles import Blueprint
 from splitlab.schedules import step_factor, warmup_length
 
 
@@ -45,6 +47,13 @@ def test_the_trainers_warmup_and_decay_per_step():
     assert step_factor(7, 10, 4, "cosine") == pytest.approx(0.5)
     assert step_factor(9, 10, 4, "none") == 1.0
     assert warmup_length(0, 0.25, 10) == 3 and warmup_length(5, 0.0, 10) == 5
+
+
+def test_samples_a_round_trains_on_count_each_epochs_last_short_batch():
+    two_epochs = RunConfig(batch_size=32, local_epochs=2)
+    assert Blueprint.samples_per_round(two_epochs, 70) == 140  # batches of 32, 32, 6, twice
+    assert Blueprint.samples_per_round(two_epochs.model_copy(update={"local_steps": 4}), 70) == 32 + 32 + 6 + 32
+    assert Blueprint.samples_per_round(two_epochs, 0) == 0
 
 
 def test_per_step_warmup_is_logged_as_every_role_steps(tmp_path, monkeypatch):

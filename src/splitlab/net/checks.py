@@ -352,6 +352,8 @@ class Checks:
         if not isinstance(groups, list) or len(groups) != len(want_groups):
             raise Refused(f"{slot}'s optimizer has {_count(groups)} param groups, expected {len(want_groups)}")
         for group, want in zip(groups, want_groups):
+            if self.blueprint.scheduled:  # a scheduled rate keeps the rate it scales (Role.optimizer)
+                want = {**want, "initial_lr": want["lr"]}
             if not isinstance(group, dict) or set(group) != set(want) or group["params"] != want["params"]:
                 raise Refused(f"{slot}'s optimizer param group is not that of the configured optimizer over it")
             for key, value in group.items():
