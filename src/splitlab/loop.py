@@ -146,7 +146,7 @@ def _step_log(experiment: Experiment, listeners: list[Callback]) -> StepLog:
             clients = sample_clients(
                 experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING)
             )
-            batches[rnd] = algorithm.server_steps(clients)
+            batches[rnd] = algorithm.run_steps(clients)
         return cfg.lr * blueprint.lr_factor(rnd, step, batches[rnd])
 
     per_step = _per_sample(experiment) * Blueprint.step_batch(cfg)

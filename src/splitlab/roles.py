@@ -388,10 +388,13 @@ class Role(Generic[ParamsT]):
         #: precision=fp16: this role's loss scale, over every slot it trains (splitlab.loss_scale)
         self.loss_scale = LossScale() if blueprint.config.precision == "fp16" else None
         self._seeded = False  # whether the step's backward pass went through `backward_pass` (fp16's guard)
-        #: the optimizer steps this role took in the round so far, of the `round_steps` it takes in
-        #: one: its place in a per-step schedule (splitlab.schedules)
-        self.steps_taken = 0
+        #: by slot, the optimizer steps this role took in the round so far, of the `round_steps` it
+        #: takes in one (`slot_steps` where a slot's differ): its place in a per-step schedule
+        #: (splitlab.schedules). By slot, so that clients training at once (on Ray) each count
+        #: their own server copy's steps, whatever the order they come in.
+        self.steps_taken: dict[str, int] = defaultdict(int)
         self.round_steps = 1
+        self.slot_steps: dict[str, int] = {}
         #: clip_scope=global: the norm of the other parts of the step's model, given before the
         #: step, and then this role's own (`clip_whole`)
         self.other_norm: torch.Tensor | None = None
@@ -413,7 +416,8 @@ class Role(Generic[ParamsT]):
             self.optimizers[slot] = self.new_optimizer(slot)
         optimizer = self.optimizers[slot]
         if self.blueprint.scheduled:
-            factor = self.blueprint.lr_factor(self.round, self.steps_taken, self.round_steps)
+            steps = self.slot_steps.get(slot, self.round_steps)
+            factor = self.blueprint.lr_factor(self.round, self.steps_taken[slot], steps)
             for group in optimizer.param_groups:
                 group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
         return optimizer
@@ -426,7 +430,7 @@ class Role(Generic[ParamsT]):
     def begin_round(self, rnd: int) -> None:
         """Round `rnd` begins: the learning rate follows it (called on servers only with a schedule)."""
         self.round = rnd
-        self.steps_taken = 0
+        self.steps_taken.clear()
 
     def load_copy(self, slot: str, state: Mapping[str, torch.Tensor]) -> None:
         """Make `slot` a working copy of `state` (or, a kept slot, hold `state`), with a fresh optimizer.
@@ -456,7 +460,8 @@ class Role(Generic[ParamsT]):
         """One optimizer step of each of `slots` on the gradients `backward` computes for all of
         them at once, each clipped first (`max_grad_norm`); what `backward` returns."""
         optimizers = [self.optimizer(slot) for slot in slots]
-        self.steps_taken += 1
+        for slot in slots:
+            self.steps_taken[slot] += 1
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         result = backward()
@@ -855,11 +860,11 @@ class TrainingServer(Role[ParamsT]):
         self._last_norm: torch.Tensor | None = None  # log_every: that of the last step
 
     @verb()
-    def begin_round(self, rnd: int, steps: int | None = None) -> None:
-        """Round `rnd` begins, in which the algorithm has this server take `steps` optimizer steps
-        (its place in a per-step schedule)."""
+    def begin_round(self, rnd: int, steps: dict[str, int] | None = None) -> None:
+        """Round `rnd` begins, in which the algorithm has this server take `steps[slot]` optimizer
+        steps of each slot (their place in a per-step schedule)."""
         super().begin_round(rnd)
-        self.round_steps = steps or 1
+        self.slot_steps = steps or {}
 
     def objective(self, value: torch.Tensor) -> torch.Tensor:
         """What the server minimises given the batch loss (SplitGP scales it)."""
@@ -880,7 +885,7 @@ class TrainingServer(Role[ParamsT]):
         `checks_each_step` (the round's figures are checked at its end, and a run whose were not
         finite stops as diverged). What `backward` returns (the loss, if `value` is None)."""
         optimizer = self.optimizer(slot)
-        self.steps_taken += 1
+        self.steps_taken[slot] += 1
         optimizer.zero_grad(set_to_none=True)
         result = backward()
         if value is None and isinstance(result, torch.Tensor):

@@ -14,11 +14,12 @@ scales every training optimizer (client, server and auxiliary parts; SGLR's and 
 By step, as transformers' Trainer schedules (`get_linear_schedule_with_warmup`, `..._cosine_...`):
 step s (counted from 0, the optimizer steps taken before) of a schedule of `total` steps with
 `warmup` steps has the factor s / warmup while s < warmup, then decays from 1 to 0 over the rest,
-linearly or along a half cosine (none: stays 1). Each role counts its own steps: in round r of
-`rounds`, its step j of the n it takes in a round is step r * n + j of rounds * n (a client's n:
-its batches of a round; the training server's: the steps the algorithm has it take, told by the
-orchestrator beside it). Nothing is sent for it, and a round restarts its count, so a resumed run
-and every transport give the same rates.
+linearly or along a half cosine (none: stays 1). Each role counts its own steps, slot by slot: in
+round r of `rounds`, a slot's step j of the n it takes in a round is step r * n + j of rounds * n
+(a client's n: its batches of a round; the training server's: the steps the algorithm has it take,
+told by the orchestrator beside it; a server copy of a client's part, that client's). Nothing is
+sent for it, and a round restarts its count, so a resumed run and every transport (clients
+training at once on Ray too) give the same rates.
 """
 
 from __future__ import annotations

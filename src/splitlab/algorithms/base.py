@@ -35,6 +35,7 @@ from splitlab.roles import (
     SyncServer,
     TrainingServer,
     random_stream,
+    server_copy,
 )
 from splitlab.transport import ClientDropped, Proxy
 from splitlab.u_shaped import UShapedClient
@@ -146,6 +147,8 @@ class Algorithm(Generic[ParamsT]):
     #: why a per-step schedule (warmup_steps, lr_decay) does not apply, where the training server's
     #: steps in a round are not known before it (`server_steps`)
     no_step_schedule: ClassVar[str] = ""
+    #: the server trains a working copy of its part per client (`copy_server`), each its client's steps
+    trains_server_copies: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -198,10 +201,18 @@ class Algorithm(Generic[ParamsT]):
         progress within a round; None where they draw none of their own."""
         return sum(self.ctx.local_steps(c) for c in clients)
 
-    def server_steps(self, clients: list[ClientInfo]) -> int:
-        """How many optimizer steps the training server takes in a round of `clients` (its place
-        in a per-step schedule): by default one per client batch."""
+    def run_steps(self, clients: list[ClientInfo]) -> int:
+        """The training steps of a round of `clients` (the run's clock): one per client batch (the
+        parties of a vertical run take shared ones)."""
         return self.round_batches(clients) or max((self.ctx.local_steps(c) for c in clients), default=1)
+
+    def server_steps(self, clients: list[ClientInfo]) -> dict[str, int]:
+        """By slot, the optimizer steps the training server takes in a round of `clients` (their
+        place in a per-step schedule): by default one per client batch, or with a copy per client
+        (`trains_server_copies`) each its client's."""
+        if self.trains_server_copies:
+            return {server_copy(c.id): self.ctx.local_steps(c) for c in clients}
+        return {"server_model": self.run_steps(clients)}
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         raise NotImplementedError

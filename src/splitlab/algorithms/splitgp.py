@@ -178,6 +178,7 @@ class SplitGP(Algorithm[SplitGPParams]):
     Client = SplitGPClient
     Server = SplitGPServer
     supports_fp16 = True
+    trains_server_copies = True
     models = {**SPLIT_MODELS, "aux_model": initial_exit}
     not_u_shaped = "its server part is the main model's last layers, trained on the labels the clients send"
 
