@@ -9,7 +9,15 @@ import json
 import pytest
 import torch
 
-from helpers import TINY_GPT, global_weights, max_abs_difference, quick, straight_and_resumed, train
+from helpers import (
+    TINY_GPT,
+    crash_before_round,
+    global_weights,
+    max_abs_difference,
+    quick,
+    straight_and_resumed,
+    train,
+)
 from splitlab.config import RunConfig
 from splitlab.engine import run
 from splitlab.errors import UserError
@@ -83,6 +91,21 @@ def test_per_step_schedule_resumes_exactly_with_sampled_clients():
     straight, resumed = straight_and_resumed(3, **config)
     assert max_abs_difference(global_weights(resumed), global_weights(straight)) == 0
     assert max_abs_difference(global_weights(straight), global_weights(train(3, **quick(algorithm="sfl_v2")))) > 1e-4
+
+
+def test_a_run_resumed_logs_and_counts_its_steps_as_an_uninterrupted_one(tmp_path, monkeypatch):
+    """The loop's step counts, the log's rows and the losses since its last row are checkpointed."""
+    config = quick(algorithm="sfl_v2", rounds=3, log_every=4, warmup_ratio=0.2, lr_decay="cosine", checkpoint_every=0)
+    whole = run(dict(config, out=str(tmp_path / "whole")), progress=False)
+    crash_before_round(2, dict(config, out=str(tmp_path / "cut")), monkeypatch)
+    resumed = run(dict(config, out=str(tmp_path / "cut"), resume=True), progress=False)
+
+    def logged(out):
+        return [{k: v for k, v in row.items() if k != "samples_per_second"} for row in read_jsonl(out / "steps.jsonl")]
+
+    assert logged(tmp_path / "cut") == logged(tmp_path / "whole") and len(logged(tmp_path / "whole")) == 36 // 4
+    assert resumed["optimizer_steps"] == whole["optimizer_steps"] == 36  # 3 clients x 4 batches x 3 rounds
+    assert resumed["samples_seen"] == whole["samples_seen"] == 3 * 300
 
 
 def test_a_kept_client_optimizer_makes_one_client_sfl_v2_centralized_over_rounds():
