@@ -130,6 +130,7 @@ def test_a_kept_client_optimizer_makes_one_client_sfl_v2_centralized_over_rounds
         (dict(warmup_steps=3, warmup_ratio=0.1), r"give one"),
         (dict(keep_best="eval_loss"), r"it needs save_every=N"),
         (dict(save_every=2), r"save_every writes the model's Hugging Face folders"),
+        (dict(setting="vertical", algorithm="sl", clip_scope="global", max_grad_norm=1), r"clip_scope=global needs"),
     ],
 )
 def test_step_options_are_refused_in_one_line_where_they_cannot_apply(settings, message):
