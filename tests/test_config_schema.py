@@ -104,6 +104,7 @@ SETTING_EXAMPLES = {
     ("vertical", "eval_generate"): ["algorithm=sl", "eval_generate=4"],
     ("vertical", "tail_cut"): ["algorithm=sl", "cut=1,2"],
     ("vertical", "grad_accum"): ["algorithm=sl", "grad_accum=2"],
+    ("vertical", "clip_scope"): ["algorithm=sl", "max_grad_norm=1", "clip_scope=global"],
 }
 
 

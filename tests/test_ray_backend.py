@@ -198,6 +198,19 @@ def test_the_federated_strategies_on_ray_with_moving_clients_are_bit_identical(l
     assert rows_of(tmp_path / "ray")[-1]["comm_bytes_by_kind"]["control_up"] > 0
 
 
+def test_kept_client_optimizers_global_clipping_and_step_schedules_move_with_clients_bit_for_bit(
+    local_ray, tmp_path: Path, monkeypatch
+):
+    """SFL-V1 on Ray, clients moved whenever they train: a kept client optimizer's state goes with
+    its client, the norms cross as in process, every role's rate follows its own steps."""
+    keys = dict(keep_client_optimizer=True, max_grad_norm=0.1, clip_scope="global", warmup_ratio=0.5, lr_decay="linear")
+    run(config("sfl_v1", tmp_path / "local", **keys), progress=False)
+    always_elsewhere(monkeypatch)
+    run(config("sfl_v1", tmp_path / "ray", backend="ray", workers=2, **keys), progress=False)
+    assert results(tmp_path / "local") == results(tmp_path / "ray")
+    assert all(row["ray_client_moves"] > 0 for row in rows_of(tmp_path / "ray"))
+
+
 def test_workers_on_nodes_without_the_data_files_run_from_the_object_store(local_ray, tmp_path: Path, monkeypatch):
     """The dataset's files are gone once the driver has read them, before any actor starts: the
     workers get the samples through Ray's object store (and the server never needs them)."""

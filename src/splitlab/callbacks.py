@@ -7,16 +7,20 @@ what the server saw, the communication budget. A callback of your own is passed 
 number or touches a role, so results are the same with or without them.
 
 `state` is the loop's state, as checkpointed: `round` (rounds finished), `metrics` (the rows so
-far), `wall_seconds`, `stopped_by`.
+far), `wall_seconds`, `stopped_by`, `steps` and `samples` (training steps and samples so far),
+`step_rows` (log_every's rows so far).
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from splitlab.io import write_jsonl
@@ -45,6 +49,10 @@ class Callback:
     def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
         """After a round; `row` is its metrics row when it was evaluated, else None."""
 
+    def on_steps(self, state: State, row: dict[str, Any]) -> None:
+        """Every `log_every` training steps (within a round): `row` of the steps since the last
+        (`StepLog`: step, round, loss, lr, grad_norm, tokens_per_second or samples_per_second)."""
+
     def on_run_end(self, state: State) -> None:
         """After the last round, or when the loop stops on an error (release what you hold)."""
 
@@ -58,6 +66,63 @@ class MetricsFile(Callback):
     def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
         if row is not None:
             write_jsonl(self.path, state["metrics"])
+
+
+class StepLog(Callback):
+    """log_every=N: every N training steps (each a client batch trained on), a row of their mean
+    loss, the learning rate at the last one (`lr_at(round, step in the round)`, the run's clock:
+    the training server's, and with one client every role's), the gradient norm the server gave
+    for it (the server part's; clip_scope=global: the whole model's) and the `unit`s (tokens, or
+    samples) per second since the last row, `per_step` in a full batch; to steps.jsonl (rewritten
+    from the loop's state at each round's end) and to every callback's `on_steps`."""
+
+    def __init__(
+        self,
+        out: Path,
+        every: int,
+        lr_at: Callable[[int, int], float],
+        unit: str,
+        per_step: int,
+        listeners: Sequence[Callback],
+    ) -> None:
+        self.path, self.every, self.lr_at = out / "steps.jsonl", every, lr_at
+        self.rate, self.per_step, self.listeners = f"{unit}_per_second", per_step, listeners
+        self.state: State = {}
+        self._losses: list[torch.Tensor] = []
+        self._in_round = 0
+        self._since = time.perf_counter()
+
+    def on_run_start(self, state: State) -> None:
+        """A resumed run takes up the losses of the steps since the last row, as checkpointed."""
+        self._losses = [torch.tensor(value) for value in state.get("pending_losses", [])]
+        self._since = time.perf_counter()
+
+    def on_round_start(self, state: State, batches: int | None) -> None:
+        self.state, self._in_round = state, 0
+
+    def step(self, steps: int, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> None:
+        """Training step number `steps` (from 1) was taken, with `loss` (and `grad_norm`)."""
+        self._in_round += 1
+        self._losses.append(loss.detach())
+        if steps % self.every:
+            return
+        now = time.perf_counter()
+        row = {
+            "step": steps,
+            "round": self.state["round"] + 1,
+            "loss": float(torch.stack(self._losses).float().mean()),
+            "lr": self.lr_at(self.state["round"], self._in_round - 1),
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            self.rate: len(self._losses) * self.per_step / max(now - self._since, 1e-9),
+        }
+        self._losses, self._since = [], now
+        self.state.setdefault("step_rows", []).append(row)
+        for listener in self.listeners:
+            listener.on_steps(self.state, row)
+
+    def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
+        state["pending_losses"] = [float(loss) for loss in self._losses]
+        write_jsonl(self.path, state.get("step_rows", []))
 
 
 class CommBudget(Callback):

@@ -167,6 +167,31 @@ class RunConfig(BaseModel):
     lr_schedule: str = Field("none", json_schema_extra=TRAINING)
     """the learning rate by round, as factors of lr joined by +: step:<every>:<gamma> | cosine | warmup:<rounds> (e.g.
     warmup:5+cosine); none = lr throughout"""
+    # per-step schedules and logging, whole-model clipping, adapter checkpoints (docs/language.md)
+    warmup_steps: int = Field(0, ge=0, le=10**9, json_schema_extra=TRAINING)
+    """a linear warm-up of the learning rate over the first N optimizer steps each role takes, from 0 (as the
+    Trainer's; docs/language.md); 0: none"""
+    warmup_ratio: float = Field(0.0, ge=0, lt=1, json_schema_extra=TRAINING)
+    """the warm-up as a share of each role's optimizer steps in the run (rounded up), instead of warmup_steps"""
+    lr_decay: Literal["none", "linear", "cosine"] = Field("none", json_schema_extra=TRAINING)
+    """none | linear | cosine: after the warm-up, the learning rate decays per optimizer step to 0 at the run's
+    last step (each role's own steps), as the Trainer's lr_scheduler_type; multiplies lr_schedule's factor"""
+    clip_scope: Literal["part", "global"] = Field("part", json_schema_extra=TRAINING)
+    """with max_grad_norm: part clips each part a role trains on its own | global clips the whole model one step
+    trains (client and server parts) by their joint norm, one scalar per part crossing the cut (grad_norm_down,
+    grad_norm_up), as the Trainer's max_grad_norm"""
+    keep_client_optimizer: bool = Field(False, json_schema_extra=TRAINING)
+    """a client keeps its optimizer's state (Adam's moments) from round to round for the client part it receives,
+    instead of a fresh optimizer each round (checkpointed with the client)"""
+    log_every: int = Field(0, ge=0, le=10**9, json_schema_extra=DEPLOYMENT)
+    """every N training steps, a row of the mean loss, lr, gradient norm and tokens/s to steps.jsonl and the
+    trackers; 0: none"""
+    save_every: int = Field(0, ge=0, le=10**9, json_schema_extra=DEPLOYMENT)
+    """at the end of the first round reaching each N training steps, the global model to
+    OUT/checkpoints/step-S (peft: the LoRA adapters; hf: where the whole model trains); 0: none"""
+    keep_best: Literal["none", "eval_loss"] = Field("none", json_schema_extra=DEPLOYMENT)
+    """with save_every: eval_loss keeps only the step folder with the lowest test loss (evaluated at each save),
+    named in summary.json; none keeps every one"""
     loss: str = Field("cross_entropy", json_schema_extra=TRAINING)
     """the training loss: cross_entropy | label_smoothing:<eps> | focal:<gamma> (or a plugin's); evaluation reports
     cross-entropy"""
@@ -319,6 +344,11 @@ class RunConfig(BaseModel):
             f"names the closest key if it is a typo), or in its params model, splitlab.run(config, *params)"
         )
 
+    @property
+    def lr_by_step(self) -> bool:
+        """Whether the learning rate follows a per-step schedule (warm-up or decay; splitlab.schedules)."""
+        return bool(self.warmup_steps or self.warmup_ratio) or self.lr_decay != "none"
+
     def adapters(self) -> dict[str, Any]:
         """The LoRA settings that were given, as `splitlab.models.build_model` takes them."""
         lora = {"lora": parse_lora(self.lora)} if self.lora is not None else {}
@@ -446,6 +476,7 @@ EVERYWHERE = frozenset(
         "scaffold",
         "secure_aggregation",
     }  # the sync server's: splitlab.resolve
+    | {"warmup_steps", "lr_decay", "keep_client_optimizer", "log_every"}
 )
 
 EVAL_GENERATE_WHY = (
@@ -574,6 +605,26 @@ ONLY_WHEN: dict[str, Applies] = {
             ("server_opt_tau", {"server_opt_tau": 0.1}),
         )
     },
+    "warmup_ratio": Applies(
+        lambda r: r.warmup_steps == 0,
+        "warmup_steps and warmup_ratio both give the warm-up's length; give one",
+        {"warmup_steps": 10, "warmup_ratio": 0.1},
+    ),
+    "clip_scope": Applies(
+        lambda r: r.max_grad_norm is not None,
+        "clip_scope says how max_grad_norm clips; it needs max_grad_norm=N",
+        {"clip_scope": "global"},
+    ),
+    "save_every": Applies(
+        lambda r: r.model in ("gpt", "hf"),
+        "save_every writes the model's Hugging Face folders (hf, peft), which only model=gpt and model=hf have",
+        {"model": "mlp", "save_every": 10},
+    ),
+    "keep_best": Applies(
+        lambda r: r.save_every > 0,
+        "keep_best chooses among the saved steps; it needs save_every=N",
+        {"keep_best": "eval_loss"},
+    ),
     "resume": Applies(
         lambda r: not r.overwrite,
         "overwrite=true replaces the run that resume=true would continue",

@@ -19,6 +19,8 @@ KINDS: dict[str, str] = {
     "cut_grad": "down",  # gradient of the loss at the cut
     "server_output": "down",  # U-shaped: the server's output at the second cut, for the client's tail
     "tail_grad": "up",  # U-shaped: gradient of the loss at the second cut, from the client's tail
+    "grad_norm_down": "down",  # clip_scope=global: the norm of the server part's gradients of a step
+    "grad_norm_up": "up",  # ... and of the client part's, for the server's clipping
     "client_model_down": "down",  # (part of the) model a client trains, from the sync server
     "client_model_up": "up",  # ... and back for averaging
     "client_model_relay": "peer",  # vanilla SL: client model handed to the next client

@@ -1,6 +1,8 @@
 """Trackers beside metrics.jsonl (which is always written): `logger=csv|tensorboard|mlflow|wandb`.
 
-Each is a loop callback that logs every evaluated round's metrics. csv is built in; the others
+Each is a loop callback that logs every evaluated round's metrics, and with log_every=N every
+N training steps' row (`splitlab.callbacks.StepLog`) under `train/` (csv: OUT/steps.csv; W&B
+leaves them out: its one step axis counts rounds). csv is built in; the others
 need their package (the extras `tensorboard`, `mlflow`, `wandb`), imported only when chosen, and
 write under the run directory without a server or an account: TensorBoard to OUT/tensorboard,
 MLflow to the file store OUT/mlruns, W&B offline to OUT/wandb (`wandb sync` uploads it later).
@@ -46,23 +48,32 @@ def scalars(row: dict[str, Any]) -> dict[str, float]:
     return values
 
 
+def step_scalars(row: dict[str, Any]) -> dict[str, float]:
+    """The numbers a tracker plots from a row of `log_every`'s, under train/ (its step is row["step"])."""
+    return {f"train/{key}": float(value) for key, value in row.items() if key != "step" and value is not None}
+
+
 class CsvLogger(Callback):
     """OUT/metrics.csv: one row per evaluated round, nested values as `key/sub` columns; the whole
     file rewritten atomically from the loop's rows, so a resumed run's file is an uninterrupted one's."""
 
     def __init__(self, out: Path) -> None:
-        self.path = out / "metrics.csv"
+        self.path, self.steps_path = out / "metrics.csv", out / "steps.csv"
 
     def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
-        if row is None:
-            return
-        rows = [_flat(r) for r in state["metrics"]]
-        columns = list(dict.fromkeys(key for r in rows for key in r))
-        text = io.StringIO()
-        writer = csv.DictWriter(text, columns, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(rows)
-        write_text(self.path, text.getvalue())
+        if state.get("step_rows"):  # log_every: OUT/steps.csv beside
+            _write_csv(self.steps_path, state["step_rows"])
+        if row is not None:
+            _write_csv(self.path, [_flat(r) for r in state["metrics"]])
+
+
+def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
+    columns = list(dict.fromkeys(key for r in rows for key in r))
+    text = io.StringIO()
+    writer = csv.DictWriter(text, columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    write_text(path, text.getvalue())
 
 
 def _flat(row: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +98,10 @@ class TensorBoardLogger(Callback):
                 self.writer.add_scalar(key, value, row["round"])
             self.writer.flush()
 
+    def on_steps(self, state: State, row: dict[str, Any]) -> None:
+        for key, value in step_scalars(row).items():
+            self.writer.add_scalar(key, value, row["step"])
+
     def on_run_end(self, state: State) -> None:
         self.writer.close()
 
@@ -105,6 +120,9 @@ class MlflowLogger(Callback):
     def on_round_end(self, state: State, row: dict[str, Any] | None) -> None:
         if row is not None:
             self.mlflow.log_metrics({k.replace("/", "."): v for k, v in scalars(row).items()}, step=row["round"])
+
+    def on_steps(self, state: State, row: dict[str, Any]) -> None:
+        self.mlflow.log_metrics({k.replace("/", "."): v for k, v in step_scalars(row).items()}, step=row["step"])
 
     def on_run_end(self, state: State) -> None:
         self.mlflow.end_run()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import time
 import typing
 from collections.abc import Iterator, Sequence
@@ -21,7 +22,7 @@ from torch import nn
 
 from splitlab.algorithms.base import ClientInfo
 from splitlab.assembly import Experiment, personal_metrics
-from splitlab.callbacks import Callback, CommBudget, MetricsFile, ProgressBar, RecorderFlush
+from splitlab.callbacks import Callback, CommBudget, MetricsFile, ProgressBar, RecorderFlush, StepLog
 from splitlab.checkpoints import Checkpointer
 from splitlab.errors import NonFiniteLoss, NonFiniteStep, RoundFailed
 from splitlab.generation import decode, text_scores
@@ -32,7 +33,7 @@ from splitlab.models import HeadAndTail
 from splitlab.privacy.accounting import privacy_summary
 from splitlab.privacy.defenses import token_distances
 from splitlab.random_streams import register_stream
-from splitlab.roles import State, random_stream
+from splitlab.roles import Blueprint, State, random_stream
 from splitlab.run_weights import decoding_record, export_hf
 from splitlab.rundir import DECODING
 from splitlab.settings import setting_of
@@ -129,7 +130,51 @@ def _callbacks(experiment: Experiment, show_progress: bool, extra: Sequence[Call
         callbacks.append(tracker)
     if show_progress:
         callbacks.append(ProgressBar(f"{cfg.algorithm} rounds", cfg.rounds, ledger, experiment.blueprint))
-    return [*callbacks, *extra]
+    callbacks = [*callbacks, *extra]
+    if cfg.log_every:
+        steps = _step_log(experiment, callbacks)
+        callbacks.insert(0, steps)  # (its round's state before the others')
+    return callbacks
+
+
+def _step_log(experiment: Experiment, listeners: list[Callback]) -> StepLog:
+    """log_every's `StepLog`, told of every step the algorithm tracks."""
+    cfg, blueprint, algorithm = experiment.config.run, experiment.blueprint, experiment.algorithm
+    batches: dict[int, int] = {}
+
+    def lr_at(rnd: int, step: int) -> float:
+        """The run's clock: a step of the round's client batches (as the training server's steps)."""
+        if rnd not in batches:
+            batches.clear()
+            clients = sample_clients(
+                experiment.clients, cfg.participation, random_stream(cfg.seed, rnd, STREAM_SAMPLING)
+            )
+            batches[rnd] = algorithm.run_steps(clients)
+        return cfg.lr * blueprint.lr_factor(rnd, step, batches[rnd])
+
+    per_step = _per_sample(experiment) * Blueprint.step_batch(cfg)
+    log = StepLog(experiment.out, cfg.log_every, lr_at, _unit(experiment), per_step, listeners)
+    algorithm.on_step = lambda loss, norm: log.step(algorithm.steps, loss, norm)
+    return log
+
+
+def _unit(experiment: Experiment) -> str:
+    """What the throughput figures count: tokens (a language dataset) or samples."""
+    return "tokens" if experiment.data.task == "language" else "samples"
+
+
+def _per_sample(experiment: Experiment) -> int:
+    """Tokens per sample (a language dataset's sequence length), else 1: what tokens_seen counts."""
+    data = experiment.data
+    return data.input_shape[0] if data.task == "language" else 1
+
+
+def _round_samples(experiment: Experiment, clients: list[ClientInfo]) -> int:
+    """The samples a round's clients train on (vertical: the parties' shared rows, once)."""
+    cfg = experiment.config.run
+    if experiment.algorithm.round_batches(clients) is None:
+        clients = clients[:1]
+    return sum(Blueprint.samples_per_round(cfg, c.num_samples) for c in clients)
 
 
 def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Callback] = ()) -> dict[str, Any]:
@@ -142,6 +187,9 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
         "wall_seconds": 0.0,
         "stopped_by": "rounds",
     }
+    state.setdefault("steps", 0)
+    state.setdefault("samples", 0)
+    algorithm.steps = state["steps"]
     if state["round"] == 0:
         write_yaml(out / "config.yaml", experiment.config.as_dict())
         write_json(out / "partition.json", experiment.partition_report)
@@ -177,6 +225,8 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
                 compute_seconds[phase] = compute_seconds.get(phase, 0.0) + seconds
             state["wall_seconds"] += time.perf_counter() - started
             state["round"] = rnd + 1
+            saved_through, state["steps"] = state["steps"], algorithm.steps
+            state["samples"] += _round_samples(experiment, clients)
             stops = [reason for callback in callbacks if (reason := callback.on_round_trained(state)) is not None]
             if stops:
                 state["stopped_by"] = stops[0]
@@ -186,6 +236,8 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
                     row = _metrics_row(experiment, state, train_loss, compute_seconds)
                 _check_finite(row["test_loss"], "test loss", state["round"])
                 state["metrics"].append(row)
+            if cfg.save_every and state["steps"] // cfg.save_every > saved_through // cfg.save_every:
+                _save_step(experiment, state, row)
             for callback in callbacks:
                 callback.on_round_end(state, row)
             if state["round"] < cfg.rounds and state["stopped_by"] == "rounds":
@@ -204,6 +256,29 @@ def _dchi_scale(summary: dict[str, Any], experiment: Experiment, model: list[Sta
         client = list(typing.cast(nn.Sequential, experiment.assemble(model)))[0]
         epsilon, count = tokens["epsilon_per_token"], tokens["releases_per_token"]
         tokens.update(token_distances(client, experiment.blueprint.num_classes, epsilon, count))
+
+
+def _save_step(experiment: Experiment, state: dict[str, Any], row: dict[str, Any] | None) -> None:
+    """save_every: the global model as it is at the end of this round to OUT/checkpoints/step-S (S
+    the training steps so far): its LoRA adapters (peft), else the whole model (hf), as the final
+    export. keep_best=eval_loss: only the step with the lowest test loss stays (this round's, its
+    evaluation if it had one), named in the loop's state."""
+    cfg, out = experiment.config.run, experiment.out
+    name = f"checkpoints/step-{state['steps']}"
+    model = experiment.algorithm.global_model()
+    assert model is not None, "refused when resolved (personal models)"
+    experiment.assemble(model)  # (the parts export_hf reads)
+    export_hf(experiment.config, experiment.assembler.parts, experiment.data.vocabulary, out / name, whole=False)
+    if cfg.keep_best != "eval_loss":
+        return
+    loss = row["test_loss"] if row is not None else evaluate(experiment)["loss"]
+    best = state.get("best_checkpoint")
+    if best is not None and best["eval_loss"] <= loss:
+        shutil.rmtree(out / name)
+        return
+    if best is not None:
+        shutil.rmtree(out / best["folder"], ignore_errors=True)
+    state["best_checkpoint"] = {"folder": name, "step": state["steps"], "eval_loss": loss}
 
 
 def _export_hf(experiment: Experiment) -> dict[str, str]:
@@ -285,6 +360,15 @@ def _metrics_row(
     }
 
 
+def _throughput(experiment: Experiment, state: dict[str, Any]) -> dict[str, Any]:
+    """The training steps taken (each a client batch; an optimizer step of the model it trains), the
+    samples (language: tokens, seq_len a sample, padding included, as the Trainer's
+    num_input_tokens_seen) trained on and their rate over the training time (wall_seconds)."""
+    unit, seen = _unit(experiment), state["samples"] * _per_sample(experiment)
+    rate = seen / state["wall_seconds"] if state["wall_seconds"] > 0 else None
+    return {"optimizer_steps": state["steps"], f"{unit}_seen": seen, f"{unit}_per_second": rate}
+
+
 def _envelope(experiment: Experiment) -> dict[str, int]:
     """The serialized transport's encoded bytes (every message, server-side ones included); over a
     network, also the bytes of every protobuf message sent or received (`wire_bytes`)."""
@@ -353,11 +437,15 @@ def _finish(experiment: Experiment, state: dict, checkpoints: Checkpointer) -> d
         "comm_bytes_by_client": {str(k): n for k, n in sorted(ledger.bytes_by_client.items())},
         **_envelope(experiment),
         "wall_seconds": state["wall_seconds"],
+        **_throughput(experiment, state),
         "stopped_by": state["stopped_by"],
         "target_accuracy": cfg.target_accuracy,
         **dict(zip(("rounds_to_target", "gib_to_target"), to_target(rows, cfg.target_accuracy))),
         **privacy_summary(cfg, setting_of(experiment.config).releasers(cfg)),
     }
+    if "best_checkpoint" in state:
+        summary["best_checkpoint"] = str(out / state["best_checkpoint"]["folder"])
+        summary["best_checkpoint_eval_loss"] = state["best_checkpoint"]["eval_loss"]
     if "test_accuracy_deployed" in rows[-1]:
         summary["final_accuracy_deployed"] = rows[-1]["test_accuracy_deployed"]
         summary["accuracy_paths"] = DEPLOYED_NOTE

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from splitlab.algorithms import get_algorithm
+from splitlab.algorithms import algorithms, get_algorithm
 from splitlab.config import (
     ResolvedConfig,
     RunConfig,
@@ -62,6 +62,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_u_shape(run)
     check_fp16(run)
     check_federated(run)
+    check_step_options(run)
     check_applicable(run, raw)
     if run.eval_generate:
         run.decoding(room=1)  # the eval_* keys agree
@@ -172,6 +173,36 @@ def secure_aggregation_refusal(run: RunConfig) -> str:
             "sum of fewer than 3 gives a client's part away to the others"
         )
     return ""
+
+
+def check_step_options(run: RunConfig) -> None:
+    """clip_scope=global, keep_client_optimizer and a per-step schedule where the algorithm says
+    they apply (docs/language.md), or one line."""
+    algorithm = get_algorithm(run.algorithm)
+    if run.clip_scope == "global":
+        why = ""
+        if not algorithm.clips_whole_model:
+            why = f"algorithm={run.algorithm} does not train client and server parts in one step on one loss"
+        elif run.precision == "fp16":
+            why = "precision=fp16 skips steps on either side of the cut by its own loss scale"
+        if why:
+            raise UserError(f"clip_scope=global does not apply here: {why}; use clip_scope=part")
+    if run.keep_client_optimizer and not algorithm.can_keep_client_optimizer:
+        takers = sorted(name for name, cls in algorithms().items() if cls.can_keep_client_optimizer)
+        raise UserError(
+            f"keep_client_optimizer does not apply to algorithm={run.algorithm}: its clients do not receive a new "
+            f"copy of their part every round; it applies to {_listed(takers)}"
+        )
+    if run.save_every and algorithm.personal_models:
+        raise UserError(
+            f"save_every does not apply to algorithm={run.algorithm}: it has no one global model to save, "
+            f"each client keeps its own part"
+        )
+    if run.lr_by_step and algorithm.no_step_schedule:
+        raise UserError(
+            f"warmup_steps, warmup_ratio and lr_decay do not apply to algorithm={run.algorithm}: "
+            f"{algorithm.no_step_schedule}; use lr_schedule (by round)"
+        )
 
 
 def check_model_fits(run: RunConfig) -> None:

@@ -53,7 +53,7 @@ from splitlab.privacy.defenses import Defense, decode
 from splitlab.privacy.record import Recorder
 from splitlab.process_settings import training_device
 from splitlab.random_streams import register_stream
-from splitlab.schedules import Factor, lr_factor, parse_lr_schedule
+from splitlab.schedules import Factor, lr_factor, parse_lr_schedule, step_factor, warmup_length
 from splitlab.secure_aggregation import ClientSecrets, MaskedSum, flat, unflat
 from splitlab.strategies import LocalTerms, ServerOptimizer, trainable, zeros_like
 from splitlab.targets import IGNORED
@@ -132,8 +132,20 @@ class Blueprint:
         """The factors of `lr_schedule=` (none: empty, and optimizers are left at their lr)."""
         return parse_lr_schedule(self.config.lr_schedule)
 
-    def lr_factor(self, rnd: int) -> float:
-        return lr_factor(self.lr_schedule, rnd, self.config.rounds)
+    @property
+    def scheduled(self) -> bool:
+        """Whether optimizers follow a schedule (by round, by step or both), set at every step."""
+        return bool(self.lr_schedule) or self.config.lr_by_step
+
+    def lr_factor(self, rnd: int, step: int = 0, steps: int = 1) -> float:
+        """The factor of lr in round `rnd` (from 0) at a role's `step` (from 0) of the `steps` it
+        takes in a round (splitlab.schedules: by round, then by step)."""
+        factor = lr_factor(self.lr_schedule, rnd, self.config.rounds)
+        if self.config.lr_by_step:
+            cfg, total = self.config, self.config.rounds * steps
+            warmup = warmup_length(cfg.warmup_steps, cfg.warmup_ratio, total)
+            factor *= step_factor(rnd * steps + min(step, steps - 1), total, warmup, cfg.lr_decay)
+        return factor
 
     @functools.cached_property
     def loss(self) -> Loss:
@@ -233,6 +245,16 @@ class Blueprint:
         """How many steps a client takes in a round: its epochs, capped by `local_steps`."""
         steps = math.ceil(num_samples / Blueprint.step_batch(cfg)) * cfg.local_epochs
         return min(steps, cfg.local_steps or steps)
+
+    @staticmethod
+    def samples_per_round(cfg: RunConfig, num_samples: int) -> int:
+        """How many samples a client trains on in a round: those of its `steps_per_round` batches
+        (an epoch's last batch holds what is left)."""
+        size = Blueprint.step_batch(cfg)
+        full, rest = divmod(num_samples, size)
+        epoch = [size] * full + ([rest] if rest else [])
+        whole, part = divmod(Blueprint.steps_per_round(cfg, num_samples), max(1, len(epoch)))
+        return whole * num_samples + sum(epoch[:part])
 
     @functools.cached_property
     def cut_dtype(self) -> torch.dtype | None:
@@ -370,6 +392,17 @@ class Role(Generic[ParamsT]):
         #: precision=fp16: this role's loss scale, over every slot it trains (splitlab.loss_scale)
         self.loss_scale = LossScale() if blueprint.config.precision == "fp16" else None
         self._seeded = False  # whether the step's backward pass went through `backward_pass` (fp16's guard)
+        #: by slot, the optimizer steps this role took in the round so far, of the `round_steps` it
+        #: takes in one (`slot_steps` where a slot's differ): its place in a per-step schedule
+        #: (splitlab.schedules). By slot, so that clients training at once (on Ray) each count
+        #: their own server copy's steps, whatever the order they come in.
+        self.steps_taken: dict[str, int] = defaultdict(int)
+        self.round_steps = 1
+        self.slot_steps: dict[str, int] = {}
+        #: clip_scope=global: the norm of the other parts of the step's model, given before the
+        #: step, and then this role's own (`clip_whole`)
+        self.other_norm: torch.Tensor | None = None
+        self.own_norm: torch.Tensor | None = None
 
     def lr(self, slot: str) -> float | None:
         """The learning rate of `slot`'s optimizer (None: the configured `lr`)."""
@@ -381,20 +414,27 @@ class Role(Generic[ParamsT]):
         return self.models[slot]
 
     def optimizer(self, slot: str) -> torch.optim.Optimizer:
-        """`slot`'s optimizer, its learning rate that of the current round (lr_schedule=)."""
+        """`slot`'s optimizer, its learning rate that of the current round and step (lr_schedule=,
+        warmup_steps=, lr_decay=)."""
         if slot not in self.optimizers:
-            self.optimizers[slot] = self.blueprint.optimizer(self.model(slot), self.lr(slot))
+            self.optimizers[slot] = self.new_optimizer(slot)
         optimizer = self.optimizers[slot]
-        if self.blueprint.lr_schedule:
-            factor = self.blueprint.lr_factor(self.round)
+        if self.blueprint.scheduled:
+            steps = self.slot_steps.get(slot, self.round_steps)
+            factor = self.blueprint.lr_factor(self.round, self.steps_taken[slot], steps)
             for group in optimizer.param_groups:
                 group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
         return optimizer
 
+    def new_optimizer(self, slot: str) -> torch.optim.Optimizer:
+        """A fresh optimizer for `slot`."""
+        return self.blueprint.optimizer(self.model(slot), self.lr(slot))
+
     @verb()
     def begin_round(self, rnd: int) -> None:
-        """Round `rnd` begins: the learning rate follows it (called on servers only with lr_schedule=)."""
+        """Round `rnd` begins: the learning rate follows it (called on servers only with a schedule)."""
         self.round = rnd
+        self.steps_taken.clear()
 
     def load_copy(self, slot: str, state: Mapping[str, torch.Tensor]) -> None:
         """Make `slot` a working copy of `state` (or, a kept slot, hold `state`), with a fresh optimizer.
@@ -404,13 +444,17 @@ class Role(Generic[ParamsT]):
             self.models[slot] = self.blueprint.borrow(kind, lambda: self.blueprint.initial(kind))
             self.scratch.add(slot)
         load_shared(self.model(slot), state)
-        self.optimizers.pop(slot, None)
+        self.drop_optimizer(slot)
 
     def return_copy(self, slot: str) -> None:
         """Give the working copy in `slot` back to the pool now."""
         self.blueprint.give_back(pooled(slot), self.models.pop(slot))
-        self.optimizers.pop(slot, None)
+        self.drop_optimizer(slot)
         self.scratch.discard(slot)
+
+    def drop_optimizer(self, slot: str) -> None:
+        """`slot`'s optimizer is done with (its model replaced or given back)."""
+        self.optimizers.pop(slot, None)
 
     def step(self, slot: str, backward: Callable[[], Any]) -> Any:
         """One optimizer step of `slot` on the gradients `backward` computes; what it returns."""
@@ -420,12 +464,20 @@ class Role(Generic[ParamsT]):
         """One optimizer step of each of `slots` on the gradients `backward` computes for all of
         them at once, each clipped first (`max_grad_norm`); what `backward` returns."""
         optimizers = [self.optimizer(slot) for slot in slots]
+        for slot in slots:
+            self.steps_taken[slot] += 1
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=True)
         result = backward()
         if not self.unscale_for_step(slots):
             for optimizer in optimizers:  # fp16: a step that overflowed is skipped
                 optimizer.zero_grad(set_to_none=True)
+            return result
+        if self.other_norm is not None:  # clip_scope=global: the whole model's norm
+            self.own_norm = self.clip_whole(slots, self.other_norm)
+            self.other_norm = None
+            for optimizer in optimizers:
+                optimizer.step()
             return result
         for slot, optimizer in zip(slots, optimizers):
             self.before_step(slot, optimizer)
@@ -509,6 +561,16 @@ class Role(Generic[ParamsT]):
             torch.nn.utils.clip_grad_norm_(grads, most, foreach=True)
         else:
             torch.nn.utils.clip_grads_with_norm_(grads, most, norm, foreach=True)
+
+    def clip_whole(self, slots: tuple[str, ...], other_norm: torch.Tensor) -> torch.Tensor:
+        """clip_scope=global: scale the gradients of `slots` by the norm of the whole model the step
+        trains, theirs and the other parts' (`other_norm`), to at most `max_grad_norm`; their own norm."""
+        trained = [p for slot in slots for p in self.model(slot).parameters() if p.grad is not None]
+        own = get_total_norm([g for slot in slots for g in self.gradients(slot)])
+        whole = torch.linalg.vector_norm(torch.stack([own.float(), other_norm.float().to(own.device)]))
+        most = cast(float, self.blueprint.config.max_grad_norm)
+        torch.nn.utils.clip_grads_with_norm_(trained, most, whole, foreach=True)
+        return own
 
     def micro_batches(
         self, x: torch.Tensor, y: torch.Tensor
@@ -600,6 +662,21 @@ class ClientNode(Role[ParamsT]):
         self.local_terms = LocalTerms(cfg.prox_mu, cfg.scaffold) if cfg.prox_mu or cfg.scaffold else None
         #: secure_aggregation: this round's secrets of each averaged slot's protocol
         self._secure: dict[str, ClientSecrets] = {}
+        #: keep_client_optimizer: by slot, the state of the optimizer of the copies it received, for the next one
+        self.kept_optimizers: dict[str, State] = {}
+
+    def drop_optimizer(self, slot: str) -> None:
+        """keep_client_optimizer: the optimizer's state is kept for the next copy of `slot`."""
+        optimizer = self.optimizers.pop(slot, None)
+        if optimizer is not None and self.blueprint.config.keep_client_optimizer:
+            self.kept_optimizers[slot] = optimizer.state_dict()
+
+    def new_optimizer(self, slot: str) -> torch.optim.Optimizer:
+        """keep_client_optimizer: with the state of the one the last copy of `slot` had."""
+        optimizer = super().new_optimizer(slot)
+        if slot in self.kept_optimizers:
+            optimizer.load_state_dict(self.kept_optimizers[slot])
+        return optimizer
 
     @property
     def num_samples(self) -> int:
@@ -633,6 +710,7 @@ class ClientNode(Role[ParamsT]):
     @verb()
     def begin_round(self, rnd: int) -> None:
         super().begin_round(rnd)
+        self.round_steps = self.blueprint.steps_per_round(self.blueprint.config, self.num_samples)
         self._batches = self.batches(rnd)
         self._releases = 0
         self._embeddings = 0
@@ -691,6 +769,8 @@ class ClientNode(Role[ParamsT]):
         if self.blueprint.config.scaffold:
             terms = cast(LocalTerms, self.local_terms)
             state["controls"] = {"own": dict(terms.controls), "server": dict(terms.server_controls)}
+        if self.blueprint.config.keep_client_optimizer:
+            state["kept_optimizers"] = dict(self.kept_optimizers)
         return state
 
     @verb(down="checkpoint")
@@ -699,6 +779,8 @@ class ClientNode(Role[ParamsT]):
         if self.blueprint.config.scaffold:
             terms = cast(LocalTerms, self.local_terms)
             terms.controls, terms.server_controls = dict(state["controls"]["own"]), dict(state["controls"]["server"])
+        if self.blueprint.config.keep_client_optimizer:
+            self.kept_optimizers = dict(state["kept_optimizers"])
 
     def release(
         self, x: torch.Tensor, y: torch.Tensor, smashed: torch.Tensor, step: int | None = None
@@ -802,6 +884,15 @@ class ClientNode(Role[ParamsT]):
                 functools.partial(self.backpropagate, step, (defended, grad.expand_as(defended)), (penalty, None)),
             )
 
+    @verb(down=(None, "cut_grad", "grad_norm_down"), up=KEYED, keys=("grad_norm_up",))
+    def backward_whole(self, step: int, cut_grad: Any, server_norm: torch.Tensor) -> State:
+        """clip_scope=global: `backward`, the client part's gradients clipped by the norm of the whole
+        model (theirs and the server part's, `server_norm`); their own norm goes up, for the server's."""
+        self.other_norm = server_norm
+        self.backward(step, cut_grad)
+        own, self.own_norm, self.other_norm = self.own_norm, None, None
+        return {"grad_norm_up": cast(torch.Tensor, own).float()}
+
     def backpropagate(self, step: int, *pairs: tuple[torch.Tensor | None, torch.Tensor | None]) -> None:
         """The client part's gradients for `step`: of each (tensor, its gradient) pair (a U-shaped
         client adds its tail's: splitlab.u_shaped)."""
@@ -834,6 +925,16 @@ class TrainingServer(Role[ParamsT]):
         super().__init__(blueprint)
         self._unchecked: list[torch.Tensor] = []
         self._average: ModelAverage | None = None
+        #: clip_scope=global: by slot, the norm of a step's gradients held until the client's comes (`finish_step`)
+        self._held: dict[str, torch.Tensor] = {}
+        self._last_norm: torch.Tensor | None = None  # log_every: that of the last step
+
+    @verb()
+    def begin_round(self, rnd: int, steps: dict[str, int] | None = None) -> None:
+        """Round `rnd` begins, in which the algorithm has this server take `steps[slot]` optimizer
+        steps of each slot (their place in a per-step schedule)."""
+        super().begin_round(rnd)
+        self.slot_steps = steps or {}
 
     def objective(self, value: torch.Tensor) -> torch.Tensor:
         """What the server minimises given the batch loss (SplitGP scales it)."""
@@ -861,6 +962,7 @@ class TrainingServer(Role[ParamsT]):
         `checks_each_step` (the round's figures are checked at its end, and a run whose were not
         finite stops as diverged). What `backward` returns (the loss, if `value` is None)."""
         optimizer = self.optimizer(slot)
+        self.steps_taken[slot] += 1
         optimizer.zero_grad(set_to_none=True)
         result = backward()
         if value is None and isinstance(result, torch.Tensor):
@@ -874,6 +976,7 @@ class TrainingServer(Role[ParamsT]):
             "gradient norm": get_total_norm(grads),
             "cut-layer gradient norm": get_total_norm([g.float() for g in cut_grads] if taken else []) / unscale,
         }
+        self._last_norm = figures["gradient norm"]
         device = figures["gradient norm"].device
         stacked = torch.stack([f.float().to(device) for f in figures.values()])
         if self.checks_each_step:
@@ -887,9 +990,31 @@ class TrainingServer(Role[ParamsT]):
         if not taken:
             optimizer.zero_grad(set_to_none=True)
             return result
+        if self.blueprint.config.clip_scope == "global":  # the step waits for the client part's norm
+            self._held[slot] = figures["gradient norm"]
+            return result
         self.clip(slot, figures["gradient norm"])
         optimizer.step()
         return result
+
+    def held_norm(self, slot: str) -> State:
+        """The norm of `slot`'s last step (`grad_norm`), for the reply: with clip_scope=global, held for
+        the client's; with log_every, for the log (else nothing, and replies are as they were)."""
+        if slot in self._held:
+            return {"grad_norm": self._held[slot]}
+        return {"grad_norm": self._last_norm} if self.blueprint.config.log_every and self._last_norm is not None else {}
+
+    @verb()
+    def finish_step(self, slot: str, client_norm: torch.Tensor | None) -> None:
+        """clip_scope=global: take `slot`'s held step, its gradients clipped by the norm of the whole
+        model (its own and the client part's, `client_norm`); None (the client dropped out): drop it."""
+        norm, optimizer = self._held.pop(slot), self.optimizers[slot]  # (its rate as set when the step began)
+        if client_norm is not None:
+            whole = torch.linalg.vector_norm(torch.stack([norm.float(), client_norm.float().to(norm.device)]))
+            self.clip(slot, whole)
+            optimizer.step()
+        else:
+            optimizer.zero_grad(set_to_none=True)
 
     @verb()
     def train_step(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:
@@ -897,7 +1022,11 @@ class TrainingServer(Role[ParamsT]):
         configured) and the loss."""
         smashed = decode(smashed).requires_grad_()
         reply = self.learn(smashed, labels, slot)
-        return {"cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad), labels), **reply}
+        return {
+            "cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad), labels),
+            **reply,
+            **self.held_norm(slot),
+        }
 
     def send_gradient(self, grad: torch.Tensor, labels: torch.Tensor | None = None) -> Any:
         """A cut gradient as sent down: `gradnoise` and `marvell` (which needs the batch's `labels`)
@@ -972,6 +1101,7 @@ class TrainingServer(Role[ParamsT]):
     def end_round(self) -> None:
         """Give the working copies back; the round's step figures, if not checked at each step, are checked now."""
         super().end_round()
+        self._held.clear()  # a step whose client dropped out before its norm came
         if self._unchecked:
             steps, self._unchecked = torch.stack(self._unchecked), []
             self._check_finite(steps)

@@ -136,30 +136,35 @@ def peft_adapters(config: ResolvedConfig) -> dict[str, torch.Tensor]:
     return adapters
 
 
-def export_hf(resolved: ResolvedConfig, parts: list[nn.Module], vocabulary: str | None, out: Path) -> dict[str, str]:
+def export_hf(
+    resolved: ResolvedConfig, parts: list[nn.Module], vocabulary: str | None, out: Path, whole: bool = True
+) -> dict[str, str]:
     """Write the model (client and server parts, adapters merged) to `out/hf`, a folder
     `transformers.AutoModelForCausalLM.from_pretrained` loads, with its tokenizer; with LoRA, its
     adapters to `out/peft`, a folder `peft.PeftModel.from_pretrained` loads on the model they adapt
-    (`peft_base`). Returns the folders written, for summary.json (none for a model with no Hugging
-    Face form)."""
+    (`peft_base`). `whole=False` (a checkpoint of a LoRA run: save_every) leaves out the merged
+    model. Returns the folders written, for summary.json (none for a model with no Hugging Face form)."""
     config = resolved.run
     if config.model not in ("gpt", "hf"):
         return {}
     from splitlab.models import hf
 
     state = {name: t for part in parts for name, t in merge_lora(part).items()}
+    whole = whole or config.lora is None
     if config.model == "hf":
         model_dir = str(resolved.model_dir)
-        hf.save_hf(state, model_dir, out / "hf")
+        if whole:
+            hf.save_hf(state, model_dir, out / "hf")
         tokenizer = hf.export_tokenizer(model_dir)
         layout = hf.LAYOUTS[hf.read_config(model_dir)["model_type"]]
     else:
         sizes = resolved.model_params.model_dump()
         vocab = state["head.lm_head.weight"].shape[0]
         tokenizer = hf.char_tokenizer(vocabulary, sizes["context"]) if vocabulary is not None else None
-        hf.save_gpt2(state, hf.gpt2_config(**sizes, vocab=vocab), out / "hf", tokenizer)
+        if whole:
+            hf.save_gpt2(state, hf.gpt2_config(**sizes, vocab=vocab), out / "hf", tokenizer)
         layout = hf.GPT2
-    written = {"hf_export": str(out / "hf")}
+    written = {"hf_export": str(out / "hf")} if whole else {}
     if config.lora is not None:
         adapters = {name: t for part in parts for name, t in adapter_state(part).items()}
         lora = parse_lora(config.lora)

@@ -73,6 +73,8 @@ WRITTEN = (
     "attack_fsha.png",
     "hf",
     "peft",
+    "checkpoints",
+    "steps.jsonl",
     "generations.jsonl",
     "report.md",
     "results.csv",

@@ -1,4 +1,5 @@
-"""Learning-rate schedules by round: `lr_schedule=` as factors of `lr`, multiplied together.
+"""Learning-rate schedules: by round (`lr_schedule=`) and by optimizer step (`warmup_steps=`,
+`warmup_ratio=`, `lr_decay=`), as factors of `lr`, multiplied together.
 
     step:<every>:<gamma>   lr * gamma ** (round // every)
     cosine                 lr * (1 + cos(pi * round / rounds)) / 2
@@ -9,6 +10,16 @@
 holds (splitlab.roles.Role.optimizer), so the schedule is the same whatever the transport. It
 scales every training optimizer (client, server and auxiliary parts; SGLR's and CycleSL's
 `server_lr` too), not FSL-SAGE's alignment, which has its own `align_lr`.
+
+By step, as transformers' Trainer schedules (`get_linear_schedule_with_warmup`, `..._cosine_...`):
+step s (counted from 0, the optimizer steps taken before) of a schedule of `total` steps with
+`warmup` steps has the factor s / warmup while s < warmup, then decays from 1 to 0 over the rest,
+linearly or along a half cosine (none: stays 1). Each role counts its own steps, slot by slot: in
+round r of `rounds`, a slot's step j of the n it takes in a round is step r * n + j of rounds * n
+(a client's n: its batches of a round; the training server's: the steps the algorithm has it take,
+told by the orchestrator beside it; a server copy of a client's part, that client's). Nothing is
+sent for it, and a round restarts its count, so a resumed run and every transport (clients
+training at once on Ray too) give the same rates.
 """
 
 from __future__ import annotations
@@ -51,3 +62,21 @@ def _factor(part: str) -> Factor:
 def lr_factor(factors: list[Factor], rnd: int, rounds: int) -> float:
     """The factor of lr in round `rnd` (from 0) of `rounds`."""
     return math.prod(factor(rnd, rounds) for factor in factors)
+
+
+def warmup_length(warmup_steps: int, warmup_ratio: float, total: int) -> int:
+    """The warm-up's steps: `warmup_steps`, or `warmup_ratio` of `total`, rounded up (as the Trainer's)."""
+    return warmup_steps or math.ceil(warmup_ratio * total)
+
+
+def step_factor(step: int, total: int, warmup: int, decay: str) -> float:
+    """The factor of lr at optimizer step `step` (from 0) of `total`: a linear warm-up over
+    `warmup` steps, then `decay` (none | linear | cosine) to 0 at `total`."""
+    if step < warmup:
+        return step / warmup
+    if decay == "none":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if decay == "linear":
+        return max(0.0, 1.0 - progress)
+    return max(0.0, (1 + math.cos(math.pi * min(1.0, progress))) / 2)

@@ -3,7 +3,8 @@
 A verb is a role method marked with `@verb`, which also says what its tensors are for the
 communication ledger: `down` names the kind of every tensor in the call's arguments (client
 bound), `up` the kind of every tensor in its result (client -> server), or `KEYED` when the
-result is a dict whose keys are the kinds. Kinds may name a positional argument, as in
+result is a dict whose keys are the kinds; `down` may also be a tuple, the kind of each positional
+argument in turn (None: no tensor). Kinds may name a positional argument, as in
 `"{0}_down"` for a verb whose first argument is the slot; what goes from client to client
 is counted once, by the sender's verb (`COUNTED_BY_SENDER` on the receiver's). Only calls to clients are counted:
 the training and sync servers sit on the same side of the network.
@@ -49,7 +50,7 @@ class ClientDropped(RuntimeError):
 
 @dataclass(frozen=True)
 class VerbSpec:
-    down: str | None = None
+    down: str | tuple[str | None, ...] | None = None
     up: str | None = None
     #: a KEYED result's keys, exactly, or a function of the call's arguments that says them (what a
     #: server checks a client's result against: splitlab.net.checks)
@@ -60,7 +61,9 @@ class VerbSpec:
 
 
 def verb(
-    down: str | None = None, up: str | None = None, keys: tuple[str, ...] | Callable[..., tuple[str, ...]] = ()
+    down: str | tuple[str | None, ...] | None = None,
+    up: str | None = None,
+    keys: tuple[str, ...] | Callable[..., tuple[str, ...]] = (),
 ) -> Callable[[F], F]:
     """Mark a role method as callable through a transport, with the ledger kinds of its tensors
     (and, for a KEYED result, its keys)."""
@@ -206,8 +209,11 @@ class Transport:
             self._count(spec.up, args, result, client_of(method))
         return result
 
-    def _count(self, kind: str | None, args: tuple, payload: Any, client: int | None) -> None:
-        if kind == KEYED:
+    def _count(self, kind: str | tuple[str | None, ...] | None, args: tuple, payload: Any, client: int | None) -> None:
+        if isinstance(kind, tuple):  # a kind per positional argument
+            for arg_kind, arg in zip(kind, args):
+                self._count(arg_kind, args, arg, client)
+        elif kind == KEYED:
             for key, value in payload.items():
                 self._add(key, payload_bytes(value), client)
         elif kind == COUNTED_BY_SENDER:

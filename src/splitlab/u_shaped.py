@@ -115,7 +115,7 @@ class UShapedServer(TrainingServer[ParamsT]):
             return {"cut_grad": self.send_gradient(torch.zeros_like(smashed))}
         with self.blueprint.timed("server"):
             self.step(slot, lambda: self.backward_pass((output, grad)), (smashed,))
-        return {"cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad))}
+        return {"cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad)), **self.held_norm(slot)}
 
     @verb()
     def end_round(self) -> None:

@@ -58,6 +58,17 @@ def test_u_shaped_launch_is_bit_identical_to_run(tmp_path, algorithm, precision)
     assert set(kinds) == {"smashed", "server_output", "tail_grad", "cut_grad", *models}
 
 
+def test_global_clipping_a_kept_optimizer_and_a_step_schedule_over_grpc_are_bit_identical_to_run(tmp_path):
+    """The norms across the cut (grad_norm_down, grad_norm_up: each checked) and the clients' kept
+    optimizer states (checkpointed every round: checked) over gRPC, with a per-step schedule."""
+    config = quick(
+        algorithm="sfl_v2", clients=2, train_subset=160, test_subset=100, max_grad_norm=0.1, clip_scope="global",
+        keep_client_optimizer=True, warmup_steps=3, lr_decay="cosine", checkpoint_every=0,
+    )  # fmt: skip
+    kinds = assert_launch_equals_run(tmp_path, config)
+    assert kinds["grad_norm_down"] == kinds["grad_norm_up"] == 4 * 2 * 3 * 2  # 4 bytes, 2 clients x 3 steps x 2 rounds
+
+
 def assert_launch_equals_run(
     tmp_path, config: dict, server_keys: dict | None = None, processes: bool = False
 ) -> dict[str, int]:

@@ -35,6 +35,7 @@ from splitlab.roles import (
     SyncServer,
     TrainingServer,
     random_stream,
+    server_copy,
 )
 from splitlab.transport import ClientDropped, Proxy
 from splitlab.u_shaped import UShapedClient
@@ -101,9 +102,10 @@ def _pool(threads: int) -> Iterator[cf.ThreadPoolExecutor]:
 
 
 def holds_state(state: State) -> bool:
-    """Whether a role's `state_dict` holds anything of its own: kept slots, a loss scale (fp16) or
-    SCAFFOLD's control variates."""
-    return bool(state["models"] or state.get("controls", {}).get("own")) or "loss_scale" in state
+    """Whether a role's `state_dict` holds anything of its own: kept slots, a loss scale (fp16),
+    SCAFFOLD's control variates or its optimizers' state (keep_client_optimizer)."""
+    kept = state["models"] or state.get("controls", {}).get("own") or state.get("kept_optimizers")
+    return bool(kept) or "loss_scale" in state
 
 
 class Algorithm(Generic[ParamsT]):
@@ -148,6 +150,17 @@ class Algorithm(Generic[ParamsT]):
     #: with `averaged`: why its clients do not start each round from the sync server's average, so that
     #: a server optimizer and SCAFFOLD do not apply (one line); empty: they do
     not_from_average: ClassVar[str] = ""
+    #: clip_scope=global applies: every training step trains the whole model, in one role (centralized,
+    #: FedAvg: as clip_scope=part) or through `split_step`, where the parts exchange their norms
+    clips_whole_model: ClassVar[bool] = False
+    #: keep_client_optimizer applies: a client receives a copy of its part every round (`download`),
+    #: and may keep its optimizer's state for it
+    can_keep_client_optimizer: ClassVar[bool] = False
+    #: why a per-step schedule (warmup_steps, lr_decay) does not apply, where the training server's
+    #: steps in a round are not known before it (`server_steps`)
+    no_step_schedule: ClassVar[str] = ""
+    #: the server trains a working copy of its part per client (`copy_server`), each its client's steps
+    trains_server_copies: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -178,6 +191,12 @@ class Algorithm(Generic[ParamsT]):
         #: state can have changed (a checkpoint fetches nothing from the others: on Ray, O(sampled))
         self._touched: set[int] = set()
         self._training = threading.local()  # a client's tracked losses while it trains in a thread
+        #: the training steps tracked in the run (each a client batch trained on, with its loss);
+        #: the loop restores it on resume
+        self.steps = 0
+        #: called with each tracked step's loss and gradient norm (if the server gave one), in
+        #: order: the loop's per-step log (log_every)
+        self.on_step: Callable[[torch.Tensor, torch.Tensor | None], None] | None = None
 
     @staticmethod
     def data_owners(indices: list[np.ndarray]) -> list[np.ndarray]:
@@ -193,6 +212,19 @@ class Algorithm(Generic[ParamsT]):
         """How many mini-batches the clients of a round draw (`ClientNode.next_batch`), for the
         progress within a round; None where they draw none of their own."""
         return sum(self.ctx.local_steps(c) for c in clients)
+
+    def run_steps(self, clients: list[ClientInfo]) -> int:
+        """The training steps of a round of `clients` (the run's clock): one per client batch (the
+        parties of a vertical run take shared ones)."""
+        return self.round_batches(clients) or max((self.ctx.local_steps(c) for c in clients), default=1)
+
+    def server_steps(self, clients: list[ClientInfo]) -> dict[str, int]:
+        """By slot, the optimizer steps the training server takes in a round of `clients` (their
+        place in a per-step schedule): by default one per client batch, or with a copy per client
+        (`trains_server_copies`) each its client's."""
+        if self.trains_server_copies:
+            return {server_copy(c.id): self.ctx.local_steps(c) for c in clients}
+        return {"server_model": self.run_steps(clients)}
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         raise NotImplementedError
@@ -232,7 +264,9 @@ class Algorithm(Generic[ParamsT]):
     # --- the round, as the engine runs it ---------------------------------------------------
     def run_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.dropped, self.non_finite = set(), set()
-        if self.ctx.config.lr_schedule != "none":  # the server's optimizers follow the round too
+        if self.ctx.config.lr_by_step:  # the server's rate follows its steps
+            self.server.begin_round(rnd, self.server_steps(clients))
+        elif self.ctx.config.lr_schedule != "none":  # ... or the round
             self.server.begin_round(rnd)
         for client in clients:
             self.unless_dropped(client.id, "begin_round", rnd)
@@ -286,8 +320,15 @@ class Algorithm(Generic[ParamsT]):
             reply = self.u_shaped_server_step(client_id, step, sent["smashed"], server_slot)
         if reply is None:
             return
-        self.unless_dropped(client_id, "backward", step, reply["cut_grad"])
-        self.track(self.step_loss(sent, reply))
+        norm = reply.get("grad_norm")  # the server part's (clip_scope=global, log_every)
+        if self.ctx.config.clip_scope == "global":  # the norms of both parts cross before either steps
+            whole = self.unless_dropped(client_id, "backward_whole", step, reply["cut_grad"], norm)
+            own = None if whole is None else whole["grad_norm_up"]
+            self.server.finish_step(server_slot, own)
+            norm = None if own is None else torch.linalg.vector_norm(torch.stack([norm, own.to(norm.device)]))
+        else:
+            self.unless_dropped(client_id, "backward", step, reply["cut_grad"])
+        self.track(self.step_loss(sent, reply), norm)
 
     def u_shaped_server_step(self, client_id: int, step: int, smashed: Any, server_slot: str) -> State | None:
         """The server's part of a U-shaped split step: its output at cut B down to the client's
@@ -414,8 +455,8 @@ class Algorithm(Generic[ParamsT]):
         with _pool(self.ctx.concurrency) as pool:
             started = [pool.submit(self._train_tracked, train, client) for client in clients[:ahead]]
             for i, (client, alpha) in enumerate(zip(clients, alphas)):
-                for value in started[i].result():
-                    self.track(value)
+                for value, norm in started[i].result():
+                    self.track(value, norm)
                 fold(client, alpha)
                 if i + ahead < len(clients):
                     started.append(pool.submit(self._train_tracked, train, clients[i + ahead]))
@@ -480,8 +521,10 @@ class Algorithm(Generic[ParamsT]):
         if state is not None and holds_state(state):  # a client that holds nothing has nothing to get back
             self.client(client_id).rejoin(state)
 
-    def _train_tracked(self, train: Callable[[ClientInfo], None], client: ClientInfo) -> list[torch.Tensor]:
-        """`train(client)` in a worker thread; the losses it tracked, in order."""
+    def _train_tracked(
+        self, train: Callable[[ClientInfo], None], client: ClientInfo
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """`train(client)` in a worker thread; the losses (and norms) it tracked, in order."""
         self._training.losses = []
         try:
             with self.ctx.lease(client.id):
@@ -490,13 +533,17 @@ class Algorithm(Generic[ParamsT]):
         finally:
             del self._training.losses
 
-    def track(self, loss: torch.Tensor) -> None:
+    def track(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> None:
+        """A training step's loss (and the gradient norm the server gave, if any)."""
         losses = getattr(self._training, "losses", None)
         if losses is not None:  # a client training in a thread: counted in client order by for_each_client
-            losses.append(loss)
+            losses.append((loss, grad_norm))
             return
         self._loss_sum = self._loss_sum + loss
         self._loss_count += 1
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(loss, grad_norm)
 
     def pop_train_loss(self) -> float | None:
         """Mean training loss over the steps since the last call (read once per round)."""

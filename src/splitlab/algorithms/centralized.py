@@ -18,6 +18,7 @@ class Centralized(Algorithm[NoParams]):
     not_u_shaped = "nothing is split: one node trains the whole model"
     not_averaged = "one node trains the whole model: there is nothing to average"
     supports_fp16 = True
+    clips_whole_model = True
 
     @staticmethod
     def data_owners(indices: list[np.ndarray]) -> list[np.ndarray]:

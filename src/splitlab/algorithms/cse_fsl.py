@@ -77,6 +77,11 @@ class AuxiliaryFSL(Algorithm):
         "its clients step on an auxiliary model's loss at the cut and send the server their labels to train on"
     )
 
+    def server_steps(self, clients: list[ClientInfo]) -> dict[str, int]:
+        """One server step per batch sent: every q-th local step of each client, from its first."""
+        q = self.params.server_update_interval
+        return {"server_model": sum(-(-self.ctx.local_steps(c) // q) for c in clients)}
+
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.start_round(clients)
         for client, sent in self.interleaved_steps(rnd, clients, self.aux_step):

@@ -314,6 +314,7 @@ class CycleSL(Algorithm):
     Server = CycleServer
     supports_u_shape = True
     supports_fp16 = True
+    no_step_schedule = "its server trains server_epochs over each cycle's pooled features, steps not known before"
 
     def round_batches(self, clients: list[ClientInfo]) -> int | None:
         return len(clients)  # ONE mini-batch each

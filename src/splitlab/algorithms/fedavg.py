@@ -16,6 +16,8 @@ class FedAvg(Algorithm[NoParams]):
     not_u_shaped = "nothing is split: every client trains the whole model"
     supports_fp16 = True
     averaged = ("client_model",)
+    clips_whole_model = True
+    can_keep_client_optimizer = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.contribute_model)

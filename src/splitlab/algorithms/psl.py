@@ -58,6 +58,8 @@ class PSL(PersonalClients, Algorithm[NoParams]):
     Server = UShapedServer
     supports_u_shape = True
     supports_fp16 = True
+    clips_whole_model = True
+    trains_server_copies = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.fold)

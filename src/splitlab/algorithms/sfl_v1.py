@@ -23,6 +23,9 @@ class SFLV1(Algorithm[NoParams]):
     supports_u_shape = True
     supports_fp16 = True
     averaged = ("client_model",)
+    clips_whole_model = True
+    trains_server_copies = True
+    can_keep_client_optimizer = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         self.for_each_client(clients, self.local_training, self.fold)

@@ -37,6 +37,8 @@ class SFLV2(Algorithm[SFLV2Params]):
     supports_u_shape = True
     supports_fp16 = True
     averaged = ("client_model",)
+    clips_whole_model = True
+    can_keep_client_optimizer = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         if self.params.server_schedule == "interleaved":

@@ -151,6 +151,10 @@ class SGLR(PersonalClients, Algorithm[SGLRParams]):
     Server = SGLRServer
     supports_fp16 = True
 
+    def server_steps(self, clients: list[ClientInfo]) -> dict[str, int]:
+        """One server step per lockstep: as many as the most steps a client takes."""
+        return {"server_model": max(self.ctx.local_steps(c) for c in clients)}
+
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         averaged = averaged_clients(self.ctx, rnd, clients, self.params.average_fraction)
         steps = [self.ctx.local_steps(c) for c in clients]

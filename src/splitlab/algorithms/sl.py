@@ -95,6 +95,7 @@ class SplitLearning(Relay, Algorithm[NoParams]):
     Server = UShapedServer
     supports_u_shape = True
     supports_fp16 = True
+    clips_whole_model = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         for client in clients:

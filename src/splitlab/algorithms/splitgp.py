@@ -180,6 +180,7 @@ class SplitGP(Algorithm[SplitGPParams]):
     Client = SplitGPClient
     Server = SplitGPServer
     supports_fp16 = True
+    trains_server_copies = True
     models = {**SPLIT_MODELS, "aux_model": initial_exit}
     averaged = ("client_model", "aux_model")
     not_from_average = (

@@ -185,6 +185,10 @@ class Checks:
             grad, output = self._tail_grad(result["tail_grad"]), args[1]
             if grad.dtype != output.dtype or grad.shape != output.shape:
                 raise Refused(f"tail_grad is {_form(grad)}, expected {_form(output)} (the server's output)")
+        if "grad_norm_up" in result:  # backward_whole: the client part's gradient norm
+            norm = _tensor(result, "grad_norm_up")
+            if norm.dim() != 0 or norm.dtype != torch.float32 or float(norm) < 0:
+                raise Refused(f"grad_norm_up is {_form(norm)}, expected a non-negative torch.float32 scalar")
         if "loss" in result:
             value = _tensor(result, "loss")
             want = self._expected_loss_dtype()
@@ -316,9 +320,10 @@ class Checks:
         _named_tensors(f"control {slot}", control, expected)
 
     def _role_state(self, state: Any) -> None:
-        cfg = self.blueprint.config
-        keys = {"models", "optimizers"} | ({"loss_scale"} if cfg.precision == "fp16" else set())
-        keys |= {"controls"} if cfg.scaffold else set()
+        config = self.blueprint.config
+        keys = {"models", "optimizers"} | ({"loss_scale"} if config.precision == "fp16" else set())
+        keys |= {"controls"} if config.scaffold else set()
+        keys |= {"kept_optimizers"} if config.keep_client_optimizer else set()
         if not isinstance(state, dict) or set(state) != keys:
             raise Refused(f"a client's state must hold exactly {', '.join(map(repr, sorted(keys)))}")
         if "loss_scale" in state:
@@ -343,6 +348,13 @@ class Checks:
             if slot not in models:
                 raise Refused(f"a client's state holds an optimizer for {slot!r}, which it holds no model for")
             self._optimizer(slot, optimizer)
+        kept = state.get("kept_optimizers", {})
+        if not isinstance(kept, dict):
+            raise Refused("a client's kept optimizers must be a dict")
+        for slot, optimizer in kept.items():
+            if self._own(slot) not in self.blueprint.builders:
+                raise Refused(f"a client's state keeps an optimizer for an unknown slot {slot!r}")
+            self._optimizer(slot, optimizer)
 
     def _optimizer(self, slot: str, state: Any) -> None:
         """An optimizer state that fits `slot`'s model: the param groups of the configured optimizer
@@ -354,6 +366,8 @@ class Checks:
         if not isinstance(groups, list) or len(groups) != len(want_groups):
             raise Refused(f"{slot}'s optimizer has {_count(groups)} param groups, expected {len(want_groups)}")
         for group, want in zip(groups, want_groups):
+            if self.blueprint.scheduled:  # a scheduled rate keeps the rate it scales (Role.optimizer)
+                want = {**want, "initial_lr": want["lr"]}
             if not isinstance(group, dict) or set(group) != set(want) or group["params"] != want["params"]:
                 raise Refused(f"{slot}'s optimizer param group is not that of the configured optimizer over it")
             for key, value in group.items():

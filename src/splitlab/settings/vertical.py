@@ -503,6 +503,8 @@ class Vertical(Setting):
         "tail_cut": U_SHAPE_WHY,
         "grad_accum": "a vertical run's parties step on every batch of shared samples; grad_accum needs "
         "setting=vanilla",
+        "clip_scope": "a vertical run's server steps on every party's embeddings at once, not through one client's "
+        "split step; clip_scope=global needs setting=vanilla",
     }
 
     def check(self, config: ResolvedConfig) -> None:
