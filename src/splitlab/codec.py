@@ -22,6 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from splitlab.errors import UserError
 from splitlab.io import cpu_copy
 
 SKELETON = "splitlab.skeleton"
@@ -29,6 +30,9 @@ MAXSKELETON_BYTES = 16 << 20
 """The largest skeleton accepted (a role state of thousands of tensors is well under 1 MiB)."""
 MAX_DEPTH = 64
 """The deepest nest accepted (a role state with its optimizers is about 8 deep)."""
+MAX_FILE_DEPTH = 100
+"""The deepest nest read from a JSON file a user gives (rows, a model's config.json): deeper is
+refused before it is parsed, as it would exhaust the parser's recursion."""
 
 
 class MessageError(ValueError):
@@ -126,9 +130,29 @@ def strict_json(text: str) -> Any:
     no nest is ever deep enough to exhaust the parser's recursion)."""
     if len(text) > MAXSKELETON_BYTES:
         raise ValueError(f"a skeleton of {len(text)} characters, over {MAXSKELETON_BYTES}")
-    if _depth(text) > MAX_DEPTH:
-        raise ValueError(f"a skeleton nested deeper than {MAX_DEPTH}")
+    check_depth(text, MAX_DEPTH)
     return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+
+
+def user_json(text: str, where: str) -> Any:
+    """The JSON `text` of a user's file (`where` names it: a file, or a file and a line), parsed; a
+    UserError saying where a syntax error is (line and column; the column alone for one line) or
+    that it nests deeper than MAX_FILE_DEPTH."""
+    try:
+        check_depth(text, MAX_FILE_DEPTH)
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        at = f"column {error.colno}" if "\n" not in text.strip() else f"line {error.lineno}, column {error.colno}"
+        raise UserError(f"{where}: not valid JSON ({error.msg} at {at})") from None
+    except ValueError as error:
+        raise UserError(f"{where}: {error}") from None
+
+
+def check_depth(text: str, limit: int) -> None:
+    """A ValueError if the JSON `text` nests deeper than `limit` (counted only where it holds more
+    brackets than that, so that a long file of shallow lines costs a count, not a scan)."""
+    if text.count("[") + text.count("{") > limit and _depth(text) > limit:
+        raise ValueError(f"JSON nested deeper than {limit} levels")
 
 
 def _depth(text: str) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -44,6 +45,11 @@ class RoundFailed(UserError):
 class RoleLost(Exception):
     """A process holding roles was lost (a Ray actor or its node died): the driver can build the roles
     again and replay from the last checkpoint (engine.run, `max_restarts`)."""
+
+
+def not_a_file(path: Path) -> str:
+    """Why `path`, expected to be a file, is not one: a folder is not "no such file"."""
+    return "is a folder, not a file" if path.is_dir() else "no such file"
 
 
 #: At most this many allowed keys are listed when none is close to an unknown one; more: --help lists them.

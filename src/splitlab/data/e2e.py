@@ -31,7 +31,7 @@ from typing import Any
 
 from splitlab.data.datasets import References
 from splitlab.data.text_rows import completion_sequences
-from splitlab.errors import UserError
+from splitlab.errors import UserError, not_a_file
 from splitlab.lazy import torch
 
 FILES = {"train": "trainset.csv", "dev": "devset.csv", "test": "testset_w_refs.csv"}
@@ -43,7 +43,7 @@ def read_pairs(path: str | Path) -> list[tuple[str, str]]:
     """The (mr, ref) rows of one E2E file, in file order."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: no such file (the E2E NLG release's {', '.join(FILES.values())})")
+        raise UserError(f"{path}: {not_a_file(path)} (the E2E NLG release's {', '.join(FILES.values())})")
     with path.open(newline="", encoding="utf-8-sig") as file:
         reader = csv.DictReader(file)
         if reader.fieldnames is None or not set(COLUMNS) <= set(reader.fieldnames):

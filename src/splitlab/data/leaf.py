@@ -24,6 +24,7 @@ import numpy as np
 
 from splitlab.data import shakespeare
 from splitlab.data.datasets import Dataset, _looked_in, _roots
+from splitlab.codec import MAX_FILE_DEPTH, check_depth
 from splitlab.errors import UserError
 from splitlab.lazy import torch
 
@@ -74,7 +75,9 @@ def read_split(folder: Path, convert: Callable) -> list[tuple[np.ndarray, np.nda
     users = []
     for path in sorted(folder.glob("*.json")):
         try:
-            content = json.loads(path.read_text())
+            text = path.read_text()
+            check_depth(text, MAX_FILE_DEPTH)
+            content = json.loads(text)
             for user, count in zip(content["users"], content["num_samples"], strict=True):
                 data = content["user_data"][user]
                 if not len(data["x"]) == len(data["y"]) == count:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from splitlab.data.datasets import Dataset
-from splitlab.errors import UserError
+from splitlab.errors import UserError, not_a_file
 from splitlab.lazy import torch
 
 CSV_FILES = ("train.csv", "test.csv")
@@ -115,7 +115,7 @@ def _csv_files(data_dir: Path | None) -> tuple[Path, Path]:
     paths = tuple(data_dir / name for name in CSV_FILES)
     for path in paths:
         if not path.is_file():
-            raise UserError(f"dataset=csv: {str(path)!r} does not exist; data_dir needs {' and '.join(CSV_FILES)}")
+            raise UserError(f"dataset=csv: {str(path)!r}: {not_a_file(path)}; data_dir needs {' and '.join(CSV_FILES)}")
     return paths[0], paths[1]
 
 

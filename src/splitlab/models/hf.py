@@ -57,6 +57,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
+from splitlab.codec import user_json
 from splitlab.errors import UserError
 from splitlab.io import atomic_folder, cpu_copy, write_safetensors
 from splitlab.models.lora import KeyedDropout
@@ -91,6 +92,13 @@ LAYOUTS = {"gpt2": GPT2, "llama": LLAMA, "qwen2": LLAMA, "mistral": LLAMA}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return user_json(path.read_text(encoding="utf-8"), str(path))
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
 def read_config(model_dir: str | Path) -> dict[str, Any]:
     """`config.json` of a model folder that splitlab can load, checked in one line each: the folder,
     the config, safetensors weights (never a pickle), a supported `model_type`."""
@@ -107,10 +115,7 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise UserError(f"model_dir={folder}: no config.json (not a Hugging Face model folder)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{config_file}: not valid JSON ({err})") from None
+    config = _read_json(config_file)
     if not (folder / WEIGHTS).is_file() and not (folder / WEIGHTS_INDEX).is_file():
         pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickled:
@@ -490,10 +495,7 @@ def read_peft(folder: str | Path, model_dir: str | Path) -> tuple[dict[str, Any]
     from safetensors.torch import load_file
 
     path = Path(folder)
-    try:
-        config = json.loads((path / ADAPTER_CONFIG).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path / ADAPTER_CONFIG}: not valid JSON ({err})") from None
+    config = _read_json(path / ADAPTER_CONFIG)
     kind = config.get("peft_type") if isinstance(config, dict) else None
     if kind != "LORA":
         raise UserError(f"init={path}: peft adapters of type {kind!r}; splitlab takes LORA")
