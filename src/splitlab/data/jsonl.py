@@ -27,7 +27,7 @@ def _lines(path: Path) -> Iterator[tuple[str, Any]]:
                 ) from None
             offset += len(raw)
             if line.strip():
-                yield where, user_json(line, where)
+                yield where, user_json(line.rstrip("\r\n"), where)
 
 
 def read_jsonl(path: Path, key: str = "data_file") -> Rows:
