@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_tensors
+from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
 from splitlab.errors import UserError
@@ -122,6 +124,38 @@ def decode(data: bytes, device: torch.device | str = "cpu") -> Any:
     if used != set(tensors):
         raise MessageError("not a splitlab message (tensors outside its structure)")
     return message
+
+
+def read_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file at `path` (never unpickled), on `device`: every reader of
+    a file the user hands splitlab (a run's weights, adapters, records) reads through here, so that
+    a missing, truncated or foreign file, or one holding NaN or inf, is one line naming it."""
+    try:
+        tensors = load_file(path, device=str(device))
+    except (OSError, SafetensorError, ValueError, RuntimeError) as error:
+        raise UserError(f"cannot read {str(path)!r}: {_first_line(error)}") from None
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise UserError(
+                f"{str(path)!r} holds non-finite values ({name!r} has NaN or inf): the run that wrote it "
+                f"diverged or the file is damaged"
+            )
+    return tensors
+
+
+def read_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(name -> shape of each tensor, the metadata) of the safetensors file at `path`, from its
+    header alone (`read_tensors`' refusals)."""
+    try:
+        with safe_open(str(path), "pt") as file:
+            shapes = {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}  # noqa: SIM118 (not a dict)
+            return shapes, file.metadata() or {}
+    except (OSError, SafetensorError, ValueError, RuntimeError) as error:
+        raise UserError(f"cannot read {str(path)!r}: {_first_line(error)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
 
 
 def strict_json(text: str) -> Any:

@@ -7,9 +7,8 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
+from splitlab.codec import read_tensors
 from splitlab.errors import UserError
 from splitlab.privacy.record import RECORD_DIR
 from splitlab.targets import IGNORED
@@ -100,10 +99,7 @@ def chosen_round(path: Path, files: dict[int, Path], rnd: int | None) -> int | N
 
 def load_record(file: Path, shapes: dict[str, tuple[int, ...]], num_classes: int) -> dict[str, torch.Tensor]:
     """A recorded round, every tensor checked: names, dtypes, shapes, one length, finite, labels in range."""
-    try:
-        tensors = load_file(file)
-    except (OSError, SafetensorError) as error:
-        raise UserError(f"cannot read {str(file)!r}: {str(error).splitlines()[0][:160]}") from None
+    tensors = read_tensors(file)
     problem = record_problem(tensors, shapes, num_classes)
     if problem:
         raise UserError(f"{str(file)!r} is not a record of this run: {problem}")

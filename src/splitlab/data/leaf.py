@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from splitlab.codec import MAX_FILE_DEPTH, check_depth
 from splitlab.data import shakespeare
 from splitlab.data.datasets import Dataset, _looked_in, _roots
-from splitlab.codec import MAX_FILE_DEPTH, check_depth
 from splitlab.errors import UserError
 from splitlab.lazy import torch
 

@@ -43,6 +43,7 @@ no second derivative, which FSL-SAGE's alignment step takes through the auxiliar
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import re
 import shutil
@@ -57,9 +58,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from splitlab.codec import user_json
+from splitlab.codec import read_header, read_tensors, user_json
 from splitlab.errors import UserError
 from splitlab.io import atomic_folder, cpu_copy, write_safetensors
+from splitlab.logs import LOGGER
 from splitlab.models.lora import KeyedDropout
 from splitlab.models.staged import StagedModel
 
@@ -435,6 +437,8 @@ def char_tokenizer(characters: str, context: int) -> Any:
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: the metadata key of adapter_model.safetensors holding `weights_digest` of the model the adapters adapt
+BASE_DIGEST = "splitlab.base_weights"
 #: where peft's `PeftModel` keeps the model it adapts: adapter names are `<PEFT_PREFIX><module>.lora_A.weight`
 PEFT_PREFIX = "base_model.model."
 
@@ -469,9 +473,11 @@ def save_peft(
         "bias": "none",
         "inference_mode": True,
     }
+    digest = weights_digest(Path(base))
     with atomic_folder(Path(out_dir)) as tmp:
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, metadata={"format": "pt"})
+        metadata = {"format": "pt", **({BASE_DIGEST: digest} if digest else {})}
+        write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, metadata=metadata)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 
@@ -491,9 +497,6 @@ def read_peft(folder: str | Path, model_dir: str | Path) -> tuple[dict[str, Any]
     """A peft LoRA folder's `adapter_config.json` and its adapters under `load_staged`'s names, for a
     model of `model_dir`'s layout; one line for what splitlab cannot take (another method, pickled
     adapters, names of another model)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(folder)
     config = _read_json(path / ADAPTER_CONFIG)
     kind = config.get("peft_type") if isinstance(config, dict) else None
@@ -501,11 +504,9 @@ def read_peft(folder: str | Path, model_dir: str | Path) -> tuple[dict[str, Any]
         raise UserError(f"init={path}: peft adapters of type {kind!r}; splitlab takes LORA")
     if not (path / ADAPTER_WEIGHTS).is_file():
         raise UserError(f"init={path}: no {ADAPTER_WEIGHTS} (splitlab never unpickles adapter_model.bin)")
-    try:
-        tensors = load_file(path / ADAPTER_WEIGHTS)
-    except (SafetensorError, OSError) as err:
-        raise UserError(f"init={path}/{ADAPTER_WEIGHTS}: not a safetensors file ({err})") from None
+    tensors = read_tensors(path / ADAPTER_WEIGHTS)
     layout = LAYOUTS[read_config(model_dir)["model_type"]]
+    _check_base(path, config.get("base_model_name_or_path"), read_header(path / ADAPTER_WEIGHTS)[1], Path(model_dir))
     adapters = {}
     for name, tensor in tensors.items():
         inner = name.removeprefix(PEFT_PREFIX).removesuffix(".weight")
@@ -513,6 +514,38 @@ def read_peft(folder: str | Path, model_dir: str | Path) -> tuple[dict[str, Any]
             raise UserError(f"init={path}: {name!r} is not a LoRA adapter of peft's ({PEFT_PREFIX}...lora_A.weight)")
         adapters[from_hf_name(inner, layout)] = tensor
     return config, adapters
+
+
+def weights_digest(folder: Path) -> str | None:
+    """sha256 over a model folder's safetensors files (names and bytes, in name order), None where it
+    holds none: what tells the model adapters were trained on from another of the same shapes."""
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.name}\0".encode())
+        with file.open("rb") as stream:
+            while chunk := stream.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_base(folder: Path, base: Any, metadata: dict[str, str], model_dir: Path) -> None:
+    """Adapters apply to the weights they were trained on: `model_dir`'s must be those splitlab
+    recorded when it wrote them (BASE_DIGEST), else those of the base folder their config names; a
+    base that is not a local folder cannot be compared, which a warning says."""
+    recorded = metadata.get(BASE_DIGEST) or (weights_digest(Path(base)) if isinstance(base, str) and base else None)
+    if recorded is None:
+        LOGGER.warning(
+            f"init={folder}: its adapters' base model {base!r} is not a local folder, so it cannot be compared with "
+            f"model_dir={model_dir}: make sure it is the model they were trained on"
+        )
+    elif recorded != weights_digest(model_dir):
+        raise UserError(
+            f"init={folder} holds LoRA adapters trained on other weights than model_dir={model_dir}'s (their base: "
+            f"{base}); give model_dir= the model they adapt"
+        )
 
 
 def _untie_if_trained(hf_state: dict[str, torch.Tensor], config: Any) -> None:
