@@ -7,6 +7,7 @@ its traceback.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,7 +78,20 @@ def one_line(err: ValidationError) -> str:
     message = first["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
+    if first["type"] in _BOUNDS and not _finite(first.get("input")):
+        message = "it must be a finite number"  # not "should be <= 1e8", which nan is not either
     return f"invalid value {shown(first.get('input'))} for {key}: {message}"
+
+
+#: pydantic's refusals of a number out of bounds
+_BOUNDS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError, OverflowError):
+        return True  # not a number at all: pydantic's own message says so
 
 
 def shown(value: Any) -> str:

@@ -227,19 +227,29 @@ def load_staged(model_dir: str | Path, checkpoint_dropout: bool = False) -> Stag
 
     logging.disable_progress_bar()  # splitlab draws its own; a bar per load would cut through it
 
-    loaded: Any = AutoModelForCausalLM.from_pretrained(
-        str(model_dir),
-        dtype=torch.float32,
-        use_safetensors=True,
-        local_files_only=True,
-        attn_implementation=_keyed_attention() if checkpoint_dropout else "eager",
-        output_loading_info=True,
-        **({} if checkpoint_dropout else dict.fromkeys(layout.dropouts, 0.0)),
-    )
+    from safetensors import SafetensorError
+
+    try:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            str(model_dir),
+            dtype=torch.float32,
+            use_safetensors=True,
+            local_files_only=True,
+            attn_implementation=_keyed_attention() if checkpoint_dropout else "eager",
+            output_loading_info=True,
+            **({} if checkpoint_dropout else dict.fromkeys(layout.dropouts, 0.0)),
+        )
+    except (OSError, SafetensorError) as err:  # a truncated or damaged weights file
+        raise UserError(
+            f"model_dir={model_dir}: cannot read its weights ({str(err).strip().splitlines()[0]})"
+        ) from None
     model, info = loaded
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise UserError(f"model_dir={model_dir}: the weights lack {len(missing)} tensors of the model: {missing[:5]}")
+    bad = next((name for name, t in model.state_dict().items() if not bool(torch.isfinite(t).all())), None)
+    if bad is not None:
+        raise UserError(f"model_dir={model_dir}: its weights hold non-finite values ({bad!r} has NaN or inf)")
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Dropout) and module.p > 0:  # GPT-2's attention's attn_dropout among them
             parent, _, child = name.rpartition(".")
