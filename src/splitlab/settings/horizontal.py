@@ -246,13 +246,14 @@ def check_split(model: StagedModel, run: RunConfig, algorithm_class: type[Algori
         if slot not in algorithm_class.models or any(p.requires_grad for p in part.parameters()):
             continue
         cut = run.cut if run.tail_cut is None else f"{run.cut},{run.tail_cut}"
-        why = f"cut={cut} leaves the {side} part nothing to train (lora trains only its adapters, none in that part)"
+        reason = "lora trains only its adapters, none in that part" if run.lora else "it holds no trainable parameters"
+        why = f"cut={cut} leaves the {side} part nothing to train ({reason})"
         fitting = [
             str(c)
             for c in model.valid_cuts
             if run.tail_cut is None and all(any(p.requires_grad for p in half.parameters()) for half in split(model, c))
         ]
-        layers = linear_layer_names(part)
+        layers = linear_layer_names(part) if run.lora else []
         raise UserError(
             why
             + (f"; cuts that train both parts: {', '.join(fitting)}" if fitting else "")
