@@ -186,7 +186,7 @@ def check_depth(text: str, limit: int) -> None:
     """A ValueError if the JSON `text` nests deeper than `limit` (counted only where it holds more
     brackets than that, so that a long file of shallow lines costs a count, not a scan)."""
     if text.count("[") + text.count("{") > limit and _depth(text) > limit:
-        raise ValueError(f"JSON nested deeper than {limit} levels")
+        raise ValueError(f"nested deeper than {limit} levels")
 
 
 def _depth(text: str) -> int:

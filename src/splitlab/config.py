@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import JsonDict
 
+from splitlab.codec import MAX_FILE_DEPTH, check_depth
 from splitlab.errors import UserError, not_a_file, one_line, unknown_key
 
 #: The concerns RunConfig's keys are grouped by (in `run --help` and docs/cli.md), each field tagged
@@ -682,12 +683,17 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise UserError(f"config file {str(path)!r}: {not_a_file(path)}")
     try:
-        content = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
-    except _DuplicateKey as err:
-        raise UserError(f"config file {str(path)!r}: {err}") from None
+        text = path.read_text()
     except UnicodeDecodeError:
         raise UserError(f"config file {str(path)!r} is not a UTF-8 text file of KEY: VALUE lines") from None
-    except RecursionError:
+    try:
+        check_depth(text, MAX_FILE_DEPTH)  # before the parser recurses through it (seconds to a RecursionError)
+        content = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except ValueError as err:  # check_depth's
+        raise UserError(f"config file {str(path)!r}: {err}") from None
+    except _DuplicateKey as err:
+        raise UserError(f"config file {str(path)!r}: {err}") from None
+    except RecursionError:  # nested by indentation
         raise UserError(f"config file {str(path)!r} nests deeper than YAML can be read") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
