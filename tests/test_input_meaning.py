@@ -22,6 +22,8 @@ from splitlab.algorithms.sfl_v2 import SFLV2
 from splitlab.cli import main
 from splitlab.codec import read_header, read_tensors, user_json
 from splitlab.config import RunConfig
+from splitlab.data.e2e import read_pairs
+from splitlab.data.tables import read_table
 from splitlab.engine import run
 from splitlab.errors import NonFiniteLoss, UserError
 from splitlab.loop import _check_finite
@@ -88,6 +90,13 @@ def test_a_byte_that_is_not_utf8_is_named_by_its_line_and_offset_in_the_file(tmp
         capsys, tmp_path, *jsonl_run(tmp_path, f"data_file={data}"),
         match=f"latin.jsonl, line 2401: not UTF-8 text (invalid continuation byte at byte {offset} of the file)",
     )  # fmt: skip
+    csv = tmp_path / "trainset.csv"  # E2E's files and CSV tables alike
+    csv.write_bytes(b'mr,ref\n"name[A]","caf\xe9"\n')
+    where = "line 2: not UTF-8 text (invalid continuation byte at byte 21 of the file)"
+    with pytest.raises(UserError, match=re.escape(f"{csv}, {where}")):
+        read_pairs(csv)
+    with pytest.raises(UserError, match=re.escape(f"CSV file {str(csv)!r}, {where}")):
+        read_table(csv)
 
 
 def test_a_folder_given_as_a_file_is_called_a_folder(tmp_path, capsys):

@@ -8,6 +8,10 @@ nest around them, with tensors replaced by their number, as strict JSON in the b
 that is not strict JSON (NaN or Infinity literals, a key twice) or is larger or deeper than any
 message splitlab sends (MAXSKELETON_BYTES, MAX_DEPTH: checked before it is parsed) is a
 `MessageError`, never an object built from attacker-chosen code.
+
+The files a user hands splitlab are read here too: safetensors files (`read_tensors`,
+`read_header`: a damaged or non-finite file is one line naming it) and JSON (`user_json`: nesting
+checked before parsing, syntax errors with their line and column).
 """
 
 from __future__ import annotations

@@ -53,6 +53,20 @@ def not_a_file(path: Path) -> str:
     return "is a folder, not a file" if path.is_dir() else "no such file"
 
 
+def not_utf8(path: Path) -> str:
+    """Where the file at `path` first stops being UTF-8, `line N: not UTF-8 text (why at byte B of
+    the file)`, found again from its bytes: a text reader's error counts from its last chunk."""
+    offset = 0
+    with path.open("rb") as file:
+        for number, line in enumerate(file, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return f"line {number}: not UTF-8 text ({error.reason} at byte {offset + error.start} of the file)"
+            offset += len(line)
+    return "not UTF-8 text"
+
+
 #: At most this many allowed keys are listed when none is close to an unknown one; more: --help lists them.
 LISTED_KEYS = 8
 

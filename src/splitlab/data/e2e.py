@@ -31,7 +31,7 @@ from typing import Any
 
 from splitlab.data.datasets import References
 from splitlab.data.text_rows import completion_sequences
-from splitlab.errors import UserError, not_a_file
+from splitlab.errors import UserError, not_a_file, not_utf8
 from splitlab.lazy import torch
 
 FILES = {"train": "trainset.csv", "dev": "devset.csv", "test": "testset_w_refs.csv"}
@@ -44,16 +44,19 @@ def read_pairs(path: str | Path) -> list[tuple[str, str]]:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: {not_a_file(path)} (the E2E NLG release's {', '.join(FILES.values())})")
-    with path.open(newline="", encoding="utf-8-sig") as file:
-        reader = csv.DictReader(file)
-        if reader.fieldnames is None or not set(COLUMNS) <= set(reader.fieldnames):
-            raise UserError(f"{path}: expected a header with the columns mr and ref; found {reader.fieldnames}")
-        pairs = []
-        for row in reader:
-            mr, ref = row["mr"], row["ref"]
-            if not mr or not ref:
-                raise UserError(f"{path}, line {reader.line_num}: a row without its mr or ref")
-            pairs.append((mr, ref))
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as file:
+            reader = csv.DictReader(file)
+            if reader.fieldnames is None or not set(COLUMNS) <= set(reader.fieldnames):
+                raise UserError(f"{path}: expected a header with the columns mr and ref; found {reader.fieldnames}")
+            pairs = []
+            for row in reader:
+                mr, ref = row["mr"], row["ref"]
+                if not mr or not ref:
+                    raise UserError(f"{path}, line {reader.line_num}: a row without its mr or ref")
+                pairs.append((mr, ref))
+    except UnicodeDecodeError:
+        raise UserError(f"{path}, {not_utf8(path)}") from None
     if not pairs:
         raise UserError(f"{path}: no rows")
     return pairs

@@ -11,23 +11,18 @@ from typing import Any
 
 from splitlab.codec import user_json
 from splitlab.data.text_rows import Rows, read_rows
-from splitlab.errors import UserError
+from splitlab.errors import UserError, not_utf8
 
 
 def _lines(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open("rb") as file:
-        offset = 0
-        for number, raw in enumerate(file, 1):
-            where = f"{path}, line {number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as error:
-                raise UserError(
-                    f"{where}: not UTF-8 text ({error.reason} at byte {offset + error.start} of the file)"
-                ) from None
-            offset += len(raw)
-            if line.strip():
-                yield where, user_json(line.rstrip("\r\n"), where)
+    try:
+        with path.open(encoding="utf-8") as file:
+            for number, line in enumerate(file, 1):
+                if line.strip():
+                    where = f"{path}, line {number}"
+                    yield where, user_json(line.rstrip("\r\n"), where)
+    except UnicodeDecodeError:
+        raise UserError(f"{path}, {not_utf8(path)}") from None
 
 
 def read_jsonl(path: Path, key: str = "data_file") -> Rows:

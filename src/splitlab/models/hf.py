@@ -59,7 +59,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from splitlab.codec import read_header, read_tensors, user_json
-from splitlab.errors import UserError
+from splitlab.errors import UserError, not_utf8
 from splitlab.io import atomic_folder, cpu_copy, write_safetensors
 from splitlab.logs import LOGGER
 from splitlab.models.lora import KeyedDropout
@@ -97,8 +97,8 @@ HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 def _read_json(path: Path) -> Any:
     try:
         return user_json(path.read_text(encoding="utf-8"), str(path))
-    except UnicodeDecodeError as err:
-        raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path}, {not_utf8(path)}") from None
 
 
 def read_config(model_dir: str | Path) -> dict[str, Any]:
