@@ -177,13 +177,19 @@ def user_json(text: str, where: str) -> Any:
     UserError saying where a syntax error is (line and column; the column alone for one line) or
     that it nests deeper than MAX_FILE_DEPTH."""
     try:
-        check_depth(text, MAX_FILE_DEPTH)
-        return json.loads(text)
+        return file_json(text)
     except json.JSONDecodeError as error:
         at = f"column {error.colno}" if "\n" not in text.strip() else f"line {error.lineno}, column {error.colno}"
         raise UserError(f"{where}: not valid JSON ({error.msg} at {at})") from None
     except ValueError as error:
         raise UserError(f"{where}: {error}") from None
+
+
+def file_json(text: str) -> Any:
+    """The JSON `text` of a file, parsed: a ValueError where it is not JSON or nests deeper than
+    MAX_FILE_DEPTH (never a RecursionError), for readers that say what a bad file means to them."""
+    check_depth(text, MAX_FILE_DEPTH)
+    return json.loads(text)
 
 
 def check_depth(text: str, limit: int) -> None:

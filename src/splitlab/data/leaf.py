@@ -16,13 +16,12 @@ and the test set is the union of all users' held-out samples.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from splitlab.codec import MAX_FILE_DEPTH, check_depth
+from splitlab.codec import file_json
 from splitlab.data import shakespeare
 from splitlab.data.datasets import Dataset, _looked_in, _roots
 from splitlab.errors import UserError
@@ -75,9 +74,7 @@ def read_split(folder: Path, convert: Callable) -> list[tuple[np.ndarray, np.nda
     users = []
     for path in sorted(folder.glob("*.json")):
         try:
-            text = path.read_text()
-            check_depth(text, MAX_FILE_DEPTH)
-            content = json.loads(text)
+            content = file_json(path.read_text())
             for user, count in zip(content["users"], content["num_samples"], strict=True):
                 data = content["user_data"][user]
                 if not len(data["x"]) == len(data["y"]) == count:

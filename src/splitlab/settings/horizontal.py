@@ -5,7 +5,6 @@ dataset's partition (data=partition), or its own files, which it reports to a se
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import numpy as np
@@ -13,6 +12,7 @@ import torch
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.assembly import client_nodes, load_data, make_blueprint, resolve_device, seeded_subset, test_set
+from splitlab.codec import file_json
 from splitlab.config import ResolvedConfig, RunConfig, parse_lora, parse_test_split, parse_train_range
 from splitlab.data import Dataset, counts_report, load_split, partition, partition_report
 from splitlab.data.datasets import data_summary
@@ -143,7 +143,7 @@ def _stored_summaries(config: ResolvedConfig) -> list[dict[str, Any]] | None:
     if not config.run.resume or not path.exists():
         return None
     try:
-        counts = json.loads(path.read_text())["counts"]
+        counts = file_json(path.read_text())["counts"]
         if len(counts) != config.run.clients or not all(isinstance(c, list) for c in counts):
             raise ValueError(f"counts for {len(counts)} clients")
     except (ValueError, KeyError, TypeError, OSError) as error:

@@ -12,7 +12,6 @@ import abc
 import dataclasses
 import functools
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from splitlab.algorithms.vertical_sl import (
     vertical_models,
 )
 from splitlab.assembly import blueprint_of, load_data, resolve_device, seeded_subset, test_set
-from splitlab.codec import read_tensors
+from splitlab.codec import file_json, read_tensors
 from splitlab.config import EVAL_GENERATE_WHY, U_SHAPE_WHY, ResolvedConfig, RunConfig
 from splitlab.data import Dataset
 from splitlab.data.partition import counts_report
@@ -422,7 +421,7 @@ def _as_when_begun(config: ResolvedConfig, report: dict[str, Any]) -> None:
     if not config.run.resume or not path.exists():
         return
     try:
-        stored = json.loads(path.read_text())
+        stored = file_json(path.read_text())
     except (ValueError, OSError) as error:
         raise UserError(f"cannot resume: {str(path)!r} is unreadable ({error})") from None
     for key, value in report.items():
