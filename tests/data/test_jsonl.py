@@ -171,7 +171,8 @@ def test_bad_files_are_one_line_exit_2_and_nothing_written(tmp_path, capsys):
         match="bad.jsonl, line 2: a row needs the fields text | prompt + completion | messages; found txt, id",
     )  # fmt: skip
     (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n\n{"text": \n')
-    refused(capsys, tmp_path, f"data_file={tmp_path / 'broken.jsonl'}", match="broken.jsonl, line 3: not valid JSON (Expecting value at column 10)")
+    broken = "broken.jsonl, line 3: not valid JSON (Expecting value at column 10)"
+    refused(capsys, tmp_path, f"data_file={tmp_path / 'broken.jsonl'}", match=broken)
     write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a"}, {"prompt": "b", "completion": "c"}])
     refused(capsys, tmp_path, f"data_file={tmp_path / 'mixed.jsonl'}", match="line 2: a prompt/completion row where")
     write_jsonl(tmp_path / "number.jsonl", [{"prompt": "b", "completion": 3}])
