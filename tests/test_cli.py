@@ -92,7 +92,7 @@ def test_malformed_yaml_and_missing_file(tmp_path, capsys):
     code, _, stderr = run_cli(capsys, "run", "--config", str(bad))
     assert code == 2 and "is not valid YAML at line" in stderr and stderr.count("\n") == 1
     code, _, stderr = run_cli(capsys, "run", "--config", str(tmp_path / "none.yaml"))
-    assert code == 2 and "does not exist" in stderr
+    assert code == 2 and "none.yaml': no such file" in stderr
 
 
 def test_existing_run_is_not_overwritten_silently(tmp_path, capsys):

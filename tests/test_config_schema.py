@@ -137,7 +137,7 @@ def test_odd_inputs_outside_the_schema_are_one_line(tmp_path, capsys, monkeypatc
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     for args, message in [
         (["run", "--config", str(binary)], "is not a UTF-8 text file"),
-        (["run", "--config", str(tmp_path)], "does not exist"),
+        (["run", "--config", str(tmp_path)], "is a folder, not a file"),
         (["launch", "listen=0.0.0.0:7000"], "listen= does not apply to launch"),
         (["launch", "certs=/tmp"], "certs= does not apply to launch"),
         (["certs", "clients=100000", f"out={tmp_path / 'c'}"], "less than or equal to 1000"),

@@ -8,6 +8,10 @@ nest around them, with tensors replaced by their number, as strict JSON in the b
 that is not strict JSON (NaN or Infinity literals, a key twice) or is larger or deeper than any
 message splitlab sends (MAXSKELETON_BYTES, MAX_DEPTH: checked before it is parsed) is a
 `MessageError`, never an object built from attacker-chosen code.
+
+The files a user hands splitlab are read here too: safetensors files (`read_tensors`,
+`read_header`: a damaged or non-finite file is one line naming it) and JSON (`user_json`: nesting
+checked before parsing, syntax errors with their line and column).
 """
 
 from __future__ import annotations
@@ -15,13 +19,16 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_tensors
+from safetensors.torch import load_file
 from safetensors.torch import save as save_tensors
 
+from splitlab.errors import UserError
 from splitlab.io import cpu_copy
 
 SKELETON = "splitlab.skeleton"
@@ -29,6 +36,9 @@ MAXSKELETON_BYTES = 16 << 20
 """The largest skeleton accepted (a role state of thousands of tensors is well under 1 MiB)."""
 MAX_DEPTH = 64
 """The deepest nest accepted (a role state with its optimizers is about 8 deep)."""
+MAX_FILE_DEPTH = 100
+"""The deepest nest read from a JSON file a user gives (rows, a model's config.json): deeper is
+refused before it is parsed, as it would exhaust the parser's recursion."""
 
 
 class MessageError(ValueError):
@@ -120,15 +130,73 @@ def decode(data: bytes, device: torch.device | str = "cpu") -> Any:
     return message
 
 
+def read_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+    """The tensors of the safetensors file at `path` (never unpickled), on `device`: every reader of
+    a file the user hands splitlab (a run's weights, adapters, records) reads through here, so that
+    a missing, truncated or foreign file, or one holding NaN or inf, is one line naming it."""
+    try:
+        tensors = load_file(path, device=str(device))
+    except (OSError, SafetensorError, ValueError, RuntimeError) as error:
+        raise UserError(f"cannot read {str(path)!r}: {_first_line(error)}") from None
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise UserError(
+                f"{str(path)!r} holds non-finite values ({name!r} has NaN or inf): the run that wrote it "
+                f"diverged or the file is damaged"
+            )
+    return tensors
+
+
+def read_header(path: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]]:
+    """(name -> shape of each tensor, the metadata) of the safetensors file at `path`, from its
+    header alone (`read_tensors`' refusals)."""
+    try:
+        with safe_open(str(path), "pt") as file:
+            shapes = {name: tuple(file.get_slice(name).get_shape()) for name in file.keys()}  # noqa: SIM118 (not a dict)
+            return shapes, file.metadata() or {}
+    except (OSError, SafetensorError, ValueError, RuntimeError) as error:
+        raise UserError(f"cannot read {str(path)!r}: {_first_line(error)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
+
+
 def strict_json(text: str) -> Any:
     """`text` parsed as strict JSON: ValueError for NaN or Infinity literals, a key given twice, or
     a text over MAXSKELETON_BYTES or nested deeper than MAX_DEPTH (both checked first, so that
     no nest is ever deep enough to exhaust the parser's recursion)."""
     if len(text) > MAXSKELETON_BYTES:
         raise ValueError(f"a skeleton of {len(text)} characters, over {MAXSKELETON_BYTES}")
-    if _depth(text) > MAX_DEPTH:
-        raise ValueError(f"a skeleton nested deeper than {MAX_DEPTH}")
+    check_depth(text, MAX_DEPTH)
     return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant)
+
+
+def user_json(text: str, where: str) -> Any:
+    """The JSON `text` of a user's file (`where` names it: a file, or a file and a line), parsed; a
+    UserError saying where a syntax error is (line and column; the column alone for one line) or
+    that it nests deeper than MAX_FILE_DEPTH."""
+    try:
+        return file_json(text)
+    except json.JSONDecodeError as error:
+        at = f"column {error.colno}" if "\n" not in text.strip() else f"line {error.lineno}, column {error.colno}"
+        raise UserError(f"{where}: not valid JSON ({error.msg} at {at})") from None
+    except ValueError as error:
+        raise UserError(f"{where}: {error}") from None
+
+
+def file_json(text: str) -> Any:
+    """The JSON `text` of a file, parsed: a ValueError where it is not JSON or nests deeper than
+    MAX_FILE_DEPTH (never a RecursionError), for readers that say what a bad file means to them."""
+    check_depth(text, MAX_FILE_DEPTH)
+    return json.loads(text)
+
+
+def check_depth(text: str, limit: int) -> None:
+    """A ValueError if the JSON `text` nests deeper than `limit` (counted only where it holds more
+    brackets than that, so that a long file of shallow lines costs a count, not a scan)."""
+    if text.count("[") + text.count("{") > limit and _depth(text) > limit:
+        raise ValueError(f"nested deeper than {limit} levels")
 
 
 def _depth(text: str) -> int:

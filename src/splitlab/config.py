@@ -26,7 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import JsonDict
 
-from splitlab.errors import UserError, one_line, unknown_key
+from splitlab.codec import MAX_FILE_DEPTH, check_depth
+from splitlab.errors import UserError, not_a_file, one_line, unknown_key
 
 #: The concerns RunConfig's keys are grouped by (in `run --help` and docs/cli.md), each field tagged
 #: with its own; the command line stays one flat set of KEY=VALUE.
@@ -849,13 +850,20 @@ def accepts(annotation: Any, kind: type) -> bool:
 def load_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"config file {str(path)!r} does not exist")
+        raise UserError(f"config file {str(path)!r}: {not_a_file(path)}")
     try:
-        content = yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
-    except _DuplicateKey as err:
-        raise UserError(f"config file {str(path)!r}: {err}") from None
+        text = path.read_text()
     except UnicodeDecodeError:
         raise UserError(f"config file {str(path)!r} is not a UTF-8 text file of KEY: VALUE lines") from None
+    try:
+        check_depth(text, MAX_FILE_DEPTH)  # before the parser recurses through it (seconds to a RecursionError)
+        content = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except ValueError as err:  # check_depth's
+        raise UserError(f"config file {str(path)!r}: {err}") from None
+    except _DuplicateKey as err:
+        raise UserError(f"config file {str(path)!r}: {err}") from None
+    except RecursionError:  # nested by indentation
+        raise UserError(f"config file {str(path)!r} nests deeper than YAML can be read") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

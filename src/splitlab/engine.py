@@ -7,9 +7,11 @@ process holding some is lost; `serve` does the same with the client nodes reache
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+import random
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 from pydantic import BaseModel
 
@@ -49,7 +51,35 @@ def run(
     replays from its last checkpoint (from the start if it has none yet),
     as a resumed run would: bit for bit the same results. After `max_restarts` such losses, or when
     the roles cannot be built again (the nodes left lack the CPUs), the run stops with one line
-    and the resume hint."""
+    and the resume hint. The caller's global random states (torch's, numpy's, Python's), which
+    the loop reseeds each round, are as they were when it returns."""
+    with _callers_random_state():
+        return _run_with_restarts(config, params, resume, progress, transport, callbacks)
+
+
+@contextlib.contextmanager
+def _callers_random_state() -> Iterator[None]:
+    """Put back the global random states as they were (CUDA's where it had started)."""
+    states = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        torch.set_rng_state(states[0])
+        np.random.set_state(states[1])
+        random.setstate(states[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _run_with_restarts(
+    config: RunConfig | Mapping[str, Any],
+    params: tuple[BaseModel, ...],
+    resume: bool | None,
+    progress: bool,
+    transport: Callable[[Ledger, torch.device], Transport] | None,
+    callbacks: Sequence[Callback],
+) -> dict[str, Any]:
     prepare_process()
     config = flat_settings(config, *params)
     experiment = build(config, transport)

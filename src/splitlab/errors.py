@@ -7,7 +7,9 @@ its traceback.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -46,6 +48,25 @@ class RoleLost(Exception):
     again and replay from the last checkpoint (engine.run, `max_restarts`)."""
 
 
+def not_a_file(path: Path) -> str:
+    """Why `path`, expected to be a file, is not one: a folder is not "no such file"."""
+    return "is a folder, not a file" if path.is_dir() else "no such file"
+
+
+def not_utf8(path: Path) -> str:
+    """Where the file at `path` first stops being UTF-8, `line N: not UTF-8 text (why at byte B of
+    the file)`, found again from its bytes: a text reader's error counts from its last chunk."""
+    offset = 0
+    with path.open("rb") as file:
+        for number, line in enumerate(file, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as error:
+                return f"line {number}: not UTF-8 text ({error.reason} at byte {offset + error.start} of the file)"
+            offset += len(line)
+    return "not UTF-8 text"
+
+
 #: At most this many allowed keys are listed when none is close to an unknown one; more: --help lists them.
 LISTED_KEYS = 8
 
@@ -71,7 +92,20 @@ def one_line(err: ValidationError) -> str:
     message = first["msg"]
     if message.startswith("Value error, "):
         message = message[len("Value error, ") :]
+    if first["type"] in _BOUNDS and not _finite(first.get("input")):
+        message = "it must be a finite number"  # not "should be <= 1e8", which nan is not either
     return f"invalid value {shown(first.get('input'))} for {key}: {message}"
+
+
+#: pydantic's refusals of a number out of bounds
+_BOUNDS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"}
+
+
+def _finite(value: Any) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError, OverflowError):
+        return True  # not a number at all: pydantic's own message says so
 
 
 def shown(value: Any) -> str:

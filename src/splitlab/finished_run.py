@@ -8,28 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from splitlab import rundir
 from splitlab.algorithms.splitgp import SplitGP
 from splitlab.assembly import Experiment
 from splitlab.build import build
+from splitlab.codec import read_tensors
 from splitlab.errors import UserError
 from splitlab.roles import State
 from splitlab.settings import stored_setting
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0][:160]
-
-
-def _tensors(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
-    """A safetensors file of the run (never unpickled); a missing or damaged one is a UserError."""
-    try:
-        return load_file(path, device=str(device))
-    except (OSError, SafetensorError, ValueError, RuntimeError) as error:
-        raise UserError(f"cannot read {str(path)!r}: {_first_line(error)}") from None
 
 
 def _named_like(template: State, tensors: dict[str, torch.Tensor], prefix: str, path: Path) -> State:
@@ -54,7 +41,7 @@ def global_states(experiment: Experiment) -> list[State]:
 
 def _read_parts(experiment: Experiment, template: list[State]) -> list[State]:
     path = experiment.out / "weights.safetensors"
-    weights = _tensors(path, experiment.blueprint.device)
+    weights = read_tensors(path, experiment.blueprint.device)
     return [_named_like(part, weights, "", path) for part in template]
 
 
@@ -96,7 +83,7 @@ def load_run(run_dir: str | Path, device: str = "cpu") -> Experiment:
     if isinstance(algorithm, SplitGP) or algorithm.personal_models:
         _restore(algorithm.server, {"server_model": parts[-1]}, weights)
         clients_path = path / "clients.safetensors"
-        tensors = _tensors(clients_path, experiment.blueprint.device)
+        tensors = read_tensors(clients_path, experiment.blueprint.device)
         own = (
             (("client", "client_model"), ("exit", "aux_model"))
             if isinstance(algorithm, SplitGP)

@@ -215,11 +215,11 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
                 with _needs_the_client(cfg.algorithm, rnd + 1, checkpoints):
                     algorithm.run_round(rnd, clients)
             except NonFiniteStep as step:  # in process, or no one client to blame: training diverged
-                _check_finite(step.value, f"server's {step.what}", rnd + 1)
+                _check_finite(step.value, f"server's {step.what}", rnd + 1, cfg.defense)
             _check_enough_finished(experiment, clients, rnd + 1, checkpoints)
             state.setdefault("dropped", []).extend([rnd + 1, k] for k in sorted(algorithm.dropped))
             train_loss = algorithm.pop_train_loss()
-            _check_finite(train_loss, "training loss", rnd + 1)
+            _check_finite(train_loss, "training loss", rnd + 1, cfg.defense)
             compute_seconds = experiment.blueprint.pop_seconds()
             for phase, seconds in experiment.transport.pop_seconds().items():  # roles in other processes
                 compute_seconds[phase] = compute_seconds.get(phase, 0.0) + seconds
@@ -234,7 +234,7 @@ def run_rounds(experiment: Experiment, show_progress: bool, extra: Sequence[Call
             if state["round"] % cfg.eval_every == 0 or state["round"] == cfg.rounds or stops:
                 with _needs_the_client(cfg.algorithm, rnd + 1, checkpoints):  # personal models are fetched from clients
                     row = _metrics_row(experiment, state, train_loss, compute_seconds)
-                _check_finite(row["test_loss"], "test loss", state["round"])
+                _check_finite(row["test_loss"], "test loss", state["round"], cfg.defense)
                 state["metrics"].append(row)
             if cfg.save_every and state["steps"] // cfg.save_every > saved_through // cfg.save_every:
                 _save_step(experiment, state, row)
@@ -331,11 +331,14 @@ def _needs_the_client(algorithm: str, round_number: int, checkpoints: Checkpoint
         ) from None
 
 
-def _check_finite(loss: float | None, what: str, round_number: int) -> None:
+def _check_finite(loss: float | None, what: str, round_number: int, defense: str) -> None:
+    """A non-finite figure stops the run, naming what to change: the defense where one is applied
+    at the cut (its noise or clipping can be what made the loss non-finite), else lr."""
     if loss is not None and not math.isfinite(loss):
+        change = "lower lr (or use optimizer=adam)" if defense == "none" else f"weaken defense={defense} or lower lr"
         raise NonFiniteLoss(
-            f"the {what} became {loss} in round {round_number}: training diverged; lower lr "
-            f"(or use optimizer=adam) and start again with overwrite=true"
+            f"the {what} became {loss} in round {round_number}: training diverged; {change} and start again "
+            f"with overwrite=true"
         )
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from splitlab.assembly import load_data
+from splitlab.codec import read_header, read_tensors
 from splitlab.config import ResolvedConfig, parse_lora
 from splitlab.data import Dataset
 from splitlab.errors import UserError
@@ -61,9 +62,7 @@ def run_model(run_dir: str | Path) -> tuple[ResolvedConfig, StagedModel, Any, di
     if config.model == "hf" and not Path(str(settings["model_dir"])).is_dir() and (path / "hf").is_dir():
         settings["model_dir"] = str(path / "hf")
     model = build_model(config.model, (record["seq_len"],), record["vocab_size"], config.seed, **settings)
-    from safetensors.torch import load_file
-
-    model.load_state_dict(load_file(weights))
+    model.load_state_dict(read_tensors(weights))
     if config.model == "hf":
         from splitlab.models.hf import load_tokenizer
 
@@ -103,13 +102,10 @@ def init_shapes(config: ResolvedConfig) -> dict[str, torch.Tensor] | None:
         return None
     if is_peft_folder(run.init):
         return {name: t.to("meta") for name, t in peft_adapters(config).items()}
-    from safetensors import safe_open
-
     path = Path(run.init)
     stored_config(path, "load the model of", "give a finished run's directory")
-    with safe_open(_weights_file(path), "pt") as weights:
-        names = [name for name in weights.keys() if not name.endswith(ADAPTERS)]  # noqa: SIM118 (not a dict)
-        return {name: torch.empty(weights.get_slice(name).get_shape(), device="meta") for name in names}
+    shapes = read_header(_weights_file(path))[0]
+    return {name: torch.empty(shape, device="meta") for name, shape in shapes.items() if not name.endswith(ADAPTERS)}
 
 
 def is_peft_folder(path: str | Path) -> bool:

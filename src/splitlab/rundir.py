@@ -360,9 +360,11 @@ class RunDirectory:
 
     def summary(self) -> dict[str, Any]:
         """The summary of the finished run here; UserError if summary.json is unreadable."""
+        from splitlab.codec import file_json
+
         file = self.path / "summary.json"
         try:
-            summary = json.loads(file.read_text())
+            summary = file_json(file.read_text())
             if not isinstance(summary, dict) or "final_accuracy" not in summary:
                 raise ValueError("not a run's summary")
         except (ValueError, UnicodeDecodeError) as error:

@@ -63,6 +63,12 @@ def test_what_is_not_a_save_to_disk_folder_is_one_line_exit_2(tmp_path, capsys):
     (tmp_path / "plain" / "rows.jsonl").write_text('{"text": "a"}\n')
     datasets.DatasetDict({"validation": datasets.Dataset.from_dict({"text": ["a"]})}).save_to_disk(str(tmp_path / "v"))
     datasets.Dataset.from_dict({"body": ["a", "b"]}).save_to_disk(str(tmp_path / "body"))
+    datasets.Dataset.from_dict({"text": []}).save_to_disk(str(tmp_path / "empty"))  # saved as no data files
+    empty_test = {
+        "train": datasets.Dataset.from_dict({"text": ["a b", "c d"]}),
+        "test": datasets.Dataset.from_dict({"text": []}),
+    }
+    datasets.DatasetDict(empty_test).save_to_disk(str(tmp_path / "empty_test"))
     capsys.readouterr()  # datasets' own progress bars
     cases = {
         "": "dataset=hf_disk needs data_dir=DIR",
@@ -70,6 +76,8 @@ def test_what_is_not_a_save_to_disk_folder_is_one_line_exit_2(tmp_path, capsys):
         f"data_dir={tmp_path / 'plain'}": "is not a folder written by datasets' save_to_disk",
         f"data_dir={tmp_path / 'v'}": "holds the splits validation; a train split is needed",
         f"data_dir={tmp_path / 'body'}": "row 0: a row needs the fields text | prompt + completion | messages; found",
+        f"data_dir={tmp_path / 'empty'}": "empty holds no rows; every split needs rows",
+        f"data_dir={tmp_path / 'empty_test'}": "empty_test (its test split) holds no rows",
     }
     for pair, match in cases.items():
         out = tmp_path / "out"

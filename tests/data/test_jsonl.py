@@ -120,7 +120,7 @@ def test_conversations_need_a_chat_template_and_an_assistant():
 
 
 def test_a_file_trains_end_to_end_with_held_out_rows_fixed_across_seeds(tmp_path):
-    rows = [{"prompt": f"{i}+{i}=", "completion": str(2 * i)} for i in range(20)]
+    rows = [{"prompt": f"{i} {i}:", "completion": str(2 * i)} for i in range(20)]  # characters of model=gpt
     data_file = write_jsonl(tmp_path / "sums.jsonl", rows)
     data = load_dataset("jsonl", seq_len=12, data_file=data_file)
     assert data.task == "language" and data.num_classes == len(VOCAB) and data.vocabulary == VOCAB
@@ -171,7 +171,8 @@ def test_bad_files_are_one_line_exit_2_and_nothing_written(tmp_path, capsys):
         match="bad.jsonl, line 2: a row needs the fields text | prompt + completion | messages; found txt, id",
     )  # fmt: skip
     (tmp_path / "broken.jsonl").write_text('{"text": "a"}\n\n{"text": \n')
-    refused(capsys, tmp_path, f"data_file={tmp_path / 'broken.jsonl'}", match="broken.jsonl, line 3: not a JSON")
+    broken = "broken.jsonl, line 3: not valid JSON (Expecting value at column 10)"
+    refused(capsys, tmp_path, f"data_file={tmp_path / 'broken.jsonl'}", match=broken)
     write_jsonl(tmp_path / "mixed.jsonl", [{"text": "a"}, {"prompt": "b", "completion": "c"}])
     refused(capsys, tmp_path, f"data_file={tmp_path / 'mixed.jsonl'}", match="line 2: a prompt/completion row where")
     write_jsonl(tmp_path / "number.jsonl", [{"prompt": "b", "completion": 3}])

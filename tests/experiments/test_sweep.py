@@ -149,7 +149,7 @@ def test_sweep_validation_errors(tmp_path: Path, spec, message):
 
 
 def test_missing_sweep_file(tmp_path: Path):
-    with pytest.raises(UserError, match="nope.yaml not found"):
+    with pytest.raises(UserError, match="nope.yaml: no such file"):
         expand_sweep(tmp_path / "nope.yaml")
 
 

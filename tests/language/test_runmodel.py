@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from hf_helpers import tiny_hf_model
 from splitlab.cli import main
@@ -142,7 +142,7 @@ def test_hf_checkpoints_with_lora_keep_the_equivalences(arch, plays, tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_out_peft_loads_in_peft_with_out_hfs_logits_and_init_resumes_its_adapters(arch, plays, tmp_path):
+def test_out_peft_loads_in_peft_with_out_hfs_logits_and_init_resumes_its_adapters(arch, plays, tmp_path, caplog):
     """out/peft on the base checkpoint computes what out/hf does (GPT-2's Conv1D projections:
     fan_in_fan_out; the Llama layout's nn.Linear ones), and a run from init=out/peft starts with
     the finished run's adapters exactly."""
@@ -183,6 +183,23 @@ def test_out_peft_loads_in_peft_with_out_hfs_logits_and_init_resumes_its_adapter
     mismatch = rf"its adapters do not fit this run's \(theirs on {theirs}, this run's on {targets};"
     with pytest.raises(UserError, match=mismatch):
         train(0, **dict(config, init=str(out / "peft"), lora_targets=targets))
+
+    other = tiny_hf_model(tmp_path / "other", arch, seed=1)  # the same shapes, other weights
+    refused = rf"holds LoRA adapters trained on other weights than model_dir={other}'s \(their base: {model_dir}\)"
+    with pytest.raises(UserError, match=refused):  # by the digest splitlab recorded
+        train(0, **dict(config, model_dir=str(other), init=str(out / "peft")))
+    foreign = tmp_path / "foreign"  # written by peft itself: no digest, the base named in its config only
+    foreign.mkdir()
+    save_file(load_file(out / "peft" / "adapter_model.safetensors"), foreign / "adapter_model.safetensors")
+    for base in (str(other), str(model_dir), "org/hub-id"):
+        (foreign / "adapter_config.json").write_text(json.dumps({**adapter_config, "base_model_name_or_path": base}))
+        if base == str(other):
+            with pytest.raises(UserError, match=r"trained on other weights than model_dir="):
+                train(0, **dict(config, init=str(foreign)))
+        else:
+            theirs, ours = (global_weights(train(0, **dict(config, init=str(i)))) for i in (foreign, out / "peft"))
+            assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in ours)
+    assert "its adapters' base model 'org/hub-id' is not a local folder, so it cannot be compared" in caplog.text
 
 
 def test_e2e_trains_an_hf_model_with_the_loss_on_the_references_only(tmp_path):

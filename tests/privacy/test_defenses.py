@@ -137,8 +137,8 @@ def test_every_algorithm_trains_with_every_defense_through_bytes(algorithm):
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        ("noise:-1", "noise:<sigma >= 0>"),
-        ("noise:x", "noise:<sigma >= 0>"),
+        ("noise:-1", "noise:<sigma in [0, 1e6]>"),
+        ("noise:x", "noise:<sigma in [0, 1e6]>"),
         ("blur:1", "unknown item 'blur:1'"),
         ("quantize:int4", "quantize:int8|fp16"),
         ("topk:0", "topk:<fraction in (0, 1]>"),

@@ -8,9 +8,8 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
+from splitlab.codec import read_tensors
 from splitlab.errors import UserError
 from splitlab.privacy.record import RECORD_DIR, WEIGHTS
 from splitlab.targets import IGNORED
@@ -116,10 +115,7 @@ def load_round(
 ) -> tuple[dict[str, torch.Tensor], Weights]:
     """A recorded round's checked tensors and, by client, the client part that produced them (the
     weights the round started with; empty for a record made before they were kept)."""
-    try:
-        tensors = load_file(file)
-    except (OSError, SafetensorError) as error:
-        raise UserError(f"cannot read {str(file)!r}: {str(error).splitlines()[0][:160]}") from None
+    tensors = read_tensors(file)
     weights: Weights = {}
     for name in [n for n in tensors if n.startswith(WEIGHTS + ".")]:
         client, _, key = name[len(WEIGHTS) + 1 :].partition(".")

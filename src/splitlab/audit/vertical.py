@@ -28,6 +28,7 @@ import torch
 
 from splitlab.audit.attack import VerticalTarget
 from splitlab.audit.records import attack_sizes, chosen_round, record_files, record_problem
+from splitlab.codec import read_tensors
 from splitlab.errors import UserError
 
 if TYPE_CHECKING:
@@ -82,17 +83,11 @@ def _recorded(
 ) -> tuple[int, dict[str, torch.Tensor]] | None:
     """The chosen recorded round (the last by default), every party's tensors checked as vanilla
     records are (names, dtypes, shapes, one length per party, finite, labels in range)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     chosen = chosen_round(path, files, rnd)
     if chosen is None:
         return None
     file = files[chosen]
-    try:
-        tensors = load_file(file)
-    except (OSError, SafetensorError) as error:
-        raise UserError(f"cannot read {str(file)!r}: {str(error).splitlines()[0][:160]}") from None
+    tensors = read_tensors(file)
     plan = model.plan
     for name in tensors:
         match = _PARTY_TENSOR.fullmatch(name)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from splitlab.data import text_rows
-from splitlab.errors import UserError
+from splitlab.errors import UserError, not_a_file, not_utf8
 from splitlab.lazy import torch
 
 FILES = {"train": "trainset.csv", "dev": "devset.csv", "test": "testset_w_refs.csv"}
@@ -42,17 +42,20 @@ def read_pairs(path: str | Path) -> list[tuple[str, str]]:
     """The (mr, ref) rows of one E2E file, in file order."""
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path}: no such file (the E2E NLG release's {', '.join(FILES.values())})")
-    with path.open(newline="", encoding="utf-8-sig") as file:
-        reader = csv.DictReader(file)
-        if reader.fieldnames is None or not set(COLUMNS) <= set(reader.fieldnames):
-            raise UserError(f"{path}: expected a header with the columns mr and ref; found {reader.fieldnames}")
-        pairs = []
-        for row in reader:
-            mr, ref = row["mr"], row["ref"]
-            if not mr or not ref:
-                raise UserError(f"{path}, line {reader.line_num}: a row without its mr or ref")
-            pairs.append((mr, ref))
+        raise UserError(f"{path}: {not_a_file(path)} (the E2E NLG release's {', '.join(FILES.values())})")
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as file:
+            reader = csv.DictReader(file)
+            if reader.fieldnames is None or not set(COLUMNS) <= set(reader.fieldnames):
+                raise UserError(f"{path}: expected a header with the columns mr and ref; found {reader.fieldnames}")
+            pairs = []
+            for row in reader:
+                mr, ref = row["mr"], row["ref"]
+                if not mr or not ref:
+                    raise UserError(f"{path}, line {reader.line_num}: a row without its mr or ref")
+                pairs.append((mr, ref))
+    except UnicodeDecodeError:
+        raise UserError(f"{path}, {not_utf8(path)}") from None
     if not pairs:
         raise UserError(f"{path}: no rows")
     return pairs

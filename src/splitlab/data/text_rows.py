@@ -26,6 +26,7 @@ has; other fields are ignored):
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
@@ -43,6 +44,9 @@ ALLOWED = "text | prompt + completion | messages"
 ROLES = ("system", "user", "assistant", "tool")
 #: characters tokenised per call (at least a row), so that progress shows
 _CHUNK = 1 << 18
+#: the share of a corpus's characters that may lie outside a character vocabulary (each a warning)
+#: before the corpus is refused: a few curly quotes pass, a text in another script does not
+OUTSIDE_LIMIT = 0.01
 
 
 def row_format(row: Any, where: str) -> str:
@@ -118,6 +122,39 @@ def read_rows(rows: Iterable[tuple[str, Any]], source: str) -> Rows:
     if form is None:
         raise UserError(f"{source}: no rows; expected rows with the fields {ALLOWED}")
     return Rows(form, values, wheres)
+
+
+def check_characters(parts: list[Rows], vocabulary: str) -> None:
+    """Refuse text and prompt/completion rows whose characters lie outside `vocabulary` (model=gpt's
+    characters, where each such character becomes a space) beyond OUTSIDE_LIMIT, naming the first
+    row holding one, how many there are and which; fewer are a warning. Whitespace stays a space."""
+    texts = [
+        (where, text)
+        for rows in parts
+        if rows.form != "messages"
+        for where, value in zip(rows.wheres, rows.values)
+        for text in ([value] if rows.form == "text" else value)
+    ]
+    keep = str.maketrans("", "", vocabulary)
+    outside: Counter[str] = Counter()
+    first = None
+    for where, text in texts:
+        found = [c for c in text.translate(keep) if not c.isspace()]
+        if found and first is None:
+            first = where
+        outside.update(found)
+    if first is None:
+        return
+    count, total = sum(outside.values()), sum(len(text) for _, text in texts)
+    often = ", ".join(f"{c!r} ({n})" for c, n in outside.most_common(5))
+    said = f"{first}: {count} of {total} characters ({count / total:.1%}) are outside model=gpt's characters"
+    if count > OUTSIDE_LIMIT * total:
+        symbols = "".join(c for c in vocabulary if not c.isalnum() and not c.isspace())
+        raise UserError(
+            f"{said}, most often {often}, and would train as spaces; allowed: A-Z, a-z, 0-9, whitespace and "
+            f"{symbols!r} (at most {OUTSIDE_LIMIT:.0%} others); use model=hf with a tokenizer that has them"
+        )
+    LOGGER.warning(f"{said} ({often}): they train as spaces")
 
 
 def pad_id(tokenizer: Any) -> int:

@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from splitlab.errors import UserError, unknown_key
+from splitlab.errors import UserError, not_a_file, unknown_key
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ def load_sweep(path_or_dict: str | os.PathLike | Mapping) -> tuple[dict, str]:
         path = Path(path_or_dict)
         stem, where = path.stem, str(path)
         if not path.is_file():
-            raise UserError(f"sweep file {path} not found")
+            raise UserError(f"sweep file {path}: {not_a_file(path)}")
         try:
             spec = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as e:
@@ -87,6 +87,8 @@ def load_sweep(path_or_dict: str | os.PathLike | Mapping) -> tuple[dict, str]:
             raise UserError(f"{where}: invalid YAML{at}: {problem}") from None
         except UnicodeDecodeError:
             raise UserError(f"{where}: not a UTF-8 text file") from None
+        except RecursionError:
+            raise UserError(f"{where}: nests deeper than YAML can be read") from None
     _check_spec(spec, where)
     return spec, stem
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from splitlab.codec import MAX_FILE_DEPTH, check_depth
 from splitlab.experiments.sweep import ERROR_FILE, SNAPSHOT
 from splitlab.rundir import CHECKPOINT
 
@@ -57,7 +58,7 @@ class RunData:
 
 def _read_json(path: Path) -> Any:
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        return _strict_json(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
 
@@ -67,6 +68,7 @@ def _no_constants(name: str) -> Any:
 
 
 def _strict_json(text: str) -> Any:
+    check_depth(text, MAX_FILE_DEPTH)
     return json.loads(text, parse_constant=_no_constants)
 
 
@@ -93,7 +95,7 @@ def _read_summary(path: Path) -> tuple[dict | None, str | None]:
 def _read_yaml(path: Path) -> Any:
     try:
         return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
+    except (OSError, yaml.YAMLError, RecursionError):
         return None
 
 

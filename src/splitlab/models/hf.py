@@ -43,6 +43,7 @@ no second derivative, which FSL-SAGE's alignment step takes through the auxiliar
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import re
 import shutil
@@ -57,8 +58,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from splitlab.errors import UserError
+from splitlab.codec import read_header, read_tensors, user_json
+from splitlab.errors import UserError, not_utf8
 from splitlab.io import atomic_folder, cpu_copy, write_safetensors
+from splitlab.logs import LOGGER
 from splitlab.models import packed
 from splitlab.models.lora import KeyedDropout
 from splitlab.models.staged import StagedModel
@@ -92,6 +95,13 @@ LAYOUTS = {"gpt2": GPT2, "llama": LLAMA, "qwen2": LLAMA, "mistral": LLAMA}
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return user_json(path.read_text(encoding="utf-8"), str(path))
+    except UnicodeDecodeError:
+        raise UserError(f"{path}, {not_utf8(path)}") from None
+
+
 def read_config(model_dir: str | Path) -> dict[str, Any]:
     """`config.json` of a model folder that splitlab can load, checked in one line each: the folder,
     the config, safetensors weights (never a pickle), a supported `model_type`."""
@@ -108,10 +118,7 @@ def read_config(model_dir: str | Path) -> dict[str, Any]:
     config_file = folder / "config.json"
     if not config_file.is_file():
         raise UserError(f"model_dir={folder}: no config.json (not a Hugging Face model folder)")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{config_file}: not valid JSON ({err})") from None
+    config = _read_json(config_file)
     if not (folder / WEIGHTS).is_file() and not (folder / WEIGHTS_INDEX).is_file():
         pickled = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
         if pickled:
@@ -222,19 +229,29 @@ def load_staged(model_dir: str | Path, checkpoint_dropout: bool = False) -> Stag
 
     logging.disable_progress_bar()  # splitlab draws its own; a bar per load would cut through it
 
-    loaded: Any = AutoModelForCausalLM.from_pretrained(
-        str(model_dir),
-        dtype=torch.float32,
-        use_safetensors=True,
-        local_files_only=True,
-        attn_implementation=_keyed_attention() if checkpoint_dropout else "eager",
-        output_loading_info=True,
-        **({} if checkpoint_dropout else dict.fromkeys(layout.dropouts, 0.0)),
-    )
+    from safetensors import SafetensorError
+
+    try:
+        loaded: Any = AutoModelForCausalLM.from_pretrained(
+            str(model_dir),
+            dtype=torch.float32,
+            use_safetensors=True,
+            local_files_only=True,
+            attn_implementation=_keyed_attention() if checkpoint_dropout else "eager",
+            output_loading_info=True,
+            **({} if checkpoint_dropout else dict.fromkeys(layout.dropouts, 0.0)),
+        )
+    except (OSError, SafetensorError) as err:  # a truncated or damaged weights file
+        raise UserError(
+            f"model_dir={model_dir}: cannot read its weights ({str(err).strip().splitlines()[0]})"
+        ) from None
     model, info = loaded
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
         raise UserError(f"model_dir={model_dir}: the weights lack {len(missing)} tensors of the model: {missing[:5]}")
+    bad = next((name for name, t in model.state_dict().items() if not bool(torch.isfinite(t).all())), None)
+    if bad is not None:
+        raise UserError(f"model_dir={model_dir}: its weights hold non-finite values ({bad!r} has NaN or inf)")
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Dropout) and module.p > 0:  # GPT-2's attention's attn_dropout among them
             parent, _, child = name.rpartition(".")
@@ -432,6 +449,8 @@ def char_tokenizer(characters: str, context: int) -> Any:
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+#: the metadata key of adapter_model.safetensors holding `weights_digest` of the model the adapters adapt
+BASE_DIGEST = "splitlab.base_weights"
 #: where peft's `PeftModel` keeps the model it adapts: adapter names are `<PEFT_PREFIX><module>.lora_A.weight`
 PEFT_PREFIX = "base_model.model."
 
@@ -466,9 +485,11 @@ def save_peft(
         "bias": "none",
         "inference_mode": True,
     }
+    digest = weights_digest(Path(base))
     with atomic_folder(Path(out_dir)) as tmp:
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, metadata={"format": "pt"})
+        metadata = {"format": "pt", **({BASE_DIGEST: digest} if digest else {})}
+        write_safetensors(tmp / ADAPTER_WEIGHTS, tensors, metadata=metadata)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 
@@ -488,24 +509,16 @@ def read_peft(folder: str | Path, model_dir: str | Path) -> tuple[dict[str, Any]
     """A peft LoRA folder's `adapter_config.json` and its adapters under `load_staged`'s names, for a
     model of `model_dir`'s layout; one line for what splitlab cannot take (another method, pickled
     adapters, names of another model)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     path = Path(folder)
-    try:
-        config = json.loads((path / ADAPTER_CONFIG).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path / ADAPTER_CONFIG}: not valid JSON ({err})") from None
+    config = _read_json(path / ADAPTER_CONFIG)
     kind = config.get("peft_type") if isinstance(config, dict) else None
     if kind != "LORA":
         raise UserError(f"init={path}: peft adapters of type {kind!r}; splitlab takes LORA")
     if not (path / ADAPTER_WEIGHTS).is_file():
         raise UserError(f"init={path}: no {ADAPTER_WEIGHTS} (splitlab never unpickles adapter_model.bin)")
-    try:
-        tensors = load_file(path / ADAPTER_WEIGHTS)
-    except (SafetensorError, OSError) as err:
-        raise UserError(f"init={path}/{ADAPTER_WEIGHTS}: not a safetensors file ({err})") from None
+    tensors = read_tensors(path / ADAPTER_WEIGHTS)
     layout = LAYOUTS[read_config(model_dir)["model_type"]]
+    _check_base(path, config.get("base_model_name_or_path"), read_header(path / ADAPTER_WEIGHTS)[1], Path(model_dir))
     adapters = {}
     for name, tensor in tensors.items():
         inner = name.removeprefix(PEFT_PREFIX).removesuffix(".weight")
@@ -513,6 +526,38 @@ def read_peft(folder: str | Path, model_dir: str | Path) -> tuple[dict[str, Any]
             raise UserError(f"init={path}: {name!r} is not a LoRA adapter of peft's ({PEFT_PREFIX}...lora_A.weight)")
         adapters[from_hf_name(inner, layout)] = tensor
     return config, adapters
+
+
+def weights_digest(folder: Path) -> str | None:
+    """sha256 over a model folder's safetensors files (names and bytes, in name order), None where it
+    holds none: what tells the model adapters were trained on from another of the same shapes."""
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(f"{file.name}\0".encode())
+        with file.open("rb") as stream:
+            while chunk := stream.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_base(folder: Path, base: Any, metadata: dict[str, str], model_dir: Path) -> None:
+    """Adapters apply to the weights they were trained on: `model_dir`'s must be those splitlab
+    recorded when it wrote them (BASE_DIGEST), else those of the base folder their config names; a
+    base that is not a local folder cannot be compared, which a warning says."""
+    recorded = metadata.get(BASE_DIGEST) or (weights_digest(Path(base)) if isinstance(base, str) and base else None)
+    if recorded is None:
+        LOGGER.warning(
+            f"init={folder}: its adapters' base model {base!r} is not a local folder, so it cannot be compared with "
+            f"model_dir={model_dir}: make sure it is the model they were trained on"
+        )
+    elif recorded != weights_digest(model_dir):
+        raise UserError(
+            f"init={folder} holds LoRA adapters trained on other weights than model_dir={model_dir}'s (their base: "
+            f"{base}); give model_dir= the model they adapt"
+        )
 
 
 def _untie_if_trained(hf_state: dict[str, torch.Tensor], config: Any) -> None:

@@ -5,7 +5,6 @@ dataset's partition (data=partition), or its own files, which it reports to a se
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import numpy as np
@@ -13,12 +12,13 @@ import torch
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.assembly import client_nodes, load_data, make_blueprint, resolve_device, seeded_subset, test_set
+from splitlab.codec import file_json
 from splitlab.config import ResolvedConfig, RunConfig, parse_lora, parse_test_split, parse_train_range
 from splitlab.data import Dataset, counts_report, load_split, partition, partition_report
 from splitlab.data.datasets import data_summary
 from splitlab.errors import UserError, refuse
 from splitlab.models import StagedModel, build_model, split
-from splitlab.models.lora import apply_lora, linear_layer_names, load_init
+from splitlab.models.lora import ADAPTERS, apply_lora, linear_layer_names, load_init
 from splitlab.privacy.defenses import check_task, parse_defense
 from splitlab.roles import Blueprint, ClientNode, Role
 from splitlab.run_weights import init_shapes, init_state
@@ -143,7 +143,7 @@ def _stored_summaries(config: ResolvedConfig) -> list[dict[str, Any]] | None:
     if not config.run.resume or not path.exists():
         return None
     try:
-        counts = json.loads(path.read_text())["counts"]
+        counts = file_json(path.read_text())["counts"]
         if len(counts) != config.run.clients or not all(isinstance(c, list) for c in counts):
             raise ValueError(f"counts for {len(counts)} clients")
     except (ValueError, KeyError, TypeError, OSError) as error:
@@ -242,17 +242,19 @@ def check_split(model: StagedModel, run: RunConfig, algorithm_class: type[Algori
     """A cut outside the model's range, or one that leaves a part that trains nothing to train (a
     frozen base whose adapters are all in the other part), in one line naming what would do."""
     client, server = split(model, run.cut, run.tail_cut)
+    adapted = any(name.endswith(ADAPTERS) for name, _ in model.named_parameters())
     for side, part, slot in (("client", client, "client_model"), ("server", server, "server_model")):
         if slot not in algorithm_class.models or any(p.requires_grad for p in part.parameters()):
             continue
         cut = run.cut if run.tail_cut is None else f"{run.cut},{run.tail_cut}"
-        why = f"cut={cut} leaves the {side} part nothing to train (lora trains only its adapters, none in that part)"
+        reason = "lora trains only its adapters, none in that part" if adapted else "it holds no trainable parameters"
+        why = f"cut={cut} leaves the {side} part nothing to train ({reason})"
         fitting = [
             str(c)
             for c in model.valid_cuts
             if run.tail_cut is None and all(any(p.requires_grad for p in half.parameters()) for half in split(model, c))
         ]
-        layers = linear_layer_names(part)
+        layers = linear_layer_names(part) if adapted else []
         raise UserError(
             why
             + (f"; cuts that train both parts: {', '.join(fitting)}" if fitting else "")

@@ -12,7 +12,6 @@ import abc
 import dataclasses
 import functools
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ from splitlab.algorithms.vertical_sl import (
     vertical_models,
 )
 from splitlab.assembly import blueprint_of, load_data, resolve_device, seeded_subset, test_set
+from splitlab.codec import file_json, read_tensors
 from splitlab.config import EVAL_GENERATE_WHY, U_SHAPE_WHY, ResolvedConfig, RunConfig
 from splitlab.data import Dataset
 from splitlab.data.partition import counts_report
@@ -421,7 +421,7 @@ def _as_when_begun(config: ResolvedConfig, report: dict[str, Any]) -> None:
     if not config.run.resume or not path.exists():
         return
     try:
-        stored = json.loads(path.read_text())
+        stored = file_json(path.read_text())
     except (ValueError, OSError) as error:
         raise UserError(f"cannot resume: {str(path)!r} is unreadable ({error})") from None
     for key, value in report.items():
@@ -570,17 +570,15 @@ def _said(group: tuple[int, ...]) -> str:
 def load_final(path: Path, stored: dict[str, Any], device: str) -> tuple[ResolvedConfig, VerticalPlan, VerticalModel]:
     """A finished vertical run's config, plan and final model (weights.safetensors: every bottom
     model, then the top), in this process, for `splitlab evaluate` and `splitlab attack`."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
     from splitlab.resolve import resolve_config
 
     config = resolve_config({**stored, "device": device, "out": str(path), "backend": "local"})
     vertical = plan_vertical(config)
     model = VerticalAssembler(vertical.blueprint, vertical.plan).model
+    weights = read_tensors(path / "weights.safetensors", vertical.blueprint.device)
     try:
-        model.load_state_dict(load_file(path / "weights.safetensors", device=str(vertical.blueprint.device)))
-    except (OSError, SafetensorError, RuntimeError, KeyError) as error:
+        model.load_state_dict(weights)
+    except (RuntimeError, KeyError) as error:
         raise UserError(
             f"cannot read {str(path / 'weights.safetensors')!r}: {str(error).splitlines()[0][:160]}"
         ) from None
