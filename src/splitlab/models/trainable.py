@@ -9,6 +9,7 @@ model without frozen parameters, `shared_state` is its whole `state_dict`.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Mapping
 from typing import TypeVar
 
@@ -29,7 +30,15 @@ def shared_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_shared(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
-    """Load a `shared_state`: every non-frozen entry must be there, nothing else may be."""
+    """Load a `shared_state`: every non-frozen entry must be there, nothing else may be. A state
+    that matches the module's own names, shapes and dtypes is copied straight into its tensors
+    (what `load_state_dict` does, without its per-call walk of the module tree: the cost of giving
+    a small client model its weights at every visit)."""
+    targets = _copy_targets(module)
+    if targets is not None and _fits(targets, state):
+        with torch.no_grad():
+            torch._foreach_copy_(list(targets.values()), [state[name] for name in targets])
+        return
     frozen = frozen_names(module)
     if not frozen:
         module.load_state_dict(state)
@@ -38,6 +47,37 @@ def load_shared(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     missing = [name for name in missing if name not in frozen]
     if missing or unexpected:
         raise RuntimeError(f"state does not fit the model's trainable part: missing {missing}, unexpected {unexpected}")
+
+
+_TARGETS: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor] | None] = weakref.WeakKeyDictionary()
+
+
+def _copy_targets(module: nn.Module) -> dict[str, torch.Tensor] | None:
+    """`module`'s trainable parameters and buffers by state-dict name, found once per module; None
+    where a submodule loads in a way of its own (hooks, its own `_load_from_state_dict`), which
+    only `load_state_dict` honours. BatchNorm's own loading only fills in an old checkpoint's
+    missing counter, which a full state never lacks."""
+    if module not in _TARGETS:
+        plain = all(
+            not m._load_state_dict_pre_hooks
+            and not m._load_state_dict_post_hooks
+            and (
+                type(m)._load_from_state_dict is nn.Module._load_from_state_dict
+                or isinstance(m, nn.modules.batchnorm._NormBase)
+            )
+            for m in module.modules()
+        )
+        frozen = frozen_names(module)
+        state = module.state_dict(keep_vars=True)
+        _TARGETS[module] = {k: v for k, v in state.items() if k not in frozen} if plain else None
+    return _TARGETS[module]
+
+
+def _fits(targets: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> bool:
+    return len(targets) == len(state) and all(
+        name in state and state[name].shape == t.shape and state[name].dtype == t.dtype
+        for name, t in targets.items()
+    )
 
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
