@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 import torch
@@ -24,6 +25,9 @@ def frozen_names(module: nn.Module) -> set[str]:
 
 def shared_state(module: nn.Module) -> dict[str, torch.Tensor]:
     """`module`'s state without its frozen parameters: what is sent, averaged and checkpointed."""
+    tensors = _tensors(module)
+    if tensors is not None and tensors.whole:  # what state_dict gives, without walking the module tree
+        return {name: t.detach() for name, t in tensors.shared.items()}
     frozen = frozen_names(module)
     state = module.state_dict()
     return state if not frozen else {name: t for name, t in state.items() if name not in frozen}
@@ -34,10 +38,10 @@ def load_shared(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     that matches the module's own names, shapes and dtypes is copied straight into its tensors
     (what `load_state_dict` does, without its per-call walk of the module tree: the cost of giving
     a small client model its weights at every visit)."""
-    targets = _copy_targets(module)
-    if targets is not None and _fits(targets, state):
+    tensors = _tensors(module)
+    if tensors is not None and tensors.fits(state):
         with torch.no_grad():
-            torch._foreach_copy_(list(targets.values()), [state[name] for name in targets])
+            torch._foreach_copy_(list(tensors.shared.values()), [state[name] for name in tensors.shared])
         return
     frozen = frozen_names(module)
     if not frozen:
@@ -49,18 +53,34 @@ def load_shared(module: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
         raise RuntimeError(f"state does not fit the model's trainable part: missing {missing}, unexpected {unexpected}")
 
 
-_TARGETS: weakref.WeakKeyDictionary[nn.Module, dict[str, torch.Tensor] | None] = weakref.WeakKeyDictionary()
+@dataclass(frozen=True)
+class _Tensors:
+    """A module's parameters and buffers as its shared state names them, found once per module."""
+
+    shared: dict[str, torch.Tensor]
+    #: no parameter was frozen when they were found (the state is the whole state_dict)
+    whole: bool
+
+    def fits(self, state: Mapping[str, torch.Tensor]) -> bool:
+        return len(self.shared) == len(state) and all(
+            name in state and state[name].shape == t.shape and state[name].dtype == t.dtype
+            for name, t in self.shared.items()
+        )
 
 
-def _copy_targets(module: nn.Module) -> dict[str, torch.Tensor] | None:
-    """`module`'s trainable parameters and buffers by state-dict name, found once per module; None
-    where a submodule loads in a way of its own (hooks, its own `_load_from_state_dict`), which
-    only `load_state_dict` honours. BatchNorm's own loading only fills in an old checkpoint's
-    missing counter, which a full state never lacks."""
-    if module not in _TARGETS:
+_FOUND: weakref.WeakKeyDictionary[nn.Module, _Tensors | None] = weakref.WeakKeyDictionary()
+
+
+def _tensors(module: nn.Module) -> _Tensors | None:
+    """`module`'s tensors by shared-state name; None where a submodule saves or loads in a way of
+    its own (hooks, its own `_save_to_state_dict` or `_load_from_state_dict`), which only
+    `state_dict` and `load_state_dict` honour. BatchNorm's own loading only fills in an old
+    checkpoint's missing counter, which a full state never lacks."""
+    if module not in _FOUND:
         plain = all(
-            not m._load_state_dict_pre_hooks
-            and not m._load_state_dict_post_hooks
+            not (m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks)
+            and not (m._state_dict_hooks or m._state_dict_pre_hooks)
+            and type(m)._save_to_state_dict is nn.Module._save_to_state_dict
             and (
                 type(m)._load_from_state_dict is nn.Module._load_from_state_dict
                 or isinstance(m, nn.modules.batchnorm._NormBase)
@@ -69,15 +89,9 @@ def _copy_targets(module: nn.Module) -> dict[str, torch.Tensor] | None:
         )
         frozen = frozen_names(module)
         state = module.state_dict(keep_vars=True)
-        _TARGETS[module] = {k: v for k, v in state.items() if k not in frozen} if plain else None
-    return _TARGETS[module]
-
-
-def _fits(targets: Mapping[str, torch.Tensor], state: Mapping[str, torch.Tensor]) -> bool:
-    return len(targets) == len(state) and all(
-        name in state and state[name].shape == t.shape and state[name].dtype == t.dtype
-        for name, t in targets.items()
-    )
+        found = _Tensors({k: v for k, v in state.items() if k not in frozen}, not frozen)
+        _FOUND[module] = found if plain else None
+    return _FOUND[module]
 
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
