@@ -36,7 +36,14 @@ LAYERS: list[tuple[str, ...]] = [
     ("splitlab.config", "splitlab.plugins"),  # the settings
     ("splitlab.data", "splitlab.models", "splitlab.generation"),  # generation: decoding logits, below the runs
     ("splitlab.privacy",),  # what the roles use: defenses, keys, record, accounting
-    ("splitlab.transport", "splitlab.roles", "splitlab.u_shaped", "splitlab.psi", "splitlab.loss_scale"),
+    (
+        "splitlab.transport",
+        "splitlab.roles",
+        "splitlab.u_shaped",
+        "splitlab.psi",
+        "splitlab.loss_scale",
+        "splitlab.vectorized",
+    ),
     ("splitlab.algorithms",),
     ("splitlab.resolve",),
     ("splitlab.assembly",),

@@ -60,6 +60,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_applies(run, "server_model" in algorithm.models)
     check_u_shape(run)
     check_fp16(run)
+    check_vectorize(run)
     check_applicable(run, raw)
     if run.eval_generate:
         run.decoding(room=1)  # the eval_* keys agree
@@ -121,6 +122,32 @@ def check_fp16(run: RunConfig) -> None:
         why = "model=lstm: torch has no float16 LSTM kernel on the CPU (device=cuda has one)"
     if why:
         raise UserError(f"precision=fp16 does not apply here: {why}; precision=bf16 needs no loss scaling")
+
+
+def check_vectorize(run: RunConfig) -> None:
+    """vectorize=true where one batched computation can stand in for the round's clients, or one
+    line saying why not (the model's own limits are checked when it is built: splitlab.vectorized)."""
+    if not run.vectorize:
+        return
+    given = {
+        "backend": (run.backend, "local"),
+        "transport": (run.transport, "direct"),
+        "precision": (run.precision, "fp32"),
+        "grad_accum": (run.grad_accum, 1),
+        "defense": (run.defense, "none"),
+        "record": (run.record, 0),
+        "lora": (run.lora, None),
+        "tail_cut": (run.tail_cut, None),
+        "gradient_checkpointing": (run.gradient_checkpointing, False),
+    }
+    why = ""
+    if not get_algorithm(run.algorithm).supports_vectorize:
+        why = f"algorithm={run.algorithm} does not declare it (supports_vectorize: fedavg and sfl_v1 do)"
+    for key, (value, needed) in given.items():
+        if not why and value != needed:
+            why = f"it needs {key}={needed if needed is not None else 'none'}, not {key}={value}"
+    if why:
+        raise UserError(f"vectorize=true does not apply here: {why}")
 
 
 def check_model_fits(run: RunConfig) -> None:

@@ -881,9 +881,15 @@ class TrainingServer(Role[ParamsT]):
     def fold_copy(self, client_id: int, alpha: float) -> None:
         """Add the client's working copy, weighted alpha, to the average of this round's copies; the
         copy goes back to the pool."""
-        self._average = self._average or ModelAverage()
-        self._average.add(shared_state(self.models[server_copy(client_id)]), alpha)
+        self.fold_state(shared_state(self.models[server_copy(client_id)]), alpha)
         self.return_copy(server_copy(client_id))
+
+    @verb()
+    def fold_state(self, state: State, alpha: float) -> None:
+        """Add the weights of a server part, weighted alpha, to the average of this round's copies
+        (vectorize=true: a cohort's copies, trained together, already averaged among themselves)."""
+        self._average = self._average or ModelAverage()
+        self._average.add(state, alpha)
 
     @verb()
     def drop_copy(self, client_id: int) -> None:
