@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import global_weights, max_abs_difference, quick, train
+from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
 from splitlab.engine import build
 from splitlab.errors import UserError
 
@@ -31,6 +31,13 @@ def test_vectorized_equals_one_client_at_a_time(algorithm, opt):
     assert together.ledger.bytes_by_kind == alone.ledger.bytes_by_kind
     assert together.ledger.bytes_by_client == alone.ledger.bytes_by_client
     assert together.algorithm.pop_train_loss() == pytest.approx(alone.algorithm.pop_train_loss(), abs=1e-5)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "sfl_v1"])
+def test_a_vectorized_run_resumes_exactly(algorithm):
+    config = quick(algorithm=algorithm, clients=4, participation=0.5, vectorize=True, optimizer="adam")
+    straight, resumed = straight_and_resumed(3, **config)
+    assert max_abs_difference(global_weights(straight), global_weights(resumed)) == 0
 
 
 def test_vectorized_cohorts_of_any_size_agree():
