@@ -44,6 +44,7 @@ LAYERS: list[tuple[str, ...]] = [
         "splitlab.loss_scale",
         "splitlab.strategies",
         "splitlab.secure_aggregation",
+        "splitlab.vectorized",
     ),
     ("splitlab.algorithms",),
     ("splitlab.resolve",),

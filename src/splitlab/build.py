@@ -26,6 +26,7 @@ from splitlab.resolve import resolve_config
 from splitlab.roles import ClientNode
 from splitlab.settings import Plan, Setting, check_keys
 from splitlab.transport import TRANSPORTS, Proxy, Transport
+from splitlab.vectorized import Together
 
 
 def resolved(raw: Mapping[str, Any]) -> tuple[ResolvedConfig, Setting]:
@@ -135,6 +136,7 @@ def _placed(config: ResolvedConfig, plan: Plan, transport: Transport) -> Experim
         transport.concurrency,
         transport.drop if transport.remote else None,
         transport.lease,
+        Together(blueprint, nodes, transport.ledger) if run.vectorize else None,
     )
     algorithm = plan.algorithm_class(context)
     context.clients, report = plan.align(algorithm, proxies, clients, report)

@@ -160,6 +160,13 @@ class RunConfig(BaseModel):
     gradient_checkpointing: bool = Field(False, json_schema_extra=TRAINING)
     """keep only each stage's input during the forward pass and recompute the stage in the backward: less activation
     memory, about one more forward pass of time; same results"""
+    vectorize: bool = Field(False, json_schema_extra=DEPLOYMENT)
+    """run the clients of a round that do not depend on each other as one computation over their stacked weights
+    (torch.func's vmap; FedAvg and SFL-V1, in process): equal to one client at a time within float rounding, faster for
+    many small clients (docs/performance.md)"""
+    cohort_size: int | None = Field(None, ge=1, le=1_000_000, json_schema_extra=DEPLOYMENT)
+    """with vectorize: clients per batched computation, which bounds its memory; none = as many as fit 1 GiB of
+    stacked weights, gradients and optimizer state"""
     deterministic: bool = Field(True, json_schema_extra=DEPLOYMENT)
     """device=cuda: deterministic kernels, cuDNN's autotuner off (runs repeat bit for bit; slower, docs/performance.md);
     false: torch's fastest kernels. The CPU's are deterministic"""
@@ -469,7 +476,7 @@ EVERYWHERE = frozenset(
     | {"test_subset", "comm_budget_gib", "test_split", "target_accuracy", "ledger", "logger", "out"}
     | {"backend", "checkpoint_every", "defense", "overwrite", "setting"}
     | {"init", "seq_len", "lr_schedule", "noise_key", "plugins", "loss", "augment"}
-    | {"max_grad_norm", "precision", "gradient_checkpointing", "grad_accum"}
+    | {"max_grad_norm", "precision", "gradient_checkpointing", "grad_accum", "vectorize"}
     | {
         "prox_mu",
         "server_opt",
@@ -625,6 +632,9 @@ ONLY_WHEN: dict[str, Applies] = {
         lambda r: r.save_every > 0,
         "keep_best chooses among the saved steps; it needs save_every=N",
         {"keep_best": "eval_loss"},
+    ),
+    "cohort_size": Applies(
+        lambda r: r.vectorize, "cohort_size is how many clients vectorize=true runs together", {"cohort_size": 10}
     ),
     "resume": Applies(
         lambda r: not r.overwrite,

@@ -58,11 +58,11 @@ LEDGER_CONVENTIONS: dict[str, frozenset[str]] = {
 def payload_bytes(payload: object) -> int:
     """numel x element size of every tensor in a nest of tensors, dicts, lists and tuples."""
     if isinstance(payload, torch.Tensor):
-        return payload.numel() * payload.element_size()
-    if isinstance(payload, Mapping):
-        return sum(payload_bytes(v) for v in payload.values())
+        return payload.nbytes
     if isinstance(payload, (list, tuple)):
         return sum(payload_bytes(v) for v in payload)
+    if isinstance(payload, (dict, Mapping)):  # dict first: an ABC's check is slow
+        return sum(payload_bytes(v) for v in payload.values())
     return 0
 
 

@@ -63,6 +63,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_fp16(run)
     check_federated(run)
     check_step_options(run)
+    check_vectorize(run)
     check_applicable(run, raw)
     if run.eval_generate:
         run.decoding(room=1)  # the eval_* keys agree
@@ -203,6 +204,45 @@ def check_step_options(run: RunConfig) -> None:
             f"warmup_steps, warmup_ratio and lr_decay do not apply to algorithm={run.algorithm}: "
             f"{algorithm.no_step_schedule}; use lr_schedule (by round)"
         )
+
+
+def check_vectorize(run: RunConfig) -> None:
+    """vectorize=true where one batched computation can stand in for the round's clients, or one
+    line saying why not (the model's own limits are checked when it is built: splitlab.vectorized)."""
+    if not run.vectorize:
+        return
+    given = {
+        "backend": (run.backend, "local"),
+        "transport": (run.transport, "direct"),
+        "precision": (run.precision, "fp32"),
+        "grad_accum": (run.grad_accum, 1),
+        "defense": (run.defense, "none"),
+        "record": (run.record, 0),
+        "lora": (run.lora, None),
+        "tail_cut": (run.tail_cut, None),
+        "gradient_checkpointing": (run.gradient_checkpointing, False),
+        # the federated half's client terms and server steps, and per-step schedules and clipping across
+        # the cut, are the roles' (splitlab.strategies, schedules): the stacked steps take none of them
+        "prox_mu": (run.prox_mu, 0),
+        "scaffold": (run.scaffold, False),
+        "secure_aggregation": (run.secure_aggregation, False),
+        "server_opt": (run.server_opt, "avg"),
+        "server_opt_lr": (run.server_opt_lr, 1),
+        "clip_scope": (run.clip_scope, "part"),
+        "keep_client_optimizer": (run.keep_client_optimizer, False),
+        "warmup_steps": (run.warmup_steps, 0),
+        "warmup_ratio": (run.warmup_ratio, 0),
+        "lr_decay": (run.lr_decay, "none"),
+    }
+    why = ""
+    if not get_algorithm(run.algorithm).supports_vectorize:
+        why = f"algorithm={run.algorithm} does not declare it (supports_vectorize: fedavg and sfl_v1 do)"
+    for key, (value, needed) in given.items():
+        if not why and value != needed:
+            shown = lambda v: "none" if v is None else str(v).lower() if isinstance(v, bool) else v  # noqa: E731
+            why = f"it needs {key}={shown(needed)}, not {key}={shown(value)}"
+    if why:
+        raise UserError(f"vectorize=true does not apply here: {why}")
 
 
 def check_model_fits(run: RunConfig) -> None:

@@ -20,6 +20,7 @@ import functools
 import itertools
 import math
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -123,6 +124,9 @@ class Blueprint:
     on_batch: Callable[[], None] | None = None
     _initial: dict[str, nn.Module] = field(default_factory=dict)
     _pools: dict[str, list[nn.Module]] = field(default_factory=dict)
+    _stateless: weakref.WeakKeyDictionary[nn.Module, dict[float | None, torch.optim.Optimizer]] = field(
+        default_factory=weakref.WeakKeyDictionary
+    )
 
     def __post_init__(self) -> None:
         training_device(self.device, self.config.deterministic)  # deterministic=false: this process's kernels
@@ -234,6 +238,17 @@ class Blueprint:
         if cfg.optimizer == "adamw":
             return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, foreach=True)
         return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=True)
+
+    def working_optimizer(self, module: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
+        """The optimizer of a working copy, which starts afresh at every visit: a new one, except
+        plain SGD (no momentum), whose step keeps no state, so the one made for this module before
+        is as good as new and costs nothing to make again."""
+        if self.config.optimizer != "sgd" or self.config.momentum != 0:
+            return self.optimizer(module, lr)
+        made = self._stateless.setdefault(module, {})
+        if lr not in made:
+            made[lr] = self.optimizer(module, lr)
+        return made[lr]
 
     @staticmethod
     def step_batch(cfg: RunConfig) -> int:
@@ -349,11 +364,11 @@ class ModelAverage:
 
     def add(self, state: Mapping[str, torch.Tensor], alpha: float) -> None:
         self._weight += alpha
+        values = [_as_float(v) for v in state.values()]
         if self._sum is None:
-            self._sum = {k: _as_float(v) * alpha for k, v in state.items()}
-        else:
-            for k, v in state.items():
-                self._sum[k].add_(_as_float(v), alpha=alpha)
+            self._sum = dict(zip(state, torch._foreach_mul(values, alpha)))
+        else:  # one call for every tensor (the same sums as one add_ each)
+            torch._foreach_add_([self._sum[k] for k in state], values, alpha=alpha)
 
     @property
     def empty(self) -> bool:
@@ -427,8 +442,9 @@ class Role(Generic[ParamsT]):
         return optimizer
 
     def new_optimizer(self, slot: str) -> torch.optim.Optimizer:
-        """A fresh optimizer for `slot`."""
-        return self.blueprint.optimizer(self.model(slot), self.lr(slot))
+        """A fresh optimizer for `slot` (a working copy's: `Blueprint.working_optimizer`)."""
+        make = self.blueprint.working_optimizer if slot in self.scratch else self.blueprint.optimizer
+        return make(self.model(slot), self.lr(slot))
 
     @verb()
     def begin_round(self, rnd: int) -> None:
@@ -598,7 +614,9 @@ class Role(Generic[ParamsT]):
         micro-batch (`micro_batches`: each one's activations freed before the next); the loss."""
         total: torch.Tensor | None = None
         for xs, ys, share in self.micro_batches(x, y):
-            value = self.blueprint.loss(model(xs), ys) * share
+            value = self.blueprint.loss(model(xs), ys)
+            if len(y) > len(ys):  # one of several micro-batches: its share of the step's loss
+                value = value * share
             self.backward_pass((objective(value), None))
             total = value.detach() if total is None else total + value.detach()
         return cast(torch.Tensor, total)
@@ -686,18 +704,27 @@ class ClientNode(Role[ParamsT]):
         """This round's mini-batches: `local_epochs` seeded passes over the local data, capped by
         `local_steps`, each augmented as configured (`augment=`) from its own keyed stream."""
         cfg, augment = self.blueprint.config, self.blueprint.augment
+        steps = self.blueprint.steps_per_round(cfg, self.num_samples)
+        # a round that draws every sample prepares them all at once, not batch by batch (the same
+        # values: `prepare` works sample by sample); its float copy lives for the round only
+        whole = None
+        if not augment and self.prepare is not None and steps * Blueprint.step_batch(cfg) >= self.num_samples:
+            whole = self.prepare(self.x)
 
         def passes() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for epoch in range(cfg.local_epochs):
                 order = self.blueprint.rng(rnd, STREAM_BATCHES, self.id, epoch).permutation(self.num_samples)
                 indices = torch.as_tensor(order, device=self.y.device).split(Blueprint.step_batch(cfg))
                 for batch, idx in enumerate(indices):
+                    if whole is not None:
+                        yield whole[idx], self.y[idx]
+                        continue
                     x = self.x[idx]
                     if augment:
                         x = augmented(augment, x, self.blueprint.rng(rnd, STREAM_AUGMENT, self.id, epoch, batch))
                     yield self.inputs(x), self.y[idx]
 
-        return itertools.islice(passes(), self.blueprint.steps_per_round(cfg, self.num_samples))
+        return itertools.islice(passes(), steps)
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.prepare is None else self.prepare(x)
@@ -910,6 +937,7 @@ class ClientNode(Role[ParamsT]):
     def end_round(self) -> None:
         if self.stash:
             raise RuntimeError(f"client {self.id} ends the round with steps {sorted(self.stash)} awaiting gradients")
+        self._batches = iter(())  # with them, the round's prepared samples
         super().end_round()
 
 
@@ -1068,9 +1096,15 @@ class TrainingServer(Role[ParamsT]):
     def fold_copy(self, client_id: int, alpha: float) -> None:
         """Add the client's working copy, weighted alpha, to the average of this round's copies; the
         copy goes back to the pool."""
-        self._average = self._average or ModelAverage()
-        self._average.add(shared_state(self.models[server_copy(client_id)]), alpha)
+        self.fold_state(shared_state(self.models[server_copy(client_id)]), alpha)
         self.return_copy(server_copy(client_id))
+
+    @verb()
+    def fold_state(self, state: State, alpha: float) -> None:
+        """Add the weights of a server part, weighted alpha, to the average of this round's copies
+        (vectorize=true: a cohort's copies, trained together, already averaged among themselves)."""
+        self._average = self._average or ModelAverage()
+        self._average.add(state, alpha)
 
     @verb()
     def drop_copy(self, client_id: int) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 
 from splitlab.config import NoParams, RunConfig
 from splitlab.errors import NonFiniteStep, UserError
+from splitlab.ledger import payload_bytes
 from splitlab.random_streams import register_stream
 from splitlab.roles import (
     SPLIT_MODELS,
@@ -39,6 +40,7 @@ from splitlab.roles import (
 )
 from splitlab.transport import ClientDropped, Proxy
 from splitlab.u_shaped import UShapedClient
+from splitlab.vectorized import Together
 
 STREAM_ORDER = register_stream("order", 2)
 
@@ -68,6 +70,8 @@ class Context:
     drop_client: Callable[[int, str], None] | None = None
     #: a client trains inside `lease(client_id)`: the transport's (a free worker on Ray), else nothing
     lease: Callable[[int], contextlib.AbstractContextManager[None]] = lambda client_id: contextlib.nullcontext()
+    #: vectorize=true: this process's client nodes, trained a cohort at a time (splitlab.vectorized)
+    together: Together | None = None
 
     def rng(self, rnd: int, stream: int, *keys: int) -> np.random.Generator:
         return random_stream(self.config.seed, rnd, stream, *keys)
@@ -161,6 +165,9 @@ class Algorithm(Generic[ParamsT]):
     no_step_schedule: ClassVar[str] = ""
     #: the server trains a working copy of its part per client (`copy_server`), each its client's steps
     trains_server_copies: ClassVar[bool] = False
+    #: it runs vectorize=true: its round trains clients that do not depend on each other, each from
+    #: the global model with a fresh optimizer, through `train_together` when `ctx.together` is set
+    supports_vectorize: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -460,6 +467,32 @@ class Algorithm(Generic[ParamsT]):
                 fold(client, alpha)
                 if i + ahead < len(clients):
                     started.append(pool.submit(self._train_tracked, train, clients[i + ahead]))
+
+    def train_together(
+        self,
+        rnd: int,
+        clients: list[ClientInfo],
+        parts: list[State],
+        per_step: Callable[[int, torch.Tensor], None] = lambda client_id, y: None,
+    ) -> Iterator[tuple[list[State], float]]:
+        """vectorize=true: every client trains the model made of `parts` (the global model's
+        states: the whole model, or the client part then the server part) for its local steps,
+        a cohort at a time (splitlab.vectorized). Yields each cohort's weighted mean of each part,
+        with the cohort's share of the FedAvg weights, for the caller to add into its averages.
+        The ledger counts the client's model down and up, as `download` and `contribute` would,
+        and `per_step(client, y)` what a step with targets `y` sends; the losses are tracked."""
+        together = typing.cast(Together, self.ctx.together)
+        alphas = dict(zip((c.id for c in clients), self.ctx.weights(clients)))
+        start = {f"{i}.{name}": t for i, part in enumerate(parts) for name, t in part.items()}
+        model_bytes = payload_bytes(parts[0])
+        for trained in together.train(rnd, list(alphas), together.model(len(parts)), start, per_step):
+            for k, losses in zip(trained.clients, trained.losses):
+                together.count("client_model_down", model_bytes, k)
+                together.count("client_model_up", model_bytes, k)
+                for loss in losses:
+                    self.track(loss)
+            weights = [alphas[k] for k in trained.clients]
+            yield [trained.weighted_mean(weights, f"{i}.") for i in range(len(parts))], sum(weights)
 
     def interleaved_steps(
         self, rnd: int, clients: list[ClientInfo], step: Callable[[ClientInfo, int], State | None]

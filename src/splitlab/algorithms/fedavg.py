@@ -18,9 +18,15 @@ class FedAvg(Algorithm[NoParams]):
     averaged = ("client_model",)
     clips_whole_model = True
     can_keep_client_optimizer = True
+    supports_vectorize = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        self.for_each_client(clients, self.local_training, self.contribute_model)
+        if self.ctx.together is None:
+            self.for_each_client(clients, self.local_training, self.contribute_model)
+        else:
+            start = [self.sync.model_state("client_model")]
+            for (mean,), weight in self.train_together(rnd, clients, start):
+                self.sync.add("client_model", mean, weight)
         self.average("client_model")
 
     def local_training(self, client: ClientInfo) -> None:

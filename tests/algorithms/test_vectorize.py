@@ -1,0 +1,80 @@
+"""vectorize=true: clients trained together over stacked weights equal one client at a time."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
+from splitlab.engine import build
+from splitlab.errors import UserError
+
+OPTIMIZERS = [
+    dict(optimizer="sgd", lr=0.05),
+    dict(optimizer="sgd", lr=0.05, momentum=0.9, weight_decay=1e-3, max_grad_norm=0.5),
+    dict(optimizer="adam", lr=1e-3),
+    dict(optimizer="adamw", lr=1e-3, weight_decay=0.1),
+]
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "sfl_v1"])
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: "-".join(map(str, o.values())))
+def test_vectorized_equals_one_client_at_a_time(algorithm, opt):
+    # unequal clients (dirichlet), several steps each with a smaller last batch, and cohorts of 2
+    # of the 5 clients: every padding and slicing path runs
+    config = quick(algorithm=algorithm, clients=5, batch_size=16, partition="dirichlet:0.5", **opt)
+    alone = train(2, **config)
+    together = train(2, vectorize=True, cohort_size=2, **config)
+    initial = global_weights(train(0, **config))
+    assert max_abs_difference(global_weights(alone), initial) > 1e-3  # training moved the weights
+    assert max_abs_difference(global_weights(together), global_weights(alone)) <= 1e-5
+    # the ledger counts what every client's verbs would have sent, byte for byte
+    assert together.ledger.bytes_by_kind == alone.ledger.bytes_by_kind
+    assert together.ledger.bytes_by_client == alone.ledger.bytes_by_client
+    assert together.algorithm.pop_train_loss() == pytest.approx(alone.algorithm.pop_train_loss(), abs=1e-5)
+
+
+@pytest.mark.parametrize("algorithm", ["fedavg", "sfl_v1"])
+def test_a_vectorized_run_resumes_exactly(algorithm):
+    config = quick(algorithm=algorithm, clients=4, participation=0.5, vectorize=True, optimizer="adam")
+    straight, resumed = straight_and_resumed(3, **config)
+    assert max_abs_difference(global_weights(straight), global_weights(resumed)) == 0
+
+
+def test_vectorized_cohorts_of_any_size_agree():
+    config = quick(algorithm="fedavg", clients=6, batch_size=16, partition="dirichlet:0.5", optimizer="sgd", lr=0.05)
+    one_cohort = global_weights(train(1, vectorize=True, **config))
+    one_each = global_weights(train(1, vectorize=True, cohort_size=1, **config))
+    assert max_abs_difference(one_cohort, one_each) <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "settings,said",
+    [
+        (dict(algorithm="sfl_v2"), "algorithm=sfl_v2 does not declare it"),
+        (dict(algorithm="fedavg", transport="serialized"), "it needs transport=direct, not transport=serialized"),
+        (dict(algorithm="sfl_v1", precision="bf16"), "it needs precision=fp32, not precision=bf16"),
+        (dict(algorithm="fedavg", grad_accum=2), "it needs grad_accum=1, not grad_accum=2"),
+        (dict(algorithm="fedavg", prox_mu=0.1), "it needs prox_mu=0, not prox_mu=0.1"),
+        (dict(algorithm="fedavg", optimizer="sgd", scaffold=True), "it needs scaffold=false, not scaffold=true"),
+        (dict(algorithm="sfl_v1", server_opt="adam"), "it needs server_opt=avg, not server_opt=adam"),
+        (dict(algorithm="fedavg", clients=4, secure_aggregation=True), "it needs secure_aggregation=false"),
+        (dict(algorithm="sfl_v1", max_grad_norm=1, clip_scope="global"), "it needs clip_scope=part"),
+        (dict(algorithm="fedavg", keep_client_optimizer=True), "it needs keep_client_optimizer=false"),
+        (dict(algorithm="fedavg", warmup_steps=3), "it needs warmup_steps=0, not warmup_steps=3"),
+        (dict(algorithm="sfl_v1", lr_decay="cosine"), "it needs lr_decay=none, not lr_decay=cosine"),
+    ],
+)
+def test_vectorize_is_refused_in_one_line_where_it_cannot_apply(settings, said):
+    with pytest.raises(UserError, match=f"^vectorize=true does not apply here: {said}") as error:
+        build(quick(vectorize=True, **settings))
+    assert "\n" not in str(error.value)
+
+
+def test_cohort_size_needs_vectorize():
+    with pytest.raises(UserError, match="cohort_size is how many clients vectorize=true runs together"):
+        build(quick(algorithm="fedavg", cohort_size=4))
+
+
+def test_a_model_with_running_statistics_is_refused_when_the_run_is_built():
+    with pytest.raises(UserError, match=r"^vectorize=true does not apply to this model: its layer .*BatchNorm2d"):
+        build(quick(algorithm="fedavg", model="resnet18", vectorize=True))
