@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from splitlab.audit.advise import cut_costs, recommend, trade_offs
+from splitlab.audit.advise import COLUMNS, cut_costs, markdown, recommend, strongest_label_auc, trade_offs
 from splitlab.audit.probes import pareto_front
 from splitlab.audit.settings import AdviseSettings
 from splitlab.cli import main
@@ -52,7 +52,9 @@ def test_advise_refuses_before_training(tmp_path, capsys):
 
 
 def row(cut, accuracy, ssim, auc, up):
-    return {"cut": cut, "accuracy": accuracy, "ssim": ssim, "norm_auc": auc, "direction_auc": auc, "up_bytes": up}
+    return {"cut": cut, "accuracy": accuracy, "ssim": ssim, "norm_auc": auc, "direction_auc": auc, "label_auc": auc} | {
+        "up_bytes": up
+    }
 
 
 def test_the_pick_is_the_most_accurate_front_cut_within_the_budgets():
@@ -61,6 +63,29 @@ def test_the_pick_is_the_most_accurate_front_cut_within_the_budgets():
     assert recommend(AdviseSettings(), rows) == {"pareto_front": [1, 2], "pick": 1, "unranked": []}
     assert recommend(AdviseSettings(max_ssim=0.6), rows)["pick"] == 2
     assert recommend(AdviseSettings(max_ssim=0.6, max_auc=0.7), rows)["pick"] is None
+
+
+def test_probes_at_their_floor_are_not_ranked_and_none_is_called_the_most_accurate():
+    """Probes whose accuracy sits at the most frequent class's share measure an untrained model: they
+    are on neither the front nor the pick, and the table says so instead of 'the most accurate'."""
+    at_chance = [row(1, 0.105, 0.8, 0.5, 100) | {"ranked": False}, row(2, 0.1, 0.5, 0.5, 50) | {"ranked": False}]
+    advice = recommend(AdviseSettings(), at_chance)
+    assert advice == {"pareto_front": [], "pick": None, "unranked": [1, 2]}
+    sizes = {"train_subset": 10, "test_subset": 10, "aux": 5, "targets": 5}
+    cells = {key: 0 for key, _, _ in COLUMNS}
+    text = markdown(AdviseSettings(), sizes, [cells | r for r in at_chance], advice)
+    assert "no probe trained enough to rank" in text and "most accurate" not in text
+    one_trained = [at_chance[0], row(2, 0.6, 0.5, 0.5, 50) | {"ranked": True}]
+    advice = recommend(AdviseSettings(), one_trained)
+    assert advice["pick"] == 2 and advice["unranked"] == [1]
+    text = markdown(AdviseSettings(), sizes, [cells | r for r in one_trained], advice)
+    assert "pick cut 2 (the most accurate of those trained enough to rank)" in text
+
+
+def test_the_label_figure_weighed_is_the_strongest_label_attack():
+    leak = {"norm_auc": 0.5, "direction_auc": 0.55, "residual_auc": 0.97, "gradient": "cut", "linked": {"auc": 0.9}}
+    assert strongest_label_auc(leak) == 0.97
+    assert strongest_label_auc({"norm_auc": 0.5, "direction_auc": 0.6, "linked": {"auc": 0.8}}) == 0.8
 
 
 def test_advise_refuses_bad_settings_before_any_training(tmp_path, capsys):

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from splitlab.audit.probes import front_and_pick, heading, probe_sizes, table, written
+from splitlab.audit.probes import FLOOR_MARGIN, front_and_pick, heading, probe_sizes, table, written
 from splitlab.audit.settings import AdviseSettings
 from splitlab.errors import UserError
 from splitlab.models.staged import UShaped
@@ -34,8 +34,6 @@ from splitlab.models.staged import UShaped
 #: language probes' sizes when not given (train, test, aux, targets; sequences): small, so that a CPU
 #: probes every cut in minutes
 DEFAULTS = (400, 300, 200, 100)
-#: a probe whose next-token accuracy is within this of the floor (most frequent target) is not ranked
-FLOOR_MARGIN = 0.01
 #: the attacker that reads the targets, not the hidden states
 TARGETS = "targets_channel"
 

@@ -38,6 +38,10 @@ def pareto_front(rows: list[Row], trade_offs: Callable[[Row], tuple[float, ...]]
     return [row["cut"] for row in rows if not any(dominates(trade_offs(other), trade_offs(row)) for other in rows)]
 
 
+#: a probe whose accuracy is within this of its floor (the most frequent class or target) is not ranked
+FLOOR_MARGIN = 0.01
+
+
 def front_and_pick(
     rows: list[Row],
     trade_offs: Callable[[Row], tuple[float, ...]],
