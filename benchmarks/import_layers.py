@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
         "splitlab.named_options",
         "splitlab.process_settings",
         "splitlab.metrics",
+        "splitlab.json_text",
         "splitlab.codec",
         "splitlab.ledger",
     ),

@@ -98,7 +98,7 @@ def straight_and_resumed(num_rounds: int, **config) -> tuple[Experiment, Experim
     return straight, resumed
 
 
-TIMING_KEYS = {"wall_seconds", "round_compute_seconds"}
+TIMING_KEYS = {"wall_seconds", "round_compute_seconds", "tokens_per_second", "samples_per_second"}
 
 
 def without_timing(rows: list[dict]) -> list[dict]:

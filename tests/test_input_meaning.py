@@ -20,12 +20,13 @@ from torch import nn
 
 from splitlab.algorithms.sfl_v2 import SFLV2
 from splitlab.cli import main
-from splitlab.codec import read_header, read_tensors, user_json
+from splitlab.codec import read_header, read_tensors
 from splitlab.config import RunConfig
 from splitlab.data.e2e import read_pairs
 from splitlab.data.tables import read_table
 from splitlab.engine import run
 from splitlab.errors import NonFiniteLoss, UserError
+from splitlab.json_text import user_json
 from splitlab.loop import _check_finite
 from splitlab.models.staged import StagedModel
 from splitlab.settings.horizontal import check_split

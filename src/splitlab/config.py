@@ -26,8 +26,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 from pydantic.fields import FieldInfo
 from pydantic.json_schema import JsonDict
 
-from splitlab.codec import MAX_FILE_DEPTH, check_depth
 from splitlab.errors import UserError, not_a_file, one_line, unknown_key
+from splitlab.json_text import MAX_FILE_DEPTH, check_depth
 
 #: The concerns RunConfig's keys are grouped by (in `run --help` and docs/cli.md), each field tagged
 #: with its own; the command line stays one flat set of KEY=VALUE.

@@ -360,7 +360,7 @@ class RunDirectory:
 
     def summary(self) -> dict[str, Any]:
         """The summary of the finished run here; UserError if summary.json is unreadable."""
-        from splitlab.codec import file_json
+        from splitlab.json_text import file_json
 
         file = self.path / "summary.json"
         try:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from splitlab.codec import user_json
 from splitlab.data.text_rows import Rows, read_rows
 from splitlab.errors import UserError
+from splitlab.json_text import user_json
 
 TEST_SPLITS = ("test", "validation")
 

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from splitlab.codec import user_json
 from splitlab.data.text_rows import Rows, read_rows
 from splitlab.errors import UserError, not_utf8
+from splitlab.json_text import user_json
 
 
 def _lines(path: Path) -> Iterator[tuple[str, Any]]:

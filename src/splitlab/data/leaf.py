@@ -21,10 +21,10 @@ from pathlib import Path
 
 import numpy as np
 
-from splitlab.codec import file_json
 from splitlab.data import shakespeare
 from splitlab.data.datasets import Dataset, _looked_in, _roots
 from splitlab.errors import UserError
+from splitlab.json_text import file_json
 from splitlab.lazy import torch
 
 CELEBA_SIZE = 84

@@ -15,8 +15,8 @@ from typing import Any
 
 import yaml
 
-from splitlab.codec import MAX_FILE_DEPTH, check_depth
 from splitlab.experiments.sweep import ERROR_FILE, SNAPSHOT
+from splitlab.json_text import MAX_FILE_DEPTH, check_depth
 from splitlab.rundir import CHECKPOINT
 
 #: config columns that results.csv always has (plus any other key that varies between runs)

@@ -58,9 +58,10 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
-from splitlab.codec import read_header, read_tensors, user_json
+from splitlab.codec import read_header, read_tensors
 from splitlab.errors import UserError, not_utf8
 from splitlab.io import atomic_folder, cpu_copy, write_safetensors
+from splitlab.json_text import user_json
 from splitlab.logs import LOGGER
 from splitlab.models import packed
 from splitlab.models.lora import KeyedDropout

@@ -12,11 +12,11 @@ import torch
 
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.assembly import client_nodes, load_data, make_blueprint, resolve_device, seeded_subset, test_set
-from splitlab.codec import file_json
 from splitlab.config import ResolvedConfig, RunConfig, parse_lora, parse_test_split, parse_train_range
 from splitlab.data import Dataset, counts_report, load_split, partition, partition_report
 from splitlab.data.datasets import data_summary
 from splitlab.errors import UserError, refuse
+from splitlab.json_text import file_json
 from splitlab.models import StagedModel, build_model, split
 from splitlab.models.lora import ADAPTERS, apply_lora, linear_layer_names, load_init
 from splitlab.privacy.defenses import check_task, parse_defense

@@ -33,12 +33,13 @@ from splitlab.algorithms.vertical_sl import (
     vertical_models,
 )
 from splitlab.assembly import blueprint_of, load_data, resolve_device, seeded_subset, test_set
-from splitlab.codec import file_json, read_tensors
+from splitlab.codec import read_tensors
 from splitlab.config import EVAL_GENERATE_WHY, U_SHAPE_WHY, ResolvedConfig, RunConfig
 from splitlab.data import Dataset
 from splitlab.data.partition import counts_report
 from splitlab.data.tables import csv_training_set, own_csv_table, table_ids
 from splitlab.errors import UserError, refuse
+from splitlab.json_text import file_json
 from splitlab.privacy.defenses import check_task, parse_defense
 from splitlab.privacy.record import PartyRecorder
 from splitlab.roles import Blueprint, ClientNode, Role
