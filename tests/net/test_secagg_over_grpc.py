@@ -41,16 +41,19 @@ def assert_same_run(tmp_path, sent_unanswered: dict[str, int] | None = None) -> 
     return rows(tmp_path / "net")
 
 
-def test_secure_aggregation_over_grpc_is_bit_identical_to_run(tmp_path):
+@pytest.mark.parametrize(("algorithm", "slots"), [("fedavg", 1), ("cse_fsl", 2)])
+def test_secure_aggregation_over_grpc_is_bit_identical_to_run(tmp_path, algorithm, slots):
     """The masks cancel exactly in the ring, so the keys each side draws do not matter: the same
-    weights as in process, and the same bytes by kind (3 clients, 2 rounds)."""
-    assert isinstance(launch_in_threads({**CONFIG, "out": str(tmp_path / "net")}).ended[0], dict)
-    run({**CONFIG, "out": str(tmp_path / "local")}, progress=False)
+    weights as in process, and the same bytes by kind (3 clients, 2 rounds; CSE-FSL: its client
+    part and its auxiliary model, each with a protocol of its own)."""
+    config = {**CONFIG, "algorithm": algorithm}
+    assert isinstance(launch_in_threads({**config, "out": str(tmp_path / "net")}).ended[0], dict)
+    run({**config, "out": str(tmp_path / "local")}, progress=False)
     net = assert_same_run(tmp_path)
     assert [row["dropped_clients"] for row in net] == [[], []]
     kinds = net[-1]["comm_bytes_by_kind"]
-    assert kinds["secagg_shares_up"] == 2 * 3 * 2 * SEALED_BYTES  # rounds x clients x the others
-    assert kinds["secagg_unmask_up"] == 2 * 3 * 3 * SHARE_BYTES
+    assert kinds["secagg_shares_up"] == slots * 2 * 3 * 2 * SEALED_BYTES  # slots x rounds x clients x the others
+    assert kinds["secagg_unmask_up"] == slots * 2 * 3 * 3 * SHARE_BYTES
     assert "client_model_up" in kinds  # the masked inputs, counted as the slot's uploads
 
 
