@@ -228,7 +228,7 @@ class RunConfig(BaseModel):
     """SCAFFOLD: control variates correct every client part's steps (option II; optimizer=sgd without momentum)"""
     secure_aggregation: bool = Field(False, json_schema_extra=PRIVACY)
     """the sync server learns only the sum of the round's client parts (SecAgg: X25519 pairwise masks, self masks,
-    Shamir shares for clients that drop; fixed point, 16 fractional bits in a 32-bit ring); simulated in process"""
+    Shamir shares for clients that drop; fixed point, 16 fractional bits in a 32-bit ring); in process and over gRPC"""
     partition: str = Field("iid", json_schema_extra=DATA)
     """iid | dirichlet:<alpha> | shards:<shards per client>"""
     seed: int = Field(0, ge=0, le=2**32 - 1, json_schema_extra=TRAINING)

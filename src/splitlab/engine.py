@@ -123,8 +123,6 @@ def serve(raw: Mapping[str, Any], settings: ServerSettings, progress: bool = Tru
 
     raw = {"checkpoint_every": 0, **raw}  # a networked server checkpoints every round unless told otherwise
     config = resolve_config(raw)
-    if config.run.secure_aggregation:
-        raise UserError("secure_aggregation=true is simulated in process (splitlab run); not over the network yet")
     out = config.out_dir
     rundir.check_out_dir(out)
     hub = Hub(settings, client_config(raw), AuditLog(out / "connections.jsonl"))

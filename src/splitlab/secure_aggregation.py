@@ -48,6 +48,8 @@ from splitlab.errors import UserError
 
 PRIME = 2**521 - 1  # Shamir's field: a Mersenne prime above any 32-byte secret
 SHARE_BYTES = 66  # an element of that field
+KEYS_BYTES = 64  # a client's two X25519 public keys
+SEALED_BYTES = 12 + 16 + 2 * SHARE_BYTES + 16  # a sealed pair of shares: nonce, sender and holder ids, shares, tag
 RING_BITS = 32
 FRACTION_BITS = 16
 RING = 1 << RING_BITS
@@ -126,7 +128,7 @@ class ClientSecrets:
     received: dict[int, tuple[int, int]] = field(default_factory=dict)  # from client -> (b share, s share)
 
     def keys(self) -> torch.Tensor:
-        """c_pk and s_pk, 64 bytes."""
+        """c_pk and s_pk, KEYS_BYTES."""
         return _bytes_tensor(
             self.encryption.public_key().public_bytes(*RAW) + self.masking.public_key().public_bytes(*RAW)
         )

@@ -8,18 +8,16 @@ import pytest
 import torch
 
 from helpers import DropsOut, global_weights, max_abs_difference, quick
-from splitlab.cli import main
 from splitlab.engine import build
 from splitlab.errors import UserError
 from splitlab.resolve import resolve_config
 from splitlab.roles import SyncServer
-from splitlab.secure_aggregation import FRACTION_BITS, SHARE_BYTES, quantise
+from splitlab.secure_aggregation import FRACTION_BITS, SEALED_BYTES, SHARE_BYTES, quantise
 
 ONE_ROUND = quick(rounds=1, local_epochs=1)
 #: the fixed point's bound on each element of a round's average: n clients' roundings of 2^-17 each
 #: (float32's own rounding of the result is far below it)
 BOUND = 3 * 2.0 ** -(FRACTION_BITS + 1) + 1e-6
-SEALED_SHARE = 12 + 16 + 2 * SHARE_BYTES + 16  # nonce, sender and receiver ids, two shares, tag
 
 
 def one_round(transport=None, **overrides):
@@ -36,7 +34,7 @@ def test_the_average_is_the_plain_one_within_the_bound_and_every_phase_is_counte
     counted, n = secure.ledger.bytes_by_kind, 3
     assert counted["secagg_keys_up"] == slots * n * 64  # two X25519 public keys each
     assert counted["secagg_keys_down"] == slots * n * n * 64  # everyone's, to each
-    assert counted["secagg_shares_up"] == counted["secagg_shares_down"] == slots * n * (n - 1) * SEALED_SHARE
+    assert counted["secagg_shares_up"] == counted["secagg_shares_down"] == slots * n * (n - 1) * SEALED_BYTES
     assert counted["secagg_unmask_down"] == slots * n * n * 8  # the survivors' ids
     assert counted["secagg_unmask_up"] == slots * n * n * SHARE_BYTES  # a share of each survivor's self-mask seed
     for kind in ("client_model_up", "aux_model_up"):  # the masked input: 4 bytes an element, as float32
@@ -120,13 +118,3 @@ def test_with_fewer_answers_than_the_threshold_the_round_stops_in_one_line():
         UserError, match="1 of the round's 3 clients answered the unmasking, fewer than its threshold 2"
     ):
         experiment.roles.sync.unmask("client_model", {0: answer})
-
-
-def test_splitlab_server_refuses_it_in_one_line(tmp_path, capsys):
-    out = tmp_path / "out"
-    args = ["server", "dataset=synthetic", "model=mlp", "clients=3", "secure_aggregation=true", f"out={out}"]
-    assert main(args) == 2
-    assert capsys.readouterr().err.strip() == (
-        "error: secure_aggregation=true is simulated in process (splitlab run); not over the network yet"
-    )
-    assert not out.exists()

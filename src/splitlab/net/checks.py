@@ -11,6 +11,8 @@ gradient at a U-shaped split's second cut has the dtype and shape of the server 
 a loss is a scalar of the model's dtype; a model (uploaded, relayed, snapshot or checkpointed)
 has exactly the slot's tensor names, shapes and dtypes, and an optimizer state fits its model;
 a SCAFFOLD control variate (sent, or in a client's state) is float32 over an averaged slot's trainable parameters;
+secure aggregation's messages (`_secure_aggregation`) are uint8 keys and shares of their exact sizes, keyed by
+the clients the server named, and a masked input int32 of the slot's size;
 a verb that declares no kind
 returns nothing (but `sample_count`: a whole number, at most the samples the client reported); a
 verb with no check here is refused. Every floating tensor must be finite. In a vertical run
@@ -39,10 +41,13 @@ from splitlab.data.datasets import SUMMARY_KEYS, data_summary
 from splitlab.loss_scale import unscaled
 from splitlab.privacy import defenses
 from splitlab.roles import Blueprint, ClientNode, pooled
+from splitlab.secure_aggregation import KEYS_BYTES, SEALED_BYTES, SHARE_BYTES
 from splitlab.strategies import trainable
 from splitlab.targets import IGNORED
 from splitlab.transport import KEYED, VerbSpec
 
+#: the verbs of secure aggregation whose results a client sends (`secagg_receive` returns nothing)
+SECURE_AGGREGATION_VERBS = ("secagg_keys", "secagg_shares", "upload_masked", "secagg_unmask")
 #: what a vertical party reports of its data beside its columns' shape: how many samples it holds
 VERTICAL_SUMMARY_KEYS = ("samples",)
 #: ... and with its own files (data=own): its columns, its test samples, their ids' digest, the classes it knows
@@ -102,6 +107,8 @@ class Checks:
                 raise Refused(f"{verb} returns nothing, but the result is a {type(result).__name__}")
         elif kind == "psi_up":
             self._psi(verb, args, result)
+        elif verb in SECURE_AGGREGATION_VERBS:
+            self._secure_aggregation(verb, args, result)
         elif kind == KEYED:
             self._keyed(verb, spec.result_keys(args), args, result)
         elif kind == "checkpoint":
@@ -152,6 +159,31 @@ class Checks:
         request = args[0] if args and isinstance(args[0], torch.Tensor) else torch.zeros(0)
         _psi_bytes("psi_answer.setup", result["setup"], samples)
         _psi_bytes("psi_answer.response", result["response"], math.ceil(len(request) / PSI_POINT_BYTES))
+
+    def _secure_aggregation(self, verb: str, args: tuple, result: Any) -> None:
+        """A client's message in the secure aggregation of an averaged slot (splitlab.secure_aggregation):
+        its public keys; its sealed shares, one for each other client the server named; its masked
+        input, int32 (the ring Z_2^32) with one element per element of the slot; its shares for the
+        unmasking, only of the secrets the server asked for (so at most one per client of the round)."""
+        slot = args[0]
+        if slot not in self.blueprint.averaged:
+            raise Refused(f"{verb} of {slot!r}, which the sync server does not average")
+        if verb == "secagg_keys":
+            _vector(verb, result, torch.uint8, KEYS_BYTES)
+        elif verb == "upload_masked":
+            elements = sum(t.numel() for t in self.blueprint.initial_state(slot).values())
+            _vector(verb, result, torch.int32, elements)
+        else:
+            if verb == "secagg_shares":  # one sealed pair for each other client whose keys it was sent
+                expected, size, exact = set(args[1]) - {str(self._client)}, SEALED_BYTES, True
+            else:  # secagg_unmask(slot, survivors, dropped): b shares of the survivors, s shares of the dropped
+                survivors, dropped = args[1].tolist(), args[2].tolist()
+                expected, size, exact = {f"b{v}" for v in survivors} | {f"s{v}" for v in dropped}, SHARE_BYTES, False
+            if not isinstance(result, dict) or not (set(result) == expected if exact else set(result) <= expected):
+                held = sorted(map(str, result)) if isinstance(result, dict) else type(result).__name__
+                raise Refused(f"{verb} holds {held}, expected {'' if exact else 'some of '}{sorted(expected)}")
+            for key, message in result.items():
+                _vector(f"{verb}.{key}", message, torch.uint8, size)
 
     def _test_batch(self, verb: str, args: tuple, result: Any) -> None:
         """A vertical party's part of the joint evaluation of test samples `start` to `stop` (the
@@ -453,6 +485,11 @@ def _loss_scale(state: Any) -> None:
     scale, steps = state.tolist()
     if not (scale > 0 and steps >= 0 and steps == int(steps)):
         raise Refused(f"loss_scale holds scale {scale} and {steps} steps, expected a scale > 0 and a whole count")
+
+
+def _vector(where: str, message: Any, dtype: torch.dtype, size: int) -> None:
+    if not isinstance(message, torch.Tensor) or message.dtype != dtype or tuple(message.shape) != (size,):
+        raise Refused(f"{where} is {_form(message)}, expected {dtype} ({size},)")
 
 
 def _psi_bytes(where: str, message: Any, points: int) -> None:
