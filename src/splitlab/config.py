@@ -106,8 +106,8 @@ class RunConfig(BaseModel):
     keeps its first seq_len + 1 tokens) | left (its last: the prompt's start is dropped); with right or left, a row left
     with nothing in the loss is dropped, a warning saying how many"""
     packing: bool = Field(False, json_schema_extra=DATA)
-    """rows of prompt + completion or messages (jsonl, hf_disk, e2e): pack several training rows into each sequence, each
-    row's attention, positions and loss kept to itself (fewer padded positions; the test rows stay one a sequence)"""
+    """rows of prompt + completion or messages (jsonl, hf_disk, e2e): several training rows to a sequence, each row's
+    attention, positions and loss kept to itself (fewer padded positions; test rows stay one a sequence)"""
     lora: str | None = Field(None, json_schema_extra=MODEL)
     """R:ALPHA: freeze the model and train rank-R LoRA adapters scaled ALPHA/R, e.g. 8:16 (docs/language.md)"""
     lora_targets: str | None = Field(None, json_schema_extra=MODEL)
