@@ -671,7 +671,8 @@ class ClientNode(Role[ParamsT]):
         super().__init__(blueprint)
         self.id, self.x, self.y = client_id, x, y
         #: packing=true: the segment ids of `x` (models/packed.py), and those of the batch being run
-        self.segments, self.batch_segments = segments, None
+        self.segments = segments
+        self.batch_segments: torch.Tensor | None = None
         #: stored samples -> model inputs, batch by batch (uint8 images stay uint8 until used)
         self.prepare = prepare
         self.stash: dict[int, Any] = {}
