@@ -5,6 +5,7 @@ step's loss is the unpacked rows' loss; where the ids cannot reach, one line."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -13,6 +14,8 @@ import torch.nn.functional as F
 from helpers import global_weights, max_abs_difference, train
 from hf_helpers import tiny_hf_model
 from splitlab.errors import UserError
+from splitlab.net.checks import Checks, Refused
+from splitlab.roles import ClientNode
 from splitlab.targets import IGNORED
 
 ROWS = 20
@@ -23,13 +26,7 @@ CHAT_TEMPLATE = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{{ eos_to
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     """A tiny random GPT-2 folder whose tokenizer has a chat template."""
-    from transformers import AutoTokenizer
-
-    folder = tiny_hf_model(tmp_path_factory.mktemp("chat") / "gpt2")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(folder)
-    return folder
+    return tiny_hf_model(tmp_path_factory.mktemp("chat") / "gpt2", chat_template=CHAT_TEMPLATE)
 
 
 def chat_file(tmp_path):
@@ -131,3 +128,23 @@ def test_packing_text_rows_is_one_line(tmp_path, chat_model):
     with pytest.raises(UserError, match="rows are text") as refused:
         train(0, **dict(config(tmp_path, chat_model, packing=True), data_file=str(path)))
     assert "\n" not in str(refused.value)
+
+
+def test_the_server_checks_the_segment_ids_it_receives(tmp_path, chat_model):
+    experiment = train(0, **config(tmp_path, chat_model, packing=True, batch_size=4))
+    checks, forward = Checks(experiment.blueprint), ClientNode.forward.__verb__
+    client = experiment.roles.clients[0]
+    client.batch_segments = client.segments[:2]  # the client's smashed data of two sequences, as a step sends it
+    smashed = client.client_output(client.x[:2]).detach()
+    sent = {"smashed": smashed, "labels": client.y[:2], "segments": client.segments[:2]}
+    checks.result("forward", forward, (0,), sent)
+    for segments, message in (
+        (None, "returns exactly ['labels', 'segments', 'smashed']"),
+        (client.segments[:2].int(), "segments are torch.int32 (2, 64), expected torch.int64 (2, 64)"),
+        (client.segments[:1], "segments are torch.int64 (1, 64), expected torch.int64 (2, 64)"),
+        (client.segments[:2].flip(1), "segments are not nondecreasing from 0"),
+    ):
+        result = {key: value for key, value in {**sent, "segments": segments}.items() if value is not None}
+        with pytest.raises(Refused, match=re.escape(message)) as refusal:
+            checks.result("forward", forward, (0,), result)
+        assert "\n" not in str(refusal.value)
