@@ -55,11 +55,15 @@ def tiny_config(arch: str, vocab_size: int, layers: int = 3, tie: bool = True):
     return {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[arch](**llama_like)
 
 
-def tiny_hf_model(folder: Path, arch: str = "gpt2", layers: int = 3, tie: bool = True, seed: int = 0) -> Path:
-    """Save a random `arch` causal LM with its tokenizer into `folder` (created) and return it."""
+def tiny_hf_model(
+    folder: Path, arch: str = "gpt2", layers: int = 3, tie: bool = True, seed: int = 0, chat_template: str | None = None
+) -> Path:
+    """Save a random `arch` causal LM with its tokenizer (with `chat_template` if given) into
+    `folder` (created) and return it."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(arch, len(tokenizer), layers, tie))
     model.save_pretrained(folder, safe_serialization=True)

@@ -186,10 +186,18 @@ def client_nodes(
     blueprint: Blueprint, data: Dataset, owners: Mapping[int, np.ndarray], Client: type[ClientNode]
 ) -> list[ClientNode]:
     """A `Client` node per data owner k holding only its samples `owners[k]`, as stored (uint8
-    images are prepared batch by batch)."""
+    images are prepared batch by batch), and with packing=true their segment ids."""
     device = blueprint.device
+    segments = data.train_segments
     return [
-        Client(blueprint, k, data.train_x[idx].to(device), data.train_y[idx].to(device), data.prepare)
+        Client(
+            blueprint,
+            k,
+            data.train_x[idx].to(device),
+            data.train_y[idx].to(device),
+            data.prepare,
+            None if segments is None else segments[idx].to(device),
+        )
         for k, idx in owners.items()
     ]
 
@@ -206,6 +214,7 @@ def load_data(config: ResolvedConfig) -> Dataset:
         data_file=run.data_file,
         test_file=run.test_file,
         truncation=run.truncation,
+        packing=run.packing,
     )
 
 

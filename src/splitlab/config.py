@@ -105,6 +105,9 @@ class RunConfig(BaseModel):
     prompt leaves no completion token in the loss is refused; a longer completion is cut at its end) | right (each row
     keeps its first seq_len + 1 tokens) | left (its last: the prompt's start is dropped); with right or left, a row left
     with nothing in the loss is dropped, a warning saying how many"""
+    packing: bool = Field(False, json_schema_extra=DATA)
+    """rows of prompt + completion or messages (jsonl, hf_disk, e2e): several training rows to a sequence, each row's
+    attention, positions and loss kept to itself (fewer padded positions; test rows stay one a sequence)"""
     lora: str | None = Field(None, json_schema_extra=MODEL)
     """R:ALPHA: freeze the model and train rank-R LoRA adapters scaled ALPHA/R, e.g. 8:16 (docs/language.md)"""
     lora_targets: str | None = Field(None, json_schema_extra=MODEL)
@@ -461,7 +464,7 @@ def other_name(key: str) -> str | None:
 UNSPLIT_ALGORITHMS = ("fedavg", "centralized")
 
 
-#: Datasets of rows that `truncation` cuts (one sequence per row).
+#: Datasets of rows that `truncation` cuts (one sequence per row) and `packing` packs.
 ROW_DATASETS = frozenset({"jsonl", "hf_disk", "e2e"})
 
 #: Datasets that read no files (bundled or generated): `data_dir` does not apply to them.
@@ -543,6 +546,11 @@ ONLY_WHEN: dict[str, Applies] = {
         lambda r: r.dataset in ROW_DATASETS,
         "truncation cuts rows of prompt + completion or messages (dataset=jsonl, hf_disk, e2e)",
         {"dataset": "digits", "truncation": "left"},
+    ),
+    "packing": Applies(
+        lambda r: r.dataset in ROW_DATASETS,
+        "packing packs rows of prompt + completion or messages (dataset=jsonl, hf_disk, e2e)",
+        {"dataset": "digits", "packing": True},
     ),
     "record": Applies(
         lambda r: r.algorithm not in UNSPLIT_ALGORITHMS,

@@ -16,6 +16,7 @@ import torch
 KINDS: dict[str, str] = {
     "smashed": "up",  # activations at the cut
     "labels": "up",  # the labels that go with them
+    "segments": "up",  # packing=true: which row of its sequence each position of them holds
     "cut_grad": "down",  # gradient of the loss at the cut
     "server_output": "down",  # U-shaped: the server's output at the second cut, for the client's tail
     "tail_grad": "up",  # U-shaped: gradient of the loss at the second cut, from the client's tail

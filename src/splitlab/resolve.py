@@ -64,6 +64,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_federated(run)
     check_step_options(run)
     check_vectorize(run)
+    check_packing(run)
     check_applicable(run, raw)
     if run.eval_generate:
         run.decoding(room=1)  # the eval_* keys agree
@@ -243,6 +244,30 @@ def check_vectorize(run: RunConfig) -> None:
             why = f"it needs {key}={shown(needed)}, not {key}={shown(value)}"
     if why:
         raise UserError(f"vectorize=true does not apply here: {why}")
+
+
+def check_packing(run: RunConfig) -> None:
+    """packing=true where every step's segment ids reach each part that runs on the batch (the
+    client's with its batch, the server's with the smashed data), or one line saying why not."""
+    if not run.packing:
+        return
+    why = ""
+    if not get_algorithm(run.algorithm).supports_packing:
+        why = f"algorithm={run.algorithm} does not declare it (supports_packing: sl, psl, sfl_v1 and sfl_v2 do)"
+    elif run.setting != "vanilla" or run.tail_cut is not None:
+        why = "it needs a split at one cut of clients holding whole rows (setting=vanilla, no tail_cut)"
+    else:
+        for key, value, needed in (
+            ("vectorize", run.vectorize, False),  # the stacked steps run the parts on no ids
+            ("grad_accum", run.grad_accum, 1),  # micro-batches would need the ids split alike
+            ("record", run.record, 0),  # a record (and the attacks on it) keeps no ids
+            ("test_split", run.test_split, "global"),  # held-out packed rows would be evaluated as one
+        ):
+            if value != needed:
+                why = f"it needs {key}={str(needed).lower()}, not {key}={str(value).lower()}"
+                break
+    if why:
+        raise UserError(f"packing=true does not apply here: {why}")
 
 
 def check_model_fits(run: RunConfig) -> None:

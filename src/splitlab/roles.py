@@ -43,6 +43,7 @@ from splitlab.models import (
     build_model,
     largest_activation_bytes,
     load_shared,
+    packed,
     share_frozen_copy,
     shared_state,
     split,
@@ -665,9 +666,13 @@ class ClientNode(Role[ParamsT]):
         x: torch.Tensor,
         y: torch.Tensor,
         prepare: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        segments: torch.Tensor | None = None,
     ) -> None:
         super().__init__(blueprint)
         self.id, self.x, self.y = client_id, x, y
+        #: packing=true: the segment ids of `x` (models/packed.py), and those of the batch being run
+        self.segments = segments
+        self.batch_segments: torch.Tensor | None = None
         #: stored samples -> model inputs, batch by batch (uint8 images stay uint8 until used)
         self.prepare = prepare
         self.stash: dict[int, Any] = {}
@@ -716,6 +721,7 @@ class ClientNode(Role[ParamsT]):
                 order = self.blueprint.rng(rnd, STREAM_BATCHES, self.id, epoch).permutation(self.num_samples)
                 indices = torch.as_tensor(order, device=self.y.device).split(Blueprint.step_batch(cfg))
                 for batch, idx in enumerate(indices):
+                    self.batch_segments = None if self.segments is None else self.segments[idx]
                     if whole is not None:
                         yield whole[idx], self.y[idx]
                         continue
@@ -825,7 +831,10 @@ class ClientNode(Role[ParamsT]):
             weights = lambda: shared_state(self.model("client_model"))  # noqa: E731  # what made the record
             self.blueprint.recorder.sent(self.id, key, x, decode(wire), y, weights)
         self._releases += 1
-        return defended, {"smashed": wire, "labels": self._labels_out(y)}
+        message = {"smashed": wire, "labels": self._labels_out(y)}
+        if self.batch_segments is not None:  # packing=true: the server part keeps to the batch's rows too
+            message["segments"] = self.batch_segments
+        return defended, message
 
     def client_output(self, x: torch.Tensor) -> torch.Tensor:
         """The client part on `x`, with `dchi` noise on the token embeddings from a stream keyed by
@@ -840,7 +849,8 @@ class ClientNode(Role[ParamsT]):
                 device=x.device,
             )
         self._embeddings += 1
-        return defense.client_output(self.model("client_model"), x, generator)
+        with packed.rows(self.batch_segments):
+            return defense.client_output(self.model("client_model"), x, generator)
 
     def _labels_out(self, y: torch.Tensor) -> torch.Tensor:
         """The labels as they leave: with `label_dp`, randomised response from a stream keyed by
@@ -1045,11 +1055,13 @@ class TrainingServer(Role[ParamsT]):
             optimizer.zero_grad(set_to_none=True)
 
     @verb()
-    def train_step(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:
-        """One server step on received smashed data; returns the cut gradient (compressed as
-        configured) and the loss."""
+    def train_step(
+        self, smashed: Any, labels: torch.Tensor, slot: str = "server_model", segments: torch.Tensor | None = None
+    ) -> State:
+        """One server step on received smashed data (packing=true: with the batch's `segments`);
+        returns the cut gradient (compressed as configured) and the loss."""
         smashed = decode(smashed).requires_grad_()
-        reply = self.learn(smashed, labels, slot)
+        reply = self.learn(smashed, labels, slot, segments)
         return {
             "cut_grad": self.send_gradient(cast(torch.Tensor, smashed.grad), labels),
             **reply,
@@ -1071,12 +1083,15 @@ class TrainingServer(Role[ParamsT]):
         return defense.send_gradient(grad, generator, labels)
 
     @verb()
-    def learn(self, smashed: Any, labels: torch.Tensor, slot: str = "server_model") -> State:
-        """One server step on received smashed data; nothing goes back but the loss."""
+    def learn(
+        self, smashed: Any, labels: torch.Tensor, slot: str = "server_model", segments: torch.Tensor | None = None
+    ) -> State:
+        """One server step on received smashed data (packing=true: run within the batch's rows,
+        `segments`); nothing goes back but the loss."""
         smashed = decode(smashed)
         model = self.model(slot)
         inputs = (smashed,) if smashed.requires_grad else ()
-        with self.blueprint.timed("server"):
+        with self.blueprint.timed("server"), packed.rows(segments):
             value = self.step(slot, lambda: self.accumulate(model, smashed, labels, self.objective), inputs)
         return {"loss": value}
 

@@ -168,6 +168,9 @@ class Algorithm(Generic[ParamsT]):
     #: it runs vectorize=true: its round trains clients that do not depend on each other, each from
     #: the global model with a fresh optimizer, through `train_together` when `ctx.together` is set
     supports_vectorize: ClassVar[bool] = False
+    #: it runs packing=true: every server step is `split_step`'s, which hands the server the
+    #: batch's segment ids with its smashed data (no step of its own on a client's or a whole model)
+    supports_packing: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -322,7 +325,9 @@ class Algorithm(Generic[ParamsT]):
         if sent is None:
             return
         if self.ctx.config.tail_cut is None:
-            reply = self.on_data_of(client_id, "train_step", sent["smashed"], sent["labels"], server_slot)
+            reply = self.on_data_of(
+                client_id, "train_step", sent["smashed"], sent["labels"], server_slot, sent.get("segments")
+            )
         else:
             reply = self.u_shaped_server_step(client_id, step, sent["smashed"], server_slot)
         if reply is None:

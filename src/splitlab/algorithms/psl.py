@@ -55,6 +55,7 @@ class PersonalClients(Algorithm):
 
 class PSL(PersonalClients, Algorithm[NoParams]):
     name = "psl"
+    supports_packing = True
     Server = UShapedServer
     supports_u_shape = True
     supports_fp16 = True

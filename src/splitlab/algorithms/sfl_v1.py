@@ -25,6 +25,7 @@ from splitlab.vectorized import Together
 
 class SFLV1(Algorithm[NoParams]):
     name = "sfl_v1"
+    supports_packing = True
     Client, Server = UShapedClient, UShapedServer
     supports_u_shape = True
     supports_fp16 = True

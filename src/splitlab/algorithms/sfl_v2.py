@@ -39,6 +39,7 @@ class SFLV2(Algorithm[SFLV2Params]):
     averaged = ("client_model",)
     clips_whole_model = True
     can_keep_client_optimizer = True
+    supports_packing = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
         if self.params.server_schedule == "interleaved":

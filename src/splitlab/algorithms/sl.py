@@ -92,6 +92,7 @@ class Relay(Algorithm):
 
 class SplitLearning(Relay, Algorithm[NoParams]):
     name = "sl"
+    supports_packing = True
     Server = UShapedServer
     supports_u_shape = True
     supports_fp16 = True

@@ -119,6 +119,9 @@ class Dataset:
     #: language task: the rows a prompt is encoded as (splitlab.data.language.encode_prompt): text
     #: (as it is), prompt/completion ([bos] prompt), messages (the chat template) or e2e
     rows: str = "text"
+    #: packing=true: the training sequences' segment ids (N, T), which row of its sequence each
+    #: position holds (data/text_rows.py `pack`); None: one row per sequence
+    train_segments: torch.Tensor | None = None
 
     def inputs(self, x: torch.Tensor) -> torch.Tensor:
         """Model inputs from a batch of stored samples."""
@@ -561,6 +564,7 @@ class TextSource:
     data_file: Path | None = None  # dataset=jsonl
     test_file: Path | None = None
     truncation: str = "refuse"  # rows longer than a sequence: refuse | left | right (data/text_rows.py)
+    packing: bool = False  # several training rows to a sequence (data/text_rows.py `pack`)
 
 
 #: Language datasets (shakespeare_lm, e2e, jsonl, hf_disk): name -> loader(TextSource), registered
@@ -594,17 +598,18 @@ def load_dataset(
     data_file: str | os.PathLike | None = None,
     test_file: str | os.PathLike | None = None,
     truncation: str = "refuse",
+    packing: bool = False,
 ) -> Dataset:
     """Load a registered dataset; repeated calls with the same arguments return the cached one.
     `seq_len`: tokens per sequence of a language dataset (None: its default); refused for others.
     `tokenizer_dir`: a language dataset is tokenised by the tokenizer in that model folder (model=hf).
     `data_file`, `test_file`: the files of dataset=jsonl; `truncation`: how rows longer than a
-    sequence are cut (data/text_rows.py)."""
+    sequence are cut (data/text_rows.py); `packing`: several training rows to a sequence."""
     _check_name(name)
     if seq_len is not None and name not in SEQUENCE_DATASETS:
         raise UserError(f"seq_len= applies to language datasets ({', '.join(sorted(SEQUENCE_DATASETS))}), not {name}")
     source = TextSource(
-        _resolve(data_dir), seq_len, tokenizer_dir, _resolve(data_file), _resolve(test_file), truncation
+        _resolve(data_dir), seq_len, tokenizer_dir, _resolve(data_file), _resolve(test_file), truncation, packing
     )
     return _load_cached(name, seed, os.environ.get(DATA_ENV), source)
 

@@ -106,7 +106,7 @@ def _e2e(source: TextSource) -> Dataset:
             "rows": json_tensor({"form": "e2e", "prompts": prompts, "references": texts}),
         }
 
-    return _masked_dataset("e2e", cached(key, tokenise), tokenizer, seq_len)
+    return _masked_dataset("e2e", cached(key, tokenise), tokenizer, seq_len, source.packing)
 
 
 def _jsonl(source: TextSource) -> Dataset:
@@ -162,7 +162,7 @@ def _rows_dataset(
         prompts, texts = text_rows.references(test, tokenizer)
         return tensors | {"rows": json_tensor({"form": train.form, "prompts": prompts, "references": texts})}
 
-    return _masked_dataset(name, cached(key, tokenise), tokenizer, seq_len)
+    return _masked_dataset(name, cached(key, tokenise), tokenizer, seq_len, source.packing)
 
 
 def _hold_out(rows: Rows) -> tuple[Rows, Rows]:
@@ -181,12 +181,24 @@ def _hold_out(rows: Rows) -> tuple[Rows, Rows]:
     return pick(~test), pick(test)
 
 
-def _masked_dataset(name: str, tensors: dict[str, torch.Tensor], tokenizer: Any, seq_len: int) -> Dataset:
+def _masked_dataset(
+    name: str, tensors: dict[str, torch.Tensor], tokenizer: Any, seq_len: int, packing: bool = False
+) -> Dataset:
     """The `Dataset` of tokens and loss masks of both splits (`{split}_tokens`, `{split}_mask`), and
-    `rows`: their format, the test prompts and their references (JSON, `json_tensor`)."""
+    `rows`: their format, the test prompts and their references (JSON, `json_tensor`). With
+    `packing` the training rows are packed (after the token cache, which stays one row a sequence);
+    the test rows stay one a sequence, so evaluation is as without."""
     rows = from_json_tensor(tensors["rows"])
     references = References(rows["prompts"], rows["references"], tokenizer) if rows["prompts"] else None
     train_x, train_y = targets_of(tensors["train_tokens"], tensors["train_mask"])
+    segments = None
+    if packing:
+        if rows["form"] == "text":
+            raise UserError(
+                f"packing=true packs rows of prompt + completion or messages; {name}'s rows are text "
+                "(each already a whole sequence)"
+            )
+        train_x, train_y, segments = text_rows.pack(train_x, train_y, text_rows.pad_id(tokenizer))
     test_x, test_y = targets_of(tensors["test_tokens"], tensors["test_mask"])
     characters = isinstance(tokenizer, shakespeare.CharacterTokenizer)
     return Dataset(
@@ -201,6 +213,7 @@ def _masked_dataset(name: str, tensors: dict[str, torch.Tensor], tokenizer: Any,
         vocabulary=shakespeare.VOCAB if characters else None,
         references=references,
         rows=rows["form"],
+        train_segments=segments,
     )
 
 

@@ -204,6 +204,8 @@ class Checks:
         1 to batch_size."""
         if self.blueprint.config.tail_cut is not None:
             keys = tuple(key for key in keys if key != "labels")
+        if self.blueprint.config.packing and "smashed" in keys:  # with the batch's segment ids
+            keys = (*keys, "segments")
         if not isinstance(result, dict) or set(result) != set(keys):
             held = sorted(map(str, result)) if isinstance(result, dict) else type(result).__name__
             raise Refused(f"{verb} returns exactly {sorted(keys)}, the result holds {held}")
@@ -213,6 +215,8 @@ class Checks:
             batch = self._smashed_batch(result["smashed"], 0 if verb == "route" else 1, most)
         if "labels" in result:
             self._labels(_tensor(result, "labels"), batch)
+        if "segments" in result:
+            self._segments(_tensor(result, "segments"), batch)
         if "tail_grad" in result:  # tail_step(step, output): the gradient at the output sent
             grad, output = self._tail_grad(result["tail_grad"]), args[1]
             if grad.dtype != output.dtype or grad.shape != output.shape:
@@ -241,6 +245,15 @@ class Checks:
         except ValueError as error:
             raise Refused(f"tail_grad: {error}") from None
         return _tensor(message, "grad")
+
+    def _segments(self, segments: torch.Tensor, batch: int | None) -> None:
+        """packing=true: which row of its sequence each position holds, int64 (B, T), nondecreasing
+        along T from 0 (models/packed.py), B the batch's."""
+        want = (batch, self.blueprint.input_shape[0])
+        if segments.dtype != torch.int64 or segments.dim() != 2 or tuple(segments.shape) != want:
+            raise Refused(f"segments are {_form(segments)}, expected torch.int64 {want}")
+        if bool((segments[:, :1] != 0).any()) or bool((segments.diff(dim=1) < 0).any()):
+            raise Refused("segments are not nondecreasing from 0 along each sequence")
 
     def _labels(self, labels: torch.Tensor, batch: int | None) -> None:
         """The task's targets of `batch` samples: int64 (B,) classes in [0, classes), or for a
