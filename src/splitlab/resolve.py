@@ -131,6 +131,11 @@ def check_fp16(run: RunConfig) -> None:
         raise UserError(f"precision=fp16 does not apply here: {why}; precision=bf16 needs no loss scaling")
 
 
+def as_typed(value: object) -> str:
+    """A key's value as a user types it: true/false, none, else as it is."""
+    return "none" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def check_federated(run: RunConfig) -> None:
     """The federated half's keys (FedProx, FedOpt, SCAFFOLD) where they hold, or one line: on an
     algorithm whose sync server averages client parts (`Algorithm.averaged`), the server optimizer
@@ -159,8 +164,7 @@ def check_federated(run: RunConfig) -> None:
             "steps: give optimizer=sgd without momentum"
         )
     if why:
-        shown = str(value).lower() if isinstance(value, bool) else value
-        raise UserError(f"{key}={shown} does not apply to algorithm={run.algorithm}: {why}")
+        raise UserError(f"{key}={as_typed(value)} does not apply to algorithm={run.algorithm}: {why}")
 
 
 def secure_aggregation_refusal(run: RunConfig) -> str:
@@ -240,8 +244,7 @@ def check_vectorize(run: RunConfig) -> None:
         why = f"algorithm={run.algorithm} does not declare it (supports_vectorize: fedavg and sfl_v1 do)"
     for key, (value, needed) in given.items():
         if not why and value != needed:
-            shown = lambda v: "none" if v is None else str(v).lower() if isinstance(v, bool) else v  # noqa: E731
-            why = f"it needs {key}={shown(needed)}, not {key}={shown(value)}"
+            why = f"it needs {key}={as_typed(needed)}, not {key}={as_typed(value)}"
     if why:
         raise UserError(f"vectorize=true does not apply here: {why}")
 
