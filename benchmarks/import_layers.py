@@ -33,7 +33,7 @@ LAYERS: list[tuple[str, ...]] = [
         "splitlab.codec",
         "splitlab.ledger",
     ),
-    ("splitlab.losses", "splitlab.augment", "splitlab.schedules"),  # the named options
+    ("splitlab.losses", "splitlab.augment", "splitlab.schedules", "splitlab.optimizers"),  # the named options
     ("splitlab.config", "splitlab.plugins"),  # the settings
     ("splitlab.data", "splitlab.models", "splitlab.generation"),  # generation: decoding logits, below the runs
     ("splitlab.privacy",),  # what the roles use: defenses, keys, record, accounting

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import quick
+from helpers import global_weights, quick
 from splitlab.data import DATASETS, Dataset
 from splitlab.data.datasets import Prepared, scale_and_normalize
 from splitlab.engine import build
@@ -96,3 +96,26 @@ def test_prepared_answers_like_a_tensor_of_the_inputs():
     assert len(x) == 2 and x.shape == (2, 1, 3, 4) and x.dtype == torch.float32 and x.element_size() == 4
     assert x.device == stored.device and x.to("cpu").stored is not None
     assert torch.equal(x[torch.tensor([1])], (stored[1:].float() / 255 - 0.5) / 0.5)
+
+
+def test_client_samples_are_prepared_once_a_run_within_the_budget_and_each_visit_beyond_it(monkeypatch):
+    """Kept prepared (the budget allows), a client visited again prepares nothing; beyond the
+    budget it prepares its samples at each visit: the same weights either way."""
+
+    def trained():
+        experiment = build(config(algorithm="fedavg"))
+        CALLS.clear()  # the test set's and the checks', when the run is built
+        for rnd in range(3):
+            experiment.algorithm.run_round(rnd, experiment.clients)
+        return experiment
+
+    kept = trained()
+    client_sizes = sorted(node.num_samples for node in kept.roles.clients)
+    assert sorted(CALLS) == client_sizes  # each client's samples, once in 3 rounds
+    assert all(node._prepared is not None for node in kept.roles.clients)
+    monkeypatch.setattr("splitlab.roles.PREPARED_BUDGET", 0)
+    again = trained()
+    assert sorted(CALLS) == sorted(client_sizes * 3)
+    assert all(node._prepared is None for node in again.roles.clients)
+    for name, weight in global_weights(kept).items():
+        assert torch.equal(weight, global_weights(again)[name])

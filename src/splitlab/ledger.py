@@ -8,7 +8,7 @@ shapes alone. Verbs declare the kinds of their tensors and transports count them
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -60,11 +60,18 @@ def payload_bytes(payload: object) -> int:
     """numel x element size of every tensor in a nest of tensors, dicts, lists and tuples."""
     if isinstance(payload, torch.Tensor):
         return payload.nbytes
-    if isinstance(payload, (list, tuple)):
-        return sum(payload_bytes(v) for v in payload)
-    if isinstance(payload, (dict, Mapping)):  # dict first: an ABC's check is slow
-        return sum(payload_bytes(v) for v in payload.values())
-    return 0
+    if isinstance(payload, dict):  # dict first: an ABC's check is slow
+        values: Iterable[object] = payload.values()
+    elif isinstance(payload, (list, tuple)):
+        values = payload
+    elif isinstance(payload, Mapping):
+        values = payload.values()
+    else:
+        return 0
+    total = 0
+    for value in values:  # a tensor counted here, not through another call: a model's state is many
+        total += value.nbytes if isinstance(value, torch.Tensor) else payload_bytes(value)
+    return total
 
 
 class Ledger:

@@ -50,6 +50,7 @@ from splitlab.models import (
 )
 from splitlab.models.lora import load_init
 from splitlab.models.trainable import hold_frozen_in
+from splitlab.optimizers import PlainSGD
 from splitlab.privacy import defenses, keys
 from splitlab.privacy.defenses import Defense, decode
 from splitlab.privacy.record import Recorder
@@ -95,6 +96,11 @@ images: 5.0 s in batches of 256, 6.7 s in batches of 2048) and keep evaluation f
 run's peak memory (batches of 2048 added 457 MB to a 12k-sample Fashion-MNIST run)."""
 
 
+PREPARED_BUDGET = 512 << 20
+"""Bytes of prepared samples (normalised float images) the clients of one process keep across
+rounds: all of Fashion-MNIST's 60,000 (188 MB); a larger dataset's first clients' samples."""
+
+
 @dataclass
 class Blueprint:
     """What any role can build from the run's configuration alone, identically in every process."""
@@ -128,6 +134,8 @@ class Blueprint:
     _stateless: weakref.WeakKeyDictionary[nn.Module, dict[float | None, torch.optim.Optimizer]] = field(
         default_factory=weakref.WeakKeyDictionary
     )
+    #: bytes of clients' samples held prepared across rounds in this process (`keep_prepared`)
+    _prepared_bytes: int = 0
 
     def __post_init__(self) -> None:
         training_device(self.device, self.config.deterministic)  # deterministic=false: this process's kernels
@@ -226,6 +234,15 @@ class Blueprint:
             self._initial[slot] = self.builders[slot](self)
         return self._initial[slot]
 
+    def keep_prepared(self, samples: torch.Tensor) -> bool:
+        """Whether a client may keep its samples prepared (as model inputs) from round to round:
+        while this process's clients hold under PREPARED_BUDGET bytes of them. Kept, a client visited
+        again prepares nothing; beyond the budget, it prepares them again at each visit."""
+        if self._prepared_bytes + samples.nbytes > PREPARED_BUDGET:
+            return False
+        self._prepared_bytes += samples.nbytes
+        return True
+
     def rng(self, rnd: int, stream: int, *keys: int) -> np.random.Generator:
         return random_stream(self.config.seed, rnd, stream, *keys)
 
@@ -238,7 +255,7 @@ class Blueprint:
             return torch.optim.Adam(params, lr=lr, weight_decay=cfg.weight_decay, foreach=True)
         if cfg.optimizer == "adamw":
             return torch.optim.AdamW(params, lr=lr, weight_decay=cfg.weight_decay, foreach=True)
-        return torch.optim.SGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=True)
+        return PlainSGD(params, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay, foreach=True)
 
     def working_optimizer(self, module: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
         """The optimizer of a working copy, which starts afresh at every visit: a new one, except
@@ -675,6 +692,8 @@ class ClientNode(Role[ParamsT]):
         self.batch_segments: torch.Tensor | None = None
         #: stored samples -> model inputs, batch by batch (uint8 images stay uint8 until used)
         self.prepare = prepare
+        #: the samples prepared, kept across rounds (`Blueprint.keep_prepared`); None until then
+        self._prepared: torch.Tensor | None = None
         self.stash: dict[int, Any] = {}
         self._batches: Iterator[tuple[torch.Tensor, torch.Tensor]] = iter(())
         self._releases = 0
@@ -711,10 +730,14 @@ class ClientNode(Role[ParamsT]):
         cfg, augment = self.blueprint.config, self.blueprint.augment
         steps = self.blueprint.steps_per_round(cfg, self.num_samples)
         # a round that draws every sample prepares them all at once, not batch by batch (the same
-        # values: `prepare` works sample by sample); its float copy lives for the round only
-        whole = None
-        if not augment and self.prepare is not None and steps * Blueprint.step_batch(cfg) >= self.num_samples:
+        # values: `prepare` works sample by sample), and keeps them for the next rounds if the
+        # process's budget allows; otherwise its float copy lives for the round only
+        whole = self._prepared
+        drawn = steps * Blueprint.step_batch(cfg) >= self.num_samples
+        if whole is None and not augment and self.prepare is not None and drawn:
             whole = self.prepare(self.x)
+            if self.blueprint.keep_prepared(whole):
+                self._prepared = whole
 
         def passes() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
             for epoch in range(cfg.local_epochs):
@@ -947,7 +970,7 @@ class ClientNode(Role[ParamsT]):
     def end_round(self) -> None:
         if self.stash:
             raise RuntimeError(f"client {self.id} ends the round with steps {sorted(self.stash)} awaiting gradients")
-        self._batches = iter(())  # with them, the round's prepared samples
+        self._batches = iter(())  # with them, the round's prepared samples (unless kept)
         super().end_round()
 
 
