@@ -241,7 +241,8 @@ def check_vectorize(run: RunConfig) -> None:
     }
     why = ""
     if not get_algorithm(run.algorithm).supports_vectorize:
-        why = f"algorithm={run.algorithm} does not declare it (supports_vectorize: fedavg and sfl_v1 do)"
+        takers = sorted(name for name, cls in algorithms().items() if cls.supports_vectorize)
+        why = f"algorithm={run.algorithm} does not declare it (supports_vectorize: {_listed(takers)} do)"
     for key, (value, needed) in given.items():
         if not why and value != needed:
             why = f"it needs {key}={as_typed(needed)}, not {key}={as_typed(value)}"

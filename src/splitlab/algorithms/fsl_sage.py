@@ -240,12 +240,8 @@ class FSLSAGE(AuxiliaryFSL, Algorithm[FSLSAGEParams]):
     Client = SageClient
     Server = SageServer
 
-    def start_round(self, clients: list[ClientInfo]) -> None:
-        for client in clients:
-            self.download(client.id)
-
     def finish_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        self.federated_average(clients)
+        """The S-server's alignment of the round's clients' aux models (Algorithm 3)."""
         lazy_until = self.params.lazy_until
         if rnd % self.params.align_interval == 0 and (lazy_until is None or rnd < lazy_until):
             for client in self.finished(clients):  # one that dropped out keeps the aux model it has
