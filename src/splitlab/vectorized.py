@@ -17,16 +17,18 @@ only in process, where one computation can stand in for many clients' roles.
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.func import functional_call, grad_and_value, vmap
+from torch.func import functional_call, grad_and_value, vjp, vmap
 
 from splitlab.errors import NonFiniteStep, UserError
 from splitlab.ledger import Ledger, payload_bytes
+from splitlab.privacy.defenses import decode
 from splitlab.roles import Blueprint, ClientNode, State
 
 VECTORIZE_BUDGET = 1 << 30
@@ -128,8 +130,65 @@ class Together:
         the steps `sends(step)` each client sends its smashed data (the first part's output, from the
         weights it stepped from) and labels, counted as its verb would count them. Yields each
         cohort trained; the parts that are the clients' own are given back to them before."""
-        cfg = self.blueprint.config
         model = self.model(tuple(part.slot for part in parts))
+        own = [(f"{i}.", part.slot) for i, part in enumerate(parts) if part.start is None and part.trained]
+        for cohort in self._cohorts(rnd, clients, parts, model):
+            losses, sent = self._train_cohort(cohort, model, per_step, sends)
+            for prefix, slot in own:
+                self._give_back(cohort, slot, prefix)
+            yield Trained(cohort.clients, cohort.weights, losses, sent)
+
+    def train_split(
+        self,
+        rnd: int,
+        clients: list[int],
+        start: State,
+        order: Iterable[tuple[int, int]],
+        server_step: Callable[[int, State], torch.Tensor],
+    ) -> list[Trained]:
+        """SplitFed-v2's interleaved steps: every client of `clients` trains the client part from
+        `start` for its round's local steps, each step split around the server's. At every local
+        step the clients' forward passes run together (a cohort at a time), then the server takes
+        their smashed data and labels one after another in `order` (client id, step: the server's
+        order), `server_step(client, message)` giving back each one's cut gradient, then the
+        clients' backward passes and steps run together. A client's forward pass needs only its
+        own previous steps, so this is the order of one step at a time exactly; every cohort's
+        weights are alive for the whole round, as every client's copy is then."""
+        model = self.model(("client_model",))
+        cohorts = list(self._cohorts(rnd, clients, [Part("client_model", start)], model))
+        forward = vmap(lambda weights, x: _outputs(model, weights, x)[-1])
+        for step, turns in itertools.groupby(order, key=lambda turn: turn[1]):
+            waiting: dict[int, tuple[State, torch.Tensor, int]] = {}  # by client: its message, cut gradients, row
+            backward = []
+            for cohort in cohorts:
+                training = sum(1 for n in cohort.steps if n > step)  # the first rows: steps sorted, most first
+                if not training:
+                    continue
+                batches = [self.nodes[k].next_batch() for k in cohort.clients[:training]]
+                x, _, _ = _padded(batches)
+                rows = {name: t[:training] for name, t in cohort.weights.items()}
+                smashed, pullback = vjp(lambda weights, x=x: forward(weights, x), rows)[:2]
+                cut = torch.zeros_like(smashed)
+                for row, (k, (_, labels)) in enumerate(zip(cohort.clients, batches)):
+                    waiting[k] = {"smashed": smashed[row, : len(labels)].detach(), "labels": labels}, cut, row
+                backward.append((cohort, rows, pullback, cut, training))
+            for k, _ in turns:  # the server's steps, one after another in its order
+                message, cut, row = waiting.pop(k)
+                for kind, tensor in message.items():
+                    self.count(kind, payload_bytes(tensor), k)
+                grad = server_step(k, message)
+                self.count("cut_grad", payload_bytes(grad), k)
+                cut[row, : len(message["labels"])] = decode(grad)
+            for cohort, rows, pullback, cut, training in backward:
+                (grads,) = pullback(cut)
+                cohort.optimizer.step(rows, grads, training)
+        return [Trained(cohort.clients, cohort.weights, [], {}) for cohort in cohorts]
+
+    def _cohorts(self, rnd: int, clients: list[int], parts: list[Part], model: nn.Sequential) -> Iterator[Cohort]:
+        """`clients` sorted by their round's steps, most first, in cohorts of at most `cohort_size`
+        (by default as many as fit VECTORIZE_BUDGET), each with its rows of the parts' weights
+        and an optimizer over those trained (continuing the clients' own where a part is theirs)."""
+        cfg = self.blueprint.config
         numel = [sum(p.numel() for p in module.parameters() if p.requires_grad) for module in model]
         trained = sum(n for part, n in zip(parts, numel) if part.trained)
         row_bytes = 4 * (trained * (4 if cfg.optimizer != "sgd" else 3) + sum(numel) - trained)
@@ -137,23 +196,19 @@ class Together:
         steps = {k: self.blueprint.steps_per_round(cfg, self.nodes[k].num_samples) for k in clients}
         ordered = sorted(clients, key=lambda k: -steps[k])  # stable: client order among equals
         for first in range(0, len(ordered), size):
-            cohort = ordered[first : first + size]
+            members = ordered[first : first + size]
             weights: dict[str, torch.Tensor] = {}
             fixed: dict[str, torch.Tensor] = {}
             for i, (part, module) in enumerate(zip(parts, model)):
                 for name, p in module.named_parameters():
                     if p.requires_grad:
-                        (weights if part.trained else fixed)[f"{i}.{name}"] = self._rows(cohort, part, name, p)
+                        (weights if part.trained else fixed)[f"{i}.{name}"] = self._rows(members, part, name, p)
             optimizer = StackedOptimizer(self.blueprint, rnd, weights)
-            own = [(f"{i}.", part.slot) for i, part in enumerate(parts) if part.start is None and part.trained]
-            for prefix, slot in own:
-                optimizer.load_own(prefix, [self.nodes[k].optimizer(slot) for k in cohort], self._params(cohort, slot))
-            losses, sent = self._train_cohort(
-                cohort, [steps[k] for k in cohort], model, weights, fixed, optimizer, per_step, sends
-            )
-            for prefix, slot in own:
-                self._give_back(cohort, slot, prefix, weights, optimizer)
-            yield Trained(cohort, weights, losses, sent)
+            for i, part in enumerate(parts):
+                if part.start is None and part.trained:
+                    optimizers = [self.nodes[k].optimizer(part.slot) for k in members]
+                    optimizer.load_own(f"{i}.", optimizers, self._params(members, part.slot))
+            yield Cohort(members, [steps[k] for k in members], weights, fixed, optimizer)
 
     def _params(self, cohort: list[int], slot: str) -> list[dict[str, nn.Parameter]]:
         return [dict(self.nodes[k].model(slot).named_parameters()) for k in cohort]
@@ -164,59 +219,50 @@ class Together:
             return part.start[name].detach().unsqueeze(0).repeat(len(cohort), *[1] * like.dim())
         return torch.stack([params[name].detach() for params in self._params(cohort, part.slot)])
 
-    def _give_back(
-        self, cohort: list[int], slot: str, prefix: str, weights: dict[str, torch.Tensor], optimizer: StackedOptimizer
-    ) -> None:
+    def _give_back(self, cohort: Cohort, slot: str, prefix: str) -> None:
         """Each client of `cohort` gets its row of the part `prefix` back into its own `slot`, and
         its optimizer the state of that row."""
-        for row, (k, params) in enumerate(zip(cohort, self._params(cohort, slot))):
+        for row, (k, params) in enumerate(zip(cohort.clients, self._params(cohort.clients, slot))):
             torch_optimizer = self.nodes[k].optimizer(slot)
             for name, param in params.items():
                 with torch.no_grad():
-                    param.copy_(weights[prefix + name][row])
-                state = optimizer.row_state(prefix + name, row)
+                    param.copy_(cohort.weights[prefix + name][row])
+                state = cohort.optimizer.row_state(prefix + name, row)
                 if state:
                     torch_optimizer.state[param] = state
 
     def _train_cohort(
         self,
-        cohort: list[int],
-        steps: list[int],
+        cohort: Cohort,
         model: nn.Sequential,
-        weights: dict[str, torch.Tensor],
-        fixed: dict[str, torch.Tensor],
-        optimizer: StackedOptimizer,
         per_step: Callable[[int, torch.Tensor], None] | None,
         sends: Callable[[int], bool] | None,
     ) -> tuple[list[list[torch.Tensor]], dict[tuple[int, int], State]]:
         loss = self.blueprint.loss
 
         def client_loss(
-            params: dict[str, torch.Tensor],
-            held: dict[str, torch.Tensor],
+            weights: dict[str, torch.Tensor],
+            fixed: dict[str, torch.Tensor],
             x: torch.Tensor,
             y: torch.Tensor,
             w: torch.Tensor,
         ) -> tuple[torch.Tensor, torch.Tensor]:
             """The loss of the parts one after another, and the first part's output (the smashed data)."""
-            values, h, smashed = {**params, **held}, x, x
-            for i, part in enumerate(model):
-                of_part = {n.partition(".")[2]: t for n, t in values.items() if n.partition(".")[0] == str(i)}
-                h = functional_call(part, of_part, (h,))
-                smashed = h if i == 0 else smashed
-            return loss.weighted(h, y, w), smashed
+            outputs = _outputs(model, {**weights, **fixed}, x)
+            return loss.weighted(outputs[-1], y, w), outputs[0]
 
         gradient = vmap(grad_and_value(client_loss, has_aux=True))
-        losses: list[list[torch.Tensor]] = [[] for _ in cohort]
+        losses: list[list[torch.Tensor]] = [[] for _ in cohort.clients]
         sent: dict[tuple[int, int], State] = {}
-        for step in range(max(steps)):
-            training = sum(1 for n in steps if n > step)  # the first rows: steps sorted, most first
-            batches = [self.nodes[k].next_batch() for k in cohort[:training]]
+        for step in range(max(cohort.steps)):
+            training = sum(1 for n in cohort.steps if n > step)  # the first rows: steps sorted, most first
+            batches = [self.nodes[k].next_batch() for k in cohort.clients[:training]]
             x, y, w = _padded(batches)
-            rows = {name: t[:training] for name, t in weights.items()}
-            grads, (values, smashed) = gradient(rows, {name: t[:training] for name, t in fixed.items()}, x, y, w)
-            optimizer.step(rows, grads, training)
-            for row, (k, (_, labels)) in enumerate(zip(cohort, batches)):
+            rows = {name: t[:training] for name, t in cohort.weights.items()}
+            fixed = {name: t[:training] for name, t in cohort.fixed.items()}
+            grads, (values, smashed) = gradient(rows, fixed, x, y, w)
+            cohort.optimizer.step(rows, grads, training)
+            for row, (k, (_, labels)) in enumerate(zip(cohort.clients, batches)):
                 losses[row].append(values[row].detach())
                 if per_step is not None:
                     per_step(k, labels)
@@ -230,6 +276,29 @@ class Together:
             value = next(float(v) for row in losses for v in row if not math.isfinite(float(v)))
             raise NonFiniteStep("loss", value)
         return losses, sent
+
+
+@dataclass
+class Cohort:
+    """Clients trained as one: their ids (most steps first), their steps in the round, their rows
+    of the weights trained and of those held fixed, and the optimizer of the former."""
+
+    clients: list[int]
+    steps: list[int]
+    weights: dict[str, torch.Tensor]
+    fixed: dict[str, torch.Tensor]
+    optimizer: StackedOptimizer
+
+
+def _outputs(model: nn.Sequential, weights: dict[str, torch.Tensor], x: torch.Tensor) -> list[torch.Tensor]:
+    """The output of each part of `model` in turn, with `weights` (`<part>.<name>`; those of a
+    part not given are the template's own)."""
+    outputs = []
+    for i, part in enumerate(model):
+        prefix = f"{i}."
+        x = functional_call(part, {n.removeprefix(prefix): t for n, t in weights.items() if n.startswith(prefix)}, (x,))
+        outputs.append(x)
+    return outputs
 
 
 def _padded(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,6 +18,7 @@ ALGORITHMS = {
     "psl": {},
     "cse_fsl": dict(server_update_interval=2),
     "fsl_sage": dict(server_update_interval=2, align_epochs=1),
+    "sfl_v2": {},
 }
 
 OPTIMIZERS = [
@@ -83,9 +84,13 @@ def test_vectorized_cohorts_of_any_size_agree():
     "settings,said",
     [
         (
-            dict(algorithm="sfl_v2"),
-            r"algorithm=sfl_v2 does not declare it \(supports_vectorize: cse_fsl, fedavg, fsl_sage, psl and "
-            r"sfl_v1 do\)$",
+            dict(algorithm="sglr"),
+            r"algorithm=sglr does not declare it \(supports_vectorize: cse_fsl, fedavg, fsl_sage, psl, sfl_v1 and "
+            r"sfl_v2 do\)$",
+        ),
+        (
+            dict(algorithm="sfl_v2", server_schedule="sequential"),
+            "server_schedule=sequential trains one client at a time, each all its steps with the server$",
         ),
         (dict(algorithm="fedavg", transport="serialized"), "it needs transport=direct, not transport=serialized"),
         (dict(algorithm="sfl_v1", precision="bf16"), "it needs precision=fp32, not precision=bf16"),

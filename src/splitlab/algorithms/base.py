@@ -40,7 +40,7 @@ from splitlab.roles import (
 )
 from splitlab.transport import ClientDropped, Proxy
 from splitlab.u_shaped import UShapedClient
-from splitlab.vectorized import Part, Together
+from splitlab.vectorized import Part, Together, Trained
 
 STREAM_ORDER = register_stream("order", 2)
 
@@ -174,6 +174,12 @@ class Algorithm(Generic[ParamsT]):
     #: it runs packing=true: every server step is `split_step`'s, which hands the server the
     #: batch's segment ids with its smashed data (no step of its own on a client's or a whole model)
     supports_packing: ClassVar[bool] = False
+
+    @staticmethod
+    def not_vectorized(params: Any) -> str:
+        """With `supports_vectorize`: why the algorithm's own settings `params` leave no clients'
+        steps to run together (one line); empty where they do."""
+        return ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -510,11 +516,7 @@ class Algorithm(Generic[ParamsT]):
             weights = [alphas[k] for k in trained.clients]
             for i, (part, kind) in enumerate(zip(spec, parts.values())):
                 if kind == "averaged":
-                    self.sync.add(part.slot, trained.weighted_mean(weights, f"{i}."), sum(weights))
-                    nbytes = payload_bytes(typing.cast(State, part.start))
-                    for k in trained.clients:
-                        together.count(f"{part.slot}_down", nbytes, k)
-                        together.count(f"{part.slot}_up", nbytes, k)
+                    self.add_together(trained, alphas, i, part)
                 elif kind == "server copy":
                     self.server.fold_state(trained.weighted_mean(weights, f"{i}."), sum(weights))
             if sends is None:
@@ -522,6 +524,35 @@ class Algorithm(Generic[ParamsT]):
                     self.track(loss)
             sent.update(trained.sent)
         return sent
+
+    def interleaved_together(self, rnd: int, clients: list[ClientInfo]) -> None:
+        """vectorize=true: SplitFed-v2's interleaved round (`ctx.interleaved`) of split steps on the
+        training server's one server part, every client's client part from the sync server's and
+        back into its running average (splitlab.vectorized's `train_split`); counted in the ledger
+        and tracked as `download`, `split_step` and `contribute` would."""
+        together = typing.cast(Together, self.ctx.together)
+        alphas = dict(zip((c.id for c in clients), self.ctx.weights(clients)))
+        part = Part("client_model", self.sync.model_state("client_model"))
+        order = ((clients[k].id, step) for k, step in self.ctx.interleaved(rnd, clients))
+        for trained in together.train_split(rnd, list(alphas), typing.cast(State, part.start), order, self.server_step):
+            self.add_together(trained, alphas, 0, part)
+
+    def server_step(self, client_id: int, sent: State) -> Any:
+        """The training server's step on what a client sent; its loss tracked, the cut gradient returned."""
+        reply = self.on_data_of(client_id, "train_step", sent["smashed"], sent["labels"])
+        self.track(self.step_loss(sent, reply), reply.get("grad_norm"))
+        return reply["cut_grad"]
+
+    def add_together(self, trained: Trained, alphas: dict[int, float], index: int, part: Part) -> None:
+        """A cohort's weighted mean of the averaged part `index` into the sync server's running
+        average, with the cohort's share of the weights; counted down and up for each client."""
+        together = typing.cast(Together, self.ctx.together)
+        weights = [alphas[k] for k in trained.clients]
+        self.sync.add(part.slot, trained.weighted_mean(weights, f"{index}."), sum(weights))
+        nbytes = payload_bytes(typing.cast(State, part.start))
+        for k in trained.clients:
+            together.count(f"{part.slot}_down", nbytes, k)
+            together.count(f"{part.slot}_up", nbytes, k)
 
     def count_split_step(self, client_id: int, labels: torch.Tensor) -> None:
         """What a split step of vectorize=true sends: the smashed data and labels up, their cut gradient down."""

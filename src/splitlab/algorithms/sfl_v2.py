@@ -40,9 +40,19 @@ class SFLV2(Algorithm[SFLV2Params]):
     clips_whole_model = True
     can_keep_client_optimizer = True
     supports_packing = True
+    supports_vectorize = True
+
+    @staticmethod
+    def not_vectorized(params: SFLV2Params) -> str:
+        if params.server_schedule == "sequential":
+            return "server_schedule=sequential trains one client at a time, each all its steps with the server"
+        return ""
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        if self.params.server_schedule == "interleaved":
+        if self.ctx.together is not None:  # the clients' halves of each step together, the server's in turn
+            self.interleaved_together(rnd, clients)
+            self.average("client_model")
+        elif self.params.server_schedule == "interleaved":
             for client in clients:
                 self.download(client.id)
             for k, step in self.ctx.interleaved(rnd, clients):
