@@ -11,6 +11,15 @@ still training at any step are the first rows, and only those rows are computed.
 at most `cohort_size` clients (by default as many as fit VECTORIZE_BUDGET), which bounds memory.
 What each client sends and receives is counted in the ledger as its verbs would count it.
 
+The model is made of parts (`Part`): the client part, then a copy of the server part (SFL-V1,
+PSL) or an auxiliary model (CSE-FSL, FSL-SAGE); a part starts from global weights, or from each
+client's own (PSL's client parts, with their optimizers' state, given back after; FSL-SAGE's aux
+models, held fixed). Clients that send their smashed data at some steps to a server that learns
+from it without replying (CSE-FSL, FSL-SAGE) have it kept for the server, which takes it in its
+own order after. SFL-V2, whose one server part replies to every step, runs `train_split`: each
+step's client forward passes together, the server's steps one after another, the backward
+passes together.
+
 Equal to one client at a time within float rounding (batched products sum in another order);
 only in process, where one computation can stand in for many clients' roles.
 """

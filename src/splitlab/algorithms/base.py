@@ -532,12 +532,12 @@ class Algorithm(Generic[ParamsT]):
         and tracked as `download`, `split_step` and `contribute` would."""
         together = typing.cast(Together, self.ctx.together)
         alphas = dict(zip((c.id for c in clients), self.ctx.weights(clients)))
-        part = Part("client_model", self.sync.model_state("client_model"))
+        start = self.sync.model_state("client_model")
         order = ((clients[k].id, step) for k, step in self.ctx.interleaved(rnd, clients))
-        for trained in together.train_split(rnd, list(alphas), typing.cast(State, part.start), order, self.server_step):
-            self.add_together(trained, alphas, 0, part)
+        for trained in together.train_split(rnd, list(alphas), start, order, self.server_reply):
+            self.add_together(trained, alphas, 0, Part("client_model", start))
 
-    def server_step(self, client_id: int, sent: State) -> Any:
+    def server_reply(self, client_id: int, sent: State) -> Any:
         """The training server's step on what a client sent; its loss tracked, the cut gradient returned."""
         reply = self.on_data_of(client_id, "train_step", sent["smashed"], sent["labels"])
         self.track(self.step_loss(sent, reply), reply.get("grad_norm"))

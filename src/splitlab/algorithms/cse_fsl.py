@@ -114,6 +114,7 @@ class AuxiliaryFSL(Algorithm):
         return self.unless_dropped(client.id, "local_aux_step", self.sends(step))
 
     def sends(self, step: int) -> bool:
+        """Whether a client sends its smashed data and labels at local step `step`: every q-th, from the first."""
         return step % self.params.server_update_interval == 0
 
     def aux_steps_together(self, rnd: int, clients: list[ClientInfo]) -> Iterator[tuple[ClientInfo, State | None]]:

@@ -9,7 +9,10 @@ for the whole run. Two server schedules:
 - `sequential` (the original SplitFed code): clients in a random order, each running all its
   local epochs with the server before the next starts. Needs one client copy at a time.
 
-With one client both are centralized training at any cut (tested).
+With one client both are centralized training at any cut (tested). With vectorize=true the
+interleaved schedule takes each local step's client halves together: the clients' forward passes,
+then the server's steps in its random order, then their backward passes (a client's forward needs
+only its own previous steps, so this is the same order of computations).
 """
 
 from __future__ import annotations
