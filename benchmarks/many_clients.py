@@ -14,7 +14,7 @@ plain seconds, so 1.0 means as fast and below 1 faster.
 Models (`--models`): `mlp` (784-200-200-10 on Fashion-MNIST), `digits` (the MLP on the 8x8
 digits), `cnn` (the FEMNIST-shaped LEAF CNN on Fashion-MNIST's 28x28 images) and `resnet9`
 (CycleSL's ResNet-9 on CIFAR-10, whose files it needs). `--device cuda` runs every
-side on the GPU (synchronised before each clock read). `--algorithms sfl_v1 psl cse_fsl fsl_sage`
+side on the GPU (synchronised before each clock read). `--algorithms sfl_v1 sfl_v2 psl cse_fsl fsl_sage`
 times the other algorithms that run vectorize=true (at their default settings) the same way,
 sequential against vectorized, without a plain loop.
 
@@ -182,7 +182,7 @@ def main() -> None:
         "--algorithms",
         nargs="+",
         default=["fedavg"],
-        choices=("fedavg", "sfl_v1", "psl", "cse_fsl", "fsl_sage"),
+        choices=("fedavg", "sfl_v1", "sfl_v2", "psl", "cse_fsl", "fsl_sage"),
         help="those that run vectorize=true; the plain loop is FedAvg's only",
     )
     parser.add_argument("--workloads", nargs="+", default=["100/10", "100/100", "1000/100"], help="K/per-round")
