@@ -95,6 +95,11 @@ class Part:
     start: State | None = None
     trained: bool = True
 
+    @property
+    def continued(self) -> bool:
+        """Each client's own part, trained: its weights and optimizer continue the client's, and go back to it."""
+        return self.start is None and self.trained
+
 
 class Together:
     """The client nodes of this process, trained a cohort at a time (Context.together)."""
@@ -140,7 +145,7 @@ class Together:
         weights it stepped from) and labels, counted as its verb would count them. Yields each
         cohort trained; the parts that are the clients' own are given back to them before."""
         model = self.model(tuple(part.slot for part in parts))
-        own = [(f"{i}.", part.slot) for i, part in enumerate(parts) if part.start is None and part.trained]
+        own = [(f"{i}.", part.slot) for i, part in enumerate(parts) if part.continued]
         for cohort in self._cohorts(rnd, clients, parts, model):
             losses, sent = self._train_cohort(cohort, model, per_step, sends)
             for prefix, slot in own:
@@ -214,7 +219,7 @@ class Together:
                         (weights if part.trained else fixed)[f"{i}.{name}"] = self._rows(members, part, name, p)
             optimizer = StackedOptimizer(self.blueprint, rnd, weights)
             for i, part in enumerate(parts):
-                if part.start is None and part.trained:
+                if part.continued:
                     optimizers = [self.nodes[k].optimizer(part.slot) for k in members]
                     optimizer.load_own(f"{i}.", optimizers, self._params(members, part.slot))
             yield Cohort(members, [steps[k] for k in members], weights, fixed, optimizer)
