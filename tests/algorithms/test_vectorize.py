@@ -34,9 +34,8 @@ def every_weight(experiment) -> dict[str, torch.Tensor]:
     client parts, FSL-SAGE's aux models)."""
     roles = experiment.roles
     weights = {f"sync.{slot}.{n}": t for slot, m in roles.sync.models.items() for n, t in m.state_dict().items()}
-    weights |= {
-        f"server.{n}": t for n, t in roles.server.models.get("server_model", torch.nn.Module()).state_dict().items()
-    }
+    server = roles.server.models.get("server_model", torch.nn.Module())  # FedAvg's has none
+    weights |= {f"server.{n}": t for n, t in server.state_dict().items()}
     for node in roles.clients:
         for slot in node.keeps & node.models.keys():
             weights |= {f"{node.id}.{slot}.{n}": t for n, t in node.models[slot].state_dict().items()}
@@ -63,6 +62,8 @@ def test_vectorized_equals_one_client_at_a_time(algorithm, opt):
     # the ledger counts what every client's verbs would have sent, byte for byte
     assert together.ledger.bytes_by_kind == alone.ledger.bytes_by_kind
     assert together.ledger.bytes_by_client == alone.ledger.bytes_by_client
+    # the same steps tracked (CSE-FSL's and FSL-SAGE's: the server's), their mean loss alike
+    assert together.algorithm.steps == alone.algorithm.steps
     assert together.algorithm.pop_train_loss() == pytest.approx(alone.algorithm.pop_train_loss(), abs=1e-5)
 
 
