@@ -14,10 +14,12 @@ plain seconds, so 1.0 means as fast and below 1 faster.
 Models (`--models`): `mlp` (784-200-200-10 on Fashion-MNIST), `digits` (the MLP on the 8x8
 digits), `cnn` (the FEMNIST-shaped LEAF CNN on Fashion-MNIST's 28x28 images) and `resnet9`
 (CycleSL's ResNet-9 on CIFAR-10, whose files it needs). `--device cuda` runs every
-side on the GPU (synchronised before each clock read).
+side on the GPU (synchronised before each clock read). `--algorithms sfl_v1 sfl_v2 psl cse_fsl fsl_sage`
+times the other algorithms that run vectorize=true (at their default settings) the same way,
+sequential against vectorized, without a plain loop.
 
-    .venv/bin/python benchmarks/many_clients.py [--models mlp] [--workloads 100/10 100/100 1000/100]
-        [--rounds 3] [--repeats 3] [--threads 1] [--device cpu|cuda]
+    .venv/bin/python benchmarks/many_clients.py [--algorithms fedavg] [--models mlp]
+        [--workloads 100/10 100/100 1000/100] [--rounds 3] [--repeats 3] [--threads 1] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -42,9 +44,9 @@ MODELS = {
 }
 
 
-def config(model: str, clients: int, per_round: int, args: argparse.Namespace, vectorize: bool) -> dict:
+def config(algorithm: str, model: str, clients: int, per_round: int, args: argparse.Namespace, vectorize: bool) -> dict:
     return dict(
-        algorithm="fedavg",
+        algorithm=algorithm,
         **MODELS[model],
         clients=clients,
         participation=per_round / clients,
@@ -88,7 +90,8 @@ class Splitlab:
         return time.perf_counter() - started
 
     def weights(self) -> torch.Tensor:
-        return torch.cat([t.flatten().float() for t in self.experiment.algorithm.global_model()[0].values()])
+        """The global model's first part (PSL's: the server part, its clients keep their own)."""
+        return torch.cat([t.flatten().float() for t in self.experiment.algorithm.shared_model()[0].values()])
 
 
 class PlainLoop:
@@ -137,30 +140,33 @@ class PlainLoop:
         torch._foreach_copy_(self.params, self.total)
 
 
-def measure(model: str, clients: int, per_round: int, args: argparse.Namespace) -> None:
-    sequential = Splitlab(config(model, clients, per_round, args, False))
-    sides: dict[str, Splitlab | PlainLoop] = {"plain": PlainLoop(sequential), "sequential": sequential}
+def measure(algorithm: str, model: str, clients: int, per_round: int, args: argparse.Namespace) -> None:
+    """One workload's sides timed in turns: splitlab's sequential and vectorized runs, and for FedAvg the plain loop."""
+    sequential = Splitlab(config(algorithm, model, clients, per_round, args, False))
+    sides: dict[str, Splitlab | PlainLoop] = {"sequential": sequential}
+    if algorithm == "fedavg":
+        sides = {"plain": PlainLoop(sequential), **sides}
     refused = ""
     if not args.no_vectorize:
         try:
-            sides["vectorized"] = Splitlab(config(model, clients, per_round, args, True))
+            sides["vectorized"] = Splitlab(config(algorithm, model, clients, per_round, args, True))
             sides["vectorized"].rounds(1)  # warm, and where the model is checked
         except UserError as error:  # a model vectorize=true cannot run (BatchNorm, dropout)
             sides.pop("vectorized", None)
             refused = f"  vectorized: {error}"
-    for name in ("plain", "sequential"):
+    for name in sides.keys() - {"vectorized"}:
         sides[name].rounds(1)  # warm: allocator, kernels, first optimizers (vectorized: above)
     times: dict[str, list[float]] = {name: [] for name in sides}
     for repeat in range(args.repeats):
         order = list(sides) if repeat % 2 == 0 else list(reversed(sides))
         for name in order:
             times[name].append(sides[name].rounds(args.rounds) / args.rounds)
-    plain = statistics.median(times["plain"])
-    line = f"  {model:7s} K={clients:<5d} {per_round:>4d}/round  plain {plain * 1000:8.1f} ms/round"
+    line = f"  {algorithm:8s} {model:7s} K={clients:<5d} {per_round:>4d}/round"
     for name in sides:
-        if name != "plain":
-            median = statistics.median(times[name])
-            line += f"  {name} {median * 1000:8.1f} ms ({median / plain:.3f}x)"
+        median = statistics.median(times[name])
+        line += f"  {name} {median * 1000:8.1f} ms"
+        if name != "plain" and "plain" in times:
+            line += f" ({median / statistics.median(times['plain']):.3f}x)"
     if "vectorized" in sides:
         speedup = statistics.median(times["sequential"]) / statistics.median(times["vectorized"])
         line += f"  vectorize speed-up {speedup:.2f}x"
@@ -172,6 +178,13 @@ def measure(model: str, clients: int, per_round: int, args: argparse.Namespace) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["mlp"], choices=list(MODELS))
+    parser.add_argument(
+        "--algorithms",
+        nargs="+",
+        default=["fedavg"],
+        choices=("fedavg", "sfl_v1", "sfl_v2", "psl", "cse_fsl", "fsl_sage"),
+        help="those that run vectorize=true; the plain loop is FedAvg's only",
+    )
     parser.add_argument("--workloads", nargs="+", default=["100/10", "100/100", "1000/100"], help="K/per-round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per timed turn")
     parser.add_argument("--repeats", type=int, default=3, help="timed turns per side (median)")
@@ -183,13 +196,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.set_num_interop_threads(1)
     print(
-        f"FedAvg, 1 local epoch, batch 32, SGD, IID; {args.rounds} warm rounds per turn, median of {args.repeats} "
+        f"1 local epoch, batch 32, SGD, IID; {args.rounds} warm rounds per turn, median of {args.repeats} "
         f"interleaved turns; torch threads {args.threads}, device {args.device}; ratio = splitlab / plain seconds"
     )
-    for model in args.models:
-        for workload in args.workloads:
-            clients, per_round = (int(v) for v in workload.split("/"))
-            measure(model, clients, per_round, args)
+    for algorithm in args.algorithms:
+        for model in args.models:
+            for workload in args.workloads:
+                clients, per_round = (int(v) for v in workload.split("/"))
+                measure(algorithm, model, clients, per_round, args)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from splitlab.algorithms import algorithms, get_algorithm
 from splitlab.config import (
@@ -63,7 +63,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_fp16(run)
     check_federated(run)
     check_step_options(run)
-    check_vectorize(run)
+    check_vectorize(run, params)
     check_packing(run)
     check_applicable(run, raw)
     if run.eval_generate:
@@ -211,7 +211,7 @@ def check_step_options(run: RunConfig) -> None:
         )
 
 
-def check_vectorize(run: RunConfig) -> None:
+def check_vectorize(run: RunConfig, params: BaseModel) -> None:
     """vectorize=true where one batched computation can stand in for the round's clients, or one
     line saying why not (the model's own limits are checked when it is built: splitlab.vectorized)."""
     if not run.vectorize:
@@ -239,9 +239,11 @@ def check_vectorize(run: RunConfig) -> None:
         "warmup_ratio": (run.warmup_ratio, 0),
         "lr_decay": (run.lr_decay, "none"),
     }
-    why = ""
-    if not get_algorithm(run.algorithm).supports_vectorize:
-        why = f"algorithm={run.algorithm} does not declare it (supports_vectorize: fedavg and sfl_v1 do)"
+    algorithm = get_algorithm(run.algorithm)
+    why = algorithm.not_vectorized(params)
+    if not algorithm.supports_vectorize:
+        takers = sorted(name for name, cls in algorithms().items() if cls.supports_vectorize)
+        why = f"algorithm={run.algorithm} does not declare it (supports_vectorize: {_listed(takers)} do)"
     for key, (value, needed) in given.items():
         if not why and value != needed:
             why = f"it needs {key}={as_typed(needed)}, not {key}={as_typed(value)}"

@@ -3,10 +3,23 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from helpers import global_weights, max_abs_difference, quick, straight_and_resumed, train
 from splitlab.engine import build
 from splitlab.errors import UserError
+
+#: every algorithm that runs vectorize=true, with settings that make its rounds do all they can: CSE-FSL
+#: and FSL-SAGE send every second step, and FSL-SAGE aligns its aux models after round 0 (a short
+#: alignment), so that round 1's clients step on aux models of their own
+ALGORITHMS = {
+    "fedavg": {},
+    "sfl_v1": {},
+    "psl": {},
+    "cse_fsl": dict(server_update_interval=2),
+    "fsl_sage": dict(server_update_interval=2, align_epochs=1),
+    "sfl_v2": {},
+}
 
 OPTIMIZERS = [
     dict(optimizer="sgd", lr=0.05),
@@ -16,28 +29,49 @@ OPTIMIZERS = [
 ]
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "sfl_v1"])
+def every_weight(experiment) -> dict[str, torch.Tensor]:
+    """The sync server's global models, the server part and every client's own slots (PSL's
+    client parts, FSL-SAGE's aux models)."""
+    roles = experiment.roles
+    weights = {f"sync.{slot}.{n}": t for slot, m in roles.sync.models.items() for n, t in m.state_dict().items()}
+    server = roles.server.models.get("server_model", torch.nn.Module())  # FedAvg's has none
+    weights |= {f"server.{n}": t for n, t in server.state_dict().items()}
+    for node in roles.clients:
+        for slot in node.keeps & node.models.keys():
+            weights |= {f"{node.id}.{slot}.{n}": t for n, t in node.models[slot].state_dict().items()}
+    return weights
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: "-".join(map(str, o.values())))
 def test_vectorized_equals_one_client_at_a_time(algorithm, opt):
     # unequal clients (dirichlet), several steps each with a smaller last batch, and cohorts of 2
-    # of the 5 clients: every padding and slicing path runs
+    # of the 5 clients: every padding and slicing path runs; PSL's clients continue their own
+    # optimizers, unequal in steps, in round 1
     config = quick(algorithm=algorithm, clients=5, batch_size=16, partition="dirichlet:0.5", **opt)
+    config |= ALGORITHMS[algorithm]
     alone = train(2, **config)
     together = train(2, vectorize=True, cohort_size=2, **config)
-    initial = global_weights(train(0, **config))
-    assert max_abs_difference(global_weights(alone), initial) > 1e-3  # training moved the weights
-    assert max_abs_difference(global_weights(together), global_weights(alone)) <= 1e-5
+    weights = every_weight(alone)
+    owner = "0" if algorithm == "psl" else "sync"  # whose client part (PSL: each client's own)
+    initial = alone.roles.server.blueprint.initial_state("client_model")
+    moved = {f"{owner}.client_model.{name}": t for name, t in initial.items()}
+    assert max_abs_difference(moved, {name: weights[name] for name in moved}) > 1e-3  # training moved it
+    assert every_weight(together).keys() == weights.keys()
+    assert max_abs_difference(every_weight(together), weights) <= 1e-5
     # the ledger counts what every client's verbs would have sent, byte for byte
     assert together.ledger.bytes_by_kind == alone.ledger.bytes_by_kind
     assert together.ledger.bytes_by_client == alone.ledger.bytes_by_client
+    # the same steps tracked (CSE-FSL's and FSL-SAGE's: the server's), their mean loss alike
+    assert together.algorithm.steps == alone.algorithm.steps
     assert together.algorithm.pop_train_loss() == pytest.approx(alone.algorithm.pop_train_loss(), abs=1e-5)
 
 
-@pytest.mark.parametrize("algorithm", ["fedavg", "sfl_v1"])
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_a_vectorized_run_resumes_exactly(algorithm):
     config = quick(algorithm=algorithm, clients=4, participation=0.5, vectorize=True, optimizer="adam")
-    straight, resumed = straight_and_resumed(3, **config)
-    assert max_abs_difference(global_weights(straight), global_weights(resumed)) == 0
+    straight, resumed = straight_and_resumed(3, **config | ALGORITHMS[algorithm])
+    assert max_abs_difference(every_weight(straight), every_weight(resumed)) == 0
 
 
 def test_vectorized_cohorts_of_any_size_agree():
@@ -50,7 +84,15 @@ def test_vectorized_cohorts_of_any_size_agree():
 @pytest.mark.parametrize(
     "settings,said",
     [
-        (dict(algorithm="sfl_v2"), "algorithm=sfl_v2 does not declare it"),
+        (
+            dict(algorithm="sglr"),
+            r"algorithm=sglr does not declare it \(supports_vectorize: cse_fsl, fedavg, fsl_sage, psl, sfl_v1 and "
+            r"sfl_v2 do\)$",
+        ),
+        (
+            dict(algorithm="sfl_v2", server_schedule="sequential"),
+            "server_schedule=sequential trains one client at a time, each all its steps with the server$",
+        ),
         (dict(algorithm="fedavg", transport="serialized"), "it needs transport=direct, not transport=serialized"),
         (dict(algorithm="sfl_v1", precision="bf16"), "it needs precision=fp32, not precision=bf16"),
         (dict(algorithm="fedavg", grad_accum=2), "it needs grad_accum=1, not grad_accum=2"),

@@ -16,7 +16,7 @@ import threading
 import typing
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic
+from typing import Any, ClassVar, Generic, Literal
 
 import numpy as np
 import torch
@@ -40,9 +40,12 @@ from splitlab.roles import (
 )
 from splitlab.transport import ClientDropped, Proxy
 from splitlab.u_shaped import UShapedClient
-from splitlab.vectorized import Together
+from splitlab.vectorized import Part, Together, Trained
 
 STREAM_ORDER = register_stream("order", 2)
+
+PartKind = Literal["averaged", "server copy", "own", "fixed"]
+"""How a part of the model that clients train together starts and ends (`Algorithm.train_together`)."""
 
 
 @dataclass(frozen=True)
@@ -165,12 +168,18 @@ class Algorithm(Generic[ParamsT]):
     no_step_schedule: ClassVar[str] = ""
     #: the server trains a working copy of its part per client (`copy_server`), each its client's steps
     trains_server_copies: ClassVar[bool] = False
-    #: it runs vectorize=true: its round trains clients that do not depend on each other, each from
-    #: the global model with a fresh optimizer, through `train_together` when `ctx.together` is set
+    #: it runs vectorize=true: its round's client-local steps, which do not depend on each other,
+    #: go through `train_together` when `ctx.together` is set
     supports_vectorize: ClassVar[bool] = False
     #: it runs packing=true: every server step is `split_step`'s, which hands the server the
     #: batch's segment ids with its smashed data (no step of its own on a client's or a whole model)
     supports_packing: ClassVar[bool] = False
+
+    @staticmethod
+    def not_vectorized(params: Any) -> str:
+        """With `supports_vectorize`: why the algorithm's own settings `params` leave no clients'
+        steps to run together (one line); empty where they do."""
+        return ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -477,27 +486,81 @@ class Algorithm(Generic[ParamsT]):
         self,
         rnd: int,
         clients: list[ClientInfo],
-        parts: list[State],
-        per_step: Callable[[int, torch.Tensor], None] = lambda client_id, y: None,
-    ) -> Iterator[tuple[list[State], float]]:
-        """vectorize=true: every client trains the model made of `parts` (the global model's
-        states: the whole model, or the client part then the server part) for its local steps,
-        a cohort at a time (splitlab.vectorized). Yields each cohort's weighted mean of each part,
-        with the cohort's share of the FedAvg weights, for the caller to add into its averages.
-        The ledger counts the client's model down and up, as `download` and `contribute` would,
-        and `per_step(client, y)` what a step with targets `y` sends; the losses are tracked."""
+        parts: dict[str, PartKind],
+        sends: Callable[[int], bool] | None = None,
+    ) -> dict[tuple[int, int], State]:
+        """vectorize=true: every client trains the model made of `parts` (by slot, the client's
+        first) for its local steps, a cohort at a time (splitlab.vectorized). Each part starts and
+        ends as its kind says, counted in the ledger as the verbs that would move it count:
+
+        - averaged: the sync server's global slot, down to every client and up into its running
+          average, with the client's FedAvg weight (`download`, `contribute`);
+        - server copy: a copy of the training server's part for every client, folded into the
+          average of the round's copies (`copy_server`, `fold_copy`); every step is then a split
+          step: smashed data and labels up, their cut gradient down;
+        - own: each client's own slot, trained with its own optimizer and given back (PSL's);
+        - fixed: each client's own slot, held fixed (FSL-SAGE's auxiliary models).
+
+        The losses of the clients' steps are the run's training losses, unless the clients send
+        their smashed data to a server that learns from it at steps `sends(step)`: what they sent
+        is returned by (client id, step), for the server to take in its own order."""
         together = typing.cast(Together, self.ctx.together)
         alphas = dict(zip((c.id for c in clients), self.ctx.weights(clients)))
-        start = {f"{i}.{name}": t for i, part in enumerate(parts) for name, t in part.items()}
-        model_bytes = payload_bytes(parts[0])
-        for trained in together.train(rnd, list(alphas), together.model(len(parts)), start, per_step):
-            for k, losses in zip(trained.clients, trained.losses):
-                together.count("client_model_down", model_bytes, k)
-                together.count("client_model_up", model_bytes, k)
-                for loss in losses:
-                    self.track(loss)
+        starts = {"averaged": self.sync.model_state, "server copy": self.server.snapshot}
+        spec = [
+            Part(slot, starts[kind](slot) if kind in starts else None, kind != "fixed") for slot, kind in parts.items()
+        ]
+        per_step = self.count_split_step if "server copy" in parts.values() else None
+        sent: dict[tuple[int, int], State] = {}
+        for trained in together.train(rnd, list(alphas), spec, per_step, sends):
             weights = [alphas[k] for k in trained.clients]
-            yield [trained.weighted_mean(weights, f"{i}.") for i in range(len(parts))], sum(weights)
+            for i, (part, kind) in enumerate(zip(spec, parts.values())):
+                if kind == "averaged":
+                    self.add_together(trained, alphas, i, part)
+                elif kind == "server copy":
+                    self.server.fold_state(trained.weighted_mean(weights, f"{i}."), sum(weights))
+            if sends is None:
+                for loss in (loss for losses in trained.losses for loss in losses):
+                    self.track(loss)
+            sent.update(trained.sent)
+        return sent
+
+    def interleaved_together(self, rnd: int, clients: list[ClientInfo]) -> None:
+        """vectorize=true: SplitFed-v2's interleaved round (`ctx.interleaved`) of split steps on the
+        training server's one server part, every client's client part from the sync server's and
+        back into its running average (splitlab.vectorized's `train_split`); counted in the ledger
+        and tracked as `download`, `split_step` and `contribute` would."""
+        together = typing.cast(Together, self.ctx.together)
+        alphas = dict(zip((c.id for c in clients), self.ctx.weights(clients)))
+        start = self.sync.model_state("client_model")
+        order = ((clients[k].id, step) for k, step in self.ctx.interleaved(rnd, clients))
+        for trained in together.train_split(rnd, list(alphas), start, order, self.server_reply):
+            self.add_together(trained, alphas, 0, Part("client_model", start))
+
+    def server_reply(self, client_id: int, sent: State) -> Any:
+        """The training server's step on what a client sent; its loss tracked, the cut gradient returned."""
+        reply = self.on_data_of(client_id, "train_step", sent["smashed"], sent["labels"])
+        self.track(self.step_loss(sent, reply), reply.get("grad_norm"))
+        return reply["cut_grad"]
+
+    def add_together(self, trained: Trained, alphas: dict[int, float], index: int, part: Part) -> None:
+        """A cohort's weighted mean of the averaged part `index` into the sync server's running
+        average, with the cohort's share of the weights; counted down and up for each client."""
+        together = typing.cast(Together, self.ctx.together)
+        weights = [alphas[k] for k in trained.clients]
+        self.sync.add(part.slot, trained.weighted_mean(weights, f"{index}."), sum(weights))
+        nbytes = payload_bytes(typing.cast(State, part.start))
+        for k in trained.clients:
+            together.count(f"{part.slot}_down", nbytes, k)
+            together.count(f"{part.slot}_up", nbytes, k)
+
+    def count_split_step(self, client_id: int, labels: torch.Tensor) -> None:
+        """What a split step of vectorize=true sends: the smashed data and labels up, their cut gradient down."""
+        together = typing.cast(Together, self.ctx.together)
+        smashed = len(labels) * together.cut_bytes()
+        together.count("smashed", smashed, client_id)
+        together.count("labels", payload_bytes(labels), client_id)
+        together.count("cut_grad", smashed, client_id)
 
     def interleaved_steps(
         self, rnd: int, clients: list[ClientInfo], step: Callable[[ClientInfo, int], State | None]

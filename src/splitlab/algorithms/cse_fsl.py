@@ -19,15 +19,19 @@ clients take their steps in parallel where the backend can (`interleaved_steps`)
 from __future__ import annotations
 
 import typing
+from collections.abc import Iterator
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from torch import nn
 
-from splitlab.algorithms.base import Algorithm, ClientInfo
+from splitlab.algorithms.base import Algorithm, ClientInfo, PartKind
 from splitlab.errors import UserError
 from splitlab.models.aux import build_aux, parse_aux
 from splitlab.roles import SPLIT_MODELS, Blueprint, ClientNode, State, sent_if
 from splitlab.transport import KEYED, verb
+
+AUX_SLOTS = ("client_model", "aux_model")
+"""A client's model for its local loss: the client part, then the auxiliary model."""
 
 
 class CSEFSLParams(BaseModel):
@@ -68,14 +72,16 @@ def initial_aux(blueprint: Blueprint) -> nn.Module:
 
 
 class AuxiliaryFSL(Algorithm):
-    """Federated split learning with auxiliary models: client parts averaged every round, one
-    server part fed every q-th step. Subclasses say how a round starts and ends; their clients
-    say, in `local_aux_step`, how a client steps without the server."""
+    """Federated split learning with auxiliary models: the client slots in `averaged` go down to
+    the round's clients and come back averaged, one server part is fed every q-th step. Subclasses
+    may say what follows a round (`finish_round`); their clients say, in `local_aux_step`, how a
+    client steps without the server."""
 
     models = {**SPLIT_MODELS, "aux_model": initial_aux}
     not_u_shaped = (
         "its clients step on an auxiliary model's loss at the cut and send the server their labels to train on"
     )
+    supports_vectorize = True
 
     def server_steps(self, clients: list[ClientInfo]) -> dict[str, int]:
         """One server step per batch sent: every q-th local step of each client, from its first."""
@@ -83,24 +89,45 @@ class AuxiliaryFSL(Algorithm):
         return {"server_model": sum(-(-self.ctx.local_steps(c) // q) for c in clients)}
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        self.start_round(clients)
-        for client, sent in self.interleaved_steps(rnd, clients, self.aux_step):
+        if self.ctx.together is None:
+            for client in clients:
+                for slot in self.averaged:
+                    self.download(client.id, slot)
+            steps = self.interleaved_steps(rnd, clients, self.aux_step)
+        else:  # every client's local steps first: nothing the server does reaches a client in the round
+            steps = self.aux_steps_together(rnd, clients)
+        for client, sent in steps:
             if sent:  # smashed data and labels up, one server step; nothing goes back
                 reply = self.on_data_of(client.id, "learn_from", client.id, sent["smashed"], sent["labels"])
                 if reply is not None:
                     self.track(reply["loss"])
+        if self.ctx.together is None:
+            for client, alpha in zip(clients, self.ctx.weights(clients)):
+                self.contribute(client.id, alpha, self.averaged)
+        for slot in self.averaged:
+            self.average(slot)
         self.finish_round(rnd, clients)
 
     def aux_step(self, client: ClientInfo, step: int) -> State | None:
         """The client's step on its local loss; its smashed data and labels at every q-th step
         (None: the client dropped out, and is skipped for the rest of the round)."""
-        return self.unless_dropped(client.id, "local_aux_step", step % self.params.server_update_interval == 0)
+        return self.unless_dropped(client.id, "local_aux_step", self.sends(step))
 
-    def start_round(self, clients: list[ClientInfo]) -> None:
-        raise NotImplementedError
+    def sends(self, step: int) -> bool:
+        """Whether a client sends its smashed data and labels at local step `step`: every q-th, from the first."""
+        return step % self.params.server_update_interval == 0
+
+    def aux_steps_together(self, rnd: int, clients: list[ClientInfo]) -> Iterator[tuple[ClientInfo, State | None]]:
+        """vectorize=true: every client's local steps, then what they sent in the server's order (as
+        `interleaved_steps`'). The aux model is trained and averaged with the client part where it
+        is averaged (CSE-FSL); else it is each client's own, held fixed (FSL-SAGE)."""
+        parts: dict[str, PartKind] = {slot: "averaged" if slot in self.averaged else "fixed" for slot in AUX_SLOTS}
+        sent = self.train_together(rnd, clients, parts, self.sends)
+        for k, step in self.ctx.interleaved(rnd, clients):
+            yield clients[k], sent.pop((clients[k].id, step), None)
 
     def finish_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        raise NotImplementedError
+        """What follows the round's averages (nothing here)."""
 
 
 class CSEFSLClient(ClientNode[CSEFSLParams]):
@@ -121,14 +148,3 @@ class CSEFSL(AuxiliaryFSL, Algorithm[CSEFSLParams]):
     Client = CSEFSLClient
     supports_fp16 = True
     averaged = ("client_model", "aux_model")
-
-    def start_round(self, clients: list[ClientInfo]) -> None:
-        for client in clients:
-            self.download(client.id, "aux_model")
-            self.download(client.id, "client_model")
-
-    def finish_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        for client, alpha in zip(clients, self.ctx.weights(clients)):
-            self.contribute(client.id, alpha, ("client_model", "aux_model"))
-        self.average("client_model")
-        self.average("aux_model")

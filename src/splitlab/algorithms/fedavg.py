@@ -24,9 +24,7 @@ class FedAvg(Algorithm[NoParams]):
         if self.ctx.together is None:
             self.for_each_client(clients, self.local_training, self.contribute_model)
         else:
-            start = [self.sync.model_state("client_model")]
-            for (mean,), weight in self.train_together(rnd, clients, start):
-                self.sync.add("client_model", mean, weight)
+            self.train_together(rnd, clients, {"client_model": "averaged"})
         self.average("client_model")
 
     def local_training(self, client: ClientInfo) -> None:

@@ -16,6 +16,8 @@ double back-propagation; `align_epochs` passes of Adam, no weight decay, over mi
 Auxiliary models are per client and are not averaged (the paper's F-server averages client
 parts only; the authors' code agrees). The initial aux model x_a^0 is the same for every client
 and derived from the seed, so it costs no traffic ("Require: x_a^0" in Algorithm 1).
+With vectorize=true the clients' steps run together as the gradient of loss(aux_i(client(x)), y)
+with aux_i held fixed, which is J^T z_b_hat by the chain rule (splitlab.vectorized).
 A client steps on the gradient of the batch-mean loss, as a SplitFed server would send it back;
 the alignment works with per-sample gradients (that times the batch size), so that targets and
 the alignment loss do not depend on how samples are batched. Gradients are computed on copies of
@@ -240,12 +242,8 @@ class FSLSAGE(AuxiliaryFSL, Algorithm[FSLSAGEParams]):
     Client = SageClient
     Server = SageServer
 
-    def start_round(self, clients: list[ClientInfo]) -> None:
-        for client in clients:
-            self.download(client.id)
-
     def finish_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        self.federated_average(clients)
+        """The S-server's alignment of the round's clients' aux models (Algorithm 3)."""
         lazy_until = self.params.lazy_until
         if rnd % self.params.align_interval == 0 and (lazy_until is None or rnd < lazy_until):
             for client in self.finished(clients):  # one that dropped out keeps the aux model it has

@@ -61,9 +61,13 @@ class PSL(PersonalClients, Algorithm[NoParams]):
     supports_fp16 = True
     clips_whole_model = True
     trains_server_copies = True
+    supports_vectorize = True
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        self.for_each_client(clients, self.local_training, self.fold)
+        if self.ctx.together is None:
+            self.for_each_client(clients, self.local_training, self.fold)
+        else:  # SFL-V1's steps, each client from its own part
+            self.train_together(rnd, clients, {"client_model": "own", "server_model": "server copy"})
         self.server.average_copies()
 
     def local_training(self, client: ClientInfo) -> None:

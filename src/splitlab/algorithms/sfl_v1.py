@@ -11,16 +11,10 @@ Averaging the server copies happens inside the training server, so it costs no c
 
 from __future__ import annotations
 
-import typing
-
-import torch
-
 from splitlab.algorithms.base import Algorithm, ClientInfo
 from splitlab.config import NoParams
-from splitlab.ledger import payload_bytes
 from splitlab.roles import server_copy
 from splitlab.u_shaped import UShapedClient, UShapedServer
-from splitlab.vectorized import Together
 
 
 class SFLV1(Algorithm[NoParams]):
@@ -39,20 +33,9 @@ class SFLV1(Algorithm[NoParams]):
         if self.ctx.together is None:
             self.for_each_client(clients, self.local_training, self.fold)
         else:  # one model, client part then server copy: the same steps (FedAvg at any cut)
-            start = [self.sync.model_state("client_model"), self.server.snapshot("server_model")]
-            for (client_mean, server_mean), weight in self.train_together(rnd, clients, start, self.count_step):
-                self.sync.add("client_model", client_mean, weight)
-                self.server.fold_state(server_mean, weight)
+            self.train_together(rnd, clients, {"client_model": "averaged", "server_model": "server copy"})
         self.average("client_model")
         self.server.average_copies()
-
-    def count_step(self, client_id: int, labels: torch.Tensor) -> None:
-        """What a split step of vectorize=true sends: the smashed data and labels up, their cut gradient down."""
-        together = typing.cast(Together, self.ctx.together)
-        smashed = len(labels) * together.cut_bytes()
-        together.count("smashed", smashed, client_id)
-        together.count("labels", payload_bytes(labels), client_id)
-        together.count("cut_grad", smashed, client_id)
 
     def local_training(self, client: ClientInfo) -> None:
         self.download(client.id)

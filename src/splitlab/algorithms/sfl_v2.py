@@ -9,7 +9,10 @@ for the whole run. Two server schedules:
 - `sequential` (the original SplitFed code): clients in a random order, each running all its
   local epochs with the server before the next starts. Needs one client copy at a time.
 
-With one client both are centralized training at any cut (tested).
+With one client both are centralized training at any cut (tested). With vectorize=true the
+interleaved schedule takes each local step's client halves together: the clients' forward passes,
+then the server's steps in its random order, then their backward passes (a client's forward needs
+only its own previous steps, so this is the same order of computations).
 """
 
 from __future__ import annotations
@@ -40,9 +43,19 @@ class SFLV2(Algorithm[SFLV2Params]):
     clips_whole_model = True
     can_keep_client_optimizer = True
     supports_packing = True
+    supports_vectorize = True
+
+    @staticmethod
+    def not_vectorized(params: SFLV2Params) -> str:
+        if params.server_schedule == "sequential":
+            return "server_schedule=sequential trains one client at a time, each all its steps with the server"
+        return ""
 
     def train_round(self, rnd: int, clients: list[ClientInfo]) -> None:
-        if self.params.server_schedule == "interleaved":
+        if self.ctx.together is not None:  # the clients' halves of each step together, the server's in turn
+            self.interleaved_together(rnd, clients)
+            self.average("client_model")
+        elif self.params.server_schedule == "interleaved":
             for client in clients:
                 self.download(client.id)
             for k, step in self.ctx.interleaved(rnd, clients):
