@@ -1212,10 +1212,10 @@ class SyncServer(Role[ParamsT]):
         load_shared(model, mean)
 
     @verb()
-    def secagg_begin(self, slot: str, public: State, holders: int) -> None:
-        """Secure aggregation of `slot` starts: the public keys of those who shared their secrets
-        (the round's `holders` clients advertised keys)."""
-        self._masked[slot] = MaskedSum(public, holders)
+    def secagg_begin(self, slot: str, public: State, neighbours: State) -> None:
+        """Secure aggregation of `slot` starts: the public keys of those who shared their secrets, and
+        the neighbours each shared them with."""
+        self._masked[slot] = MaskedSum(public, neighbours)
 
     @verb()
     def add_masked(self, slot: str, client_id: int, masked: torch.Tensor, alpha: float) -> None:
