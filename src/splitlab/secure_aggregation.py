@@ -99,7 +99,14 @@ def prg(seed: bytes, count: int) -> torch.Tensor:
 def shamir_split(secret: bytes, holders: list[int], t: int) -> dict[int, int]:
     """Shares of `secret` for each of `holders` (x = holder + 1), any t of which rebuild it."""
     coefficients = [int.from_bytes(secret, "big")] + [secrets.randbelow(PRIME) for _ in range(t - 1)]
-    return {h: sum(c * pow(h + 1, i, PRIME) for i, c in enumerate(coefficients)) % PRIME for h in holders}
+
+    def at(x: int) -> int:  # the polynomial at x, by Horner's rule
+        y = 0
+        for c in reversed(coefficients):
+            y = (y * x + c) % PRIME
+        return y
+
+    return {h: at(h + 1) for h in holders}
 
 
 def shamir_join(shares: Mapping[int, int]) -> bytes:
