@@ -490,7 +490,6 @@ EVERYWHERE = frozenset(
         "server_opt_lr",
         "scaffold",
         "secure_aggregation",
-        "secagg_neighbours",
     }  # the sync server's: splitlab.resolve
     | {"warmup_steps", "lr_decay", "keep_client_optimizer", "log_every"}
 )
@@ -611,6 +610,11 @@ ONLY_WHEN: dict[str, Applies] = {
         lambda r: r.device != "cpu",
         "the CPU's kernels are deterministic; deterministic=false needs device=cuda or auto",
         {"device": "cpu", "deterministic": False},
+    ),
+    "secagg_neighbours": Applies(
+        lambda r: r.secure_aggregation,
+        "secagg_neighbours is secure aggregation's graph of neighbours; it needs secure_aggregation=true",
+        {"secagg_neighbours": 4},
     ),
     "server_opt_momentum": Applies(
         lambda r: r.server_opt == "avgm", "server_opt_momentum is server_opt=avgm's", {"server_opt_momentum": 0.5}

@@ -183,15 +183,14 @@ def secure_aggregation_refusal(run: RunConfig) -> str:
 
 
 def check_secagg_neighbours(run: RunConfig) -> None:
-    """secagg_neighbours=K where SecAgg+'s K-regular graph can be drawn among a round's clients, or one line."""
+    """secagg_neighbours=K where SecAgg+'s K-regular graph can be drawn among a round's clients, or one
+    line (without secure_aggregation, config.ONLY_WHEN refuses it)."""
     degree = run.secagg_neighbours
-    if degree is None:
+    if degree is None or not run.secure_aggregation:
         return
     why = ""
     round_size = None if run.clients == "all" else max(1, round(run.participation * run.clients))
-    if not run.secure_aggregation:
-        why = "it is secure aggregation's graph of neighbours; give secure_aggregation=true"
-    elif degree % 2:
+    if degree % 2:
         why = "the graph joins each client to K/2 clients on either side of it on a ring: give an even K"
     elif round_size is not None and degree >= round_size:
         why = f"a round has {round_size} clients (participation x clients); give fewer neighbours than that"

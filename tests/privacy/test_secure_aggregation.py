@@ -215,7 +215,7 @@ def test_with_a_round_smaller_than_the_graph_s_degree_the_run_stops_in_one_line(
 @pytest.mark.parametrize(
     ("settings", "refusal"),
     [
-        ({"secagg_neighbours": 4}, "secagg_neighbours=4 does not apply: .* give secure_aggregation=true"),
+        ({"secagg_neighbours": 4}, "secagg_neighbours=4 does not apply here: .* needs secure_aggregation=true"),
         ({"secure_aggregation": True, "secagg_neighbours": 3, "clients": 8}, "secagg_neighbours=3 .* give an even K"),
         (
             {"secure_aggregation": True, "secagg_neighbours": 4, "clients": 8, "participation": 0.5},
