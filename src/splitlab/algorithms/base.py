@@ -440,7 +440,7 @@ class Algorithm(Generic[ParamsT]):
             answers = {}
             for k in survivors:
                 near = {k, *graph[k]}
-                asked = [torch.tensor([v for v in ids if v in near], dtype=torch.int64) for ids in (survivors, dropped)]
+                asked = [torch.tensor([v for v in ids if v in near]) for ids in (survivors, dropped)]
                 answers[k] = self.unless_dropped(k, "secagg_unmask", slot, *asked)
             self.sync.unmask(slot, {k: answer for k, answer in answers.items() if answer is not None})
         self.sync.average(slot)
