@@ -1212,10 +1212,16 @@ class SyncServer(Role[ParamsT]):
         load_shared(model, mean)
 
     @verb()
-    def secagg_begin(self, slot: str, public: State, neighbours: State) -> None:
-        """Secure aggregation of `slot` starts: the public keys of those who shared their secrets, and
-        the neighbours each shared them with."""
-        self._masked[slot] = MaskedSum(public, neighbours)
+    def secagg_begin(self, slot: str, public: State, holders: int) -> None:
+        """Secure aggregation of `slot` starts: the public keys of those who shared their secrets
+        (the round's `holders` clients advertised keys)."""
+        self._masked[slot] = MaskedSum(public, holders)
+
+    @verb()
+    def secagg_graph(self, slot: str, neighbours: State) -> None:
+        """secagg_neighbours (SecAgg+): the neighbours each client of `slot`'s protocol shared its secrets
+        with and masked with, instead of every other client."""
+        self._masked[slot].neighbours = {int(v): set(near.tolist()) for v, near in neighbours.items()}
 
     @verb()
     def add_masked(self, slot: str, client_id: int, masked: torch.Tensor, alpha: float) -> None:
@@ -1230,9 +1236,10 @@ class SyncServer(Role[ParamsT]):
     @verb()
     def unmask(self, slot: str, answers: dict[int, State]) -> None:
         """The survivors' sum from the clients' shares: what `average` takes as the round's (renormalised
-        over the survivors' weights if some dropped before masking)."""
-        masked, average = self._masked.pop(slot), ModelAverage()
-        average.incomplete = bool(masked.dropped())
+        over the survivors' weights if some dropped before masking, also before sharing their secrets:
+        `missing`)."""
+        masked, average = self._masked.pop(slot), self._averages.pop(slot, ModelAverage())
+        average.incomplete = average.incomplete or bool(masked.dropped())
         if masked.sent:  # else every client dropped: the global model stays
             total = unflat(masked.unmasked(answers), shared_state(self.model(slot)))
             weight = sum(masked.sent.values())

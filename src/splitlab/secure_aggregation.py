@@ -223,10 +223,12 @@ class MaskedSum:
     those who sent, the public keys it relayed and the neighbours of each (to remove what dropped
     clients' masks left)."""
 
-    def __init__(self, public: Mapping[str, torch.Tensor], neighbours: Mapping[str, torch.Tensor]) -> None:
+    def __init__(self, public: Mapping[str, torch.Tensor], holders: int) -> None:
         self.public = _byte_map(public)  # of those who shared their secrets
-        #: N(v) of each of them as it split its secrets: among the clients that advertised keys
-        self.neighbours = {int(v): set(near.tolist()) for v, near in neighbours.items()}
+        self.holders = holders  # the clients that advertised keys: those of each one's secrets in SecAgg
+        #: secagg_neighbours: N(v) of each of them as it split its secrets (among the clients that
+        #: advertised keys); None: every other one (SecAgg's complete graph)
+        self.neighbours: dict[int, set[int]] | None = None
         self.total: torch.Tensor | None = None
         self.sent: dict[int, float] = {}  # client -> alpha
 
@@ -247,17 +249,21 @@ class MaskedSum:
             total = total - prg(self._rebuilt(answers, "b", v), count)
         for v in self.dropped():  # the pairwise masks they left with their neighbours that sent
             key = X25519PrivateKey.from_private_bytes(self._rebuilt(answers, "s", v))
-            for u in sorted(self.neighbours[v] & set(self.sent)):
+            for u in sorted(self._near(v) & set(self.sent)):
                 mask = prg(_agree(key, self.public[u][32:], b"pairwise"), count)
                 total = total - mask if u < v else total + mask
         return dequantise(total % RING)
+
+    def _near(self, v: int) -> set[int]:
+        """N(v): the clients v masked with, among those that shared."""
+        return set(self.public) - {v} if self.neighbours is None else self.neighbours[v]
 
     def _rebuilt(self, answers: Mapping[int, Mapping[str, torch.Tensor]], secret: str, owner: int) -> bytes:
         """`owner`'s secret (b or s) from the shares of it among `answers`, or one line if fewer than t
         of its holders answered."""
         name = f"{secret}{owner}"
         shares = {u: _share(answer[name]) for u, answer in answers.items() if name in answer}
-        holders = len(self.neighbours[owner]) + 1
+        holders = self.holders if self.neighbours is None else len(self.neighbours[owner]) + 1
         if len(shares) < threshold(holders):
             raise UserError(
                 f"secure aggregation: {len(shares)} of the {holders} holders of client {owner}'s shares answered "

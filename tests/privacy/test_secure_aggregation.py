@@ -183,24 +183,34 @@ def test_a_client_s_bytes_grow_with_its_neighbours_not_with_the_round():
     assert per_client_by_hand(4) == 2162 and per_client_by_hand(7) == 3632 and per_client_by_hand(11) == 5592
 
 
-@pytest.mark.parametrize("verb", ["secagg_unmask", "upload_masked"])
-def test_with_neighbours_a_client_that_drops_is_recovered_by_its_neighbours(verb):
-    """8 clients, k = 4: client 2 leaves after its masked input (its self-mask seed rebuilt from 3 of
-    its 4 neighbours' shares) or at it (its mask key rebuilt, the masks it left with its neighbours
-    removed, the average renormalised over the others as without secure aggregation)."""
-    upload = "secagg_unmask" if verb == "secagg_unmask" else "upload"
-    plain = one_round(DropsOut.at_call(client=2, verbs=(upload,)), algorithm="sfl_v2", clients=8)
+@pytest.mark.parametrize("neighbours", [4, None])
+@pytest.mark.parametrize(
+    ("verb", "plain_drop"), [("secagg_unmask", None), ("upload_masked", "upload"), ("secagg_shares", "forward")]
+)
+def test_a_client_that_drops_is_recovered_by_its_neighbours(verb, plain_drop, neighbours):
+    """8 clients, k = 4 or all 7 others: client 2 leaves after its masked input (its self-mask seed
+    rebuilt from its neighbours' shares: in the sum), at it (its mask key rebuilt, the masks it left
+    with its neighbours removed: the average renormalised over the others, as without secure
+    aggregation when it leaves at its upload), or at its shares (it never trains: as when it leaves
+    at its first step). Each of the 7 others answers for itself and its d neighbours, but none for
+    a client that never shared its secrets."""
+    d = 7 if neighbours is None else neighbours
+    answered = 7 * (d + 1) - (d if verb == "secagg_shares" else 0)
+    plain = one_round(plain_drop and DropsOut.at_call(client=2, verbs=(plain_drop,)), algorithm="sfl_v2", clients=8)
     secure = one_round(
         DropsOut.at_call(client=2, verbs=(verb,)),
         algorithm="sfl_v2",
         clients=8,
         secure_aggregation=True,
-        secagg_neighbours=4,
+        secagg_neighbours=neighbours,
     )
     assert secure.algorithm.dropped == {2}
-    bound = 8 * 2.0 ** -(FRACTION_BITS + 1) * (8 / 7 if verb == "upload_masked" else 1)  # 7 of 8 equal weights
-    assert max_abs_difference(global_weights(plain), global_weights(secure)) <= bound + 1e-6
-    assert secure.ledger.bytes_by_kind["secagg_unmask_up"] == 7 * 5 * SHARE_BYTES  # each answers for itself + 4
+    left_out = plain_drop is not None  # 7 of 8 equal weights
+    assert (
+        max_abs_difference(global_weights(plain), global_weights(secure))
+        <= 8 * 2.0 ** -(FRACTION_BITS + 1) * (8 / 7 if left_out else 1) + 1e-6
+    )
+    assert secure.ledger.bytes_by_kind["secagg_unmask_up"] == answered * SHARE_BYTES
 
 
 def test_with_a_round_smaller_than_the_graph_s_degree_the_run_stops_in_one_line():

@@ -392,7 +392,9 @@ class Algorithm(Generic[ParamsT]):
         for slot in slots:
             if self.ctx.config.secure_aggregation:  # the sync server adds what it cannot read
                 masked = self.unless_dropped(client_id, "upload_masked", slot, alpha)
-                if masked is not None:
+                if masked is None:
+                    self.sync.missing(slot)
+                else:
                     self.sync.add_masked(slot, client_id, masked, alpha)
                 continue
             state = self.unless_dropped(client_id, "upload", slot)
@@ -423,9 +425,9 @@ class Algorithm(Generic[ParamsT]):
         near = {u: {str(v): public[str(v)] for v in sorted([u, *graph[u]])} for u in graph}
         sealed = {k: self.unless_dropped(int(k), "secagg_shares", slot, near[int(k)]) for k in public}
         shared = {k: shares for k, shares in sealed.items() if shares is not None}
-        self.sync.secagg_begin(
-            slot, {k: public[k] for k in shared}, {k: torch.tensor(graph[int(k)], dtype=torch.int64) for k in shared}
-        )
+        self.sync.secagg_begin(slot, {k: public[k] for k in shared}, len(public))
+        if degree is not None:  # SecAgg+: each one's secrets are its neighbours' and its own
+            self.sync.secagg_graph(slot, {k: torch.tensor(graph[int(k)]) for k in shared})
         for k in shared:
             inbox = {u: shares[k] for u, shares in shared.items() if k in shares}
             self.unless_dropped(int(k), "secagg_receive", slot, inbox)
