@@ -43,7 +43,8 @@ def test_the_average_is_the_plain_one_within_the_bound_and_every_phase_is_counte
         assert counted.get(kind) == plain.ledger.bytes_by_kind.get(kind)
 
 
-def test_what_the_sync_server_receives_does_not_correlate_with_the_client_parts(monkeypatch):
+@pytest.mark.parametrize("sparse", [{}, {"clients": 5, "secagg_neighbours": 2}])
+def test_what_the_sync_server_receives_does_not_correlate_with_the_client_parts(monkeypatch, sparse):
     received, parts = [], []
     original = SyncServer.add_masked
 
@@ -53,12 +54,12 @@ def test_what_the_sync_server_receives_does_not_correlate_with_the_client_parts(
 
     spy.__verb__ = original.__verb__  # type: ignore[attr-defined]
     monkeypatch.setattr(SyncServer, "add_masked", spy)
-    experiment = one_round(algorithm="fedavg", secure_aggregation=True)
+    experiment = one_round(algorithm="fedavg", secure_aggregation=True, **sparse)
     for node, alpha in zip(experiment.roles.clients, experiment.algorithm.ctx.weights(experiment.clients)):
         parts.append(
             quantise(torch.cat([t.reshape(-1).double() for t in node.upload("client_model").values()]) * alpha)
         )
-    assert len(received) == 3 and all(r.dtype == torch.int32 for r in received)
+    assert len(received) == len(experiment.clients) and all(r.dtype == torch.int32 for r in received)
     for masked, part in zip(received, parts):
         ring = masked.to(torch.int64) % 2**32  # the ring's elements the server holds
         correlation = torch.corrcoef(torch.stack([ring.double(), part.double()]))[0, 1]
