@@ -232,6 +232,10 @@ class RunConfig(BaseModel):
     secure_aggregation: bool = Field(False, json_schema_extra=PRIVACY)
     """the sync server learns only the sum of the round's client parts (SecAgg: X25519 pairwise masks, self masks,
     Shamir shares for clients that drop; fixed point, 16 fractional bits in a 32-bit ring); in process and over gRPC"""
+    secagg_neighbours: int | None = Field(None, ge=2, le=10**6, json_schema_extra=PRIVACY)
+    """secure_aggregation with SecAgg+'s sparse graph: each client masks with and shares its secrets among K
+    neighbours (even, below the round's clients) in a seeded random K-regular graph, not every other client; none =
+    the complete graph (SecAgg)"""
     partition: str = Field("iid", json_schema_extra=DATA)
     """iid | dirichlet:<alpha> | shards:<shards per client>"""
     seed: int = Field(0, ge=0, le=2**32 - 1, json_schema_extra=TRAINING)
@@ -606,6 +610,11 @@ ONLY_WHEN: dict[str, Applies] = {
         lambda r: r.device != "cpu",
         "the CPU's kernels are deterministic; deterministic=false needs device=cuda or auto",
         {"device": "cpu", "deterministic": False},
+    ),
+    "secagg_neighbours": Applies(
+        lambda r: r.secure_aggregation,
+        "secagg_neighbours is secure aggregation's graph of neighbours; it needs secure_aggregation=true",
+        {"secagg_neighbours": 4},
     ),
     "server_opt_momentum": Applies(
         lambda r: r.server_opt == "avgm", "server_opt_momentum is server_opt=avgm's", {"server_opt_momentum": 0.5}

@@ -62,6 +62,7 @@ def resolve_config(raw: Mapping[str, Any]) -> ResolvedConfig:
     check_u_shape(run)
     check_fp16(run)
     check_federated(run)
+    check_secagg_neighbours(run)
     check_step_options(run)
     check_vectorize(run, params)
     check_packing(run)
@@ -179,6 +180,22 @@ def secure_aggregation_refusal(run: RunConfig) -> str:
             "sum of fewer than 3 gives a client's part away to the others"
         )
     return ""
+
+
+def check_secagg_neighbours(run: RunConfig) -> None:
+    """secagg_neighbours=K where SecAgg+'s K-regular graph can be drawn among a round's clients, or one
+    line (without secure_aggregation, config.ONLY_WHEN refuses it)."""
+    degree = run.secagg_neighbours
+    if degree is None or not run.secure_aggregation:
+        return
+    why = ""
+    round_size = None if run.clients == "all" else max(1, round(run.participation * run.clients))
+    if degree % 2:
+        why = "the graph joins each client to K/2 clients on either side of it on a ring: give an even K"
+    elif round_size is not None and degree >= round_size:
+        why = f"a round has {round_size} clients (participation x clients); give fewer neighbours than that"
+    if why:
+        raise UserError(f"secagg_neighbours={degree} does not apply: {why}")
 
 
 def check_step_options(run: RunConfig) -> None:

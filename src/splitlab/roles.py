@@ -1241,6 +1241,12 @@ class SyncServer(Role[ParamsT]):
         self._masked[slot] = MaskedSum(public, holders)
 
     @verb()
+    def secagg_graph(self, slot: str, neighbours: State) -> None:
+        """secagg_neighbours (SecAgg+): the neighbours each client of `slot`'s protocol shared its secrets
+        with and masked with, instead of every other client."""
+        self._masked[slot].neighbours = {int(v): set(near.tolist()) for v, near in neighbours.items()}
+
+    @verb()
     def add_masked(self, slot: str, client_id: int, masked: torch.Tensor, alpha: float) -> None:
         self._masked[slot].add(client_id, masked, alpha)
 
@@ -1253,9 +1259,10 @@ class SyncServer(Role[ParamsT]):
     @verb()
     def unmask(self, slot: str, answers: dict[int, State]) -> None:
         """The survivors' sum from the clients' shares: what `average` takes as the round's (renormalised
-        over the survivors' weights if some dropped before masking)."""
-        masked, average = self._masked.pop(slot), ModelAverage()
-        average.incomplete = bool(masked.dropped())
+        over the survivors' weights if some dropped before masking, also before sharing their secrets:
+        `missing`)."""
+        masked, average = self._masked.pop(slot), self._averages.pop(slot, ModelAverage())
+        average.incomplete = average.incomplete or bool(masked.dropped())
         if masked.sent:  # else every client dropped: the global model stays
             total = unflat(masked.unmasked(answers), shared_state(self.model(slot)))
             weight = sum(masked.sent.values())

@@ -1,32 +1,39 @@
-"""Secure aggregation (Bonawitz et al., CCS 2017, the protocol SecAgg+ of Bell et al., CCS 2020
-thins out): the sync server learns the weighted sum of the round's client parts, never one of them.
+"""Secure aggregation (Bonawitz et al., CCS 2017; with `secagg_neighbours=k` the sparse graph of
+SecAgg+, Bell et al., CCS 2020): the sync server learns the weighted sum of the round's client parts,
+never one of them.
 
-For each averaged slot and round, among the round's n clients (threshold t = floor(n/2) + 1):
+For each averaged slot and round, each client u deals with its neighbours N(u) only: in SecAgg every
+other client of the round, in SecAgg+ its k neighbours in a k-regular graph (`neighbourhoods`: a
+Harary graph on a ring of the round's clients in a seeded random order, each client joined to the
+k/2 before and the k/2 after it). Its secrets' holders are N(u) and u itself, and any t of them
+rebuild a secret, t a majority of the holders (`threshold`: floor(n/2) + 1 of the round's n in SecAgg,
+k/2 + 1 of k + 1 in SecAgg+):
 
 1. keys: every client makes two X25519 key pairs (c for encrypting shares, s for masks) and sends
-   both public keys; the server hands each client everyone's (`secagg_keys_up` / `_down`);
+   both public keys; the server hands each client those of N(u) and its own (`secagg_keys_up` / `_down`);
 2. shares: every client draws a self-mask seed b_u, splits b_u and its s secret key into Shamir
-   shares (threshold t, over the prime field of 2^521 - 1) and sends each other client its pair,
+   shares (threshold t, over the prime field of 2^521 - 1) and sends each neighbour its pair,
    AES-GCM-encrypted under a key agreed from the c keys, through the server (`secagg_shares_up` /
    `_down`), which cannot read them;
-3. masked input: a client sends y_u = q_u + PRG(b_u) + sum_{v > u} PRG(s_uv) - sum_{v < u} PRG(s_uv)
-   in the ring Z_{2^32} (counted as the slot's `<slot>_up`: 4 bytes an element, as float32), q_u its
-   part times alpha_u in fixed point with 16 fractional bits, s_uv the seed agreed from u's and v's s
-   keys, PRG ChaCha20's keystream;
-4. unmasking: the server names who sent (U3) and who did not (the dropped); each client still there
-   sends its shares of b_v for v in U3 and of s_v's secret key for the dropped (`secagg_unmask_down`
-   / `_up`). With t of them the server rebuilds those secrets, removes the self masks of U3 and the
-   pairwise masks the dropped left behind, and holds sum_{u in U3} q_u: the sum of the parts of the
-   clients whose masked inputs arrived, also of those that dropped after sending it. No client's b
-   and s key are both revealed.
+3. masked input: a client sends y_u = q_u + PRG(b_u) + sum_{v in N(u), v > u} PRG(s_uv) -
+   sum_{v in N(u), v < u} PRG(s_uv) in the ring Z_{2^32} (counted as the slot's `<slot>_up`: 4 bytes an
+   element, as float32), q_u its part times alpha_u in fixed point with 16 fractional bits, s_uv the
+   seed agreed from u's and v's s keys, PRG ChaCha20's keystream;
+4. unmasking: the server names to each client who of its holders' owners sent (U3) and who did not
+   (the dropped); each client still there sends its shares of b_v for v in U3 and of s_v's secret key
+   for the dropped (`secagg_unmask_down` / `_up`). With t of each the server rebuilds those secrets,
+   removes the self masks of U3 and the pairwise masks the dropped left with their neighbours, and
+   holds sum_{u in U3} q_u: the sum of the parts of the clients whose masked inputs arrived, also of
+   those that dropped after sending it. No client's b and s key are both revealed.
+
+So a client's bytes beyond its masked input grow with |N(u)|: n - 1 in SecAgg, k in SecAgg+ (docs/privacy.md).
 
 Fixed point: every client rounds alpha_u x to a multiple of 2^-16, so the average differs from the
 plain one by at most n 2^-17 (about 7.6e-6 n) per element and round, divided by the survivors'
 share of the weights when some dropped before masking; every |sum alpha_u x| must stay below 2^15
-(a client whose own part is out of range stops the run with one line). SecAgg+'s sparse graph of
-neighbours (O(log n) per client instead of n) is not implemented: every client masks with every
-other, as in SecAgg. The cryptography is the `cryptography` package's (X25519, HKDF-SHA256,
-AES-GCM, ChaCha20); Shamir's scheme is arithmetic over the field.
+(a client whose own part is out of range stops the run with one line). The cryptography is the
+`cryptography` package's (X25519, HKDF-SHA256, AES-GCM, ChaCha20); Shamir's scheme is arithmetic
+over the field.
 """
 
 from __future__ import annotations
@@ -57,9 +64,20 @@ LIMIT = 1 << (RING_BITS - FRACTION_BITS - 1)  # |sum alpha_u x| must stay below 
 RAW = serialization.Encoding.Raw, serialization.PublicFormat.Raw
 
 
-def threshold(n: int) -> int:
-    """t: how many clients must answer the unmasking (a majority of the round's n)."""
-    return n // 2 + 1
+def threshold(holders: int) -> int:
+    """t: how many holders of a client's shares must answer the unmasking (a majority of them)."""
+    return holders // 2 + 1
+
+
+def neighbourhoods(clients: list[int], k: int | None, rng: np.random.Generator) -> dict[int, list[int]]:
+    """Each client's neighbours N(u): with k (even) below len(clients) - 1, SecAgg+'s k-regular graph,
+    the Harary graph H_{k,n} on a ring of `clients` in the order `rng` draws (each joined to the k/2
+    before and the k/2 after it); else (k None) every other client, SecAgg's complete graph."""
+    n = len(clients)
+    if k is None or k >= n - 1:
+        return {u: [v for v in clients if v != u] for u in clients}
+    ring = [clients[i] for i in rng.permutation(n)]
+    return {ring[i]: sorted(ring[(i + j) % n] for j in range(-(k // 2), k // 2 + 1) if j) for i in range(n)}
 
 
 # --- the primitives ---------------------------------------------------------------------------
@@ -81,7 +99,14 @@ def prg(seed: bytes, count: int) -> torch.Tensor:
 def shamir_split(secret: bytes, holders: list[int], t: int) -> dict[int, int]:
     """Shares of `secret` for each of `holders` (x = holder + 1), any t of which rebuild it."""
     coefficients = [int.from_bytes(secret, "big")] + [secrets.randbelow(PRIME) for _ in range(t - 1)]
-    return {h: sum(c * pow(h + 1, i, PRIME) for i, c in enumerate(coefficients)) % PRIME for h in holders}
+
+    def at(x: int) -> int:  # the polynomial at x, by Horner's rule
+        y = 0
+        for c in reversed(coefficients):
+            y = (y * x + c) % PRIME
+        return y
+
+    return {h: at(h + 1) for h in holders}
 
 
 def shamir_join(shares: Mapping[int, int]) -> bytes:
@@ -195,11 +220,15 @@ def _field(value: int) -> bytes:
 # --- the server's side: the masked sum and its unmasking ----------------------------------------
 class MaskedSum:
     """The sync server's running sum of one slot's masked inputs in Z_{2^32}, with the weights of
-    those who sent, and the public keys it relayed (to remove what dropped clients' masks left)."""
+    those who sent, the public keys it relayed and the neighbours of each (to remove what dropped
+    clients' masks left)."""
 
     def __init__(self, public: Mapping[str, torch.Tensor], holders: int) -> None:
-        self.public = _byte_map(public)
-        self.threshold = threshold(holders)  # as the clients split their secrets
+        self.public = _byte_map(public)  # of those who shared their secrets
+        self.holders = holders  # the clients that advertised keys: those of each one's secrets in SecAgg
+        #: secagg_neighbours: N(v) of each of them as it split its secrets (among the clients that
+        #: advertised keys); None: every other one (SecAgg's complete graph)
+        self.neighbours: dict[int, set[int]] | None = None
         self.total: torch.Tensor | None = None
         self.sent: dict[int, float] = {}  # client -> alpha
 
@@ -217,21 +246,28 @@ class MaskedSum:
             raise RuntimeError("nothing was added to the masked sum")
         total, count = self.total, len(self.total)
         for v in sorted(self.sent):  # their self masks
-            total = total - prg(self._rebuilt(answers, f"b{v}"), count)
-        for v in self.dropped():  # the pairwise masks they left with the survivors
-            key = X25519PrivateKey.from_private_bytes(self._rebuilt(answers, f"s{v}"))
-            for u in self.sent:
+            total = total - prg(self._rebuilt(answers, "b", v), count)
+        for v in self.dropped():  # the pairwise masks they left with their neighbours that sent
+            key = X25519PrivateKey.from_private_bytes(self._rebuilt(answers, "s", v))
+            for u in sorted(self._near(v) & set(self.sent)):
                 mask = prg(_agree(key, self.public[u][32:], b"pairwise"), count)
                 total = total - mask if u < v else total + mask
         return dequantise(total % RING)
 
-    def _rebuilt(self, answers: Mapping[int, Mapping[str, torch.Tensor]], secret: str) -> bytes:
-        """A secret from the shares of it among `answers`, or one line if fewer than t hold one."""
-        shares = {u: _share(answer[secret]) for u, answer in answers.items() if secret in answer}
-        if len(shares) < self.threshold:
+    def _near(self, v: int) -> set[int]:
+        """N(v): the clients v masked with, among those that shared."""
+        return set(self.public) - {v} if self.neighbours is None else self.neighbours[v]
+
+    def _rebuilt(self, answers: Mapping[int, Mapping[str, torch.Tensor]], secret: str, owner: int) -> bytes:
+        """`owner`'s secret (b or s) from the shares of it among `answers`, or one line if fewer than t
+        of its holders answered."""
+        name = f"{secret}{owner}"
+        shares = {u: _share(answer[name]) for u, answer in answers.items() if name in answer}
+        holders = self.holders if self.neighbours is None else len(self.neighbours[owner]) + 1
+        if len(shares) < threshold(holders):
             raise UserError(
-                f"secure aggregation: {len(shares)} of the round's {len(self.public)} clients answered the "
-                f"unmasking, fewer than its threshold {self.threshold}; the round's sum cannot be recovered"
+                f"secure aggregation: {len(shares)} of the {holders} holders of client {owner}'s shares answered "
+                f"the unmasking, fewer than its threshold {threshold(holders)}; the round's sum cannot be recovered"
             )
         return shamir_join(shares)
 

@@ -9,8 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from helpers import global_weights, max_abs_difference, node, quick, straight_and_resumed, train
+from splitlab.engine import build
 from splitlab.errors import UserError
+from splitlab.loop import STREAM_SAMPLING, sample_clients
 from splitlab.resolve import resolve_config
+from splitlab.roles import random_stream
 
 #: three clients of 100 samples, each one batch of all of them: a local epoch is one SGD step
 HAND = quick(batch_size=128, local_epochs=3, optimizer="sgd", lr=0.1)
@@ -110,6 +113,42 @@ def test_scaffold_equals_two_rounds_by_hand():
     model_bytes = sum(t.numel() * 4 for t in x.values())
     counted = experiment.ledger.bytes_by_kind
     assert counted["control_down"] == counted["control_up"] == counted["client_model_down"] == 2 * 3 * model_bytes
+
+
+def test_scaffold_with_half_the_clients_a_round_equals_two_rounds_by_hand():
+    """participation=0.5 of 4 clients: x moves to the sampled clients' |D_k|-weighted mean, c by 1/N
+    (N = 4, every client) times their Delta c_i, and a client left out keeps its c_i. Seed 0 samples
+    clients 2, 3 then 1, 3 (76 and 75 samples: unequal weights in the second round)."""
+    config = {**HAND, "algorithm": "fedavg", "scaffold": True, "clients": 4, "participation": 0.5, "train_subset": 302}
+    experiment = build(config)
+    rounds = [sample_clients(experiment.clients, 0.5, random_stream(0, rnd, STREAM_SAMPLING)) for rnd in range(2)]
+    assert [[client.id for client in sampled] for sampled in rounds] == [[2, 3], [1, 3]]
+    x = {k: t.clone() for k, t in global_weights(experiment).items()}  # the global model before training
+    for rnd, sampled in enumerate(rounds):
+        experiment.algorithm.run_round(rnd, sampled)
+    c = {k: torch.zeros_like(t) for k, t in x.items()}
+    own = [dict(c) for _ in range(4)]
+    for sampled in rounds:
+        ids = [client.id for client in sampled]
+        trained, deltas = [], []
+        for i in ids:
+            features, labels = node(experiment, i).x, node(experiment, i).y
+            y = local_sgd(x, features, labels, correction={k: c[k] - own[i][k] for k in c})
+            updated = {k: own[i][k] - c[k] + (x[k] - y[k]) / (3 * 0.1) for k in c}
+            deltas.append({k: updated[k] - own[i][k] for k in c})
+            own[i] = updated
+            trained.append(y)
+        sizes = [len(node(experiment, i).y) for i in ids]
+        x = mean(trained, [size / sum(sizes) for size in sizes])
+        c = {k: c[k] + sum(d[k] for d in deltas) / 4 for k in c}
+    assert sizes == [76, 75]
+    assert max_abs_difference(global_weights(experiment), x) < 1e-5
+    assert max_abs_difference(experiment.roles.sync.control("client_model"), c) < 1e-4
+    for i in range(4):  # client 0 never sampled: no control variate yet (zeros)
+        held = node(experiment, i).local_terms.controls.get(
+            "client_model", {k: torch.zeros_like(t) for k, t in c.items()}
+        )
+        assert max_abs_difference(held, own[i]) < 1e-4
 
 
 @pytest.mark.parametrize(

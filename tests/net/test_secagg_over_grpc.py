@@ -41,35 +41,42 @@ def assert_same_run(tmp_path, sent_unanswered: dict[str, int] | None = None) -> 
     return rows(tmp_path / "net")
 
 
-@pytest.mark.parametrize(("algorithm", "slots"), [("fedavg", 1), ("cse_fsl", 2)])
-def test_secure_aggregation_over_grpc_is_bit_identical_to_run(tmp_path, algorithm, slots):
+@pytest.mark.parametrize(
+    ("algorithm", "slots", "clients", "neighbours"), [("fedavg", 1, 3, 2), ("cse_fsl", 2, 3, 2), ("fedavg", 1, 5, 2)]
+)
+def test_secure_aggregation_over_grpc_is_bit_identical_to_run(tmp_path, algorithm, slots, clients, neighbours):
     """The masks cancel exactly in the ring, so the keys each side draws do not matter: the same
-    weights as in process, and the same bytes by kind (3 clients, 2 rounds; CSE-FSL: its client
-    part and its auxiliary model, each with a protocol of its own)."""
-    config = {**CONFIG, "algorithm": algorithm}
+    weights as in process, and the same bytes by kind (2 rounds; CSE-FSL: its client part and its
+    auxiliary model, each with a protocol of its own; 5 clients: SecAgg+'s graph, 2 neighbours each)."""
+    config = {**CONFIG, "algorithm": algorithm, "clients": clients}
+    if neighbours < clients - 1:
+        config["secagg_neighbours"] = neighbours
     assert isinstance(launch_in_threads({**config, "out": str(tmp_path / "net")}).ended[0], dict)
     run({**config, "out": str(tmp_path / "local")}, progress=False)
     net = assert_same_run(tmp_path)
     assert [row["dropped_clients"] for row in net] == [[], []]
     kinds = net[-1]["comm_bytes_by_kind"]
-    assert kinds["secagg_shares_up"] == slots * 2 * 3 * 2 * SEALED_BYTES  # slots x rounds x clients x the others
-    assert kinds["secagg_unmask_up"] == slots * 2 * 3 * 3 * SHARE_BYTES
+    assert kinds["secagg_shares_up"] == slots * 2 * clients * neighbours * SEALED_BYTES  # slots x rounds x ...
+    assert kinds["secagg_unmask_up"] == slots * 2 * clients * (neighbours + 1) * SHARE_BYTES
     assert "client_model_up" in kinds  # the masked inputs, counted as the slot's uploads
 
 
+@pytest.mark.parametrize("sparse", [False, True])
 @seeded_one_at_a_time()  # the nodes' seeded initialisations as in processes of their own
-def test_a_client_that_leaves_after_masking_over_grpc_is_in_the_sum(tmp_path):
+def test_a_client_that_leaves_after_masking_over_grpc_is_in_the_sum(tmp_path, sparse):
     """Client 2 (a real node, answering by hand) sends its masked input, then its process is gone
-    (at the round's end, before the unmasking): the two others' shares rebuild its self-mask seed
-    and the round completes with all three parts, as in process when client 2 leaves at that call."""
-    config = {**CONFIG, "rounds": 1}
-    make_certs(tmp_path / "certs", 3, [])
+    (at the round's end, before the unmasking): the others' shares rebuild its self-mask seed and
+    the round completes with every part, as in process when client 2 leaves at that call. Sparse:
+    4 clients with 2 neighbours each (SecAgg+), client 2's seed rebuilt from its two neighbours'."""
+    config = {**CONFIG, "rounds": 1, **({"clients": 4, "secagg_neighbours": 2} if sparse else {})}
+    clients = config["clients"]
+    make_certs(tmp_path / "certs", clients, [])
     server = ServerThread({**config, "out": str(tmp_path / "net")}, tmp_path / "certs", rejoin_wait=1, join_timeout=60)
-    honest = [server.client(0), server.client(1)]
+    honest = [server.client(k) for k in range(clients) if k != 2]
     leaving = Node(server.address, tmp_path / "certs", 2)
     leaving.answer_until("end_round", round=0)  # its masked input sent; gone without a reply
     leaving.leave()
-    assert isinstance(server.wait(), dict) and honest == [[0], [0]], (server.ended, server.lines)
+    assert isinstance(server.wait(), dict) and honest == [[0]] * (clients - 1), (server.ended, server.lines)
     run(
         {**config, "out": str(tmp_path / "local")},
         progress=False,
@@ -77,7 +84,8 @@ def test_a_client_that_leaves_after_masking_over_grpc_is_in_the_sum(tmp_path):
     )
     net = assert_same_run(tmp_path)
     assert net[0]["dropped_clients"] == [[1, 2]]
-    assert net[0]["comm_bytes_by_kind"]["secagg_unmask_up"] == 2 * 3 * SHARE_BYTES  # two answered, for all three
+    # the others answered, each for itself and its 2 neighbours
+    assert net[0]["comm_bytes_by_kind"]["secagg_unmask_up"] == (clients - 1) * 3 * SHARE_BYTES
 
 
 @seeded_one_at_a_time()  # the nodes' seeded initialisations as in processes of their own

@@ -38,11 +38,13 @@ from splitlab.roles import (
     random_stream,
     server_copy,
 )
+from splitlab.secure_aggregation import neighbourhoods
 from splitlab.transport import ClientDropped, Proxy
 from splitlab.u_shaped import UShapedClient
 from splitlab.vectorized import Part, Together, Trained
 
 STREAM_ORDER = register_stream("order", 2)
+STREAM_SECAGG_GRAPH = register_stream("secagg.graph", 44)  # SecAgg+'s neighbours (secagg_neighbours)
 
 PartKind = Literal["averaged", "server copy", "own", "fixed"]
 """How a part of the model that clients train together starts and ends (`Algorithm.train_together`)."""
@@ -204,6 +206,8 @@ class Algorithm(Generic[ParamsT]):
         self.dropped: set[int] = set()
         #: those of them whose data made the server's computation non-finite
         self.non_finite: set[int] = set()
+        #: secure_aggregation: this round's neighbours of each client, by averaged slot (splitlab.secure_aggregation)
+        self.secagg_graphs: dict[str, dict[int, list[int]]] = {}
         #: each client's kept slots as last checkpointed (`client_states`): what it gets back when it rejoins
         self._kept: dict[int, State] = {}
         #: clients reached through `client()` since their state was last kept: the only ones whose
@@ -291,7 +295,7 @@ class Algorithm(Generic[ParamsT]):
             self.unless_dropped(client.id, "begin_round", rnd)
         if self.ctx.config.secure_aggregation:
             for slot in self.averaged:
-                self.secure_setup(clients, slot)
+                self.secure_setup(rnd, clients, slot)
         self.train_round(rnd, clients)
         for client in clients:
             self.unless_dropped(client.id, "end_round")
@@ -397,7 +401,9 @@ class Algorithm(Generic[ParamsT]):
         for slot in slots:
             if self.ctx.config.secure_aggregation:  # the sync server adds what it cannot read
                 masked = self.unless_dropped(client_id, "upload_masked", slot, alpha)
-                if masked is not None:
+                if masked is None:
+                    self.sync.missing(slot)
+                else:
                     self.sync.add_masked(slot, client_id, masked, alpha)
                 continue
             state = self.unless_dropped(client_id, "upload", slot)
@@ -410,29 +416,43 @@ class Algorithm(Generic[ParamsT]):
                 self.sync.add_control(slot, control, 1 / len(self.ctx.clients))
         self.unless_dropped(client_id, "end_round")
 
-    def secure_setup(self, clients: list[ClientInfo], slot: str) -> None:
+    def secure_setup(self, rnd: int, clients: list[ClientInfo], slot: str) -> None:
         """Secure aggregation of `slot` (splitlab.secure_aggregation), phases 1 and 2: the clients'
-        public keys to everyone, their encrypted shares to their holders, through the sync server."""
+        public keys to their neighbours, their encrypted shares to their holders, through the sync
+        server; the neighbours from the round's seeded graph (secagg_neighbours; all others without)."""
+        degree = self.ctx.config.secagg_neighbours
         if len(clients) < 3:  # clients=all: known only now
             raise UserError(
                 f"secure_aggregation=true: a round of {len(clients)} client(s); the sum of fewer than 3 gives one away"
             )
+        if degree is not None and degree >= len(clients):
+            raise UserError(f"secagg_neighbours={degree}: a round of {len(clients)} clients; give fewer than that")
         advertised = {c.id: self.unless_dropped(c.id, "secagg_keys", slot) for c in clients}
         public = {str(k): key for k, key in advertised.items() if key is not None}
-        sealed = {k: self.unless_dropped(int(k), "secagg_shares", slot, public) for k in public}
+        graph = neighbourhoods([int(u) for u in public], degree, self.ctx.rng(rnd, STREAM_SECAGG_GRAPH))
+        self.secagg_graphs[slot] = graph
+        near = {u: {str(v): public[str(v)] for v in sorted([u, *graph[u]])} for u in graph}
+        sealed = {k: self.unless_dropped(int(k), "secagg_shares", slot, near[int(k)]) for k in public}
         shared = {k: shares for k, shares in sealed.items() if shares is not None}
         self.sync.secagg_begin(slot, {k: public[k] for k in shared}, len(public))
+        if degree is not None:  # SecAgg+: each one's secrets are its neighbours' and its own
+            self.sync.secagg_graph(slot, {k: torch.tensor(graph[int(k)]) for k in shared})
         for k in shared:
-            inbox = {u: shares[k] for u, shares in shared.items() if u != k}
+            inbox = {u: shares[k] for u, shares in shared.items() if k in shares}
             self.unless_dropped(int(k), "secagg_receive", slot, inbox)
 
     def average(self, slot: str) -> None:
         """The sync server averages `slot`; under secure aggregation after the unmasking (phase 4):
-        the clients still there send the shares that let it remove the masks from the sum."""
+        the clients still there send the shares that let it remove the masks from the sum, each
+        asked only of its neighbours and itself."""
         if self.ctx.config.secure_aggregation:
-            outcome = self.sync.secagg_outcome(slot)
-            survivors, dropped = outcome["survivors"], outcome["dropped"]
-            answers = {k: self.unless_dropped(k, "secagg_unmask", slot, survivors, dropped) for k in survivors.tolist()}
+            outcome, graph = self.sync.secagg_outcome(slot), self.secagg_graphs.pop(slot)
+            survivors, dropped = outcome["survivors"].tolist(), outcome["dropped"].tolist()
+            answers = {}
+            for k in survivors:
+                near = {k, *graph[k]}
+                asked = [torch.tensor([v for v in ids if v in near]) for ids in (survivors, dropped)]
+                answers[k] = self.unless_dropped(k, "secagg_unmask", slot, *asked)
             self.sync.unmask(slot, {k: answer for k, answer in answers.items() if answer is not None})
         self.sync.average(slot)
 
