@@ -52,7 +52,7 @@ def _plain(group: dict[str, Any]) -> bool:
     """Whether `group`'s step is the one kernel: no momentum, nothing torch's step treats apart."""
     if group["momentum"] or group["maximize"] or group["differentiable"]:
         return False
-    return not any(p.grad is not None and p.grad.is_sparse for p in group["params"])
+    return not [p for p in group["params"] if p.grad is not None and p.grad.is_sparse]
 
 
 def _hooks(optimizer: torch.optim.Optimizer) -> bool:
