@@ -5,6 +5,7 @@ float32, and the test set prepared once however often the run evaluates."""
 from __future__ import annotations
 
 import functools
+import gc
 
 import numpy as np
 import pytest
@@ -119,3 +120,20 @@ def test_client_samples_are_prepared_once_a_run_within_the_budget_and_each_visit
     assert all(node._prepared is None for node in again.roles.clients)
     for name, weight in global_weights(kept).items():
         assert torch.equal(weight, global_weights(again)[name])
+
+
+def test_a_client_gone_gives_its_prepared_samples_budget_back(monkeypatch):
+    """What a client keeps counts against its process's budget while it lives (on Ray, a client
+    moving to another actor leaves this one's budget)."""
+    blueprint = build(config(algorithm="fedavg")).blueprint
+    monkeypatch.setattr("splitlab.roles.PREPARED_BUDGET", blueprint._prepared_bytes + 1000)
+
+    class Client:
+        pass
+
+    first, second = Client(), Client()
+    assert blueprint.keep_prepared(first, torch.zeros(150))  # 600 bytes
+    assert not blueprint.keep_prepared(second, torch.zeros(150))  # 1,200 would be over
+    del first
+    gc.collect()
+    assert blueprint.keep_prepared(second, torch.zeros(150))

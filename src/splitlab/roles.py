@@ -234,14 +234,19 @@ class Blueprint:
             self._initial[slot] = self.builders[slot](self)
         return self._initial[slot]
 
-    def keep_prepared(self, samples: torch.Tensor) -> bool:
-        """Whether a client may keep its samples prepared (as model inputs) from round to round:
-        while this process's clients hold under PREPARED_BUDGET bytes of them. Kept, a client visited
-        again prepares nothing; beyond the budget, it prepares them again at each visit."""
+    def keep_prepared(self, owner: object, samples: torch.Tensor) -> bool:
+        """Whether client `owner` may keep its samples prepared (as model inputs) from round to
+        round: while this process's clients hold under PREPARED_BUDGET bytes of them (a client
+        gone, on Ray moved to another actor, gives its share back). Kept, a client visited again
+        prepares nothing; beyond the budget, it prepares them again at each visit."""
         if self._prepared_bytes + samples.nbytes > PREPARED_BUDGET:
             return False
         self._prepared_bytes += samples.nbytes
+        weakref.finalize(owner, self._release_prepared, samples.nbytes)
         return True
+
+    def _release_prepared(self, nbytes: int) -> None:
+        self._prepared_bytes -= nbytes
 
     def rng(self, rnd: int, stream: int, *keys: int) -> np.random.Generator:
         return random_stream(self.config.seed, rnd, stream, *keys)
@@ -736,7 +741,7 @@ class ClientNode(Role[ParamsT]):
         drawn = steps * Blueprint.step_batch(cfg) >= self.num_samples
         if whole is None and not augment and self.prepare is not None and drawn:
             whole = self.prepare(self.x)
-            if self.blueprint.keep_prepared(whole):
+            if self.blueprint.keep_prepared(self, whole):
                 self._prepared = whole
 
         def passes() -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
