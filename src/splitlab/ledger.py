@@ -56,6 +56,10 @@ LEDGER_CONVENTIONS: dict[str, frozenset[str]] = {
 }
 
 
+#: what a verb's arguments and results hold besides tensors and their nests: never counted
+SCALARS = (str, int, float, bool, bytes, type(None))
+
+
 def payload_bytes(payload: object) -> int:
     """numel x element size of every tensor in a nest of tensors, dicts, lists and tuples."""
     if isinstance(payload, torch.Tensor):
@@ -64,13 +68,16 @@ def payload_bytes(payload: object) -> int:
         values: Iterable[object] = payload.values()
     elif isinstance(payload, (list, tuple)):
         values = payload
-    elif isinstance(payload, Mapping):
-        values = payload.values()
-    else:
+    elif isinstance(payload, SCALARS) or not isinstance(payload, Mapping):
         return 0
+    else:
+        values = payload.values()
     total = 0
-    for value in values:  # a tensor counted here, not through another call: a model's state is many
-        total += value.nbytes if isinstance(value, torch.Tensor) else payload_bytes(value)
+    for value in values:  # tensors and scalars here, not through another call: a verb's are many
+        if isinstance(value, torch.Tensor):
+            total += value.nbytes
+        elif not isinstance(value, SCALARS):
+            total += payload_bytes(value)
     return total
 
 

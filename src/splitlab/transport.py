@@ -202,11 +202,14 @@ class Transport:
         return {}
 
     def call(self, method: Callable[..., Any], spec: VerbSpec, counted: bool, *args: Any, **kwargs: Any) -> Any:
-        if counted:
-            self._count(spec.down, args, (args, kwargs), client_of(method))
+        if not counted:
+            return method(*args, **kwargs)
+        client = client_of(method)
+        if spec.down is not None or args or kwargs:  # (nothing sent: nothing to count or refuse)
+            self._count(spec.down, args, (args, kwargs), client)
         result = method(*args, **kwargs)
-        if counted:
-            self._count(spec.up, args, result, client_of(method))
+        if spec.up is not None or result is not None:
+            self._count(spec.up, args, result, client)
         return result
 
     def _count(self, kind: str | tuple[str | None, ...] | None, args: tuple, payload: Any, client: int | None) -> None:
