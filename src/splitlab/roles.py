@@ -727,7 +727,7 @@ class ClientNode(Role[ParamsT]):
 
     @property
     def num_samples(self) -> int:
-        return len(self.y)
+        return self.y.shape[0]  # not len(): torch's Tensor.__len__ is Python, and this is asked at every batch
 
     def batches(self, rnd: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """This round's mini-batches: `local_epochs` seeded passes over the local data, capped by

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.func import functional_call, grad_and_value, vjp, vmap
+from torch.nn.utils.rnn import pad_sequence
 
 from splitlab.errors import NonFiniteStep, UserError
 from splitlab.ledger import Ledger, payload_bytes
@@ -317,13 +318,10 @@ def _outputs(model: nn.Sequential, weights: dict[str, torch.Tensor], x: torch.Te
 
 def _padded(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The clients' batches stacked, each padded to the largest with samples weighted 0."""
-    largest = max(len(y) for _, y in batches)
-    x0, y0 = batches[0]
-    x = x0.new_zeros((len(batches), largest, *x0.shape[1:]))
-    y = y0.new_zeros((len(batches), largest, *y0.shape[1:]))
-    w = torch.zeros(len(batches), largest, device=y0.device)
-    for row, (xs, ys) in enumerate(batches):
-        x[row, : len(ys)], y[row, : len(ys)], w[row, : len(ys)] = xs, ys, 1.0
+    xs, ys = [x for x, _ in batches], [y for _, y in batches]
+    lengths = torch.tensor([len(y) for y in ys], device=ys[0].device)
+    x, y = pad_sequence(xs, batch_first=True), pad_sequence(ys, batch_first=True)
+    w = (torch.arange(y.shape[1], device=y.device) < lengths[:, None]).float()
     return x, y, w
 
 
@@ -379,7 +377,6 @@ class StackedOptimizer:
         for name, w in weights.items():
             g = grads[name]
             moments = [m[:rows] for m in self.state[name]]
-            steps = self.steps[name][:rows].add_(1)
             if cfg.optimizer == "adamw":
                 w.mul_(1 - lr * cfg.weight_decay)
             elif cfg.weight_decay:
@@ -391,6 +388,7 @@ class StackedOptimizer:
                 w.add_(g, alpha=-lr)
                 continue
             m, v = moments
+            steps = self.steps[name][:rows].add_(1)  # Adam's bias corrections (SGD keeps no count)
             beta1, beta2 = ADAM_BETAS
             m.lerp_(g, 1 - beta1)
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
