@@ -202,18 +202,10 @@ def test_kept_client_optimizers_global_clipping_and_step_schedules_move_with_cli
     local_ray, tmp_path: Path, monkeypatch
 ):
     """SFL-V1 on Ray, clients moved whenever they train: a kept client optimizer's state goes with
-    its client, the norms cross as in process, every role's rate follows its own steps."""
-    keys = dict(keep_client_optimizer=True, max_grad_norm=0.1, clip_scope="global", warmup_ratio=0.5, lr_decay="linear")
-    run(config("sfl_v1", tmp_path / "local", **keys), progress=False)
-    always_elsewhere(monkeypatch)
-    run(config("sfl_v1", tmp_path / "ray", backend="ray", workers=2, **keys), progress=False)
-    assert results(tmp_path / "local") == results(tmp_path / "ray")
-    assert all(row["ray_client_moves"] > 0 for row in rows_of(tmp_path / "ray"))
-
-
-def test_workers_on_nodes_without_the_data_files_run_from_the_object_store(local_ray, tmp_path: Path, monkeypatch):
-    """The dataset's files are gone once the driver has read them, before any actor starts: the
-    workers get the samples through Ray's object store (and the server never needs them)."""
+    its client, the norms cross as in process, every role's rate follows its own steps. The
+    dataset's files are gone once the driver has read them, before any actor starts: the workers
+    get the samples through Ray's object store (and the server never needs them). (One run for
+    both: each actor start costs seconds.)"""
     from splitlab.data.datasets import FASHION_MNIST_SYSTEM_DIR
 
     data = tmp_path / "data"
@@ -225,11 +217,14 @@ def test_workers_on_nodes_without_the_data_files_run_from_the_object_store(local
         return start_roles(*args, **kwargs)
 
     fashion = {"dataset": "fashion_mnist", "data_dir": str(data), "train_subset": 200, "test_subset": 100}
-    run(config("sfl_v1", tmp_path / "local", **fashion), progress=False)
+    keys = dict(keep_client_optimizer=True, max_grad_norm=0.1, clip_scope="global", warmup_ratio=0.5, lr_decay="linear")
+    run(config("sfl_v1", tmp_path / "local", **fashion, **keys), progress=False)
+    always_elsewhere(monkeypatch)
     monkeypatch.setattr(ray_backend, "start_roles", without_files)
-    run(config("sfl_v1", tmp_path / "ray", backend="ray", workers=1, **fashion), progress=False)
+    run(config("sfl_v1", tmp_path / "ray", backend="ray", workers=2, **fashion, **keys), progress=False)
     assert not data.exists()
     assert results(tmp_path / "local") == results(tmp_path / "ray")
+    assert all(row["ray_client_moves"] > 0 for row in rows_of(tmp_path / "ray"))
 
 
 def test_more_workers_than_free_cpus_are_refused(local_ray, tmp_path: Path):
