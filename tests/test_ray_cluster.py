@@ -54,6 +54,17 @@ def cluster():
     cluster.shutdown()
 
 
+#: CSE-FSL's federated strategies: FedProx, SCAFFOLD, FedYogi
+STRATEGIES = {
+    "optimizer": "sgd",
+    "lr": 0.05,
+    "prox_mu": 0.1,
+    "scaffold": True,
+    "server_opt": "yogi",
+    "server_opt_lr": 0.01,
+}
+
+
 def sigkill(host) -> None:
     """SIGKILL the process of the actor `host`, as the kernel's OOM killer would."""
     os.kill(ray.get(host.__ray_call__.remote(lambda actor: os.getpid())), signal.SIGKILL)
@@ -65,7 +76,9 @@ def sigkill(host) -> None:
         ("sl", {}, 1, False),  # one client after another (a second worker would have nothing to do); its
         # resume is tested nowhere else
         ("sfl_v1", {"cut": "1,2"}, 2, False),  # U-shaped: each client training at once has its server copy
-        ("cse_fsl", {}, 2, True),  # moved: the working copies downloaded before it trains go with it
+        # moved: the working copies downloaded before it trains go with it, and with FedProx, SCAFFOLD
+        # and FedYogi each client's c_i and the round's c (their bytes: control_down, control_up)
+        ("cse_fsl", STRATEGIES, 2, True),
         ("fsl_sage", {}, 1, False),  # aligning every round: server buffers, aux models from the checkpoint
         ("splitgp", {}, 2, True),  # moved: its kept model and optimizer go with it
     ],
@@ -97,6 +110,7 @@ def test_a_family_ends_bit_for_bit_after_an_actor_is_killed_mid_round(
     rows = rows_of(tmp_path / "ray")
     assert all(row["driver_actor_bytes"] > 0 and row["round_compute_seconds"]["client"] > 0 for row in rows)
     assert not moved or all(row["ray_client_moves"] > 0 for row in rows)
+    assert not extra.get("scaffold") or rows[-1]["comm_bytes_by_kind"]["control_up"] > 0
     # each attempt's first row: every actor started, then only the one lost (the others rebuilt)
     assert [row["ray_actors_started"] for row in rows if "ray_actors_started" in row] == [workers + 1, 1]
 
