@@ -189,6 +189,20 @@ def credentials(certs: Path, name: str | None, own: Path | None = None) -> grpc.
     return grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
 
 
+class NoReply(grpc.RpcError):
+    """No first reply came within the wait (a call begun as the server shut down may never complete)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"no reply within {seconds:g} s")
+        self.seconds = seconds
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return f"no reply within {self.seconds:g} s"
+
+
 class Rogue:
     """A client speaking the protocol by hand: HELLO, then `answer(verb) -> result` to every CALL."""
 
@@ -211,19 +225,31 @@ class Rogue:
             yield message
 
     def first_reply(self, report: dict | None = None, within: float = 60.0, **own: Any) -> Any:
-        """The server's first message (WELCOME), or the RpcError that refused this client (or
-        cancelled the call: none came `within` seconds, as `splitlab client`'s welcome_seconds; gRPC
-        may never complete a call begun as the server shut down). After a WELCOME it REPORTs its
-        data: `report`, or that of `node`, the node a client of the run builds (with `own` keys of
-        its own, as `splitlab client data=own data_dir=...`)."""
-        late = threading.Timer(within, self.replies.cancel)
-        late.start()
-        try:
-            reply = next(self.replies)
-        except grpc.RpcError as error:
-            return error
-        finally:
-            late.cancel()
+        """The server's first message (WELCOME), or the RpcError that refused this client, or
+        `NoReply` when none came within `within` seconds (as `splitlab client`'s welcome_seconds; gRPC
+        may never complete a call begun as the server shut down, nor end it when it is cancelled).
+        After a WELCOME it REPORTs its data: `report`, or that of `node`, the node a client of the
+        run builds (with `own` keys of its own, as `splitlab client data=own data_dir=...`)."""
+        arrived: list[Any] = []
+
+        def wait() -> None:
+            try:
+                arrived.append(next(self.replies))
+            except BaseException as error:  # noqa: BLE001 - handed to the caller's thread
+                arrived.append(error)
+
+        # in a thread of its own: a call gRPC never completes is not ended by cancelling it either
+        waiter = threading.Thread(target=wait, name=f"first reply to client {self.client_id}", daemon=True)
+        waiter.start()
+        waiter.join(within)
+        if not arrived:
+            self.replies.cancel()
+            return NoReply(within)
+        reply = arrived[0]
+        if isinstance(reply, grpc.RpcError):
+            return reply
+        if isinstance(reply, BaseException):
+            raise reply
         if reply.kind == protocol.WELCOME:
             self.config = codec.decode(bytes(reply.payload))["config"]
             if report is None:
